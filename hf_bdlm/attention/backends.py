@@ -1,0 +1,165 @@
+"""Attention backends behind one interface, each exact against the dense reference.
+
+``attend(q, sources, q_rows, k_rows, rule, scale, cache) -> out``
+
+- ``q``: ``[b, H, Tq, d]``; ``sources``: ``[(k, v), ...]`` with ``[b, H_kv, Tk_i, d]`` (GQA not
+  expanded); ``k_rows``: one :class:`~hf_bdlm.attention.rows.RowMeta` per source. Several
+  sources exist because sharded layouts hold keys in several tensors (see
+  ``hf_bdlm.parallel``); gradients flow back to each source tensor.
+- ``cache``: a dict living for one forward pass; plans and masks depend only on row metadata
+  and the rule, so every layer of the same kind reuses them.
+
+Backends:
+
+``dense``      SDPA with the boolean mask of the rule: the reference; ``O(T^2)`` memory.
+``blockwise``  block-sparse plan (:mod:`.tiles`) run by fused kernels merged by log-sum-exp
+               (:mod:`.kernels`); never builds a ``T x T`` mask or score matrix. CPU and CUDA.
+``flex``       FlexAttention with a ``BlockMask`` from the same predicate. Training on CUDA;
+               on CPU forward only (PyTorch has no CPU backward for it).
+``flash``      flash-attn over the block-sparse plan; CUDA and the ``flash`` extra only.
+
+A backend that cannot run here raises :class:`BackendUnavailable` naming the reason; nothing
+is replaced silently by another backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import block_sparse_attention
+from .masks import MaskRule, allowed, dense_mask
+from .rows import RowMeta
+from .tiles import plan_attention
+
+BACKENDS = ("dense", "blockwise", "flex", "flash")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested attention backend cannot run in this environment."""
+
+
+def _cat_sources(sources, k_rows: list[RowMeta]):
+    if len(sources) == 1:
+        return sources[0][0], sources[0][1], k_rows[0]
+    k = torch.cat([s[0] for s in sources], dim=2)
+    v = torch.cat([s[1] for s in sources], dim=2)
+    return k, v, RowMeta.cat(k_rows)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # Query head h uses key head h // groups (transformers' GQA convention).
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def attend_dense(q, sources, q_rows, k_rows, rule, scale, cache):
+    k, v, rows = _cat_sources(sources, k_rows)
+    key = ("dense", rule)
+    mask = cache.get(key)
+    if mask is None:
+        mask = dense_mask(q_rows, rows, rule).to(q.device)[:, None]
+        cache[key] = mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _batch_plans(q_rows, k_rows, rule, cache, batch):
+    """One plan for the whole batch, or one per batch item when packed documents differ."""
+    key = ("plan", rule)
+    plans = cache.get(key)
+    if plans is None:
+        docs = [q_rows.doc] + [r.doc for r in k_rows]
+        same = all(d is None for d in docs) or all(bool((d == d[:1]).all()) for d in docs if d is not None)
+        items = [0] if same else list(range(batch))
+        plans = [
+            plan_attention(q_rows.batch_item(i), [r.batch_item(i) for r in k_rows], rule) for i in items
+        ]
+        cache[key] = plans
+    return plans
+
+
+def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache):
+    groups = q.shape[1] // sources[0][0].shape[1]
+    expanded = [(_repeat_kv(k, groups), _repeat_kv(v, groups)) for k, v in sources]
+    plans = _batch_plans(q_rows, k_rows, rule, cache, q.shape[0])
+    if len(plans) == 1:
+        return block_sparse_attention(plans[0], q, expanded, scale)[0]
+    outs = [
+        block_sparse_attention(plan, q[i : i + 1], [(k[i : i + 1], v[i : i + 1]) for k, v in expanded], scale)[0]
+        for i, plan in enumerate(plans)
+    ]
+    return torch.cat(outs, dim=0)
+
+
+def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if q.device.type != "cuda" and torch.is_grad_enabled() and q.requires_grad:
+        raise BackendUnavailable(
+            "attention_backend='flex' has no backward pass on CPU in PyTorch; train on CPU with "
+            "attention_backend='blockwise' (flex runs CPU inference only)."
+        )
+    k, v, rows = _cat_sources(sources, k_rows)
+    key = ("flex", rule)
+    block_mask = cache.get(key)
+    if block_mask is None:
+        dev = q.device
+        qs, qp, ks, kp = q_rows.stream.to(dev), q_rows.pos.to(dev), rows.stream.to(dev), rows.pos.to(dev)
+        qd = None if q_rows.doc is None else q_rows.doc.to(dev)
+        kd = None if rows.doc is None else rows.doc.to(dev)
+
+        def mask_mod(b, h, qi, ki):
+            return allowed(
+                qs[qi], qp[qi], None if qd is None else qd[b, qi], ks[ki], kp[ki], None if kd is None else kd[b, ki], rule
+            )
+
+        batch = 1 if qd is None else q.shape[0]
+        block_mask = create_block_mask(mask_mod, batch, None, q.shape[2], k.shape[2], device=dev)
+        cache[key] = block_mask
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attend_flash(q, sources, q_rows, k_rows, rule, scale, cache):
+    if not torch.cuda.is_available() or q.device.type != "cuda":
+        raise BackendUnavailable("attention_backend='flash' needs CUDA tensors; use 'blockwise' or 'flex'.")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise BackendUnavailable(
+            "attention_backend='flash' needs the flash-attn package: pip install 'hf-bdlm[flash]'."
+        )
+    from .flash import attend_flash_attn
+
+    return attend_flash_attn(q, sources, q_rows, k_rows, rule, scale, cache)
+
+
+_DISPATCH = {
+    "dense": attend_dense,
+    "blockwise": attend_blockwise,
+    "flex": attend_flex,
+    "flash": attend_flash,
+}
+
+
+def attend(
+    backend: str,
+    q: torch.Tensor,
+    sources: list[tuple[torch.Tensor, torch.Tensor]],
+    q_rows: RowMeta,
+    k_rows: list[RowMeta],
+    rule: MaskRule,
+    scale: float,
+    cache: dict,
+) -> torch.Tensor:
+    """Block-diffusion attention of ``q`` over ``sources`` with the named backend; ``[b, H, Tq, d]``."""
+    fn = _DISPATCH.get(backend)
+    if fn is None:
+        raise ValueError(f"Unknown attention backend {backend!r}; choose one of {BACKENDS}.")
+    if q.shape[2] != q_rows.num_rows or any(k.shape[2] != r.num_rows for (k, _), r in zip(sources, k_rows)):
+        raise ValueError(
+            f"attention rows do not match the layout: {q.shape[2]} query rows for {q_rows.num_rows} described, "
+            f"{[k.shape[2] for k, _ in sources]} key rows for {[r.num_rows for r in k_rows]} described."
+        )
+    return fn(q, sources, q_rows, k_rows, rule, scale, cache)

@@ -1,0 +1,84 @@
+"""The ``"bdlm"`` attention implementation registered with transformers.
+
+Backbones (Llama, Qwen, Gemma, Mistral, ...) run unmodified: their attention modules call
+``ALL_ATTENTION_FUNCTIONS["bdlm"]`` with the projected, rotated ``query/key/value``. The
+function reads an :class:`AttentionLayout` from the forward kwargs (``bdlm_layout``) and lets it
+do the work: the single-device :class:`LocalLayout` attends over the rows it describes; the
+sharded layouts of ``hf_bdlm.parallel`` communicate K/V first. Transformers' own mask is
+not built: ``"bdlm"`` has no entry in transformers' mask interface, so its mask builders return
+``None`` early; the rule lives in :mod:`.masks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .backends import attend
+from .masks import MaskRule
+from .rows import RowMeta
+
+ATTENTION_NAME = "bdlm"
+
+
+class AttentionLayout(Protocol):
+    """What the attention function needs for one forward pass."""
+
+    def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor: ...
+
+
+@dataclass
+class LocalLayout:
+    """All rows on this device: ``query`` rows described by ``q_rows``, ``key`` rows by ``k_rows``.
+
+    ``k_rows`` differs from ``q_rows`` during generation, where the keys are the cached clean
+    rows followed by the current block.
+    """
+
+    q_rows: RowMeta
+    k_rows: RowMeta
+    base_rule: MaskRule
+    backend: str = "blockwise"
+    cache: dict = field(default_factory=dict)
+
+    def attend(self, module, query, key, value, rule, scale):
+        return attend(self.backend, query, [(key, value)], self.q_rows, [self.k_rows], rule, scale, self.cache)
+
+
+def bdlm_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    layout = kwargs.get("bdlm_layout")
+    if layout is None:
+        raise ValueError(
+            "The 'bdlm' attention implementation needs a block-diffusion layout: run the backbone through "
+            "BlockDiffusionForMaskedLM (which passes `bdlm_layout`), not on its own."
+        )
+    if dropout and module.training:
+        raise ValueError(f"attention dropout={dropout} is not supported by block-diffusion attention; set it to 0.")
+    if softcap is not None:
+        raise ValueError(
+            f"attention logit soft-capping (softcap={softcap}) is not supported by block-diffusion attention."
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    rule = layout.base_rule.with_window(sliding_window)
+    out = layout.attend(module, query, key, value, rule, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Register ``"bdlm"`` with transformers' attention interface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, bdlm_attention_forward)

@@ -1,0 +1,196 @@
+"""Block-sparse attention as an autograd function over a list of dense kernel calls.
+
+A :class:`~hf_bdlm.attention.tiles.TilePlan` lists *calls*: a set of query rows attends to a
+contiguous range of key rows of one key *source* (or ``n`` equally shaped pairs, batched), with
+an optional boolean mask. Each call runs a fused attention kernel that returns the output and
+the log-sum-exp (LSE) of its scores; partial results are merged by LSE (online softmax). The
+backward pass re-runs each call's kernel backward with the *merged* output and LSE — exactly
+the gradient of the full softmax, the way ring attention does it — so memory stays linear:
+only ``q``, ``k``, ``v``, the output and the LSE are saved, never a score matrix.
+
+Several key sources exist because sharded layouts attend to keys held in different tensors
+(local noisy K/V and the all-gathered clean K/V of the ring); their gradients come back
+separately so each can travel its own way (stay local, or be reduce-scattered).
+
+Kernels: the CPU flash kernel of PyTorch (``_scaled_dot_product_flash_attention_for_cpu``)
+and, on CUDA, PyTorch's memory-efficient kernel. Both take arbitrary additive masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tiles import KernelCall, TilePlan
+
+
+def _additive_mask(mask: torch.Tensor | None, dtype, device, cache: dict) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    key = (id(mask), dtype, device)
+    found = cache.get(key)
+    if found is None:
+        found = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask.to(device), float("-inf"))
+        cache[key] = found
+    return found
+
+
+def _kernel_forward(q, k, v, mask, scale):
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        return out, lse, None
+    bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, False, scale=scale
+    )
+    return out, lse[..., : q.shape[2]], (bias, seed, offset, lse)
+
+
+def _kernel_backward(grad_out, q, k, v, out, lse, mask, scale, extra):
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
+        )
+    bias, seed, offset, padded_lse = extra
+    # The efficient kernel pads its LSE to a multiple of 32 rows; write the merged LSE into that layout.
+    full_lse = padded_lse.clone()
+    full_lse[..., : q.shape[2]] = lse
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, bias, out, full_lse, seed, offset, 0.0, (True, True, True, False), False, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _gather_rows(x: torch.Tensor, rows) -> torch.Tensor:
+    """Rows of ``x [b, H, T, d]`` selected by a call: a (start, end) range or an index ``[n, c]``.
+
+    An ``[n, c]`` index with ``n > 1`` becomes a batch of ``b * n`` sequences of ``c`` rows.
+    """
+    if isinstance(rows, tuple):
+        return x[:, :, rows[0] : rows[1]]
+    n, c = rows.shape
+    picked = x.index_select(2, rows.reshape(-1))
+    if n == 1:
+        return picked
+    b, h, _, d = x.shape
+    return picked.view(b, h, n, c, d).transpose(1, 2).reshape(b * n, h, c, d)
+
+
+def _ungather_shape(t: torch.Tensor, rows, batch: int) -> torch.Tensor:
+    """Inverse of the batching in :func:`_gather_rows` for a result ``[b*n, H, c, ...]``."""
+    if isinstance(rows, tuple) or rows.shape[0] == 1:
+        return t
+    n = rows.shape[0]
+    rest = t.shape[2:]
+    return t.view(batch, n, t.shape[1], *rest).transpose(1, 2).reshape(batch, t.shape[1], n * rest[0], *rest[1:])
+
+
+def _scatter_add_rows(target: torch.Tensor, rows, value: torch.Tensor) -> None:
+    if isinstance(rows, tuple):
+        target[:, :, rows[0] : rows[1]] += value
+    else:
+        target.index_add_(2, rows.reshape(-1), value)
+
+
+def _read_rows(x: torch.Tensor, rows) -> torch.Tensor:
+    return x[:, :, rows[0] : rows[1]] if isinstance(rows, tuple) else x.index_select(2, rows.reshape(-1))
+
+
+def _write_rows(x: torch.Tensor, rows, value: torch.Tensor) -> None:
+    if isinstance(rows, tuple):
+        x[:, :, rows[0] : rows[1]] = value
+    else:
+        x.index_copy_(2, rows.reshape(-1), value)
+
+
+def _run_call(call: KernelCall, q, keys, values, scale, mask_cache):
+    qs = _gather_rows(q, call.q_rows)
+    ks = _gather_rows(keys[call.source], call.k_rows)
+    vs = _gather_rows(values[call.source], call.k_rows)
+    mask = _additive_mask(call.mask, q.dtype, q.device, mask_cache)
+    out, lse, extra = _kernel_forward(qs, ks, vs, mask, scale)
+    if call.empty_rows is not None:
+        # The kernels report LSE 0 and output 0 for a row whose keys are all masked; an empty
+        # row must not weigh in the merge.
+        lse = lse.masked_fill(call.empty_rows.to(lse.device), float("-inf"))
+    return out, lse, (qs, ks, vs, mask, extra)
+
+
+def merge_partial(out_acc, lse_acc, rows, out, lse):
+    """Merge a partial result (``out``, ``lse``) into accumulators on the given query rows."""
+    old_lse = _read_rows(lse_acc.unsqueeze(-1), rows).squeeze(-1)
+    old_out = _read_rows(out_acc, rows)
+    new_lse = torch.logaddexp(old_lse, lse)
+    # Rows still empty on both sides keep -inf and a zero output instead of NaN.
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(old_lse - safe).unsqueeze(-1)
+    w_new = torch.exp(lse - safe).unsqueeze(-1)
+    _write_rows(out_acc, rows, old_out * w_old + out.to(out_acc.dtype) * w_new)
+    _write_rows(lse_acc.unsqueeze(-1), rows, new_lse.unsqueeze(-1))
+
+
+class BlockSparseAttention(torch.autograd.Function):
+    """``out = softmax(q k^T * scale + mask) v`` over the allowed tiles of a :class:`TilePlan`."""
+
+    @staticmethod
+    def forward(ctx, plan: TilePlan, scale: float, q: torch.Tensor, *kv: torch.Tensor):
+        keys, values = kv[0::2], kv[1::2]
+        batch = q.shape[0]
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
+        mask_cache: dict = {}
+        extras = []
+        for call in plan.calls:
+            out, lse, saved = _run_call(call, q, keys, values, scale, mask_cache)
+            extras.append(saved[4])
+            merge_partial(
+                out_acc,
+                lse_acc,
+                call.q_rows,
+                _ungather_shape(out, call.q_rows, batch),
+                _ungather_shape(lse.unsqueeze(-1), call.q_rows, batch).squeeze(-1),
+            )
+        out = out_acc.to(q.dtype)
+        ctx.plan, ctx.scale, ctx.mask_cache, ctx.extras = plan, scale, mask_cache, extras
+        ctx.save_for_backward(q, out, lse_acc, *kv)
+        ctx.mark_non_differentiable(lse_acc)
+        return out, lse_acc
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, out, lse, *kv = ctx.saved_tensors
+        keys, values = kv[0::2], kv[1::2]
+        plan, scale, batch = ctx.plan, ctx.scale, q.shape[0]
+        lse_kernel = lse.float() if q.dtype != torch.float64 else lse
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(q)
+        dks = [torch.zeros_like(k) for k in keys]
+        dvs = [torch.zeros_like(v) for v in values]
+        for call, extra in zip(plan.calls, ctx.extras):
+            qs = _gather_rows(q, call.q_rows)
+            ks = _gather_rows(keys[call.source], call.k_rows)
+            vs = _gather_rows(values[call.source], call.k_rows)
+            go = _gather_rows(grad_out, call.q_rows)
+            os_ = _gather_rows(out, call.q_rows)
+            ls = _gather_rows(lse_kernel.unsqueeze(-1), call.q_rows).squeeze(-1).contiguous()
+            mask = _additive_mask(call.mask, q.dtype, q.device, ctx.mask_cache)
+            dqs, dks_, dvs_ = _kernel_backward(go, qs, ks, vs, os_, ls, mask, scale, extra)
+            _scatter_add_rows(dq, call.q_rows, _ungather_shape(dqs, call.q_rows, batch))
+            _scatter_add_rows(dks[call.source], call.k_rows, _ungather_shape(dks_, call.k_rows, batch))
+            _scatter_add_rows(dvs[call.source], call.k_rows, _ungather_shape(dvs_, call.k_rows, batch))
+        grads = [None, None, dq]
+        for dk, dv in zip(dks, dvs):
+            grads += [dk, dv]
+        return tuple(grads)
+
+
+def block_sparse_attention(plan: TilePlan, q: torch.Tensor, kv_sources, scale: float):
+    """Attention of ``q [b, H, Tq, d]`` over ``kv_sources = [(k, v), ...]`` (``[b, H, Tk_i, d]``).
+
+    Returns ``(out [b, H, Tq, d], lse [b, H, Tq])``; the LSE lets a caller merge further partial
+    results (it carries no gradient).
+    """
+    flat = [t for kv in kv_sources for t in kv]
+    return BlockSparseAttention.apply(plan, scale, q, *flat)
