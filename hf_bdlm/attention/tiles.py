@@ -175,17 +175,31 @@ def plan_attention(q_rows: RowMeta, k_sources: list[RowMeta], rule: MaskRule) ->
         if mi == len(masks):
             masks.append(tile)
         batchable[(source, qe - qs, ke - ks, mi)].append((torch.arange(qs, qe), torch.arange(ks, ke)))
-    for (source, _, _, mi), pairs in batchable.items():
+    for (source, _, _, mi), group in batchable.items():
         mask = None if mi is None else masks[mi]
         empty = None
         if mask is not None and not bool(mask.any(-1).all()):
             empty = ~mask.any(-1)
-        q_idx = torch.stack([p[0] for p in pairs])
-        k_idx = torch.stack([p[1] for p in pairs])
-        if q_idx.shape[0] == 1:
-            q_spec = (int(q_idx[0, 0]), int(q_idx[0, -1]) + 1)
-            k_spec = (int(k_idx[0, 0]), int(k_idx[0, -1]) + 1)
-            calls.append(KernelCall(q_spec, source, k_spec, mask, empty))
-        else:
-            calls.append(KernelCall(q_idx, source, k_idx, mask, empty))
+        # A batched call merges its results into its query rows at once, so a query chunk may
+        # appear only once per call: pairs repeating a chunk go to a later call.
+        rounds: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        seen: dict[int, int] = defaultdict(int)
+        for pair in group:
+            r = seen[int(pair[0][0])]
+            seen[int(pair[0][0])] += 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(pair)
+        for pairs in rounds:
+            calls.append(_batched_call(pairs, source, mask, empty))
     return TilePlan(tuple(calls), q_rows.num_rows, tuple(k.num_rows for k in k_sources))
+
+
+def _batched_call(pairs, source: int, mask, empty) -> KernelCall:
+    q_idx = torch.stack([p[0] for p in pairs])
+    k_idx = torch.stack([p[1] for p in pairs])
+    if q_idx.shape[0] == 1:
+        q_spec = (int(q_idx[0, 0]), int(q_idx[0, -1]) + 1)
+        k_spec = (int(k_idx[0, 0]), int(k_idx[0, -1]) + 1)
+        return KernelCall(q_spec, source, k_spec, mask, empty)
+    return KernelCall(q_idx, source, k_idx, mask, empty)

@@ -1,0 +1,42 @@
+"""hf_bdlm: block diffusion language models on the Hugging Face stack, with block parallelism.
+
+Importing the package registers ``BlockDiffusionConfig`` / ``BlockDiffusionForMaskedLM`` with
+``AutoConfig``, ``AutoModel`` and ``AutoModelForMaskedLM``, and the ``"bdlm"`` attention
+implementation with transformers.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
+
+from .attention import register_attention
+from .configuration import BlockDiffusionConfig
+from .modeling import BlockDiffusionForMaskedLM, BlockDiffusionOutput, pad_to_block_multiple
+
+__version__ = "0.1.0"
+
+register_attention()
+AutoConfig.register(BlockDiffusionConfig.model_type, BlockDiffusionConfig, exist_ok=True)
+AutoModel.register(BlockDiffusionConfig, BlockDiffusionForMaskedLM, exist_ok=True)
+AutoModelForMaskedLM.register(BlockDiffusionConfig, BlockDiffusionForMaskedLM, exist_ok=True)
+
+
+def __getattr__(name):
+    # Heavier modules load on first use.
+    if name == "convert_causal_lm":
+        from .conversion import convert_causal_lm
+
+        return convert_causal_lm
+    if name in ("BlockDiffusionGenerationConfig",):
+        from . import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module 'hf_bdlm' has no attribute {name!r}")
+
+
+__all__ = [
+    "BlockDiffusionConfig",
+    "BlockDiffusionForMaskedLM",
+    "BlockDiffusionGenerationConfig",
+    "BlockDiffusionOutput",
+    "convert_causal_lm",
+    "pad_to_block_multiple",
+]

@@ -1,0 +1,93 @@
+"""`BlockDiffusionConfig`: a causal-LM backbone config plus the block-diffusion fields.
+
+    >>> from transformers import LlamaConfig
+    >>> from hf_bdlm import BlockDiffusionConfig
+    >>> cfg = BlockDiffusionConfig(backbone_config=LlamaConfig(vocab_size=128), block_size=16, mask_token_id=127)
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+from .attention.backends import BACKENDS
+from .attention.masks import CLEAN_ATTENTION_KINDS
+
+OBJECTIVES = ("standard", "fast_dllm_v2", "diffusion_gemma", "dflash")
+LOSS_WEIGHTINGS = ("inverse_t", "unit")
+
+
+class BlockDiffusionConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`BlockDiffusionForMaskedLM`].
+
+    Parameters:
+        backbone_config (`dict` or `PreTrainedConfig`):
+            Configuration of the causal-LM backbone (any `AutoModelForCausalLM` architecture that
+            uses transformers' attention interface: Llama, Qwen2/3, Gemma 3, Mistral, ...).
+        block_size (`int`, defaults to 32):
+            Tokens per diffusion block. Sequences are denoised block by block.
+        mask_token_id (`int`):
+            Id of the absorbing `[MASK]` token; must lie inside the backbone's vocabulary. Required by the
+            model (a config without it exists only as a template).
+        clean_attention (`str`, defaults to `"block_causal"`):
+            Attention among clean tokens: `"block_causal"` (a block sees its whole block) or
+            `"causal"` (token-causal; for AR-converted models and DiffusionGemma).
+        objective (`str`, defaults to `"standard"`):
+            Default training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"`, `"diffusion_gemma"`, `"dflash"`.
+        noise_eps_min (`float`, defaults to 1e-3), noise_eps_max (`float`, defaults to 1.0):
+            Range the per-block masking rate `t` is clipped to.
+        loss_weighting (`str`, defaults to `"inverse_t"`):
+            Weight of a masked token's cross-entropy: `"inverse_t"` (`1/t`, the ELBO) or `"unit"`.
+        attention_backend (`str`, defaults to `"blockwise"`):
+            `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`).
+    """
+
+    model_type = "block_diffusion"
+    sub_configs_defaults = {"backbone_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+
+    backbone_config: dict | PreTrainedConfig | None = None
+    block_size: int = 32
+    mask_token_id: int | None = None
+    clean_attention: str = "block_causal"
+    objective: str = "standard"
+    noise_eps_min: float = 1e-3
+    noise_eps_max: float = 1.0
+    loss_weighting: str = "inverse_t"
+    attention_backend: str = "blockwise"
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
+        self._check_diffusion_fields()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone_config.vocab_size
+
+    def get_text_config(self, decoder=None, encoder=None):
+        return self.backbone_config
+
+    def _check_diffusion_fields(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+        vocab = self.backbone_config.vocab_size
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the backbone vocabulary of size {vocab}; "
+                "resize the embeddings to include the mask token first (convert_causal_lm does this)."
+            )
+        if self.clean_attention not in CLEAN_ATTENTION_KINDS:
+            raise ValueError(f"clean_attention must be one of {CLEAN_ATTENTION_KINDS}, got {self.clean_attention!r}.")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
+        if not 0.0 < self.noise_eps_min <= self.noise_eps_max <= 1.0:
+            raise ValueError(
+                f"need 0 < noise_eps_min <= noise_eps_max <= 1, got noise_eps_min={self.noise_eps_min}, "
+                f"noise_eps_max={self.noise_eps_max}."
+            )
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}.")

