@@ -176,6 +176,7 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
         bdlm_layout: AttentionLayout | None = None,
         past_key_values=None,
         use_cache: bool = False,
+        return_logits: bool = True,
         **kwargs,
     ) -> BlockDiffusionOutput:
         r"""
@@ -193,6 +194,8 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
                 Compute logits only at these noisy positions (saves the `[L, vocab]` logits of the rest).
             bdlm_layout (`AttentionLayout`, *optional*):
                 Rows form: the layout describing `input_ids`' rows (see `hf_bdlm.parallel`).
+            return_logits (`bool`, defaults to `True`):
+                Set to `False` to get only `hidden_states` (objectives apply the head to the rows they supervise).
         """
         if clean_input_ids is None:
             if bdlm_layout is None:
@@ -205,7 +208,9 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
             out = self.run_rows(input_ids, position_ids, bdlm_layout, past_key_values=past_key_values,
                                 use_cache=use_cache, **kwargs)
             hidden = out.last_hidden_state
-            logits = self.lm_logits(hidden[logits_mask] if logits_mask is not None else hidden)
+            logits = None
+            if return_logits:
+                logits = self.lm_logits(hidden[logits_mask] if logits_mask is not None else hidden)
             return BlockDiffusionOutput(logits=logits, hidden_states=hidden, past_key_values=out.past_key_values)
 
         noisy, clean = input_ids, clean_input_ids
@@ -223,7 +228,9 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
         )
         hidden = out.last_hidden_state
         noisy_hidden = hidden[:, :length]
-        logits = self.lm_logits(noisy_hidden[logits_mask] if logits_mask is not None else noisy_hidden)
+        logits = None
+        if return_logits:
+            logits = self.lm_logits(noisy_hidden[logits_mask] if logits_mask is not None else noisy_hidden)
         return BlockDiffusionOutput(logits=logits, hidden_states=hidden)
 
     def _check_training_inputs(self, noisy, clean, document_ids) -> None:
