@@ -49,14 +49,6 @@ def _cat_sources(sources, k_rows: list[RowMeta]):
     return k, v, RowMeta.cat(k_rows)
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # Query head h uses key head h // groups (transformers' GQA convention).
-    if groups == 1:
-        return x
-    b, h, t, d = x.shape
-    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
-
-
 def attend_dense(q, sources, q_rows, k_rows, rule, scale, cache):
     k, v, rows = _cat_sources(sources, k_rows)
     key = ("dense", rule)
@@ -82,14 +74,15 @@ def _batch_plans(q_rows, k_rows, rule, cache, batch):
     return plans
 
 
-def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache):
-    groups = q.shape[1] // sources[0][0].shape[1]
-    expanded = [(_repeat_kv(k, groups), _repeat_kv(v, groups)) for k, v in sources]
+def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache, waits=None):
     plans = _batch_plans(q_rows, k_rows, rule, cache, q.shape[0])
     if len(plans) == 1:
-        return block_sparse_attention(plans[0], q, expanded, scale)[0]
+        return block_sparse_attention(plans[0], q, sources, scale, waits)[0]
+    if waits:
+        for wait in waits.values():
+            wait()
     outs = [
-        block_sparse_attention(plan, q[i : i + 1], [(k[i : i + 1], v[i : i + 1]) for k, v in expanded], scale)[0]
+        block_sparse_attention(plan, q[i : i + 1], [(k[i : i + 1], v[i : i + 1]) for k, v in sources], scale)[0]
         for i, plan in enumerate(plans)
     ]
     return torch.cat(outs, dim=0)
@@ -152,8 +145,13 @@ def attend(
     rule: MaskRule,
     scale: float,
     cache: dict,
+    waits: dict | None = None,
 ) -> torch.Tensor:
-    """Block-diffusion attention of ``q`` over ``sources`` with the named backend; ``[b, H, Tq, d]``."""
+    """Block-diffusion attention of ``q`` over ``sources`` with the named backend; ``[b, H, Tq, d]``.
+
+    ``waits`` (source index -> callable) marks sources still being communicated; ``blockwise``
+    computes on the other sources first, the other backends wait up front.
+    """
     fn = _DISPATCH.get(backend)
     if fn is None:
         raise ValueError(f"Unknown attention backend {backend!r}; choose one of {BACKENDS}.")
@@ -162,4 +160,8 @@ def attend(
             f"attention rows do not match the layout: {q.shape[2]} query rows for {q_rows.num_rows} described, "
             f"{[k.shape[2] for k, _ in sources]} key rows for {[r.num_rows for r in k_rows]} described."
         )
+    if fn is attend_blockwise:
+        return fn(q, sources, q_rows, k_rows, rule, scale, cache, waits)
+    for wait in (waits or {}).values():
+        wait()
     return fn(q, sources, q_rows, k_rows, rule, scale, cache)

@@ -104,7 +104,7 @@ def _write_rows(x: torch.Tensor, rows, value: torch.Tensor) -> None:
         x.index_copy_(2, rows.reshape(-1), value)
 
 
-def _run_call(call: KernelCall, q, keys, values, scale, mask_cache):
+def _run_call(call: KernelCall, q, keys: dict, values: dict, scale, mask_cache):
     qs = _gather_rows(q, call.q_rows)
     ks = _gather_rows(keys[call.source], call.k_rows)
     vs = _gather_rows(values[call.source], call.k_rows)
@@ -134,15 +134,23 @@ class BlockSparseAttention(torch.autograd.Function):
     """``out = softmax(q k^T * scale + mask) v`` over the allowed tiles of a :class:`TilePlan`."""
 
     @staticmethod
-    def forward(ctx, plan: TilePlan, scale: float, q: torch.Tensor, *kv: torch.Tensor):
-        keys, values = kv[0::2], kv[1::2]
+    def forward(ctx, plan: TilePlan, scale: float, groups: int, waits: dict | None, q: torch.Tensor, *kv):
         batch = q.shape[0]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
         mask_cache: dict = {}
         extras = []
+        keys: dict[int, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
         for call in plan.calls:
+            if call.source not in keys:
+                # A source may still be in flight (an async all-gather): wait only when its first
+                # call comes, so the calls on sources already here overlap the communication.
+                if waits and call.source in waits:
+                    waits[call.source]()
+                keys[call.source] = repeat_kv(kv[2 * call.source], groups)
+                values[call.source] = repeat_kv(kv[2 * call.source + 1], groups)
             out, lse, saved = _run_call(call, q, keys, values, scale, mask_cache)
             extras.append(saved[4])
             merge_partial(
@@ -152,8 +160,12 @@ class BlockSparseAttention(torch.autograd.Function):
                 _ungather_shape(out, call.q_rows, batch),
                 _ungather_shape(lse.unsqueeze(-1), call.q_rows, batch).squeeze(-1),
             )
+        if waits:
+            for source, wait in waits.items():
+                if source not in keys:
+                    wait()  # a source no call uses must still complete before its buffer is reused
         out = out_acc.to(q.dtype)
-        ctx.plan, ctx.scale, ctx.mask_cache, ctx.extras = plan, scale, mask_cache, extras
+        ctx.plan, ctx.scale, ctx.groups, ctx.mask_cache, ctx.extras = plan, scale, groups, mask_cache, extras
         ctx.save_for_backward(q, out, lse_acc, *kv)
         ctx.mark_non_differentiable(lse_acc)
         return out, lse_acc
@@ -161,13 +173,15 @@ class BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, out, lse, *kv = ctx.saved_tensors
-        keys, values = kv[0::2], kv[1::2]
-        plan, scale, batch = ctx.plan, ctx.scale, q.shape[0]
+        plan, scale, groups, batch = ctx.plan, ctx.scale, ctx.groups, q.shape[0]
+        num_sources = len(kv) // 2
+        keys = {i: repeat_kv(kv[2 * i], groups) for i in range(num_sources)}
+        values = {i: repeat_kv(kv[2 * i + 1], groups) for i in range(num_sources)}
         lse_kernel = lse.float() if q.dtype != torch.float64 else lse
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
-        dks = [torch.zeros_like(k) for k in keys]
-        dvs = [torch.zeros_like(v) for v in values]
+        dks = {i: torch.zeros_like(k) for i, k in keys.items()}
+        dvs = {i: torch.zeros_like(v) for i, v in values.items()}
         for call, extra in zip(plan.calls, ctx.extras):
             qs = _gather_rows(q, call.q_rows)
             ks = _gather_rows(keys[call.source], call.k_rows)
@@ -180,17 +194,35 @@ class BlockSparseAttention(torch.autograd.Function):
             _scatter_add_rows(dq, call.q_rows, _ungather_shape(dqs, call.q_rows, batch))
             _scatter_add_rows(dks[call.source], call.k_rows, _ungather_shape(dks_, call.k_rows, batch))
             _scatter_add_rows(dvs[call.source], call.k_rows, _ungather_shape(dvs_, call.k_rows, batch))
-        grads = [None, None, dq]
-        for dk, dv in zip(dks, dvs):
-            grads += [dk, dv]
+        grads = [None, None, None, None, dq]
+        for i in range(num_sources):
+            grads += [sum_kv_groups(dks[i], groups), sum_kv_groups(dvs[i], groups)]
         return tuple(grads)
 
 
-def block_sparse_attention(plan: TilePlan, q: torch.Tensor, kv_sources, scale: float):
-    """Attention of ``q [b, H, Tq, d]`` over ``kv_sources = [(k, v), ...]`` (``[b, H, Tk_i, d]``).
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Expand ``[b, H_kv, T, d]`` to ``[b, H_kv * groups, T, d]``: query head ``h`` uses key head ``h // groups``."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
-    Returns ``(out [b, H, Tq, d], lse [b, H, Tq])``; the LSE lets a caller merge further partial
-    results (it carries no gradient).
+
+def sum_kv_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Adjoint of :func:`repeat_kv`."""
+    if groups == 1:
+        return grad
+    b, h, t, d = grad.shape
+    return grad.view(b, h // groups, groups, t, d).sum(2)
+
+
+def block_sparse_attention(plan: TilePlan, q: torch.Tensor, kv_sources, scale: float, waits: dict | None = None):
+    """Attention of ``q [b, H, Tq, d]`` over ``kv_sources = [(k, v), ...]`` (``[b, H_kv, Tk_i, d]``).
+
+    ``waits`` maps a source index to a callable that blocks until that source's tensors hold
+    their values (an in-flight collective); it is called right before the source is first read.
+    Returns ``(out [b, H, Tq, d], lse [b, H, Tq])``; the LSE carries no gradient.
     """
+    groups = q.shape[1] // kv_sources[0][0].shape[1]
     flat = [t for kv in kv_sources for t in kv]
-    return BlockSparseAttention.apply(plan, scale, q, *flat)
+    return BlockSparseAttention.apply(plan, scale, groups, waits, q, *flat)

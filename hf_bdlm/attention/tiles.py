@@ -192,6 +192,9 @@ def plan_attention(q_rows: RowMeta, k_sources: list[RowMeta], rule: MaskRule) ->
             rounds[r].append(pair)
         for pairs in rounds:
             calls.append(_batched_call(pairs, source, mask, empty))
+    # Calls run in source order: sources listed first (local K/V) are computed while later ones
+    # (gathered K/V) may still be in flight.
+    calls.sort(key=lambda c: c.source)
     return TilePlan(tuple(calls), q_rows.num_rows, tuple(k.num_rows for k in k_sources))
 
 
