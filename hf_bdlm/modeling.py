@@ -45,13 +45,13 @@ class BlockDiffusionOutput(ModelOutput):
             `logits_mask`.
         hidden_states (`torch.FloatTensor`):
             Last hidden states of all rows (`[batch, rows, hidden]`, noisy rows first in the training form).
-        past_key_values (`Cache`, *optional*):
+        cache (`Cache`, *optional*):
             The KV cache, when `use_cache=True`.
     """
 
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
-    past_key_values: object | None = None
+    cache: object | None = None
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
@@ -150,7 +150,7 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
         position_ids: torch.Tensor,
         layout: AttentionLayout,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         use_cache: bool = False,
         **kwargs,
     ):
@@ -160,7 +160,7 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
         return self.decoder(
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
-            cache=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             bdlm_layout=layout,
             **kwargs,
@@ -174,7 +174,7 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
         document_ids: torch.Tensor | None = None,
         logits_mask: torch.Tensor | None = None,
         bdlm_layout: AttentionLayout | None = None,
-        past_key_values=None,
+        cache=None,
         use_cache: bool = False,
         return_logits: bool = True,
         **kwargs,
@@ -205,13 +205,14 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
                 )
             if position_ids is None:
                 raise ValueError("The rows form (bdlm_layout=...) needs the global `position_ids` of the rows.")
-            out = self.run_rows(input_ids, position_ids, bdlm_layout, past_key_values=past_key_values,
-                                use_cache=use_cache, **kwargs)
+            if "past_key_values" in kwargs:  # the pre-5.23 name of `cache`
+                cache = kwargs.pop("past_key_values")
+            out = self.run_rows(input_ids, position_ids, bdlm_layout, cache=cache, use_cache=use_cache, **kwargs)
             hidden = out.last_hidden_state
             logits = None
             if return_logits:
                 logits = self.lm_logits(hidden[logits_mask] if logits_mask is not None else hidden)
-            return BlockDiffusionOutput(logits=logits, hidden_states=hidden, past_key_values=out.past_key_values)
+            return BlockDiffusionOutput(logits=logits, hidden_states=hidden, cache=out.cache)
 
         noisy, clean = input_ids, clean_input_ids
         self._check_training_inputs(noisy, clean, document_ids)

@@ -1,0 +1,386 @@
+"""What every objective shares: the corrupted-batch contract, batch checks and the target loss.
+
+An objective turns a collated batch into a :class:`CorruptedBatch` (``corrupt``) and scores the
+model's hidden states on it (``loss`` on one device, ``loss_from_hidden`` on any subset of rows).
+Supervision is a flat list of targets, each naming the row whose hidden state predicts it
+(sample, stream, global position), so a rank holding only some rows scores only its targets
+while the normalizer, which counts the whole batch, keeps the per-rank losses summable.
+
+    python -m pytest tests/test_objectives.py -q
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..attention.masks import CLEAN, NOISY
+from ..attention.rows import RowMeta, check_block_aligned_documents, vectorized_rows
+from ..modeling import document_positions
+from .noise import SALT_TOKEN_MASK, hash_uniform, stratified_block_t
+
+LOSS_WEIGHTINGS = ("inverse_t", "unit")
+
+
+@dataclass
+class CorruptedBatch:
+    """A corrupted batch and its supervision targets.
+
+    Args:
+        noisy_ids (`torch.LongTensor` of shape `[b, L]`): the noisy sequence `x_t`.
+        clean_ids (`torch.LongTensor` of shape `[b, L]`): the clean sequence `x`.
+        position_ids (`torch.LongTensor` of shape `[b, L]`): RoPE positions, shared by both streams.
+        document_ids (`torch.LongTensor` of shape `[b, L]`, *optional*): packed-document ids.
+        target_sample (`torch.LongTensor` of shape `[n]`): batch row of each target.
+        target_stream (`torch.LongTensor` of shape `[n]`): stream (`masks.NOISY` / `masks.CLEAN`) of the
+            row whose hidden state predicts the target.
+        target_row_pos (`torch.LongTensor` of shape `[n]`): global position of that predicting row.
+        target_token (`torch.LongTensor` of shape `[n]`): the token to predict.
+        target_weight (`torch.FloatTensor` of shape `[n]`): weight of its cross-entropy.
+        normalizer (`float`): supervised tokens of the whole batch; loss = `sum(w * CE) / normalizer`.
+        masked (`torch.BoolTensor` of shape `[b, L]`): positions replaced by `[MASK]` in `x_t`.
+        sample_ids (`torch.LongTensor` of shape `[b]`, *optional*): global sample id of each row.
+        block_t (`torch.DoubleTensor` of shape `[b, L / block_size]`, *optional*): masking rate of each block.
+    """
+
+    noisy_ids: torch.Tensor
+    clean_ids: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor | None
+    target_sample: torch.Tensor
+    target_stream: torch.Tensor
+    target_row_pos: torch.Tensor
+    target_token: torch.Tensor
+    target_weight: torch.Tensor
+    normalizer: float
+    masked: torch.Tensor
+    sample_ids: torch.Tensor | None = None
+    block_t: torch.Tensor | None = None
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.target_token.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.clean_ids.shape[1])
+
+
+@dataclass
+class CheckedBatch:
+    """A validated collator batch, with the defaults filled in (internal to the objectives)."""
+
+    input_ids: torch.Tensor
+    supervised: torch.Tensor
+    attention_mask: torch.Tensor
+    sample_ids: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor | None
+
+
+def supervised_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Positions that are supervised: ``completion_mask & attention_mask`` (pad is never supervised).
+
+    A batch without ``completion_mask`` supervises every non-pad token (plain pre-training data).
+    """
+    input_ids = batch["input_ids"]
+    supervised = torch.ones_like(input_ids, dtype=torch.bool)
+    for key in ("completion_mask", "attention_mask"):
+        value = batch.get(key)
+        if value is not None:
+            _check_shape(key, value, input_ids)
+            supervised &= value.bool()
+    return supervised
+
+
+def _check_shape(name: str, value: torch.Tensor, input_ids: torch.Tensor) -> None:
+    if tuple(value.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"batch[{name!r}] has shape {tuple(value.shape)} but input_ids has shape {tuple(input_ids.shape)}; "
+            "the collator must give every per-token field the shape [batch, L]."
+        )
+
+
+def target_rows_in(rows: RowMeta, corrupted: CorruptedBatch) -> torch.Tensor:
+    """Index, among ``rows``, of the row predicting each target (``-1`` where ``rows`` lacks it).
+
+    ``rows`` are the rows a forward ran over (e.g. :func:`~hf_bdlm.attention.rows.vectorized_rows`, or a
+    rank's rows from the parallel plan); the result is the ``row_index`` of :meth:`Objective.loss_from_hidden`.
+    """
+    length = corrupted.seq_len
+    device = corrupted.target_row_pos.device
+    # A [2, L] lookup table (stream, position) -> local row; streams are CLEAN=0 / NOISY=1.
+    table = torch.full((2, length), -1, dtype=torch.long, device=device)
+    table[rows.stream.to(device), rows.pos.to(device)] = torch.arange(rows.num_rows, device=device)
+    return table[corrupted.target_stream, corrupted.target_row_pos]
+
+
+class Objective:
+    """Base class of the training objectives: ``corrupt`` a batch, then score hidden states on it.
+
+    Parameters:
+        block_size (`int`): tokens per diffusion block.
+        mask_token_id (`int`): id of the absorbing `[MASK]` token (its logit is excluded from the softmax).
+        noise_eps_min (`float`, defaults to 1e-3), noise_eps_max (`float`, defaults to 1.0):
+            range of the per-block masking rate `t`.
+        loss_weighting (`str`, defaults to `"inverse_t"`): `"inverse_t"` (`w = 1/t`) or `"unit"` (`w = 1`).
+        loss_chunk_size (`int`, defaults to 8192):
+            targets scored per LM-head call; above it, chunks are recomputed in backward instead of keeping
+            `[n, vocab]` logits alive (at long context `n * vocab` floats would not fit).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        mask_token_id: int,
+        noise_eps_min: float = 1e-3,
+        noise_eps_max: float = 1.0,
+        loss_weighting: str = "inverse_t",
+        loss_chunk_size: int = 8192,
+    ):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+        if not isinstance(mask_token_id, int) or mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be a non-negative token id, got {mask_token_id!r}.")
+        if not 0.0 < noise_eps_min <= noise_eps_max <= 1.0:
+            raise ValueError(
+                f"need 0 < noise_eps_min <= noise_eps_max <= 1, got noise_eps_min={noise_eps_min}, "
+                f"noise_eps_max={noise_eps_max}."
+            )
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
+        if loss_chunk_size <= 0:
+            raise ValueError(f"loss_chunk_size must be positive, got {loss_chunk_size}.")
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.noise_eps_min = float(noise_eps_min)
+        self.noise_eps_max = float(noise_eps_max)
+        self.loss_weighting = loss_weighting
+        self.loss_chunk_size = loss_chunk_size
+
+    @classmethod
+    def config_kwargs(cls, config: Any) -> dict[str, Any]:
+        """Constructor arguments taken from a `BlockDiffusionConfig`."""
+        return dict(
+            block_size=config.block_size,
+            mask_token_id=config.mask_token_id,
+            noise_eps_min=config.noise_eps_min,
+            noise_eps_max=config.noise_eps_max,
+            loss_weighting=config.loss_weighting,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(block_size={self.block_size}, mask_token_id={self.mask_token_id}, "
+            f"noise_eps=[{self.noise_eps_min}, {self.noise_eps_max}], loss_weighting={self.loss_weighting!r})"
+        )
+
+    # --- corruption --------------------------------------------------------------------------
+    def corrupt(self, batch: Mapping[str, torch.Tensor], *, seed: int, step: int) -> CorruptedBatch:
+        """Corrupt a collated batch; the noise depends only on (seed, step, sample id, position)."""
+        raise NotImplementedError
+
+    def check_batch(self, batch: Mapping[str, torch.Tensor]) -> CheckedBatch:
+        """Validate a collator batch and fill in the defaults (sample ids, positions)."""
+        if "input_ids" not in batch:
+            raise ValueError(f"the batch has no 'input_ids' (keys: {sorted(batch)}).")
+        input_ids = batch["input_ids"]
+        if input_ids.dim() != 2 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty [batch, L] tensor, got shape {tuple(input_ids.shape)}.")
+        b, length = input_ids.shape
+        if length % self.block_size:
+            raise ValueError(
+                f"sequence length {length} is not a multiple of block_size={self.block_size}; the collator "
+                "must pad each batch to a multiple of the block size (pad tokens are never supervised)."
+            )
+        supervised = supervised_mask(batch)
+        if not supervised.any():
+            raise ValueError(
+                f"the batch has no supervised token (completion_mask & attention_mask is all zero over {b} "
+                f"sequence(s) of length {length}); the loss would be 0/0. Check that the completions were not "
+                "truncated away and that the collator sets completion_mask on the assistant tokens."
+            )
+        clash = supervised & (input_ids == self.mask_token_id)
+        if clash.any():
+            row, pos = (int(v) for v in clash.nonzero()[0])
+            raise ValueError(
+                f"supervised token at batch row {row}, position {pos} is the mask token id {self.mask_token_id}: "
+                "it cannot be a target (its logit is excluded). The tokenizer must not emit the [MASK] token in text."
+            )
+        attention_mask = batch.get("attention_mask")
+        attention_mask = (
+            torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        sample_ids = batch.get("sample_ids")
+        if sample_ids is None:
+            sample_ids = torch.arange(b, device=input_ids.device)
+        elif tuple(sample_ids.shape) != (b,):
+            raise ValueError(
+                f"sample_ids must have shape [{b}] (one global id per row), got {tuple(sample_ids.shape)}."
+            )
+        document_ids = batch.get("document_ids")
+        if document_ids is not None:
+            _check_shape("document_ids", document_ids, input_ids)
+            check_block_aligned_documents(document_ids, self.block_size)
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            if document_ids is not None:
+                position_ids = document_positions(document_ids)
+            else:
+                position_ids = torch.arange(length, device=input_ids.device).expand(b, length)
+        else:
+            _check_shape("position_ids", position_ids, input_ids)
+        return CheckedBatch(
+            input_ids=input_ids,
+            supervised=supervised,
+            attention_mask=attention_mask,
+            sample_ids=sample_ids.to(device=input_ids.device, dtype=torch.long),
+            position_ids=position_ids,
+            document_ids=document_ids,
+        )
+
+    def block_rates(self, checked: CheckedBatch, *, seed: int, step: int) -> torch.Tensor:
+        """Masking rate ``t`` of every (row, block), ``[b, L / block_size]`` float64."""
+        length = checked.input_ids.shape[1]
+        # A sample's extent ends at its last non-pad token; stratifying over that extent (not over the
+        # padded length) keeps t independent of which other samples share the batch. Right padding assumed.
+        pos = torch.arange(1, length + 1, device=checked.input_ids.device)
+        extent = torch.where(checked.attention_mask, pos, torch.zeros_like(pos)).amax(dim=1)
+        blocks = (extent + self.block_size - 1) // self.block_size
+        return stratified_block_t(
+            seed, step, checked.sample_ids, blocks, length // self.block_size, self.noise_eps_min, self.noise_eps_max
+        )
+
+    def token_draws(self, checked: CheckedBatch, *, seed: int, step: int) -> torch.Tensor:
+        """One uniform per (row, position), ``[b, L]`` float64: a token is masked when its draw < t."""
+        length = checked.input_ids.shape[1]
+        positions = torch.arange(length, device=checked.input_ids.device)
+        return hash_uniform(seed, step, checked.sample_ids[:, None], positions[None, :], SALT_TOKEN_MASK)
+
+    def per_token(self, block_values: torch.Tensor) -> torch.Tensor:
+        """Expand ``[b, N]`` per-block values to ``[b, N * block_size]`` per-token values."""
+        return block_values.repeat_interleave(self.block_size, dim=1)
+
+    # --- loss --------------------------------------------------------------------------------
+    def loss_from_hidden(
+        self,
+        model: torch.nn.Module,
+        hidden_of_rows: torch.Tensor,
+        corrupted: CorruptedBatch,
+        row_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of the targets whose predicting rows are among ``hidden_of_rows``.
+
+        Args:
+            model: the `BlockDiffusionForMaskedLM` (its `lm_logits` applies the head).
+            hidden_of_rows (`torch.FloatTensor` of shape `[b, R, hidden]`): last hidden states of some rows.
+            corrupted: the batch the rows come from.
+            row_index (`torch.LongTensor` of shape `[n]`): for each target, its predicting row's index in
+                `hidden_of_rows` (dim 1), or `-1` to skip it (another rank holds or counts that row); see
+                :func:`target_rows_in`.
+
+        Returns:
+            `(loss, metrics)`: ``loss = sum(w * CE) / corrupted.normalizer`` over the held targets, so the
+            losses of ranks that partition the targets add up to the single-device loss; ``metrics`` holds
+            detached sums to all-reduce: ``loss_sum`` (Σ w·CE), ``ce_sum`` (Σ CE), ``correct`` (argmax hits),
+            ``count`` (targets scored) and ``normalizer`` (already the whole batch's: sum it over data-parallel
+            replicas only, not over the ranks of a block-parallel group).
+        """
+        self._check_model(model)
+        if tuple(row_index.shape) != tuple(corrupted.target_token.shape):
+            raise ValueError(
+                f"row_index must have one entry per target ({corrupted.num_targets}), "
+                f"got shape {tuple(row_index.shape)}."
+            )
+        if corrupted.normalizer <= 0:
+            raise ValueError("corrupted.normalizer is 0: the batch has no supervised token, the loss is undefined.")
+        held = row_index >= 0
+        hidden = hidden_of_rows[corrupted.target_sample[held], row_index[held]]
+        weighted, ce, correct = self._target_cross_entropy(
+            model, hidden, corrupted.target_token[held], corrupted.target_weight[held]
+        )
+        if hidden.shape[0] == 0:
+            # No target on these rows: a zero that still reaches every parameter, so backward (and DDP's
+            # gradient hooks) see the same graph as on ranks that do hold targets.
+            weighted = weighted + model.lm_logits(hidden_of_rows[:1, :1]).sum() * 0.0
+        loss = weighted / corrupted.normalizer
+        metrics = {
+            "loss_sum": weighted.detach(),
+            "ce_sum": ce.detach(),
+            "correct": correct,
+            "count": held.sum(),
+            "normalizer": torch.tensor(float(corrupted.normalizer), device=loss.device),
+        }
+        return loss, metrics
+
+    def loss(self, model: torch.nn.Module, corrupted: CorruptedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Single-device loss: one vectorized forward over both streams, the head only on predicting rows."""
+        self._check_model(model)
+        out = model(
+            input_ids=corrupted.noisy_ids,
+            clean_input_ids=corrupted.clean_ids,
+            position_ids=corrupted.position_ids,
+            document_ids=corrupted.document_ids,
+            return_logits=False,
+        )
+        rows = vectorized_rows(corrupted.seq_len, device=corrupted.clean_ids.device)
+        return self.loss_from_hidden(model, out.hidden_states, corrupted, target_rows_in(rows, corrupted))
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        config = getattr(model, "config", None)
+        for field in ("mask_token_id", "block_size"):
+            have = getattr(config, field, None)
+            if have is not None and have != getattr(self, field):
+                raise ValueError(
+                    f"the objective uses {field}={getattr(self, field)} but the model's config has {field}={have}; "
+                    "build the objective from the model's config (get_objective(name, model.config))."
+                )
+
+    def _target_cross_entropy(
+        self, model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Σ w·CE, Σ CE, argmax hits) over targets, the [MASK] logit excluded; chunked over targets."""
+        chunk = self.loss_chunk_size
+        if hidden.shape[0] <= chunk or not torch.is_grad_enabled():
+            return _chunk_cross_entropy(hidden, tokens, weights, model.lm_logits, self.mask_token_id)
+        totals = []
+        for start in range(0, hidden.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            totals.append(
+                checkpoint(
+                    _chunk_cross_entropy,
+                    hidden[sl], tokens[sl], weights[sl], model.lm_logits, self.mask_token_id,
+                    use_reentrant=False,
+                )
+            )
+        return tuple(torch.stack(parts).sum() for parts in zip(*totals))
+
+
+def _chunk_cross_entropy(hidden, tokens, weights, lm_logits, mask_token_id: int):
+    # Float32 softmax whatever the model dtype: the CE of a bf16 logit row loses ~2 digits.
+    logits = lm_logits(hidden)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # CE in at least float32; float64 models stay float64
+    # The model must never predict [MASK] as a clean token: drop it from the softmax (and the argmax).
+    logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
+    ce = F.cross_entropy(logits, tokens, reduction="none")
+    correct = (logits.argmax(dim=-1) == tokens).sum().detach()
+    return (weights.to(ce.dtype) * ce).sum(), ce.sum(), correct
+
+
+__all__ = [
+    "CLEAN",
+    "NOISY",
+    "CheckedBatch",
+    "CorruptedBatch",
+    "Objective",
+    "supervised_mask",
+    "target_rows_in",
+]

@@ -1,0 +1,233 @@
+"""Sharded block-diffusion attention: the ``cp``, ``bp`` and ``csbp`` layouts of one rank.
+
+A :class:`ShardedLayout` is what the model's attention function receives (``bdlm_layout``)
+when a block-parallel group shares one batch. Each rank runs the backbone over its own rows
+(:meth:`ShardedLayout.local_inputs`); per layer the layout moves K/V and calls the ordinary
+attention backends of :mod:`hf_bdlm.attention` with several key sources:
+
+- ``cp``: all local K/V are all-gathered over the group (noisy ones too) and attended with
+  the rule; gradients are reduce-scattered back.
+- ``bp``: no communication; the rank holds its noisy blocks and the clean prefix they need.
+- ``csbp``: only the local *clean* K/V are all-gathered over the clean ring, asynchronously;
+  meanwhile the local noisy queries attend to their own block's noisy K/V (source 0); then
+  all local queries attend to the gathered clean K/V (source 1); the two partial results are
+  merged by log-sum-exp inside the block-sparse kernel. Noisy K/V and their gradients never
+  travel.
+
+On sliding-window layers a rank needs only the clean keys within the window of its queries:
+instead of the all-gather it fetches exactly those rows from their owners (all-to-all).
+
+The layout does not care where clean K/V come from: a source is a tensor plus its
+:class:`~hf_bdlm.attention.rows.RowMeta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..attention.backends import attend
+from ..attention.masks import MaskRule
+from ..attention.rows import RowMeta
+from .collectives import ByteMeter, CommContext, exchange_rows, gather_rows
+from .plan import GroupPlan, PlanConfig, make_plan
+
+
+@dataclass
+class BlockParallelGroups:
+    """This rank's block-parallel group and clean ring (``torch.distributed`` process groups).
+
+    The world of ``W`` ranks is cut into ``W / P`` groups of ``P`` consecutive ranks (data-parallel
+    replicas); inside a group, rings of ``C`` consecutive ranks.
+    """
+
+    group: CommContext
+    ring: CommContext
+    group_rank: int
+    group_index: int
+    num_groups: int
+
+    @classmethod
+    def create(cls, group_size: int, clean_ring_size: int, meter: ByteMeter | None = None, timeout=None):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % group_size:
+            raise ValueError(
+                f"block_parallel_size={group_size} does not divide the world size {world}; choose a divisor of "
+                f"{world} (the world is split into data-parallel replicas of block-parallel groups)."
+            )
+        if group_size % clean_ring_size:
+            raise ValueError(f"clean_ring_size={clean_ring_size} must divide block_parallel_size={group_size}.")
+        meter = meter or ByteMeter()
+        kw = {} if timeout is None else {"timeout": timeout}
+        my_group = my_ring = None
+        # Every rank must create every group, in the same order.
+        for g in range(world // group_size):
+            ranks = list(range(g * group_size, (g + 1) * group_size))
+            pg = dist.new_group(ranks, **kw)
+            if rank in ranks:
+                my_group = pg
+            for r0 in range(0, group_size, clean_ring_size):
+                ring_ranks = ranks[r0 : r0 + clean_ring_size]
+                rg = dist.new_group(ring_ranks, **kw)
+                if rank in ring_ranks:
+                    my_ring = rg
+        ctx_kw = {} if timeout is None else {"timeout": timeout}
+        gi = rank // group_size
+        return cls(
+            CommContext(my_group, f"block_parallel[{gi}]", meter, **ctx_kw),
+            CommContext(my_ring, f"clean_ring[{gi}.{(rank % group_size) // clean_ring_size}]", meter, **ctx_kw),
+            rank % group_size,
+            gi,
+            world // group_size,
+        )
+
+
+def verify_plan_agreement(config: PlanConfig, comm: CommContext) -> None:
+    """Every rank of the group must run the same plan; raise the same error on all ranks if not."""
+    mine = (config.seq_len, config.block_size, config.group_size, config.clean_ring_size, config.mode, config.schedule)
+    everyone: list = [None] * comm.size
+    dist.all_gather_object(everyone, mine, group=comm.group)
+    if any(other != everyone[0] for other in everyone):
+        fields = "(seq_len, block_size, group_size, clean_ring_size, mode, schedule)"
+        listing = "; ".join(f"rank {i}: {p}" for i, p in enumerate(everyone))
+        raise ValueError(
+            f"ranks of process group '{comm.name}' disagree on the block-parallel plan {fields}: {listing}. "
+            "Every rank of a block-parallel group must receive the same batch and configuration."
+        )
+
+
+@dataclass
+class ShardedLayout:
+    """One rank's view of a block-parallel layout for one forward pass."""
+
+    plan: GroupPlan
+    groups: BlockParallelGroups
+    base_rule: MaskRule
+    backend: str = "blockwise"
+    doc: torch.Tensor | None = None
+    cache: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.rank_plan = self.plan.ranks[self.groups.group_rank]
+        self.mode = self.plan.config.mode
+        self.q_rows = self.rank_plan.rows(self.doc)
+        self.num_noisy = self.rank_plan.local_noisy_rows
+        self.gathered_rows = self.plan.gathered_key_rows(self.groups.group_rank, self.doc)
+        self.comm = self.groups.group if self.mode == "cp" else self.groups.ring
+
+    @classmethod
+    def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="blockwise",
+              doc=None, verify: bool = False) -> "ShardedLayout":
+        if verify:
+            verify_plan_agreement(config, groups.group)
+        return cls(make_plan(config), groups, base_rule, backend, doc)
+
+    # --- inputs and loss bookkeeping ---------------------------------------------------------
+    def local_inputs(self, noisy: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor):
+        """This rank's rows of the vectorized batch: ``(input_ids [b, R], position_ids [b, R])``."""
+        index = self.rank_plan.global_row_index().to(clean.device)
+        return torch.cat([noisy, clean], 1)[:, index], torch.cat([position_ids, position_ids], 1)[:, index]
+
+    def loss_row_index(self, corrupted) -> torch.Tensor:
+        """Local row predicting each target of ``corrupted``, or -1 where another rank counts it.
+
+        Rows computed on several ranks (the replicated clean prefix of ``bp``, the clean copies of
+        hybrid ``csbp``) count on exactly one of them, so the ranks' losses add up to the
+        single-device loss.
+        """
+        from ..objectives.base import target_rows_in
+
+        index = target_rows_in(self.q_rows, corrupted)
+        counted = self.rank_plan.loss_row_mask().to(index.device)
+        held = index >= 0
+        index[held & ~counted[index.clamp(min=0)]] = -1
+        return index
+
+    # --- attention -----------------------------------------------------------------------------
+    def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
+        if self.mode == "bp":
+            return attend(self.backend, query, [(key, value)], self.q_rows, [self.q_rows], rule, scale, self.cache)
+        n = self.num_noisy if self.mode == "csbp" else 0
+        if rule.sliding_window is not None:
+            return self._attend_window(query, key, value, rule, scale, n)
+        k_send, v_send = key[:, :, n:], value[:, :, n:]
+        if self.comm.size == 1:
+            k_all, v_all, waits = k_send, v_send, None
+        else:
+            k_all, k_pending = gather_rows(k_send, self.comm, "k")
+            v_all, v_pending = gather_rows(v_send, self.comm, "v")
+            waits = None  # set below, per source index
+        sources, rows = [], []
+        if n:
+            sources.append((key[:, :, :n], value[:, :, :n]))
+            rows.append(self.q_rows.slice(0, n))
+        sources.append((k_all, v_all))
+        rows.append(self.gathered_rows)
+        if self.comm.size > 1:
+            waits = {len(sources) - 1: lambda: (k_pending.wait(), v_pending.wait())}
+        return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache, waits)
+
+    def _window_exchange(self, rule: MaskRule, n: int):
+        """Which gathered rows each rank needs under a window, as all-to-all send/recv lists (cached)."""
+        key = ("window_exchange", rule.sliding_window)
+        found = self.cache.get(key)
+        if found is not None:
+            return found
+        me = self.groups.group_rank
+        members = self.plan.ring_members(me) if self.mode == "csbp" else tuple(range(len(self.plan.ranks)))
+        w = rule.sliding_window
+
+        def sent_rows(owner: int) -> torch.Tensor:
+            # Owner's communicated rows (csbp: its clean rows; cp: all its rows).
+            rp = self.plan.ranks[owner]
+            rows = rp.rows()
+            return rows.slice(rp.local_noisy_rows if self.mode == "csbp" else 0, rows.num_rows)
+
+        def needed(requester: int, owner: int) -> torch.Tensor:
+            """Indices (into owner's sent rows) of rows within the window of requester's queries."""
+            q_pos = self.plan.ranks[requester].rows().pos
+            k = sent_rows(owner)
+            if q_pos.numel() == 0 or k.num_rows == 0:
+                return torch.empty(0, dtype=torch.long)
+            # Row k is needed when some query position is within the window: |q - k| < w.
+            qs = torch.sort(q_pos).values
+            idx = torch.searchsorted(qs, k.pos)
+            lo = qs[(idx - 1).clamp(min=0)]
+            hi = qs[idx.clamp(max=qs.numel() - 1)]
+            near = torch.minimum((k.pos - lo).abs(), (hi - k.pos).abs()) < w
+            return near.nonzero().flatten()
+
+        send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
+        for peer in members:
+            s = needed(peer, me)
+            send_parts.append(s)
+            send_counts.append(int(s.numel()))
+            r = needed(me, peer)
+            recv_counts.append(int(r.numel()))
+            recv_rows.append(sent_rows(peer).select(r))
+        doc_rows = RowMeta.cat(recv_rows)
+        if self.doc is not None:
+            doc_rows = RowMeta(doc_rows.stream, doc_rows.pos, self.doc[:, doc_rows.pos])
+        found = (torch.cat(send_parts), send_counts, recv_counts, doc_rows)
+        self.cache[key] = found
+        return found
+
+    def _attend_window(self, query, key, value, rule, scale, n):
+        send_index, send_counts, recv_counts, recv_rows = self._window_exchange(rule, n)
+        k_send, v_send = key[:, :, n:], value[:, :, n:]
+        comm = self.comm
+        if comm.size == 1:
+            k_recv, v_recv = k_send.index_select(2, send_index), v_send.index_select(2, send_index)
+        else:
+            send_index = send_index.to(key.device)
+            k_recv = exchange_rows(k_send, comm, "k_window", send_index, send_counts, recv_counts)
+            v_recv = exchange_rows(v_send, comm, "v_window", send_index, send_counts, recv_counts)
+        sources, rows = [], []
+        if n:
+            sources.append((key[:, :, :n], value[:, :, :n]))
+            rows.append(self.q_rows.slice(0, n))
+        sources.append((k_recv, v_recv))
+        rows.append(recv_rows)
+        return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache)
