@@ -13,6 +13,7 @@ Deterministic (seeded, standard library only); the two splits share no prompt. R
 packaged files with:
 
     python -m hf_bdlm.data.make_dataset            # writes arith_train.jsonl, arith_test.jsonl here
+    python hf_bdlm/data/make_dataset.py            # the same without importing hf_bdlm (no torch)
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""Worker for tests/test_parallel_failures.py: disagreeing plans and hung collectives fail clearly.
+
+    torchrun --nproc_per_node 2 tests/distributed/failure_worker.py --case disagree --out /tmp/f.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hf_bdlm.attention.masks import MaskRule
+from hf_bdlm.parallel.collectives import ByteMeter, CollectiveTimeout, gather_rows
+from hf_bdlm.parallel.plan import PlanConfig
+from hf_bdlm.parallel.sharded import BlockParallelGroups, ShardedLayout
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=["disagree", "timeout"], required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = BlockParallelGroups.create(2, 2, ByteMeter(), timeout=timedelta(seconds=3))
+    error = None
+    if args.case == "disagree":
+        seq_len = 64 if rank == 0 else 128  # rank 1 got a different batch
+        try:
+            ShardedLayout.build(PlanConfig(seq_len=seq_len, block_size=4, group_size=2, mode="csbp"), groups,
+                                MaskRule(4), verify=True)
+        except ValueError as err:
+            error = str(err)
+    else:
+        groups.ring.meter.step = 5
+        if rank == 0:  # rank 1 never joins the all-gather
+            try:
+                out, pending = gather_rows(torch.zeros(1, 1, 4, 2), groups.ring, "k")
+                pending.wait()
+            except CollectiveTimeout as err:
+                error = str(err)
+        else:
+            import time
+
+            time.sleep(8)
+    with open(f"{args.out}.{rank}", "w") as f:
+        json.dump({"rank": rank, "error": error}, f)
+    if args.case == "disagree":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
