@@ -16,6 +16,7 @@ tells the attention function who may see whom. Tiny CPU example::
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from .attention import (
     vectorized_rows,
 )
 from .configuration import BlockDiffusionConfig
+from .generation import BlockDiffusionGenerationMixin
 
 
 @dataclass
@@ -76,7 +78,7 @@ class BlockDiffusionPreTrainedModel(PreTrainedModel):
             self.backbone._init_weights(module)
 
 
-class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
+class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPreTrainedModel):
     """A block diffusion language model over a causal-LM backbone.
 
     Forward forms:
@@ -96,7 +98,9 @@ class BlockDiffusionForMaskedLM(BlockDiffusionPreTrainedModel):
                 "Use hf_bdlm.convert_causal_lm(...) to add one to a causal LM, or set mask_token_id."
             )
         register_attention()
-        backbone_config = config.backbone_config
+        # A private copy: the caller's causal-LM config must keep its own attention implementation.
+        backbone_config = copy.deepcopy(config.backbone_config)
+        config.backbone_config = backbone_config
         try:
             model_class = AutoModelForCausalLM._model_mapping[type(backbone_config)]
         except KeyError:

@@ -1,0 +1,510 @@
+"""Block-wise diffusion decoding: a clean KV cache across blocks, parallel denoising inside a block.
+
+The sequence is cut into absolute blocks (position ``i`` is in block ``i // B``). The prompt's
+full blocks are run once as clean rows and cached. The current block is the prompt's tail (if
+the prompt ends mid-block; never changed) followed by ``[MASK]`` tokens; each denoising step
+runs it as noisy rows over the cache and unmasks the positions whose confidence reaches a
+threshold (at least one). A finished block is appended to the cache as clean rows, and the
+next block starts fully masked. Noisy K/V never enter the cache. Tiny CPU example::
+
+    import torch
+    from transformers import LlamaConfig
+    from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
+    from hf_bdlm.generation import BlockDiffusionGenerationConfig, generate
+    cfg = BlockDiffusionConfig(backbone_config=LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
+                               block_size=4, mask_token_id=63)
+    model = BlockDiffusionForMaskedLM(cfg).eval()
+    out = generate(model, torch.tensor([[1, 2, 3, 4, 5, 6]]), max_new_tokens=10, confidence_threshold=0.9)
+
+Batches: prompts of equal length decode together in lock step. A left-padded batch (an
+``attention_mask`` with leading zeros) is decoded one row at a time, because blocks are
+absolute positions of each sequence and rows with different prompt lengths have different
+block boundaries; the output keeps HF's layout (input columns, then the generated tokens,
+right-padded with ``pad_token_id``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from .attention import CLEAN, NOISY, LocalLayout, MaskRule, RowMeta
+from .attention.rows import stream_rows
+
+BLOCK_DIFFUSION_FIELDS = ("block_size", "steps_per_block", "confidence_threshold", "mask_token_id", "token_shift")
+
+
+class BlockDiffusionGenerationConfig(GenerationConfig):
+    r"""
+    A [`~transformers.GenerationConfig`] with the knobs of block-wise diffusion decoding. It is saved beside the
+    model as `generation_config.json` and loaded back by `from_pretrained`.
+
+    Parameters:
+        block_size (`int`, *optional*):
+            Tokens per decoding block. `None` uses the model's `config.block_size` (the block size it was trained
+            with); a smaller value decodes in sub-blocks.
+        steps_per_block (`int`, *optional*):
+            Denoising steps per block. `None` runs until every position of the block is unmasked (each step unmasks
+            the confident positions, at least one); an integer unmasks enough positions per step to finish the
+            block in that many steps.
+        confidence_threshold (`float`, *optional*, defaults to 0.9):
+            Positions whose chosen token has at least this probability are unmasked in the same step (parallel
+            decoding). `None` unmasks only the single most confident position per step (or the number
+            `steps_per_block` requires).
+        mask_token_id (`int`, *optional*):
+            The `[MASK]` token; `None` uses the model's `config.mask_token_id`.
+        token_shift (`bool`, *optional*):
+            Whether the logit at position `i - 1` predicts token `i` (models trained with the `fast_dllm_v2`
+            objective, e.g. converted causal LMs). `None` follows `model.config.objective`. With a shift, the
+            first position of a block is predicted by the clean stream (the causal LM's own next-token
+            prediction) and is unmasked in the block's first step.
+
+    The usual fields apply: `max_new_tokens` (default: one block), `do_sample`, `temperature`, `top_k`, `top_p`,
+    `eos_token_id` (int or list), `pad_token_id` (default: the first EOS id).
+    """
+
+    def __init__(
+        self,
+        block_size: int | None = None,
+        steps_per_block: int | None = None,
+        confidence_threshold: float | None = 0.9,
+        mask_token_id: int | None = None,
+        token_shift: bool | None = None,
+        **kwargs,
+    ):
+        # Set before GenerationConfig.__init__, which ends by calling validate().
+        self.block_size = block_size
+        self.steps_per_block = steps_per_block
+        self.confidence_threshold = confidence_threshold
+        self.mask_token_id = mask_token_id
+        self.token_shift = token_shift
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_model_config(cls, model_config) -> "BlockDiffusionGenerationConfig":
+        # transformers' version compares every attribute with a plain GenerationConfig's, which lacks ours; take
+        # its result (special tokens from the backbone) and add the mask token. `block_size` stays None ("the
+        # model's") rather than a copy, so a later change of the model's block size is not silently ignored.
+        base = GenerationConfig.from_model_config(model_config)
+        config = cls(**base.to_dict())
+        config.mask_token_id = getattr(model_config, "mask_token_id", None)
+        config._original_object_hash = hash(config)
+        return config
+
+    def validate(self, strict: bool = False, user_set_attributes: set[str] | None = None) -> None:
+        super().validate(strict=strict, user_set_attributes=user_set_attributes)
+        for name in ("block_size", "steps_per_block"):
+            value = getattr(self, name, None)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
+        threshold = getattr(self, "confidence_threshold", None)
+        if threshold is not None and not 0.0 < threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must lie in (0, 1] or be None, got {threshold!r}.")
+        mask = getattr(self, "mask_token_id", None)
+        if mask is not None and (not isinstance(mask, int) or mask < 0):
+            raise ValueError(f"mask_token_id must be a non-negative integer or None, got {mask!r}.")
+
+
+class BlockDiffusionGenerationMixin:
+    """transformers hooks that make a block-diffusion model own a [`BlockDiffusionGenerationConfig`].
+
+    `PreTrainedModel` creates `model.generation_config`, writes `generation_config.json` in `save_pretrained` and
+    reads it in `from_pretrained` only when `can_generate()` is true, which needs `GenerationMixin` (the autoregressive
+    loop, not ours). This mixin supplies the three hooks instead; it must come before `PreTrainedModel` in the bases
+    so that its `generation_config_class` wins.
+    """
+
+    generation_config_class = BlockDiffusionGenerationConfig
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    def adjust_generation_fn(
+        self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, **kwargs
+    ) -> None:
+        """Called by `from_pretrained`: load `generation_config.json` (or keep the one made from the model config)."""
+        if generation_config is not None:
+            self.generation_config = as_block_diffusion_config(generation_config)
+            return
+        if pretrained_model_name_or_path is None:
+            return
+        hub_keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+        load_kwargs = {k: kwargs[k] for k in hub_keys if kwargs.get(k) is not None}
+        try:
+            self.generation_config = BlockDiffusionGenerationConfig.from_pretrained(
+                pretrained_model_name_or_path, _from_auto=from_auto_class, _from_pipeline=from_pipeline, **load_kwargs
+            )
+        except OSError:
+            pass  # no generation_config.json: keep the config PreTrainedModel built from the model config
+
+
+def as_block_diffusion_config(config: GenerationConfig | dict | None) -> BlockDiffusionGenerationConfig:
+    """A copy of ``config`` as a [`BlockDiffusionGenerationConfig`] (plain `GenerationConfig`s are converted)."""
+    if config is None:
+        return BlockDiffusionGenerationConfig()
+    if isinstance(config, dict):
+        return BlockDiffusionGenerationConfig.from_dict(config)
+    if isinstance(config, BlockDiffusionGenerationConfig):
+        return copy.deepcopy(config)
+    return BlockDiffusionGenerationConfig.from_dict(config.to_dict())
+
+
+# --- resolved settings -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Everything one decoding run needs, with the model's defaults filled in."""
+
+    block_size: int
+    mask_token_id: int
+    max_new_tokens: int
+    steps_per_block: int | None
+    confidence_threshold: float | None
+    token_shift: bool
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    rule: MaskRule
+    backend: str
+
+
+def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: int) -> DecodeSettings:
+    model_config = model.config
+    vocab = model_config.backbone_config.vocab_size
+    mask = config.mask_token_id if config.mask_token_id is not None else model_config.mask_token_id
+    if mask is None:
+        raise ValueError(
+            "No mask token id: set generation_config.mask_token_id or model.config.mask_token_id (convert_causal_lm "
+            "adds a [MASK] token to a causal LM)."
+        )
+    if not 0 <= mask < vocab:
+        raise ValueError(f"mask_token_id={mask} is outside the model vocabulary of size {vocab}.")
+    block = config.block_size or model_config.block_size
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    elif config.max_length is not None:
+        max_new = config.max_length - prompt_len
+    else:
+        max_new = block
+    if max_new <= 0:
+        raise ValueError(
+            f"nothing to generate: max_new_tokens={config.max_new_tokens}, max_length={config.max_length}, "
+            f"prompt length {prompt_len}; set max_new_tokens to a positive integer."
+        )
+    eos = config.eos_token_id
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
+    shift = config.token_shift if config.token_shift is not None else model_config.objective == "fast_dllm_v2"
+    return DecodeSettings(
+        block_size=block,
+        mask_token_id=int(mask),
+        max_new_tokens=int(max_new),
+        steps_per_block=config.steps_per_block,
+        confidence_threshold=config.confidence_threshold,
+        token_shift=bool(shift),
+        # Unset sampling knobs take transformers' defaults (temperature 1, top_k 50, top_p 1).
+        do_sample=bool(config.do_sample),
+        temperature=1.0 if config.temperature is None else float(config.temperature),
+        top_k=50 if config.top_k is None else config.top_k,
+        top_p=1.0 if config.top_p is None else float(config.top_p),
+        eos_token_ids=eos_ids,
+        pad_token_id=pad,
+        rule=MaskRule(block, model_config.clean_attention),
+        backend=model_config.attention_backend,
+    )
+
+
+# --- the clean context: cached or recomputed ---------------------------------------------------
+
+
+def _run_rows(model, ids, q_rows, k_rows, settings, cache=None):
+    """Hidden states of ``ids`` (rows ``q_rows``) attending to ``k_rows`` (the cache's rows, then ``q_rows``)."""
+    positions = q_rows.pos[None].expand(ids.shape[0], -1)
+    layout = LocalLayout(q_rows, k_rows, settings.rule, settings.backend)
+    out = model(
+        input_ids=ids,
+        position_ids=positions,
+        bdlm_layout=layout,
+        past_key_values=cache,
+        use_cache=cache is not None,
+        return_logits=False,
+    )
+    return out.hidden_states
+
+
+class CachedContext:
+    """Clean prefix held as K/V in a `DynamicCache`; noisy steps run over it and are cropped away."""
+
+    def __init__(self, model, settings: DecodeSettings, device):
+        self.model, self.settings, self.device = model, settings, device
+        # No config, so every layer keeps all its keys: transformers' sliding-window layers keep only the last
+        # W - 1 keys (enough for one new token, not for a block whose first query looks W - 1 back) and refuse
+        # the per-step crop once full. The attention rule masks by distance instead.
+        self.cache = DynamicCache()
+        self.length = 0
+        self.last_hidden = None  # clean hidden state of the last cached position (token shift)
+
+    def _cached_rows(self) -> RowMeta:
+        return stream_rows(CLEAN, torch.arange(self.length, device=self.device))
+
+    def append(self, ids: torch.Tensor) -> None:
+        q_rows = stream_rows(CLEAN, torch.arange(self.length, self.length + ids.shape[1], device=self.device))
+        k_rows = RowMeta.cat([self._cached_rows(), q_rows]) if self.length else q_rows
+        hidden = _run_rows(self.model, ids, q_rows, k_rows, self.settings, self.cache)
+        self.length += ids.shape[1]
+        self.last_hidden = hidden[:, -1]
+
+    def block_hidden(self, block: torch.Tensor, start: int):
+        q_rows = stream_rows(NOISY, torch.arange(start, start + block.shape[1], device=self.device))
+        if not self.length:
+            return _run_rows(self.model, block, q_rows, q_rows, self.settings), None
+        k_rows = RowMeta.cat([self._cached_rows(), q_rows])
+        hidden = _run_rows(self.model, block, q_rows, k_rows, self.settings, self.cache)
+        self.cache.crop(-block.shape[1])  # noisy K/V must never become context
+        return hidden, self.last_hidden
+
+
+class RecomputedContext:
+    """No cache: every step runs the whole clean prefix plus the noisy block (the reference for the cache)."""
+
+    def __init__(self, model, settings: DecodeSettings, device):
+        self.model, self.settings, self.device = model, settings, device
+        self.prefix = None
+
+    def append(self, ids: torch.Tensor) -> None:
+        self.prefix = ids if self.prefix is None else torch.cat([self.prefix, ids], dim=1)
+
+    def block_hidden(self, block: torch.Tensor, start: int):
+        noisy = stream_rows(NOISY, torch.arange(start, start + block.shape[1], device=self.device))
+        if self.prefix is None:
+            return _run_rows(self.model, block, noisy, noisy, self.settings), None
+        rows = RowMeta.cat([stream_rows(CLEAN, torch.arange(start, device=self.device)), noisy])
+        hidden = _run_rows(self.model, torch.cat([self.prefix, block], dim=1), rows, rows, self.settings)
+        return hidden[:, start:], hidden[:, start - 1]
+
+
+# --- choosing tokens ---------------------------------------------------------------------------
+
+
+def choose_tokens(logits: torch.Tensor, settings: DecodeSettings, generator: torch.Generator | None):
+    """Tokens and their confidences (probability of the chosen token) for ``logits [n, vocab]``."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # softmax and the threshold comparison in half precision are too coarse
+    logits = logits.clone()
+    logits[:, settings.mask_token_id] = -math.inf  # [MASK] is never a prediction
+    if not settings.do_sample:
+        probs = logits.softmax(-1)
+        confidence, tokens = probs.max(-1)
+        return tokens, confidence
+    # The same warpers as transformers' sampling, so temperature/top-k/top-p mean what users expect.
+    if settings.temperature != 1.0:
+        logits = TemperatureLogitsWarper(settings.temperature)(None, logits)
+    if settings.top_k:
+        logits = TopKLogitsWarper(settings.top_k)(None, logits)
+    if settings.top_p < 1.0:
+        logits = TopPLogitsWarper(settings.top_p)(None, logits)
+    probs = logits.softmax(-1)
+    tokens = torch.multinomial(probs, 1, generator=generator)
+    return tokens[:, 0], probs.gather(1, tokens)[:, 0]
+
+
+def tokens_to_unmask(masked: torch.Tensor, confidence: torch.Tensor, step: int, settings: DecodeSettings):
+    """Boolean ``[b, B]``: the masked positions to fix this step (the most confident first)."""
+    remaining = masked.sum(1)
+    conf = confidence.masked_fill(~masked, -math.inf)
+    count = torch.ones_like(remaining)
+    if settings.confidence_threshold is not None:
+        count = torch.maximum(count, (masked & (conf >= settings.confidence_threshold)).sum(1))
+    if settings.steps_per_block is not None:
+        steps_left = settings.steps_per_block - step
+        needed = remaining if steps_left <= 1 else -torch.div(-remaining, steps_left, rounding_mode="floor")  # ceil
+        count = torch.maximum(count, needed)
+    count = torch.minimum(count, remaining)
+    order = conf.argsort(dim=1, descending=True, stable=True)
+    positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, positions)
+    return masked & (rank < count[:, None])
+
+
+def denoise_block(model, context, block, masked, start, settings, generator):
+    """Denoise ``block`` until none of its ``masked`` positions is left; returns the finished block."""
+    block, masked = block.clone(), masked.clone()
+    step = 0
+    while masked.any():
+        hidden, clean_last = context.block_hidden(block, start)
+        if settings.token_shift:
+            # Position j is predicted by row j - 1; the block's first position by the clean stream's last row.
+            first = clean_last if clean_last is not None else torch.zeros_like(hidden[:, 0])
+            hidden = torch.cat([first[:, None], hidden[:, :-1]], dim=1)
+        logits = model.lm_logits(hidden[masked])
+        tokens, conf = choose_tokens(logits, settings, generator)
+        full_tokens = torch.zeros_like(block).masked_scatter(masked, tokens)
+        full_conf = torch.zeros(block.shape, dtype=conf.dtype, device=block.device).masked_scatter(masked, conf)
+        if settings.token_shift and clean_last is not None:
+            # The clean prediction of the block's first token does not change with the block's content:
+            # fix it at once, so the rest of the block is denoised knowing it.
+            full_conf[:, 0] = math.inf
+        unmask = tokens_to_unmask(masked, full_conf, step, settings)
+        block = torch.where(unmask, full_tokens, block)
+        masked &= ~unmask
+        step += 1
+    return block
+
+
+# --- the decoding loop -------------------------------------------------------------------------
+
+
+def decode(model, prompt: torch.Tensor, settings: DecodeSettings, use_cache: bool, generator) -> torch.Tensor:
+    """Block-wise decoding of equal-length prompts ``[b, s]``; returns ``[b, s + n]`` (n <= max_new_tokens)."""
+    batch, prompt_len = prompt.shape
+    B = settings.block_size
+    device = prompt.device
+    context = (CachedContext if use_cache else RecomputedContext)(model, settings, device)
+    start = prompt_len - prompt_len % B
+    if start:
+        context.append(prompt[:, :start])
+    seq = prompt
+    while True:
+        tail = seq[:, start:]
+        block = torch.cat([tail, tail.new_full((batch, B - tail.shape[1]), settings.mask_token_id)], dim=1)
+        masked = torch.arange(B, device=device)[None].expand(batch, B) >= tail.shape[1]
+        block = denoise_block(model, context, block, masked, start, settings, generator)
+        seq = torch.cat([seq[:, :start], block], dim=1)
+        if seq.shape[1] - prompt_len >= settings.max_new_tokens or _all_ended(seq[:, prompt_len:], settings):
+            break
+        context.append(block)
+        start += B
+    return _finish(seq[:, : prompt_len + settings.max_new_tokens], prompt_len, settings)
+
+
+def _eos_mask(generated: torch.Tensor, settings: DecodeSettings) -> torch.Tensor:
+    eos = torch.tensor(settings.eos_token_ids, device=generated.device)
+    return torch.isin(generated, eos)
+
+
+def _all_ended(generated: torch.Tensor, settings: DecodeSettings) -> bool:
+    return bool(settings.eos_token_ids) and bool(_eos_mask(generated, settings).any(1).all())
+
+
+def _finish(seq: torch.Tensor, prompt_len: int, settings: DecodeSettings) -> torch.Tensor:
+    """Keep each row up to its first generated EOS, pad the rest, drop columns no row needs."""
+    if not settings.eos_token_ids:
+        return seq
+    is_eos = _eos_mask(seq[:, prompt_len:], settings)
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
+    generated = seq[:, prompt_len:].masked_fill(after_eos, settings.pad_token_id)
+    keep = int((~after_eos).sum(1).max())
+    return torch.cat([seq[:, :prompt_len], generated[:, :keep]], dim=1)
+
+
+def _check_inputs(model, input_ids, attention_mask) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a LongTensor of shape [batch, prompt_len], got {shape} "
+                         "(use input_ids[None] for a single prompt).")
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids is an empty batch (shape {tuple(input_ids.shape)}); pass at least one prompt.")
+    if input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids has empty prompts (shape {tuple(input_ids.shape)}); block diffusion decoding needs at least "
+            "one prompt token (e.g. the BOS token)."
+        )
+    vocab = model.config.backbone_config.vocab_size
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(
+            f"input_ids holds token ids in [{int(input_ids.min())}, {int(input_ids.max())}] but the model vocabulary "
+            f"has {vocab} entries."
+        )
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)}."
+            )
+        mask = attention_mask.bool()
+        if (mask[:, :-1] & ~mask[:, 1:]).any():
+            raise ValueError(
+                "attention_mask must be left padding (zeros, then ones) for generation; right-padded prompts would "
+                "put pad tokens between the prompt and the generated text: tokenize with padding_side='left'."
+            )
+        if not mask[:, -1].all():
+            raise ValueError("attention_mask has a row with no prompt token; every prompt needs at least one token.")
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig | None = None,
+    use_cache: bool = True,
+    **kwargs,
+) -> torch.LongTensor:
+    r"""
+    Block-wise diffusion decoding with a [`BlockDiffusionForMaskedLM`].
+
+    Args:
+        model ([`BlockDiffusionForMaskedLM`]):
+            The model.
+        input_ids (`torch.LongTensor` of shape `[batch, prompt_len]`):
+            Prompts. Rows of a batch have the same length unless `attention_mask` marks left padding.
+        generation_config ([`~transformers.GenerationConfig`], *optional*):
+            Defaults to `model.generation_config` (or one made from the model config); a plain `GenerationConfig`
+            is converted to a [`BlockDiffusionGenerationConfig`].
+        use_cache (`bool`, defaults to `True`):
+            Keep the clean prefix as a KV cache. `False` recomputes the prefix at every step (same tokens; slower).
+        kwargs:
+            `attention_mask` (left padding), `generator` (a `torch.Generator` for sampling), and any field of
+            [`BlockDiffusionGenerationConfig`] (e.g. `max_new_tokens=64, confidence_threshold=0.9`).
+
+    Returns:
+        `torch.LongTensor` of shape `[batch, prompt_len + n]`, `n <= max_new_tokens`: the prompts followed by the
+        generated tokens, each row cut after its first generated EOS and right-padded with `pad_token_id`.
+    """
+    attention_mask = kwargs.pop("attention_mask", None)
+    generator = kwargs.pop("generator", None)
+    if generation_config is None:
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is None:
+            generation_config = BlockDiffusionGenerationConfig.from_model_config(model.config)
+    config = as_block_diffusion_config(generation_config)
+    unused = config.update(**kwargs)
+    if unused:
+        raise TypeError(
+            f"generate() got unexpected arguments {sorted(unused)}: pass attention_mask, generator or fields of "
+            f"BlockDiffusionGenerationConfig ({', '.join(BLOCK_DIFFUSION_FIELDS)}, max_new_tokens, do_sample, ...)."
+        )
+    config.validate()
+    _check_inputs(model, input_ids, attention_mask)
+    if attention_mask is None or bool(attention_mask.bool().all()):
+        settings = resolve_settings(model, config, input_ids.shape[1])
+        return decode(model, input_ids, settings, use_cache, generator)
+    return _decode_left_padded(model, input_ids, attention_mask.bool(), config, use_cache, generator)
+
+
+def _decode_left_padded(model, input_ids, mask, config, use_cache, generator) -> torch.Tensor:
+    """Ragged batch: decode each row alone (its blocks start at its first real token), re-assemble HF-style."""
+    width = input_ids.shape[1]
+    # max_length counts the padded width, as in transformers, so every row gets the same budget.
+    settings = resolve_settings(model, config, width)
+    rows = []
+    for i in range(input_ids.shape[0]):
+        prompt = input_ids[i : i + 1][:, mask[i]]
+        rows.append(decode(model, prompt, settings, use_cache, generator)[0, prompt.shape[1] :])
+    longest = max(r.shape[0] for r in rows)
+    # Rows only differ in length when EOS ended some, and then pad_token_id is set (it defaults to EOS).
+    out = input_ids.new_full((input_ids.shape[0], width + longest), settings.pad_token_id or 0)
+    out[:, :width] = input_ids
+    for i, r in enumerate(rows):
+        out[i, width : width + r.shape[0]] = r
+    return out
