@@ -33,9 +33,9 @@ from hf_bdlm.objectives import get_objective
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output-dir", default="outputs/quickstart")
-    p.add_argument("--minutes", type=float, default=4.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=3.0, help="training time budget")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--eval-examples", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)

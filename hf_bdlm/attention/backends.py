@@ -91,12 +91,15 @@ def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache, waits=None)
 def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if q.device.type != "cuda" and torch.is_grad_enabled() and q.requires_grad:
-        raise BackendUnavailable(
-            "attention_backend='flex' has no backward pass on CPU in PyTorch; train on CPU with "
-            "attention_backend='blockwise' (flex runs CPU inference only)."
-        )
     k, v, rows = _cat_sources(sources, k_rows)
+    if q.device.type != "cuda":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise BackendUnavailable(
+                "attention_backend='flex' has no backward pass on CPU in PyTorch; train on CPU with "
+                "attention_backend='blockwise' (flex runs CPU inference only)."
+            )
+        # PyTorch's CPU check looks at requires_grad even under no_grad.
+        q, k, v = q.detach(), k.detach(), v.detach()
     key = ("flex", rule)
     block_mask = cache.get(key)
     if block_mask is None:
