@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
 from .attention import register_attention
 from .configuration import BlockDiffusionConfig
+from .generation import BlockDiffusionGenerationConfig
 from .modeling import BlockDiffusionForMaskedLM, BlockDiffusionOutput, pad_to_block_multiple
 
 __version__ = "0.1.0"
@@ -25,10 +26,6 @@ def __getattr__(name):
         from .conversion import convert_causal_lm
 
         return convert_causal_lm
-    if name in ("BlockDiffusionGenerationConfig",):
-        from . import generation
-
-        return getattr(generation, name)
     raise AttributeError(f"module 'hf_bdlm' has no attribute {name!r}")
 
 
