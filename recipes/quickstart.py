@@ -37,7 +37,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--eval-examples", type=int, default=40)
+    p.add_argument("--eval-examples", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     return p
