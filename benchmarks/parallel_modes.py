@@ -1,0 +1,267 @@
+"""CPU (gloo) benchmark of the block-parallel modes of DESIGN.md §2: ``cp``, ``bp``, ``csbp``.
+
+One training step (forward + backward, no optimizer) of a small Llama-style BDLM (hidden 256,
+8 heads, 2 KV heads, head dim 32, intermediate 512, vocab 1024, ``--layers`` layers, block 64,
+``blockwise`` attention, float32) on one sequence of length ``L``, all tokens supervised,
+objective ``standard``. For every (mode, P, L) the driver launches a fresh ``torchrun`` (so each
+configuration's peak RSS is its own) running this same file with ``--worker``; the single-process
+baseline (``single``: plain ``objective.loss``) runs in a fresh process too. One thread per rank.
+
+Per configuration: step time (median over ``--steps`` after one warm-up; the group's step time is
+the slowest rank's), tokens/s (``L`` / step time), peak memory (``ru_maxrss`` high-water mark minus
+the RSS once model and batch are built, max over ranks; the absolute high-water mark is kept as
+``peak_rss_bytes``), bytes received per step from the ByteMeter (max over ranks, and per
+collective name) and time spent waiting on collectives (max over ranks). Only the ``allgather``
+transport exists so far; records say ``transport="allgather"``.
+
+    python -m benchmarks.parallel_modes --quick --out /tmp/pm.json          # < 3 min
+    python -m benchmarks.parallel_modes --lengths 4096 8192 16384 --nprocs 2 4 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve()
+ROOT = HERE.parent.parent
+BLOCK, MASK, PAD = 64, 1023, 0
+
+
+# ----------------------------------------------------------------------------------------------
+# worker
+# ----------------------------------------------------------------------------------------------
+def _current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _build(L: int, layers: int):
+    import torch
+    from transformers import LlamaConfig
+
+    from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
+    from hf_bdlm.objectives import get_objective
+
+    # Same seed on every rank: identical weights and batch, as the group shares one batch.
+    torch.manual_seed(0)
+    backbone = LlamaConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=32, intermediate_size=512, pad_token_id=PAD)
+    cfg = BlockDiffusionConfig(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK,
+                               attention_backend="blockwise")
+    model = BlockDiffusionForMaskedLM(cfg).float()
+    objective = get_objective("standard", cfg)
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(2, MASK, (1, L), generator=g),
+             "completion_mask": torch.ones(1, L, dtype=torch.long),
+             "attention_mask": torch.ones(1, L, dtype=torch.long),
+             "sample_ids": torch.arange(1)}
+    corrupted = objective.corrupt(batch, seed=7, step=0)
+    return model, objective, corrupted
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    L, mode = args.lengths[0], args.mode
+    model, objective, corrupted = _build(L, args.layers)
+    base_rss = _current_rss()
+    times, bytes_steps, waits = [], [], []
+
+    if mode == "single":
+        for step in range(1 + args.steps):
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss, _ = objective.loss(model, corrupted)
+            loss.backward()
+            dt = time.perf_counter() - t0
+            if step:  # step 0 is the warm-up
+                times.append(dt)
+        peak, peak_abs = _peak_rss() - base_rss, _peak_rss()
+        rec = dict(mode="single", transport=None, P=1, C=1, L=L, layers=args.layers, steps=args.steps,
+                   step_s=statistics.median(times), step_times=times, tokens_per_s=L / statistics.median(times),
+                   peak_mem_bytes=peak, peak_rss_bytes=peak_abs, bytes_per_step=0, bytes_by_name={},
+                   comm_wait_s=0.0)
+        pathlib.Path(args.out).write_text(json.dumps(rec))
+        return
+
+    import torch.distributed as dist
+
+    from hf_bdlm.parallel.collectives import ByteMeter
+    from hf_bdlm.parallel.plan import PlanConfig
+    from hf_bdlm.parallel.sharded import BlockParallelGroups, ShardedLayout
+
+    dist.init_process_group("gloo")
+    P, rank = dist.get_world_size(), dist.get_rank()
+    C = 1 if mode == "bp" else P
+    meter = ByteMeter()
+    groups = BlockParallelGroups.create(P, C, meter)
+    plan_cfg = PlanConfig(seq_len=L, block_size=BLOCK, group_size=P, clean_ring_size=C, mode=mode)
+    # ``cp`` talks on the group, ``csbp`` on the ring (same ranks when C = P, but distinct
+    # CommContexts): sum both wait counters so the mode does not matter here.
+    comms = (groups.group, groups.ring)
+    for step in range(1 + args.steps):
+        meter.next_step()
+        model.zero_grad(set_to_none=True)
+        wait0 = sum(c.wait_seconds for c in comms)
+        dist.barrier()  # start together, so the slowest rank's time is the group's step time
+        t0 = time.perf_counter()
+        # The layout is rebuilt every step as a trainer would (its plan depends on the batch).
+        layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), "blockwise", corrupted.document_ids)
+        ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
+        out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
+        loss, _ = objective.loss_from_hidden(model, out.hidden_states, corrupted, layout.loss_row_index(corrupted))
+        loss.backward()
+        dt = time.perf_counter() - t0
+        if step:
+            times.append(dt)
+            bytes_steps.append(meter.by_name())
+            waits.append(sum(c.wait_seconds for c in comms) - wait0)
+        del out, loss, layout
+    peak, peak_abs = _peak_rss() - base_rss, _peak_rss()
+    mine = dict(times=times, bytes=bytes_steps, waits=waits, peak=peak, peak_abs=peak_abs)
+    everyone: list = [None] * P
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        # The group advances at the pace of its slowest rank, step by step.
+        step_times = [max(r["times"][i] for r in everyone) for i in range(args.steps)]
+        step_s = statistics.median(step_times)
+        by_name: dict[str, int] = {}
+        for name in sorted({n for r in everyone for n in r["bytes"][-1]}):
+            by_name[name] = max(r["bytes"][-1].get(name, 0) for r in everyone)
+        per_rank_bytes = [sum(r["bytes"][-1].values()) for r in everyone]
+        rec = dict(mode=mode, transport="allgather", P=P, C=C, L=L, layers=args.layers, steps=args.steps,
+                   step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
+                   peak_mem_bytes=max(r["peak"] for r in everyone),
+                   peak_mem_per_rank=[r["peak"] for r in everyone],
+                   peak_rss_bytes=max(r["peak_abs"] for r in everyone),
+                   bytes_per_step=max(per_rank_bytes), bytes_per_rank=per_rank_bytes, bytes_by_name=by_name,
+                   comm_wait_s=max(statistics.median(r["waits"]) for r in everyone),
+                   comm_wait_per_rank=[statistics.median(r["waits"]) for r in everyone])
+        pathlib.Path(args.out).write_text(json.dumps(rec))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path) -> dict:
+    out = tmp / f"{mode}_P{P}_L{L}.json"
+    common = [str(HERE), "--worker", "--mode", mode, "--lengths", str(L), "--steps", str(args.steps),
+              "--layers", str(args.layers), "--out", str(out)]
+    if mode == "single":
+        cmd = [sys.executable, *common]
+    else:
+        # --standalone picks a free rendezvous port: other jobs on the machine cannot collide.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(P), *common]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    base = dict(mode=mode, transport=None if mode == "single" else "allgather", P=P,
+                C=1 if mode in ("bp", "single") else P, L=L)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return dict(base, error=f"timed out after {args.timeout}s")
+    if proc.returncode or not out.exists():
+        return dict(base, error=(proc.stderr or proc.stdout)[-3000:])
+    rec = json.loads(out.read_text())
+    rec["wall_s"] = time.perf_counter() - t0
+    return rec
+
+
+def _fmt_bytes(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}MiB"
+
+
+def _table(records) -> str:
+    head = f"{'mode':7} {'P':>2} {'C':>2} {'L':>6} {'step_s':>8} {'tok/s':>9} {'peakMem':>11} {'bytes/step':>11} {'wait_s':>7}"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['mode']:7} {r['P']:>2} {r['C']:>2} {r['L']:>6}  ERROR: {r['error'].strip().splitlines()[-1][:80]}")
+            continue
+        lines.append(f"{r['mode']:7} {r['P']:>2} {r['C']:>2} {r['L']:>6} {r['step_s']:8.3f} {r['tokens_per_s']:9.1f} "
+                     f"{_fmt_bytes(r['peak_mem_bytes']):>11} {_fmt_bytes(r['bytes_per_step']):>11} {r['comm_wait_s']:7.3f}")
+    return "\n".join(lines)
+
+
+def _ratios(records, lengths, nprocs) -> list[str]:
+    ok = {(r["mode"], r["P"], r["L"]): r for r in records if "error" not in r}
+
+    def ratio(a, b, key):
+        if a is None or b is None or not b.get(key):
+            return "n/a"
+        return f"{a[key] / b[key]:.2f}"
+
+    lines = []
+    for L in lengths:
+        single = ok.get(("single", 1, L))
+        for P in nprocs:
+            cs, cp, bp = ok.get(("csbp", P, L)), ok.get(("cp", P, L)), ok.get(("bp", P, L))
+            parts = [f"L={L} P={P}:",
+                     f"CSBP/CP bytes {ratio(cs, cp, 'bytes_per_step')} (expect 0.50)",
+                     f"CSBP/BP tok/s {ratio(cs, bp, 'tokens_per_s')}",
+                     f"CSBP/CP tok/s {ratio(cs, cp, 'tokens_per_s')}",
+                     f"CSBP/CP mem {ratio(cs, cp, 'peak_mem_bytes')}",
+                     f"CSBP/BP mem {ratio(cs, bp, 'peak_mem_bytes')}"]
+            if single is not None and cs is not None:
+                parts.append(f"CSBP scaling eff vs single {cs['tokens_per_s'] / (P * single['tokens_per_s']):.2f}")
+            lines.append("  ".join(parts))
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="parallel_modes.json", help="JSON records (driver) / one record (worker)")
+    parser.add_argument("--quick", action="store_true", help="L=2048, P=2, 1 step (< 3 min)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--modes", nargs="+", default=["cp", "bp", "csbp"], choices=["cp", "bp", "csbp"])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--no-single", action="store_true", help="skip the single-process baseline")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="csbp", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.lengths, args.nprocs, args.steps = [2048], [2], 1
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for L in args.lengths:
+            configs = ([] if args.no_single else [("single", 1)]) + [(m, P) for P in args.nprocs for m in args.modes]
+            for mode, P in configs:
+                rec = _launch(mode, P, L, args, pathlib.Path(tmp))
+                records.append(rec)
+                print(_table([rec]).splitlines()[-1], flush=True)
+                # Write as we go: a long run interrupted still leaves its measurements.
+                pathlib.Path(args.out).write_text(json.dumps(records, indent=1))
+    print()
+    print(_table(records))
+    print()
+    for line in _ratios(records, args.lengths, args.nprocs):
+        print(line)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,445 @@
+"""Specifications of block-diffusion attention (hf_bdlm/attention): the rule, the block-sparse
+planner and every backend against the dense reference.
+
+Fast and CPU-only (CUDA tests skip with a reason): ``python -m pytest tests/test_attention.py -q``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import pytest
+import torch
+
+from hf_bdlm.attention import BackendUnavailable, MaskRule, attend, dense_mask, vectorized_rows
+from hf_bdlm.attention.masks import (
+    CLEAN,
+    NOISY,
+    TILE_FULL,
+    TILE_NONE,
+    TILE_PARTIAL,
+    count_allowed_pairs,
+    tile_classes,
+)
+from hf_bdlm.attention.rows import RowMeta, stream_rows
+from hf_bdlm.attention.tiles import plan_attention, split_chunks
+
+KINDS = ("block_causal", "causal")
+CUDA = torch.cuda.is_available()
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _few_threads():
+    # Tensors here are tiny: extra intra-op threads only add overhead on a loaded machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+
+def _docs(lengths_in_blocks: list[int], block_size: int) -> torch.Tensor:
+    """Document ids ``[1, L]`` of block-aligned packed documents."""
+    return torch.cat([torch.full((n * block_size,), i) for i, n in enumerate(lengths_in_blocks)])[None]
+
+
+def _block_shuffled(rows: RowMeta, block_size: int, seed: int) -> RowMeta:
+    """The rows permuted by whole blocks (how a sharded layout reorders them)."""
+    n = rows.num_rows // block_size
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    index = (perm[:, None] * block_size + torch.arange(block_size)).flatten()
+    return rows.select(index)
+
+
+def _rank_subset(rows: RowMeta, block_size: int, blocks: list[int]) -> RowMeta:
+    """The rows of some whole row blocks (what one rank of a group holds as queries)."""
+    index = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in blocks])
+    return rows.select(index)
+
+
+def _chunk_onehot(rows: RowMeta, block_size: int) -> tuple[torch.Tensor, int]:
+    chunks = split_chunks(rows, block_size)
+    onehot = torch.zeros(chunks.count, rows.num_rows)
+    for i, (s, e) in enumerate(zip(chunks.start.tolist(), chunks.end.tolist())):
+        onehot[i, s:e] = 1
+    return onehot, chunks
+
+
+def _assert_tiles_match_dense(q_rows: RowMeta, k_rows: RowMeta, rule: MaskRule):
+    q_onehot, qc = _chunk_onehot(q_rows, rule.block_size)
+    k_onehot, kc = _chunk_onehot(k_rows, rule.block_size)
+    dense = dense_mask(q_rows, k_rows, rule)[0].double()
+    allowed_in_tile = q_onehot.double() @ dense @ k_onehot.double().T
+    tile_size = q_onehot.sum(1, keepdim=True).double() * k_onehot.sum(1)[None].double()
+    expected = torch.full(allowed_in_tile.shape, TILE_PARTIAL, dtype=torch.int8)
+    expected[allowed_in_tile == 0] = TILE_NONE
+    expected[allowed_in_tile == tile_size] = TILE_FULL
+    got = tile_classes(qc, kc, rule)
+    bad = (got != expected).nonzero()
+    assert bad.numel() == 0, (
+        f"{rule}: tile (query chunk {bad[0, 0].item()}, key chunk {bad[0, 1].item()}) classified "
+        f"{got[tuple(bad[0])].item()}, dense mask says {expected[tuple(bad[0])].item()}"
+    )
+
+
+def _small_rules(block_size: int, length: int):
+    windows = (None, 1, block_size // 2 + 1, block_size, block_size + 1, 2 * block_size + 1, length + 1)
+    return [MaskRule(block_size, kind, w) for kind in KINDS for w in windows]
+
+
+# --- tile classes against the dense mask -----------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
+def test_tile_classes_agree_with_dense_mask_on_vectorized_rows(block_size, packed):
+    length = 6 * block_size
+    doc = _docs([1, 3, 2], block_size) if packed else None
+    rows = vectorized_rows(length, doc)
+    for rule in _small_rules(block_size, length):
+        _assert_tiles_match_dense(rows, rows, rule)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
+def test_tile_classes_agree_with_dense_mask_on_block_shuffled_rows(seed, packed):
+    block_size, length = 4, 32
+    doc = _docs([3, 1, 4], block_size) if packed else None
+    rows = _block_shuffled(vectorized_rows(length, doc), block_size, seed)
+    for rule in _small_rules(block_size, length):
+        _assert_tiles_match_dense(rows, rows, rule)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one_doc", "packed"])
+def test_tile_classes_agree_with_dense_mask_for_a_subset_of_query_rows(packed):
+    block_size, length = 4, 32
+    doc = _docs([2, 2, 4], block_size) if packed else None
+    keys = vectorized_rows(length, doc)
+    # A rank holding noisy blocks 0 and 7 (dual-end pair) and clean blocks 3..4, plus half blocks.
+    queries = [
+        _rank_subset(keys, block_size, [0, 7, 8 + 3, 8 + 4]),
+        keys.select(torch.cat([torch.arange(2, 6), torch.arange(40, 47)])),
+    ]
+    for q_rows, rule in itertools.product(queries, _small_rules(block_size, length)):
+        _assert_tiles_match_dense(q_rows, keys, rule)
+
+
+# --- blockwise equals dense ------------------------------------------------------------------
+
+
+def _qkv(batch, heads, kv_heads, q_len, k_lens, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, q_len, dim, dtype=torch.float64, generator=g, requires_grad=True)
+    sources = [
+        tuple(torch.randn(batch, kv_heads, n, dim, dtype=torch.float64, generator=g, requires_grad=True) for _ in "kv")
+        for n in k_lens
+    ]
+    return q, sources
+
+
+def _run(backend, q, sources, q_rows, k_rows, rule, grad_out):
+    q = q.detach().requires_grad_()
+    sources = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in sources]
+    out = attend(backend, q, sources, q_rows, k_rows, rule, q.shape[-1] ** -0.5, {})
+    out.backward(grad_out)
+    return out.detach(), [q.grad] + [t.grad for kv in sources for t in kv]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _assert_close(got, want, what=""):
+    out_g, grads_g = got
+    out_w, grads_w = want
+    assert _rel_err(out_g, out_w) <= 1e-12, f"{what}: output differs"
+    names = ["dq"] + [f"d{t}{i}" for i in range(len(grads_w) // 2) for t in "kv"]
+    for name, a, b in zip(names, grads_g, grads_w):
+        assert _rel_err(a, b) <= 1e-12, f"{what}: {name} differs by {_rel_err(a, b):.2e}"
+
+
+def _assert_blockwise_equals_dense(q_rows, k_rows, rule, batch=1, heads=4, kv_heads=2, seed=0):
+    q, sources = _qkv(batch, heads, kv_heads, q_rows.num_rows, [r.num_rows for r in k_rows], seed=seed)
+    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    want = _run("dense", q, sources, q_rows, k_rows, rule, grad_out)
+    got = _run("blockwise", q, sources, q_rows, k_rows, rule, grad_out)
+    _assert_close(got, want, str(rule))
+    return got
+
+
+def _windows(block_size, length):
+    # None, smaller than the block, between one and two blocks, longer than the sequence.
+    return (None, block_size // 2, block_size + block_size // 2, length + 5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window_index", range(4), ids=["no_window", "w<B", "B<w<2B", "w>L"])
+def test_blockwise_equals_dense_on_vectorized_rows(kind, window_index):
+    block_size, length = 4, 24
+    rule = MaskRule(block_size, kind, _windows(block_size, length)[window_index])
+    rows = vectorized_rows(length)
+    _assert_blockwise_equals_dense(rows, [rows], rule, batch=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 3], ids=["no_window", "w<B"])
+def test_blockwise_equals_dense_with_packed_documents_shared_by_the_batch(kind, window):
+    block_size = 4
+    doc = _docs([2, 1, 3], block_size).expand(2, -1)
+    rows = vectorized_rows(doc.shape[1], doc)
+    _assert_blockwise_equals_dense(rows, [rows], MaskRule(block_size, kind, window), batch=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 6], ids=["no_window", "B<w<2B"])
+def test_blockwise_equals_dense_with_packed_documents_differing_per_batch_item(kind, window):
+    block_size = 4
+    doc = torch.cat([_docs([2, 1, 3], block_size), _docs([4, 2], block_size), _docs([6], block_size)])
+    rows = vectorized_rows(doc.shape[1], doc)
+    _assert_blockwise_equals_dense(rows, [rows], MaskRule(block_size, kind, window), batch=3)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_blockwise_equals_dense_with_grouped_query_attention(kv_heads):
+    rows = vectorized_rows(16)
+    _assert_blockwise_equals_dense(rows, [rows], MaskRule(4, "causal"), heads=4, kv_heads=kv_heads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 2, 6], ids=["no_window", "w<B", "B<w<2B"])
+def test_blockwise_with_keys_split_into_two_sources_equals_one_source(kind, window):
+    block_size, length = 4, 20
+    rule = MaskRule(block_size, kind, window)
+    rows = vectorized_rows(length)
+    noisy, clean = rows.slice(0, length), rows.slice(length, 2 * length)
+    q, (source,) = _qkv(2, 4, 2, 2 * length, [2 * length], seed=3)
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    one = _run("blockwise", q, [source], rows, [rows], rule, grad_out)
+    k, v = source
+    split = [(k[:, :, :length], v[:, :, :length]), (k[:, :, length:], v[:, :, length:])]
+    two = _run("blockwise", q, split, rows, [noisy, clean], rule, grad_out)
+    dense = _run("dense", q, split, rows, [noisy, clean], rule, grad_out)
+    _assert_close(two, dense, f"two sources vs dense, {rule}")
+    # Per-source gradients are the two halves of the single-source gradient.
+    dq, dk0, dv0, dk1, dv1 = two[1]
+    _assert_close(
+        (two[0], [dq, torch.cat([dk0, dk1], 2), torch.cat([dv0, dv1], 2)]), one, f"two sources vs one, {rule}"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 2, 6], ids=["no_window", "w<B", "B<w<2B"])
+def test_blockwise_equals_dense_for_a_rank_holding_some_blocks(kind, window):
+    block_size, length = 4, 32
+    keys = vectorized_rows(length)
+    # Noisy blocks 1 and 6 (a dual-end pair) and clean blocks 2..3, in local order.
+    queries = _rank_subset(keys, block_size, [1, 6, 8 + 2, 8 + 3])
+    _assert_blockwise_equals_dense(queries, [keys], MaskRule(block_size, kind, window), batch=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 2, 6], ids=["no_window", "w<B", "B<w<2B"])
+def test_blockwise_equals_dense_on_block_shuffled_rows(kind, window):
+    rows = _block_shuffled(vectorized_rows(24, _docs([2, 4], 4)), 4, seed=1)
+    _assert_blockwise_equals_dense(rows, [rows], MaskRule(4, kind, window))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block", [0, 3])
+@pytest.mark.parametrize("window", [None, 2, 6], ids=["no_window", "w<B", "B<w<2B"])
+def test_blockwise_equals_dense_in_inference_form(kind, block, window):
+    # Generation: one noisy block attends to the cached clean prefix and to itself.
+    block_size = 4
+    positions = torch.arange(block * block_size, (block + 1) * block_size)
+    q_rows = stream_rows(NOISY, positions)
+    keys = RowMeta.cat([stream_rows(CLEAN, torch.arange(block * block_size)), q_rows])
+    _assert_blockwise_equals_dense(q_rows, [keys], MaskRule(block_size, kind, window), batch=2)
+
+
+# --- the plan stays block-sized --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 100], ids=["no_window", "window"])
+def test_plan_never_builds_a_sequence_sized_object(kind, window):
+    length, block_size = 2048, 64
+    rule = MaskRule(block_size, kind, window)
+    rows = vectorized_rows(length)
+    plan = plan_attention(rows, [rows], rule)
+    for call in plan.calls:
+        if call.mask is not None:
+            assert call.mask.numel() <= block_size * block_size, f"mask of shape {tuple(call.mask.shape)}"
+        for spec in (call.q_rows, call.k_rows):
+            if not isinstance(spec, tuple):  # index tensors list rows, never pairs
+                assert spec.numel() <= 2 * length
+    assert plan.allowed_pairs() == count_allowed_pairs(rows, rows, rule)
+
+
+# --- flex ------------------------------------------------------------------------------------
+
+
+def _flex_runs_eagerly_here() -> str | None:
+    try:
+        rows = vectorized_rows(8)
+        q = torch.randn(1, 2, 16, 8)
+        attend("flex", q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
+    except Exception as exc:  # noqa: BLE001 - any failure means "not on this torch"
+        return f"FlexAttention does not run eagerly on this torch: {exc!r}"
+    return None
+
+
+_FLEX_SKIP = _flex_runs_eagerly_here()
+
+
+@pytest.mark.skipif(_FLEX_SKIP is not None, reason=_FLEX_SKIP or "")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 3], ids=["no_window", "w<B"])
+def test_flex_forward_equals_dense_on_cpu(kind, window):
+    doc = torch.cat([_docs([2, 1, 3], 4), _docs([6], 4)])
+    rows = vectorized_rows(24, doc)
+    rule = MaskRule(4, kind, window)
+    q, sources = _qkv(2, 4, 2, rows.num_rows, [rows.num_rows])
+    with torch.no_grad():
+        flex = attend("flex", q, sources, rows, [rows], rule, 0.3, {})
+        dense = attend("dense", q, sources, rows, [rows], rule, 0.3, {})
+    assert _rel_err(flex, dense) <= 1e-12
+
+
+def test_flex_training_on_cpu_raises_backend_unavailable_naming_blockwise():
+    rows = vectorized_rows(8)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    with pytest.raises(BackendUnavailable, match="blockwise"):
+        attend("flex", q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+def test_flex_backward_equals_dense_on_cuda(kind):
+    rows = vectorized_rows(256, _docs([4, 12], 16).cuda())
+    rule = MaskRule(16, kind, 40)
+    q, (source,) = _qkv(1, 4, 2, rows.num_rows, [rows.num_rows], dim=16)
+    q, source = q.detach().cuda(), tuple(t.detach().cuda() for t in source)
+    grad_out = torch.randn_like(q)
+    got = _run("flex", q.float(), [tuple(t.float() for t in source)], rows, [rows], rule, grad_out.float())
+    want = _run("dense", q, [source], rows, [rows], rule, grad_out)
+    for a, b in zip([got[0]] + got[1], [want[0]] + want[1]):
+        assert _rel_err(a.double(), b) <= 1e-4
+
+
+# --- flash -----------------------------------------------------------------------------------
+
+
+def test_flash_without_cuda_tensors_raises_backend_unavailable():
+    rows = vectorized_rows(8)
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(BackendUnavailable, match="blockwise"):
+        attend("flash", q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
+
+
+def test_flash_rejects_float32_naming_blockwise():
+    from hf_bdlm.attention.flash import attend_flash_attn
+
+    rows = vectorized_rows(8)
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(BackendUnavailable, match="blockwise"):
+        attend_flash_attn(q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
+
+
+def _flash_reference_mask(cq, ck, causal, left, right):
+    """flash-attn 2's documented mask: query i sees keys in
+    ``[i + ck - cq - left, i + ck - cq + right]`` (bottom-right aligned; -1 = unbounded)."""
+    i = torch.arange(cq)[:, None]
+    j = torch.arange(ck)[None, :]
+    centre = i + ck - cq
+    ok = torch.ones(cq, ck, dtype=torch.bool)
+    if causal:
+        right = 0
+    if left >= 0:
+        ok &= j >= centre - left
+    if right >= 0:
+        ok &= j <= centre + right
+    return ok
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 1, 5, 8, 12, 17, 25], ids=lambda w: f"w{w}")
+def test_flash_maps_every_masked_tile_to_causal_or_window_flags_exactly(kind, window):
+    # CPU-checkable half of the flash backend: each planned tile mask becomes flash-attn flags
+    # (after trimming rows/keys the mask leaves empty) that reproduce the mask exactly.
+    from hf_bdlm.attention.flash import flash_call
+
+    block_size = 8
+    rows = vectorized_rows(64, _docs([3, 5], block_size))
+    plan = plan_attention(rows.batch_item(0), [rows.batch_item(0)], MaskRule(block_size, kind, window))
+    for call in plan.calls:
+        fc = flash_call(call)
+        if call.mask is None:
+            assert (fc.causal, fc.window) == (False, (-1, -1)) and fc.trim == (0, 0, 0, 0)
+            continue
+        q0, q1, k0, k1 = fc.trim
+        cq, ck = call.mask.shape
+        flash = torch.zeros_like(call.mask)
+        flash[q0 : cq - q1, k0 : ck - k1] = _flash_reference_mask(cq - q0 - q1, ck - k0 - k1, fc.causal, *fc.window)
+        assert torch.equal(flash, call.mask), f"{call.mask.int()} mapped to {fc}"
+
+
+def test_flash_rejects_a_mask_that_is_not_a_band_naming_the_tile():
+    from hf_bdlm.attention.flash import flash_call
+    from hf_bdlm.attention.tiles import KernelCall
+
+    mask = torch.tensor([[True, False, True], [False, True, False], [True, False, True]])
+    with pytest.raises(NotImplementedError, match=r"query rows \(3, 6\)"):
+        flash_call(KernelCall((3, 6), 0, (0, 3), mask))
+
+
+@pytest.mark.skipif(not (CUDA and HAS_FLASH_ATTN), reason="needs CUDA and the flash-attn package")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 8, 24], ids=["no_window", "w<B", "B<w<2B"])
+def test_flash_equals_dense_on_cuda(kind, window):
+    doc = torch.cat([_docs([4, 12], 16), _docs([16], 16)]).cuda()
+    rows = vectorized_rows(256, doc)
+    rule = MaskRule(16, kind, window)
+    q, (source,) = _qkv(2, 4, 2, rows.num_rows, [rows.num_rows], dim=64)
+    q, source = q.detach().cuda(), tuple(t.detach().cuda() for t in source)
+    grad_out = torch.randn_like(q)
+    half = [tuple(t.bfloat16() for t in source)]
+    got = _run("flash", q.bfloat16(), half, rows, [rows], rule, grad_out.bfloat16())
+    want = _run("dense", q, [source], rows, [rows], rule, grad_out)
+    for a, b in zip([got[0]] + got[1], [want[0]] + want[1]):
+        assert _rel_err(a.double(), b) <= 3e-2
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(block_size=-4), "block_size"),
+        (dict(block_size=4, clean_attention="bidirectional"), "clean_attention"),
+        (dict(block_size=4, sliding_window=0), "sliding_window"),
+    ],
+)
+def test_mask_rule_rejects_invalid_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MaskRule(**kwargs)
+
+
+def test_unknown_backend_is_an_error_listing_the_backends():
+    rows = vectorized_rows(8)
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(ValueError, match="Unknown attention backend 'sparse'.*blockwise"):
+        attend("sparse", q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
+
+
+def test_row_count_mismatch_is_an_error():
+    rows = vectorized_rows(8)
+    q = torch.randn(1, 2, 12, 8)
+    with pytest.raises(ValueError, match="12 query rows for 16 described"):
+        attend("blockwise", q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
