@@ -1,0 +1,268 @@
+"""CPU benchmark of block-diffusion attention backends and of a BDLM vs an AR training step.
+
+Two tables:
+
+1. attention alone (block 64, batch 1, 8 query heads, 2 KV heads, head dim 64, float32, the
+   ``2L`` vectorized rows): forward + backward time and peak memory of ``dense`` and
+   ``blockwise`` (``flex``: forward only, PyTorch has no CPU backward for it);
+2. one training step (forward + backward, no optimizer) of a small Llama (2 layers, hidden
+   512, 8 heads, 2 KV heads, vocab 32000): ``LlamaForCausalLM`` with SDPA causal attention and
+   a loss over ``L`` tokens (AR) vs ``BlockDiffusionForMaskedLM`` with ``blockwise`` attention
+   and ``clean_attention="causal"`` over ``2L`` rows, loss on the ``L`` noisy-stream logits.
+
+Every measurement runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own:
+the reported peak is the high-water mark of the first (cold) run minus the RSS after the
+inputs were allocated. Times are the minimum over ``--repeats`` runs after that first one
+(plans and masks are reused, as every layer after the first reuses them in a model).
+A measurement whose estimated memory exceeds ``--max-gb``, or whose time extrapolated from the
+previous length exceeds ``--max-seconds``, is skipped and says why.
+
+    python -m benchmarks.attention --quick                       # < 3 min, L <= 2K
+    python -m benchmarks.attention --lengths 1024 2048 4096 8192 16384 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BLOCK, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 2, 64
+MODEL = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
+
+
+# --- child side: one measurement per process -------------------------------------------------
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _timed(fn, repeats: int):
+    """(first run seconds, peak bytes of the first run above the current RSS, best later run)."""
+    base = _max_rss_bytes()
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    peak = _max_rss_bytes() - base
+    best = first
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return first, peak, best
+
+
+def _attention_child(spec: dict) -> dict:
+    import warnings
+
+    import torch
+
+    from hf_bdlm.attention import MaskRule, attend, vectorized_rows
+
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    backend, length = spec["backend"], spec["length"]
+    rule = MaskRule(BLOCK, spec["clean_attention"])
+    train = backend != "flex"
+
+    def inputs(n):
+        rows = vectorized_rows(n)
+        q = torch.randn(1, HEADS, 2 * n, HEAD_DIM, requires_grad=train)
+        k, v = (torch.randn(1, KV_HEADS, 2 * n, HEAD_DIM, requires_grad=train) for _ in "kv")
+        return rows, q, k, v
+
+    def run(rows, q, k, v, cache):
+        if not train:
+            with torch.no_grad():
+                attend(backend, q, [(k, v)], rows, [rows], rule, HEAD_DIM**-0.5, cache)
+            return
+        out = attend(backend, q, [(k, v)], rows, [rows], rule, HEAD_DIM**-0.5, cache)
+        out.backward(torch.ones_like(out))
+        q.grad = k.grad = v.grad = None
+
+    run(*inputs(2 * BLOCK), {})  # loads kernels and thread pools before the baseline
+    rows, q, k, v = inputs(length)
+    cache: dict = {}
+    first, peak, best = _timed(lambda: run(rows, q, k, v, cache), spec["repeats"])
+    return dict(first_s=first, time_s=best, peak_mb=peak / 2**20)
+
+
+def _step_child(spec: dict) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
+
+    length = spec["length"]
+    torch.manual_seed(0)
+    backbone = LlamaConfig(**MODEL, max_position_embeddings=max(length, 2048))
+    if spec["model"] == "ar":
+        model = LlamaForCausalLM._from_config(backbone, attn_implementation="sdpa")
+
+        def step(ids):
+            model(input_ids=ids, labels=ids).loss.backward()
+    else:
+        mask_id = MODEL["vocab_size"] - 1
+        config = BlockDiffusionConfig(
+            backbone_config=backbone, block_size=BLOCK, mask_token_id=mask_id, clean_attention="causal",
+            attention_backend="blockwise",
+        )  # fmt: skip
+        model = BlockDiffusionForMaskedLM(config)
+
+        def step(ids):
+            noisy = ids.masked_fill(torch.rand(ids.shape) < 0.5, mask_id)
+            logits = model(input_ids=noisy, clean_input_ids=ids).logits
+            F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+
+    model.train()
+    step(torch.randint(0, MODEL["vocab_size"] - 1, (1, 2 * BLOCK)))  # warm-up before the baseline
+    model.zero_grad(set_to_none=True)
+    ids = torch.randint(0, MODEL["vocab_size"] - 1, (1, length))
+
+    def run():
+        step(ids)
+        model.zero_grad(set_to_none=True)
+
+    first, peak, best = _timed(run, spec["repeats"])
+    return dict(first_s=first, time_s=best, peak_mb=peak / 2**20)
+
+
+def child_main(spec: dict) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    result = _attention_child(spec) if spec["bench"] == "attention" else _step_child(spec)
+    print(json.dumps(result))
+
+
+# --- parent side -------------------------------------------------------------------------------
+
+
+def estimate_gb(backend: str, length: int) -> float:
+    """Memory the backend needs beyond its linear buffers, from its quadratic objects."""
+    rows = 2 * length
+    if backend == "dense":
+        # The boolean mask (cached for the forward) and the float mask SDPA's CPU kernel makes from it.
+        return rows * rows * (1 + 4) / 1e9
+    if backend == "flex":
+        # Eager FlexAttention materialises the float32 scores per head, ~3.5 copies measured.
+        return 4 * HEADS * rows * rows * 4 / 1e9
+    return 0.0
+
+
+def run_child(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.attention", "--child", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(skipped=f"timed out after {timeout:.0f} s")
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        return dict(skipped=f"failed: {tail[0][:200]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fmt(rec: dict) -> str:
+    if "skipped" in rec:
+        return rec["skipped"]
+    return f"{rec['time_s']:8.2f} s  {rec['peak_mb']:8.0f} MB  (first run {rec['first_s']:.2f} s)"
+
+
+def measure(args, bench: str, name: str, lengths, extra: dict, records: list) -> None:
+    previous = None
+    for length in lengths:
+        spec = dict(bench=bench, length=length, threads=args.threads, repeats=args.repeats, **extra)
+        rec = dict(spec, name=name, loadavg=round(os.getloadavg()[0], 2))
+        need = estimate_gb(extra.get("backend", ""), length)
+        # Attention cost grows ~4x per doubling of L; a training step at these sizes ~2-3x.
+        growth = 4.0 if bench == "attention" else 3.0
+        predicted = None if previous is None else previous * growth * (1 + args.repeats)
+        if need > args.max_gb:
+            rec["skipped"] = f"skipped (needs {need:.1f} GB)"
+        elif predicted is not None and predicted > args.max_seconds:
+            rec["skipped"] = f"skipped (predicted {predicted:.0f} s)"
+        else:
+            rec.update(run_child(spec, timeout=args.max_seconds * 2))
+        previous = rec.get("time_s")
+        records.append(rec)
+        print(f"  {name:<10} L={length:>6}  {_fmt(rec)}", flush=True)
+
+
+def summarize(records: list) -> list[str]:
+    def get(name, length):
+        for r in records:
+            if r["name"] == name and r["length"] == length and "time_s" in r:
+                return r
+        return None
+
+    lines = ["", "Summary", f"  {'L':>6}  {'blockwise/dense time':>21}  {'blockwise MB per 1K tok':>24}  {'BDLM/AR step':>13}"]
+    for length in sorted({r["length"] for r in records}):
+        b, d = get("blockwise", length), get("dense", length)
+        bdlm, ar = get("bdlm_step", length), get("ar_step", length)
+        ratio = f"{b['time_s'] / d['time_s']:.2f}" if b and d else "-"
+        per_k = f"{b['peak_mb'] / (length / 1024):.1f}" if b else "-"
+        step = f"{bdlm['time_s'] / ar['time_s']:.2f}" if bdlm and ar else "-"
+        lines.append(f"  {length:>6}  {ratio:>21}  {per_k:>24}  {step:>13}")
+    lines.append("  targets: blockwise <= 0.35x dense at L=8K; blockwise MB per 1K tokens ~constant; BDLM <= 2.2x AR")
+    return lines
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--step-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--backends", nargs="+", default=["blockwise", "dense", "flex"])
+    p.add_argument("--clean-attention", default="block_causal", choices=["block_causal", "causal"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs after the first (cold) run")
+    p.add_argument("--max-gb", type=float, default=16.0, help="skip a measurement estimated to need more")
+    p.add_argument("--max-seconds", type=float, default=300.0, help="skip a measurement predicted to take longer")
+    p.add_argument("--quick", action="store_true", help="L up to 2K (steps up to 1K), one repeat")
+    p.add_argument("--out", default="results.json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> None:
+    args = make_parser().parse_args(argv)
+    if args.child:
+        child_main(json.loads(args.child))
+        return
+    if args.quick:
+        args.lengths = [n for n in args.lengths if n <= 2048]
+        args.step_lengths = [n for n in args.step_lengths if n <= 1024]
+        args.repeats, args.max_seconds = 1, min(args.max_seconds, 60.0)
+    started = time.perf_counter()
+    print(f"threads={args.threads}  load average at start={os.getloadavg()[0]:.2f}  cpus={os.cpu_count()}")
+    records: list = []
+    print(f"Attention forward+backward (flex: forward only), B={BLOCK}, H={HEADS}, H_kv={KV_HEADS}, d={HEAD_DIM}, "
+          f"float32, clean_attention={args.clean_attention}")  # fmt: skip
+    for backend in args.backends:
+        extra = dict(backend=backend, clean_attention=args.clean_attention)
+        measure(args, "attention", backend, args.lengths, extra, records)
+    print("Training step (forward+backward), Llama 2x512, vocab 32000")
+    measure(args, "step", "ar_step", args.step_lengths, dict(model="ar"), records)
+    measure(args, "step", "bdlm_step", args.step_lengths, dict(model="bdlm"), records)
+    for line in summarize(records):
+        print(line)
+    print(f"total {time.perf_counter() - started:.0f} s")
+    pathlib.Path(args.out).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
