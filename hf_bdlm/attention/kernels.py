@@ -130,40 +130,74 @@ def merge_partial(out_acc, lse_acc, rows, out, lse):
     _write_rows(lse_acc.unsqueeze(-1), rows, new_lse.unsqueeze(-1))
 
 
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed output and ``-inf`` LSE accumulators for ``q`` (float32 at least)."""
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
+    return out_acc, lse_acc
+
+
+def forward_calls(calls, q, keys: dict, values: dict, scale, out_acc, lse_acc, mask_cache) -> list:
+    """Run kernel calls (keys/values already GQA-expanded) and merge them into the accumulators.
+
+    Returns what each call's backward needs besides the tensors (kernel-specific state).
+    """
+    batch = q.shape[0]
+    extras = []
+    for call in calls:
+        out, lse, saved = _run_call(call, q, keys, values, scale, mask_cache)
+        extras.append(saved[4])
+        merge_partial(
+            out_acc,
+            lse_acc,
+            call.q_rows,
+            _ungather_shape(out, call.q_rows, batch),
+            _ungather_shape(lse.unsqueeze(-1), call.q_rows, batch).squeeze(-1),
+        )
+    return extras
+
+
+def backward_calls(calls, extras, q, keys: dict, values: dict, grad_out, out, lse, scale, mask_cache, dq, dks, dvs):
+    """Gradients of kernel calls given the *merged* output and LSE, added into ``dq``/``dks``/``dvs``."""
+    batch = q.shape[0]
+    lse_kernel = lse if q.dtype == torch.float64 else lse.float()
+    for call, extra in zip(calls, extras):
+        qs = _gather_rows(q, call.q_rows)
+        ks = _gather_rows(keys[call.source], call.k_rows)
+        vs = _gather_rows(values[call.source], call.k_rows)
+        go = _gather_rows(grad_out, call.q_rows)
+        os_ = _gather_rows(out, call.q_rows)
+        ls = _gather_rows(lse_kernel.unsqueeze(-1), call.q_rows).squeeze(-1).contiguous()
+        mask = _additive_mask(call.mask, q.dtype, q.device, mask_cache)
+        dqs, dks_, dvs_ = _kernel_backward(go, qs, ks, vs, os_, ls, mask, scale, extra)
+        _scatter_add_rows(dq, call.q_rows, _ungather_shape(dqs, call.q_rows, batch))
+        _scatter_add_rows(dks[call.source], call.k_rows, _ungather_shape(dks_, call.k_rows, batch))
+        _scatter_add_rows(dvs[call.source], call.k_rows, _ungather_shape(dvs_, call.k_rows, batch))
+
+
 class BlockSparseAttention(torch.autograd.Function):
     """``out = softmax(q k^T * scale + mask) v`` over the allowed tiles of a :class:`TilePlan`."""
 
     @staticmethod
     def forward(ctx, plan: TilePlan, scale: float, groups: int, waits: dict | None, q: torch.Tensor, *kv):
-        batch = q.shape[0]
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
+        out_acc, lse_acc = new_accumulators(q)
         mask_cache: dict = {}
         extras = []
         keys: dict[int, torch.Tensor] = {}
         values: dict[int, torch.Tensor] = {}
-        for call in plan.calls:
-            if call.source not in keys:
-                # A source may still be in flight (an async all-gather): wait only when its first
-                # call comes, so the calls on sources already here overlap the communication.
-                if waits and call.source in waits:
-                    waits[call.source]()
-                keys[call.source] = repeat_kv(kv[2 * call.source], groups)
-                values[call.source] = repeat_kv(kv[2 * call.source + 1], groups)
-            out, lse, saved = _run_call(call, q, keys, values, scale, mask_cache)
-            extras.append(saved[4])
-            merge_partial(
-                out_acc,
-                lse_acc,
-                call.q_rows,
-                _ungather_shape(out, call.q_rows, batch),
-                _ungather_shape(lse.unsqueeze(-1), call.q_rows, batch).squeeze(-1),
-            )
-        if waits:
-            for source, wait in waits.items():
-                if source not in keys:
-                    wait()  # a source no call uses must still complete before its buffer is reused
+        # Calls come sorted by source: a source may still be in flight (an async all-gather), so
+        # wait only when its first call comes and the calls on sources already here overlap it.
+        for source in sorted({c.source for c in plan.calls}):
+            if waits and source in waits:
+                waits[source]()
+            keys[source] = repeat_kv(kv[2 * source], groups)
+            values[source] = repeat_kv(kv[2 * source + 1], groups)
+            calls = [c for c in plan.calls if c.source == source]
+            extras += forward_calls(calls, q, keys, values, scale, out_acc, lse_acc, mask_cache)
+        for source, wait in (waits or {}).items():
+            if source not in keys:
+                wait()  # a source no call reads must still complete before its buffer is reused
         out = out_acc.to(q.dtype)
         ctx.plan, ctx.scale, ctx.groups, ctx.mask_cache, ctx.extras = plan, scale, groups, mask_cache, extras
         ctx.save_for_backward(q, out, lse_acc, *kv)
@@ -173,27 +207,16 @@ class BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, out, lse, *kv = ctx.saved_tensors
-        plan, scale, groups, batch = ctx.plan, ctx.scale, ctx.groups, q.shape[0]
+        groups = ctx.groups
         num_sources = len(kv) // 2
         keys = {i: repeat_kv(kv[2 * i], groups) for i in range(num_sources)}
         values = {i: repeat_kv(kv[2 * i + 1], groups) for i in range(num_sources)}
-        lse_kernel = lse.float() if q.dtype != torch.float64 else lse
-        grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
         dks = {i: torch.zeros_like(k) for i, k in keys.items()}
         dvs = {i: torch.zeros_like(v) for i, v in values.items()}
-        for call, extra in zip(plan.calls, ctx.extras):
-            qs = _gather_rows(q, call.q_rows)
-            ks = _gather_rows(keys[call.source], call.k_rows)
-            vs = _gather_rows(values[call.source], call.k_rows)
-            go = _gather_rows(grad_out, call.q_rows)
-            os_ = _gather_rows(out, call.q_rows)
-            ls = _gather_rows(lse_kernel.unsqueeze(-1), call.q_rows).squeeze(-1).contiguous()
-            mask = _additive_mask(call.mask, q.dtype, q.device, ctx.mask_cache)
-            dqs, dks_, dvs_ = _kernel_backward(go, qs, ks, vs, os_, ls, mask, scale, extra)
-            _scatter_add_rows(dq, call.q_rows, _ungather_shape(dqs, call.q_rows, batch))
-            _scatter_add_rows(dks[call.source], call.k_rows, _ungather_shape(dks_, call.k_rows, batch))
-            _scatter_add_rows(dvs[call.source], call.k_rows, _ungather_shape(dvs_, call.k_rows, batch))
+        calls = sorted(ctx.plan.calls, key=lambda c: c.source)
+        backward_calls(calls, ctx.extras, q, keys, values, grad_out.contiguous(), out, lse, ctx.scale,
+                       ctx.mask_cache, dq, dks, dvs)
         grads = [None, None, None, None, dq]
         for i in range(num_sources):
             grads += [sum_kv_groups(dks[i], groups), sum_kv_groups(dvs[i], groups)]
