@@ -64,11 +64,26 @@ def test_bytes_received_match_design_formulas(results):
     for c in checked:
         assert c["fwd_bytes"] == c["expect_bytes"], c
         assert c["bwd_bytes"] == c["expect_bytes"], c
+        if c["transport"] == "ring":  # plus dK/dV walking the whole ring back to their owners
+            assert c["bwd_grad_bytes"] == c["expect_bwd_grad_bytes"], c
+
+
+def test_ring_transport_is_covered(results):
+    _, cases = results
+    ring = {(c["mode"], c["C"]) for c in cases if c["transport"] == "ring"}
+    assert ("cp", 2) in ring and ("csbp", 2) in ring
 
 
 def test_csbp_moves_half_the_bytes_of_cp(results):
     _, cases = results
-    by = {(c["P"], c["mode"], c["C"], c["dtype"], c["backbone"]): c["expect_bytes"] for c in cases if "expect_bytes" in c}
-    for (P, mode, C, dtype, bb), nbytes in by.items():
-        if mode == "csbp" and C == P:
-            assert nbytes / by[(P, "cp", P, dtype, bb)] == 0.5
+    by = {
+        (c["P"], c["mode"], c["C"], c["dtype"], c["backbone"], c["batch"]): c["fwd_bytes"]
+        for c in cases
+        if "expect_bytes" in c and c["transport"] == "allgather" and c["backend"] == "blockwise"
+    }
+    compared = 0
+    for (P, mode, C, dtype, bb, batch), nbytes in by.items():
+        if mode == "csbp" and C == P and (P, "cp", P, dtype, bb, batch) in by:
+            assert nbytes / by[(P, "cp", P, dtype, bb, batch)] == 0.5
+            compared += 1
+    assert compared

@@ -29,10 +29,14 @@ import torch
 import torch.distributed as dist
 
 from ..attention.backends import attend
+from ..attention.tiles import plan_attention
 from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
 from .collectives import ByteMeter, CommContext, exchange_rows, gather_rows
 from .plan import GroupPlan, PlanConfig, make_plan
+from .ring import ring_attention
+
+TRANSPORTS = ("allgather", "ring")
 
 
 @dataclass
@@ -107,9 +111,17 @@ class ShardedLayout:
     base_rule: MaskRule
     backend: str = "blockwise"
     doc: torch.Tensor | None = None
+    transport: str = "allgather"
     cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"block_parallel_transport must be one of {TRANSPORTS}, got {self.transport!r}.")
+        if self.transport == "ring" and self.backend != "blockwise":
+            raise ValueError(
+                f"the ring transport runs the block-sparse kernels of attention_backend='blockwise'; got "
+                f"attention_backend={self.backend!r}. Use 'blockwise' or block_parallel_transport='allgather'."
+            )
         self.rank_plan = self.plan.ranks[self.groups.group_rank]
         self.mode = self.plan.config.mode
         self.q_rows = self.rank_plan.rows(self.doc)
@@ -119,10 +131,10 @@ class ShardedLayout:
 
     @classmethod
     def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="blockwise",
-              doc=None, verify: bool = False) -> "ShardedLayout":
+              doc=None, verify: bool = False, transport: str = "allgather") -> "ShardedLayout":
         if verify:
             verify_plan_agreement(config, groups.group)
-        return cls(make_plan(config), groups, base_rule, backend, doc)
+        return cls(make_plan(config), groups, base_rule, backend, doc, transport)
 
     # --- inputs and loss bookkeeping ---------------------------------------------------------
     def local_inputs(self, noisy: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor):
@@ -153,6 +165,8 @@ class ShardedLayout:
         if rule.sliding_window is not None:
             return self._attend_window(query, key, value, rule, scale, n)
         k_send, v_send = key[:, :, n:], value[:, :, n:]
+        if self.transport == "ring" and self.comm.size > 1:
+            return self._attend_ring(query, key, value, rule, scale, n)
         if self.comm.size == 1:
             k_all, v_all, waits = k_send, v_send, None
         else:
@@ -169,6 +183,38 @@ class ShardedLayout:
             waits = {len(sources) - 1: lambda: (k_pending.wait(), v_pending.wait())}
         return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache, waits)
 
+    def _sent_rows(self, owner: int, doc=None) -> RowMeta:
+        """Rows a group rank communicates: ``csbp`` its clean rows, ``cp`` all its rows."""
+        rp = self.plan.ranks[owner]
+        rows = rp.rows(doc)
+        return rows.slice(rp.local_noisy_rows if self.mode == "csbp" else 0, rows.num_rows)
+
+    def _ring_plans(self, rule: MaskRule, n: int, item: int):
+        key = ("ring_plans", rule, item)
+        found = self.cache.get(key)
+        if found is None:
+            q_rows = self.q_rows.batch_item(item)
+            local = [plan_attention(q_rows, [q_rows.slice(0, n)], rule)] if n else []
+            members = self.plan.ring_members(self.groups.group_rank) if self.mode == "csbp" else range(len(self.plan.ranks))
+            doc = None if self.doc is None else self.doc[item : item + 1]
+            shards = [plan_attention(q_rows, [self._sent_rows(m, doc)], rule) for m in members]
+            found = (local, shards)
+            self.cache[key] = found
+        return found
+
+    def _attend_ring(self, query, key, value, rule, scale, n):
+        same_docs = self.doc is None or bool((self.doc == self.doc[:1]).all())
+        items = [None] if same_docs else list(range(query.shape[0]))
+        outs = []
+        for item in items:
+            sl = slice(None) if item is None else slice(item, item + 1)
+            local_plans, shard_plans = self._ring_plans(rule, n, item or 0)
+            q, k, v = query[sl], key[sl], value[sl]
+            local = [(k[:, :, :n], v[:, :, :n])] if n else []
+            outs.append(ring_attention(self.comm, q, (k[:, :, n:], v[:, :, n:]), local, local_plans, shard_plans,
+                                       scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
     def _window_exchange(self, rule: MaskRule, n: int):
         """Which gathered rows each rank needs under a window, as all-to-all send/recv lists (cached)."""
         key = ("window_exchange", rule.sliding_window)
@@ -179,11 +225,7 @@ class ShardedLayout:
         members = self.plan.ring_members(me) if self.mode == "csbp" else tuple(range(len(self.plan.ranks)))
         w = rule.sliding_window
 
-        def sent_rows(owner: int) -> torch.Tensor:
-            # Owner's communicated rows (csbp: its clean rows; cp: all its rows).
-            rp = self.plan.ranks[owner]
-            rows = rp.rows()
-            return rows.slice(rp.local_noisy_rows if self.mode == "csbp" else 0, rows.num_rows)
+        sent_rows = self._sent_rows
 
         def needed(requester: int, owner: int) -> torch.Tensor:
             """Indices (into owner's sent rows) of rows within the window of requester's queries."""

@@ -121,7 +121,7 @@ def run_case(case, groups_by_shape, world, rank):
     meter.next_step()
     plan_cfg = PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=C, mode=mode)
     layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), case["backend"], corrupted.document_ids,
-                                 verify=True)
+                                 verify=True, transport=case.get("transport", "allgather"))
     ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
     model.zero_grad()
     out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
@@ -145,8 +145,17 @@ def run_case(case, groups_by_shape, world, rank):
         layers = cfg.backbone_config.num_hidden_layers
         per_kv = {"cp": (P - 1) / P * 2 * (2 * L), "csbp": (C - 1) / C * 2 * L, "bp": 0}[mode]
         expect = per_kv * HKV * HEAD_DIM * s * layers * corrupted.clean_ids.shape[0]
-        got_fwd = sum(v for k, v in meter.by_name().items() if k.endswith("all_gather"))
-        got_bwd = sum(v for k, v in meter.by_name().items() if k.endswith("reduce_scatter"))
+        names = meter.by_name()
+        if case.get("transport") == "ring":
+            # Backward re-rotates K/V ((C-1) shards) and walks dK/dV all the way home (C shards).
+            ring = P if mode == "cp" else C
+            got_fwd = names.get("kv.ring_kv", 0)
+            got_bwd = names.get("kv_backward.ring_kv", 0)
+            result.update(expect_bwd_grad_bytes=expect * ring / (ring - 1) if ring > 1 else 0,
+                          bwd_grad_bytes=names.get("dkv.ring_dkv", 0))
+        else:
+            got_fwd = sum(v for k, v in names.items() if k.endswith("all_gather"))
+            got_bwd = sum(v for k, v in names.items() if k.endswith("reduce_scatter"))
         result.update(expect_bytes=expect, fwd_bytes=got_fwd, bwd_bytes=got_bwd)
     return result
 
@@ -165,12 +174,18 @@ def cases(world: int):
                         clean = "causal" if obj == "fast_dllm_v2" else "block_causal"
                         for batch in ("plain", "padded", "packed"):
                             out.append(dict(P=P, C=C, mode=mode, backbone=bb, objective=obj, clean=clean,
-                                            batch=batch, dtype="float64", backend="blockwise"))
+                                            batch=batch, dtype="float64", backend="blockwise", transport="allgather"))
+                if mode != "bp" and (C > 1 or mode == "cp"):
+                    for bb, obj, batch in (("llama", "standard", "plain"), ("llama", "fast_dllm_v2", "packed"),
+                                           ("gemma3", "standard", "padded"), ("qwen3", "fast_dllm_v2", "plain")):
+                        clean = "causal" if obj == "fast_dllm_v2" else "block_causal"
+                        out.append(dict(P=P, C=C, mode=mode, backbone=bb, objective=obj, clean=clean, batch=batch,
+                                        dtype="float64", backend="blockwise", transport="ring"))
                 # float32 and the dense backend on one configuration each
                 out.append(dict(P=P, C=C, mode=mode, backbone="llama", objective="standard", clean="block_causal",
-                                batch="packed", dtype="float32", backend="blockwise"))
+                                batch="packed", dtype="float32", backend="blockwise", transport="allgather"))
                 out.append(dict(P=P, C=C, mode=mode, backbone="gemma3", objective="fast_dllm_v2", clean="causal",
-                                batch="padded", dtype="float64", backend="dense"))
+                                batch="padded", dtype="float64", backend="dense", transport="allgather"))
     return out
 
 
@@ -185,7 +200,7 @@ def main():
     only = os.environ.get("EXACTNESS_ONLY")  # e.g. "mode=bp,backbone=llama" to debug a subset
     if only:
         want = dict(kv.split("=") for kv in only.split(","))
-        all_cases = [c for c in all_cases if all(str(c[k]) == v for k, v in want.items())]
+        all_cases = [c for c in all_cases if all(str(c.get(k)) == v for k, v in want.items())]
     groups_by_shape = {}
     for case in all_cases:
         key = (case["P"], case["C"])
