@@ -11,8 +11,8 @@ Per configuration: step time (median over ``--steps`` after one warm-up; the gro
 the slowest rank's), tokens/s (``L`` / step time), peak memory (``ru_maxrss`` high-water mark minus
 the RSS once model and batch are built, max over ranks; the absolute high-water mark is kept as
 ``peak_rss_bytes``), bytes received per step from the ByteMeter (max over ranks, and per
-collective name) and time spent waiting on collectives (max over ranks). Only the ``allgather``
-transport exists so far; records say ``transport="allgather"``.
+collective name) and time spent waiting on collectives (max over ranks). ``cp`` and ``csbp`` run
+with both transports (``--transports allgather ring``); ``bp`` has no communication.
 
     python -m benchmarks.parallel_modes --quick --out /tmp/pm.json          # < 3 min
     python -m benchmarks.parallel_modes --lengths 4096 8192 16384 --nprocs 2 4 --out results.json
@@ -121,7 +121,8 @@ def worker(args) -> None:
         dist.barrier()  # start together, so the slowest rank's time is the group's step time
         t0 = time.perf_counter()
         # The layout is rebuilt every step as a trainer would (its plan depends on the batch).
-        layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), "blockwise", corrupted.document_ids)
+        layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), "blockwise", corrupted.document_ids,
+                                     transport=args.transport)
         ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
         out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
         loss, _ = objective.loss_from_hidden(model, out.hidden_states, corrupted, layout.loss_row_index(corrupted))
@@ -144,7 +145,7 @@ def worker(args) -> None:
         for name in sorted({n for r in everyone for n in r["bytes"][-1]}):
             by_name[name] = max(r["bytes"][-1].get(name, 0) for r in everyone)
         per_rank_bytes = [sum(r["bytes"][-1].values()) for r in everyone]
-        rec = dict(mode=mode, transport="allgather", P=P, C=C, L=L, layers=args.layers, steps=args.steps,
+        rec = dict(mode=mode, transport=args.transport, P=P, C=C, L=L, layers=args.layers, steps=args.steps,
                    step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
                    peak_mem_bytes=max(r["peak"] for r in everyone),
                    peak_mem_per_rank=[r["peak"] for r in everyone],
@@ -160,10 +161,10 @@ def worker(args) -> None:
 # ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
-def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path) -> dict:
-    out = tmp / f"{mode}_P{P}_L{L}.json"
-    common = [str(HERE), "--worker", "--mode", mode, "--lengths", str(L), "--steps", str(args.steps),
-              "--layers", str(args.layers), "--out", str(out)]
+def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str = "allgather") -> dict:
+    out = tmp / f"{mode}_{transport}_P{P}_L{L}.json"
+    common = [str(HERE), "--worker", "--mode", mode, "--transport", transport, "--lengths", str(L),
+              "--steps", str(args.steps), "--layers", str(args.layers), "--out", str(out)]
     if mode == "single":
         cmd = [sys.executable, *common]
     else:
@@ -171,7 +172,7 @@ def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(P), *common]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    base = dict(mode=mode, transport=None if mode == "single" else "allgather", P=P,
+    base = dict(mode=mode, transport=None if mode == "single" else transport, P=P,
                 C=1 if mode in ("bp", "single") else P, L=L)
     t0 = time.perf_counter()
     try:
@@ -190,19 +191,21 @@ def _fmt_bytes(n) -> str:
 
 
 def _table(records) -> str:
-    head = f"{'mode':7} {'P':>2} {'C':>2} {'L':>6} {'step_s':>8} {'tok/s':>9} {'peakMem':>11} {'bytes/step':>11} {'wait_s':>7}"
+    head = f"{'mode':7} {'transport':9} {'P':>2} {'C':>2} {'L':>6} {'step_s':>8} {'tok/s':>9} {'peakMem':>11} {'bytes/step':>11} {'wait_s':>7}"
     lines = [head, "-" * len(head)]
     for r in records:
         if "error" in r:
-            lines.append(f"{r['mode']:7} {r['P']:>2} {r['C']:>2} {r['L']:>6}  ERROR: {r['error'].strip().splitlines()[-1][:80]}")
+            lines.append(f"{r['mode']:7} {str(r['transport']):9} {r['P']:>2} {r['C']:>2} {r['L']:>6}  ERROR: {r['error'].strip().splitlines()[-1][:80]}")
             continue
-        lines.append(f"{r['mode']:7} {r['P']:>2} {r['C']:>2} {r['L']:>6} {r['step_s']:8.3f} {r['tokens_per_s']:9.1f} "
+        lines.append(f"{r['mode']:7} {str(r['transport']):9} {r['P']:>2} {r['C']:>2} {r['L']:>6} {r['step_s']:8.3f} {r['tokens_per_s']:9.1f} "
                      f"{_fmt_bytes(r['peak_mem_bytes']):>11} {_fmt_bytes(r['bytes_per_step']):>11} {r['comm_wait_s']:7.3f}")
     return "\n".join(lines)
 
 
 def _ratios(records, lengths, nprocs) -> list[str]:
-    ok = {(r["mode"], r["P"], r["L"]): r for r in records if "error" not in r}
+    # Ratios compare the all-gather transport (the ring is reported in the table beside it).
+    ok = {(r["mode"], r["P"], r["L"]): r for r in records
+          if "error" not in r and r.get("transport") in (None, "allgather")}
 
     def ratio(a, b, key):
         if a is None or b is None or not b.get(key):
@@ -237,6 +240,8 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--no-single", action="store_true", help="skip the single-process baseline")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    parser.add_argument("--transports", nargs="+", default=["allgather", "ring"], choices=["allgather", "ring"])
+    parser.add_argument("--transport", default="allgather", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="csbp", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -248,9 +253,13 @@ def main(argv=None) -> None:
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for L in args.lengths:
-            configs = ([] if args.no_single else [("single", 1)]) + [(m, P) for P in args.nprocs for m in args.modes]
-            for mode, P in configs:
-                rec = _launch(mode, P, L, args, pathlib.Path(tmp))
+            configs = [] if args.no_single else [("single", 1, "allgather")]
+            for P in args.nprocs:
+                for m in args.modes:
+                    for t in (args.transports if m != "bp" else ["allgather"]):
+                        configs.append((m, P, t))
+            for mode, P, transport in configs:
+                rec = _launch(mode, P, L, args, pathlib.Path(tmp), transport)
                 records.append(rec)
                 print(_table([rec]).splitlines()[-1], flush=True)
                 # Write as we go: a long run interrupted still leaves its measurements.
