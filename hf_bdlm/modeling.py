@@ -267,6 +267,22 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
                 )
             check_block_aligned_documents(document_ids, block)
 
+    # --- saving (hooks into hf_bdlm.hub; left out of the remote code, which transformers saves itself) --------
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """[`~PreTrainedModel.save_pretrained`], plus self-contained `configuration_block_diffusion.py` and
+        `modeling_block_diffusion.py` and an `auto_map` in config.json, so that the folder also loads with
+        `trust_remote_code=True` where hf_bdlm is not installed (see `hf_bdlm.hub.remote_code`)."""
+        from .hub.remote_code import save_with_remote_code
+
+        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+
+    def push_to_hub(self, repo_id: str, *, tokenizer=None, card_info: dict | None = None, **kwargs):
+        """Upload what [`hf_bdlm.hub.save_for_hub`] writes (weights, config, remote code, generation config, the
+        model card, and the tokenizer when given) to `repo_id`; see [`hf_bdlm.hub.push_to_hub`]."""
+        from .hub import push_to_hub
+
+        return push_to_hub(self, repo_id, tokenizer=tokenizer, info=card_info, **kwargs)
+
     def generate(self, input_ids: torch.Tensor, generation_config=None, **kwargs) -> torch.Tensor:
         """Block-wise diffusion decoding; see :func:`hf_bdlm.generation.generate`."""
         from .generation import generate

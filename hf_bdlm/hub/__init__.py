@@ -1,0 +1,31 @@
+"""Checkpoints and the Hub: complete saved folders, model cards, self-contained remote code, uploads.
+
+    from hf_bdlm.hub import save_for_hub, push_to_hub
+    save_for_hub(model, tokenizer, "out", {"parallel": {"mode": "csbp", "P": 2, "C": 2, "transport": "allgather",
+                                                        "world": 2}, "metrics": {"loss": 0.41}})
+    # out/ loads with `import hf_bdlm; AutoModel.from_pretrained("out")`, and without hf_bdlm with
+    # `AutoModel.from_pretrained("out", trust_remote_code=True)`.
+    push_to_hub(model, "me/my-bdlm", tokenizer, info)   # the same files, uploaded in one commit
+
+- `card.py`: the model card (`README.md`) rendered from the packaged template `model_card.md`;
+- `remote_code.py`: the bundler that writes `configuration_block_diffusion.py` / `modeling_block_diffusion.py`
+  (called by `BlockDiffusionForMaskedLM.save_pretrained`);
+- `checkpoint.py`: `save_for_hub`, `push_to_hub`, `push_folder_to_hub`.
+"""
+
+from .card import CARD_INFO_KEYS, render_model_card, write_model_card
+from .checkpoint import folder_files, push_folder_to_hub, push_to_hub, save_for_hub
+from .remote_code import AUTO_MAP, bundle_remote_code, write_remote_code
+
+__all__ = [
+    "AUTO_MAP",
+    "CARD_INFO_KEYS",
+    "bundle_remote_code",
+    "folder_files",
+    "push_folder_to_hub",
+    "push_to_hub",
+    "render_model_card",
+    "save_for_hub",
+    "write_model_card",
+    "write_remote_code",
+]
