@@ -26,14 +26,25 @@ def __getattr__(name):
         from .conversion import convert_causal_lm
 
         return convert_causal_lm
+    if name in ("BDLMSFTConfig", "BDLMSFTTrainer"):  # imports TRL
+        from . import trainer
+
+        return getattr(trainer, name)
+    if name == "BlockParallelPlugin":
+        from .parallel.plugin import BlockParallelPlugin
+
+        return BlockParallelPlugin
     raise AttributeError(f"module 'hf_bdlm' has no attribute {name!r}")
 
 
 __all__ = [
+    "BDLMSFTConfig",
+    "BDLMSFTTrainer",
     "BlockDiffusionConfig",
     "BlockDiffusionForMaskedLM",
     "BlockDiffusionGenerationConfig",
     "BlockDiffusionOutput",
+    "BlockParallelPlugin",
     "convert_causal_lm",
     "pad_to_block_multiple",
 ]

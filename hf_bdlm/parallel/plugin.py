@@ -1,0 +1,324 @@
+"""`BlockParallelPlugin`: block-parallel groups and data sharding on top of Accelerate's world.
+
+Accelerate has no plug-in point for a new parallelism (and its own context parallelism drops
+attention masks), so the plugin builds what block parallelism needs from the world that
+`accelerate launch` / `torchrun` set up:
+
+- the world of ``W = D x P`` ranks is cut into ``D`` block-parallel groups of ``P`` consecutive
+  ranks (data-parallel replicas), each with its clean rings (:class:`BlockParallelGroups`), and a
+  ``DeviceMesh`` of shape ``(dp, bp)`` for whoever needs one (FSDP2 shards over both dimensions);
+- :class:`BlockParallelBatchSampler` gives every rank of a group the *same* batches and the
+  groups *disjoint* ones: the data is sharded by data-parallel group index, not by global rank;
+- :meth:`BlockParallelPlugin.layout` builds the :class:`ShardedLayout` of one batch for this rank.
+
+With ``P = 1`` the plugin is plain data parallelism. It composes with DDP (CPU/gloo and GPU/NCCL):
+every rank returns the loss of the rows it owns, scaled so that DDP's mean over ``W`` ranks is the
+single-device gradient. FSDP2 (GPU) shards parameters over the whole world, i.e. over ``dp x bp``;
+that path is written but has not been run here (no GPU on the development machine).
+
+    torchrun --nproc_per_node 4 -m hf_bdlm.parallel.plugin     # prints each rank's groups and first batches
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from .plan import MODES, SCHEDULES, PlanConfig, required_multiple
+from .sharded import BlockParallelGroups, ShardedLayout
+
+logger = logging.getLogger(__name__)
+
+# Process groups must be created by every rank in the same order; build each shape once per process.
+_GROUPS: dict[tuple, BlockParallelGroups] = {}
+_MESHES: dict[tuple, object] = {}
+
+TRANSPORTS = ("allgather", "ring")
+
+
+def resolve_layout(group_size: int, clean_ring_size: int | None, mode: str, schedule: str) -> int:
+    """Validate a block-parallel layout with the plan's own rules and return the clean-ring size it uses.
+
+    The plan (:class:`~hf_bdlm.parallel.plan.PlanConfig`) is the one source of truth for which (P, C, mode,
+    schedule) combinations exist; a sequence of exactly the required length is planned to check them.
+    """
+    fields = (
+        f"block_parallel_size={group_size}, clean_ring_size={clean_ring_size}, block_parallel_mode={mode!r}, "
+        f"block_schedule={schedule!r}"
+    )
+    if mode not in MODES:
+        raise ValueError(f"block_parallel_mode must be one of {MODES}, got {mode!r}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"block_schedule must be one of {SCHEDULES}, got {schedule!r}.")
+    if clean_ring_size is not None and (
+        not isinstance(clean_ring_size, int) or isinstance(clean_ring_size, bool) or clean_ring_size <= 0
+    ):
+        raise ValueError(f"clean_ring_size must be a positive integer or None, got {clean_ring_size!r}.")
+    try:
+        plan = PlanConfig(
+            seq_len=required_multiple(mode, 1, group_size, clean_ring_size, schedule),
+            block_size=1,
+            group_size=group_size,
+            clean_ring_size=clean_ring_size,
+            mode=mode,
+            schedule=schedule,
+        )
+    except ValueError as err:
+        raise ValueError(f"invalid block-parallel layout ({fields}): {err}") from None
+    return plan.clean_ring_size
+
+
+class BlockParallelBatchSampler(Sampler[list[int]]):
+    """Batches of dataset indices for one data-parallel replica, identical on every rank of its group.
+
+    The epoch's order (a permutation seeded by ``seed + epoch``, or ``0..n-1``) is cut into global
+    batches of ``batch_size * num_replicas`` samples; replica ``r`` takes the ``r``-th share of each.
+    A last, incomplete global batch is shared as evenly as possible (shares differ by at most one
+    sample, and may be empty: the trainer then runs a step that contributes nothing), unless
+    ``drop_last``. Every sample of an epoch is thus seen by exactly one replica, exactly once.
+
+    Args:
+        num_samples (`int`): dataset size.
+        batch_size (`int`): samples per replica per micro-batch.
+        num_replicas (`int`): data-parallel replicas `D`.
+        replica (`int`): this rank's replica (block-parallel group index).
+        shuffle (`bool`, defaults to `True`), seed (`int`, defaults to `0`), drop_last (`bool`, defaults to `False`).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, num_replicas: int, replica: int, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False):
+        if num_samples <= 0:
+            raise ValueError(f"the dataset is empty (num_samples={num_samples}); nothing to train on.")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+        if not 0 <= replica < num_replicas:
+            raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}.")
+        if drop_last and num_samples < batch_size * num_replicas:
+            raise ValueError(
+                f"drop_last=True with {num_samples} samples leaves no batch: one global batch needs "
+                f"batch_size={batch_size} x {num_replicas} data-parallel replicas = {batch_size * num_replicas}."
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.replica = replica
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.num_replicas
+
+    def order(self) -> list[int]:
+        """The epoch's sample order, the same on every rank."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def global_batches(self) -> list[list[int]]:
+        """The epoch's global batches (every replica's share concatenated, in replica order)."""
+        order, size = self.order(), self.global_batch_size
+        batches = [order[i : i + size] for i in range(0, len(order), size)]
+        if self.drop_last and batches and len(batches[-1]) < size:
+            batches.pop()
+        return batches
+
+    def share(self, batch: list[int], replica: int) -> list[int]:
+        """Replica ``replica``'s share of one global batch (contiguous, sizes differ by at most one)."""
+        base, extra = divmod(len(batch), self.num_replicas)
+        start = replica * base + min(replica, extra)
+        return batch[start : start + base + (replica < extra)]
+
+    def __iter__(self):
+        for batch in self.global_batches():
+            yield self.share(batch, self.replica)
+
+    def __len__(self) -> int:
+        size = self.global_batch_size
+        return self.num_samples // size if self.drop_last else math.ceil(self.num_samples / size)
+
+
+@dataclass
+class BlockParallelPlugin:
+    r"""
+    Block parallelism for the Trainer / Accelerate: process groups, data sharding and per-batch layouts.
+
+    Parameters:
+        block_parallel_size (`int`, defaults to `1`):
+            Ranks `P` of a block-parallel group (must divide the world size).
+        clean_ring_size (`int`, *optional*):
+            Ranks `C` of a clean ring, `C | P`; defaults to `P` (`csbp`, `cp`) or `1` (`bp`).
+        mode (`str`, defaults to `"csbp"`): `"csbp"`, `"bp"` or `"cp"`.
+        schedule (`str`, defaults to `"dual_end"`): `"dual_end"` or `"contiguous"`.
+        transport (`str`, defaults to `"allgather"`): `"allgather"` or `"ring"` (passed on to the layout).
+        timeout (`timedelta`, *optional*): timeout of the block-parallel collectives.
+        verify_layout (`bool`, defaults to `True`):
+            Check, on every batch, that the ranks of a group agree on the plan (one small all-gather); a
+            disagreement raises the same clear error on every rank instead of hanging in a collective.
+
+    Call :meth:`setup` once the distributed world exists (the trainer does it).
+    """
+
+    block_parallel_size: int = 1
+    clean_ring_size: int | None = None
+    mode: str = "csbp"
+    schedule: str = "dual_end"
+    transport: str = "allgather"
+    timeout: timedelta | None = None
+    verify_layout: bool = True
+    # Set by setup()
+    world_size: int = field(default=1, init=False)
+    rank: int = field(default=0, init=False)
+    groups: BlockParallelGroups | None = field(default=None, init=False, repr=False)
+    device_mesh: object | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self.clean_ring_size = resolve_layout(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule)
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}.")
+        self._ready = False
+
+    @classmethod
+    def from_config(cls, args) -> "BlockParallelPlugin":
+        """Build the plugin from a :class:`~hf_bdlm.BDLMSFTConfig` (or any object with its fields)."""
+        timeout = getattr(args, "ddp_timeout", None)
+        return cls(
+            block_parallel_size=args.block_parallel_size,
+            clean_ring_size=args.clean_ring_size,
+            mode=args.block_parallel_mode,
+            schedule=args.block_schedule,
+            transport=args.block_parallel_transport,
+            timeout=timedelta(seconds=timeout) if timeout else None,
+        )
+
+    # --- world ---------------------------------------------------------------------------------
+    def setup(self, device_type: str = "cpu") -> "BlockParallelPlugin":
+        """Create the groups of this rank from the initialised ``torch.distributed`` world (idempotent)."""
+        if self._ready:
+            return self
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.rank = dist.get_rank() if distributed else 0
+        P, C = self.block_parallel_size, self.clean_ring_size
+        if self.world_size % P:
+            raise ValueError(
+                f"block_parallel_size={P} does not divide the world size {self.world_size}; choose a divisor of "
+                f"{self.world_size} or launch a multiple of {P} processes."
+            )
+        if self.transport == "ring" and "transport" not in inspect.signature(ShardedLayout.build).parameters:
+            raise NotImplementedError(
+                "block_parallel_transport='ring' needs the ring transport of hf_bdlm.parallel.sharded, which this "
+                "installation does not have; use block_parallel_transport='allgather'."
+            )
+        if P > 1:
+            key = (self.world_size, P, C, self.timeout)
+            if key not in _GROUPS:
+                _GROUPS[key] = BlockParallelGroups.create(P, C, timeout=self.timeout)
+            self.groups = _GROUPS[key]
+        if distributed and self.world_size > 1:
+            self.device_mesh = _device_mesh(device_type, self.data_parallel_size, P)
+        self._ready = True
+        return self
+
+    @property
+    def is_active(self) -> bool:
+        """Whether batches are sharded over a block-parallel group (``P > 1``)."""
+        return self.block_parallel_size > 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.block_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Index of this rank's block-parallel group, i.e. its data-parallel replica."""
+        return self.rank // self.block_parallel_size
+
+    @property
+    def group_rank(self) -> int:
+        return self.rank % self.block_parallel_size
+
+    def _check_ready(self) -> None:
+        if not self._ready:
+            raise RuntimeError("BlockParallelPlugin.setup() has not been called (the trainer calls it at init).")
+
+    # --- data ----------------------------------------------------------------------------------
+    def batch_sampler(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                      drop_last: bool = False) -> BlockParallelBatchSampler:
+        """The batch sampler of this rank: its group's share of every global batch."""
+        self._check_ready()
+        return BlockParallelBatchSampler(num_samples, batch_size, self.data_parallel_size, self.data_parallel_rank,
+                                         shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    def pad_multiple(self, block_size: int) -> int:
+        """The multiple sequences are padded to: the block size, or what the layout needs when ``P > 1``."""
+        if not self.is_active:
+            return block_size
+        return required_multiple(self.mode, block_size, self.block_parallel_size, self.clean_ring_size, self.schedule)
+
+    # --- layout --------------------------------------------------------------------------------
+    def plan_config(self, seq_len: int, block_size: int) -> PlanConfig:
+        return PlanConfig(seq_len=seq_len, block_size=block_size, group_size=self.block_parallel_size,
+                          clean_ring_size=self.clean_ring_size, mode=self.mode, schedule=self.schedule)
+
+    def layout(self, seq_len: int, block_size: int, rule, backend: str, document_ids=None) -> ShardedLayout:
+        """This rank's :class:`ShardedLayout` for a batch of sequences of length ``seq_len``."""
+        self._check_ready()
+        if not self.is_active:
+            raise RuntimeError("layout() needs block_parallel_size > 1; with P = 1 the model runs the whole batch.")
+        kwargs = {"transport": self.transport} if self.transport != "allgather" else {}
+        return ShardedLayout.build(self.plan_config(seq_len, block_size), self.groups, rule, backend, document_ids,
+                                   verify=self.verify_layout, **kwargs)
+
+    # --- reductions ----------------------------------------------------------------------------
+    def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank (in place; a no-op in a single process)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def sum_over_group(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over this rank's block-parallel group (in place)."""
+        if self.is_active:
+            dist.all_reduce(tensor, group=self.groups.group.group)
+        return tensor
+
+    def sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of a value every rank of a group holds identically, over the data-parallel replicas."""
+        return self.sum_over_world(tensor).div_(self.block_parallel_size)
+
+
+def _device_mesh(device_type: str, dp: int, bp: int):
+    """A ``(dp, bp)`` DeviceMesh over the world (rank ``g * P + r`` = group ``g``, group rank ``r``)."""
+    key = (device_type, dp, bp)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[key] = init_device_mesh(device_type, (dp, bp), mesh_dim_names=("dp", "bp"))
+    return _MESHES[key]
+
+
+def _demo() -> None:  # pragma: no cover - a manual check under torchrun
+    dist.init_process_group("gloo")
+    plugin = BlockParallelPlugin(block_parallel_size=2 if dist.get_world_size() % 2 == 0 else 1).setup()
+    sampler = plugin.batch_sampler(10, 2, seed=0)
+    print(f"rank {plugin.rank}: replica {plugin.data_parallel_rank}/{plugin.data_parallel_size}, group rank "
+          f"{plugin.group_rank}, mesh {plugin.device_mesh}, batches {list(sampler)}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _demo()

@@ -1,0 +1,229 @@
+"""`BDLMSFTConfig`: TRL's `SFTConfig` plus the block-diffusion and block-parallel fields.
+
+Invalid values are rejected when the config is built (not at the first training step), with
+the value received and what to do. Tiny CPU example::
+
+    from hf_bdlm import BDLMSFTConfig
+    args = BDLMSFTConfig(output_dir="out", block_size=16, objective="fast_dllm_v2", max_length=128,
+                         block_parallel_size=2, block_parallel_mode="csbp")   # under a 2-process launch
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from trl import SFTConfig
+
+from ..attention.backends import BACKENDS
+from ..configuration import LOSS_WEIGHTINGS
+from ..objectives import OBJECTIVE_CLASSES, PLANNED_OBJECTIVES
+from ..parallel.plan import MODES, SCHEDULES
+from ..parallel.plugin import TRANSPORTS, resolve_layout
+
+OVERLONG_POLICIES = ("error", "truncate", "drop")
+PACKING_STRATEGIES = ("bfd",)
+
+
+@dataclass
+class BDLMSFTConfig(SFTConfig):
+    r"""
+    Configuration of the [`BDLMSFTTrainer`]: every [`~trl.SFTConfig`] field plus the ones below.
+
+    Fields left to `None` take the model's value (`BlockDiffusionConfig`), so a BDLM checkpoint trains as it was
+    configured unless the config says otherwise.
+
+    Parameters:
+        > Parameters that control the diffusion objective
+
+        block_size (`int`, *optional*):
+            Tokens per diffusion block. Defaults to the model's; when a causal LM is converted, to 32. Setting it on a
+            BDLM checkpoint changes the model's block size (the weights do not depend on it).
+        objective (`str`, *optional*):
+            Training objective: `"standard"` (BD3-LM) or `"fast_dllm_v2"` (AR -> BDLM conversion: token shift,
+            complementary masks). `"diffusion_gemma"` and `"dflash"` are planned. Defaults to the model's.
+        noise_eps_min (`float`, *optional*), noise_eps_max (`float`, *optional*):
+            Range the per-block masking rate `t` is clipped to, `0 < noise_eps_min <= noise_eps_max <= 1`.
+            Default to the model's.
+        loss_weighting (`str`, *optional*):
+            `"inverse_t"` (`1/t`, the ELBO) or `"unit"`; `fast_dllm_v2` always uses `"unit"`. Defaults to the
+            model's.
+        attention_backend (`str`, *optional*):
+            `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`). Defaults to the
+            model's. CPU training needs `"blockwise"` or `"dense"`.
+
+        > Parameters that control block parallelism
+
+        block_parallel_size (`int`, *optional*, defaults to `1`):
+            Ranks `P` of a block-parallel group sharing one batch of sequences. Must divide the world size `W`; the
+            `W / P` groups are data-parallel replicas that receive disjoint data.
+        clean_ring_size (`int`, *optional*):
+            Ranks `C` of a clean ring, `C | P`. Defaults to `P` for `"csbp"` and `"cp"`, and to `1` for `"bp"`.
+        block_parallel_mode (`str`, *optional*, defaults to `"csbp"`):
+            `"csbp"` (context-sharded block parallelism), `"bp"` (block parallelism, replicated clean prefix) or
+            `"cp"` (zigzag context parallelism over both streams, the baseline).
+        block_parallel_transport (`str`, *optional*, defaults to `"allgather"`):
+            How clean K/V travel: `"allgather"` (async all-gather over the ring) or `"ring"` (shards rotate peer to
+            peer; bounds transient memory to two shards).
+        block_schedule (`str`, *optional*, defaults to `"dual_end"`):
+            Noisy-block schedule: `"dual_end"` (balanced block pairs `(j, N-1-j)`) or `"contiguous"`.
+
+        > Parameters that control the data
+
+        overlong_samples (`str`, *optional*, defaults to `"error"`):
+            What to do with a sample longer than `max_length` (with packing: a document longer than `max_length`):
+            `"error"` (stop before training, naming how many and which), `"truncate"` (keep the first `max_length`
+            tokens, TRL's `keep_start`) or `"drop"`. Truncated or dropped samples and tokens are counted, logged and
+            kept in `trainer.data_report`. Samples are never truncated silently.
+
+    Block alignment: every sequence, and with `packing=True` every packed document, is padded to a multiple of
+    `block_size` with the pad token; pad tokens are never supervised. With `packing=True` the documents are packed
+    whole (best-fit decreasing, `packing_strategy="bfd"`) into rows of `max_length` tokens, which must be a multiple of
+    `block_size`, and attend only within their document.
+
+    > [!NOTE]
+    > Defaults that differ from [`~trl.SFTConfig`]: `bf16` defaults to `True` only when a CUDA device is used (else
+    > `False`), and `ddp_find_unused_parameters` to `False` (the LM head is applied outside the model's forward, to the
+    > rows that carry targets, which DDP's unused-parameter search would misread).
+    """
+
+    # The diffusion objective
+    block_size: int | None = field(default=None, metadata={"help": "Tokens per diffusion block (default: the model's)."})
+    objective: str | None = field(
+        default=None,
+        metadata={"help": "Training objective: 'standard' or 'fast_dllm_v2' (default: the model's)."},
+    )
+    noise_eps_min: float | None = field(default=None, metadata={"help": "Lowest per-block masking rate."})
+    noise_eps_max: float | None = field(default=None, metadata={"help": "Highest per-block masking rate."})
+    loss_weighting: str | None = field(default=None, metadata={"help": "'inverse_t' or 'unit' (default: the model's)."})
+    attention_backend: str | None = field(
+        default=None, metadata={"help": "'dense', 'blockwise', 'flex' or 'flash' (default: the model's)."}
+    )
+
+    # Block parallelism
+    block_parallel_size: int = field(default=1, metadata={"help": "Ranks P sharing one batch (must divide the world)."})
+    clean_ring_size: int | None = field(
+        default=None, metadata={"help": "Ranks C of a clean ring, C | P (default: P for csbp/cp, 1 for bp)."}
+    )
+    block_parallel_mode: str = field(
+        default="csbp", metadata={"help": "'csbp', 'bp' or 'cp'.", "choices": list(MODES)}
+    )
+    block_parallel_transport: str = field(
+        default="allgather", metadata={"help": "'allgather' or 'ring'.", "choices": list(TRANSPORTS)}
+    )
+    block_schedule: str = field(
+        default="dual_end", metadata={"help": "'dual_end' or 'contiguous'.", "choices": list(SCHEDULES)}
+    )
+
+    # Data
+    overlong_samples: str = field(
+        default="error",
+        metadata={
+            "help": "What to do with samples longer than max_length: 'error', 'truncate' or 'drop'.",
+            "choices": list(OVERLONG_POLICIES),
+        },
+    )
+
+    def __post_init__(self):
+        if not self.use_cpu and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Under torchrun on a machine without GPUs, Accelerate sets up a multi-process CPU world (gloo) only when
+            # asked for the CPU; otherwise every process would silently train alone.
+            self.use_cpu = True
+        if self.bf16 is None:
+            # TRL turns bf16 on everywhere; a CPU run in bf16 would be slow and would not match float32 references.
+            self.bf16 = torch.cuda.is_available() and not self.use_cpu and not self.fp16
+        if self.ddp_find_unused_parameters is True:
+            raise ValueError(
+                "ddp_find_unused_parameters=True is not supported by BDLMSFTTrainer: the loss applies the LM head "
+                "outside the model's forward, so DDP's search would mark the head unused and then see its gradient "
+                "arrive. Every parameter is used in every step; leave ddp_find_unused_parameters unset."
+            )
+        self.ddp_find_unused_parameters = False
+        self._check_diffusion_fields()
+        self._check_data_fields()
+        super().__post_init__()
+        # The world size is known only once TrainingArguments has set up the distributed state.
+        self._check_block_parallel_fields(self.world_size)
+
+    # --- validation ----------------------------------------------------------------------------
+    def _check_diffusion_fields(self) -> None:
+        if self.block_size is not None and (
+            not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0
+        ):
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+        if self.objective is not None:
+            if self.objective in PLANNED_OBJECTIVES:
+                raise ValueError(
+                    f"objective={self.objective!r} is planned but not implemented yet; available now: "
+                    f"{sorted(OBJECTIVE_CLASSES)}."
+                )
+            if self.objective not in OBJECTIVE_CLASSES:
+                raise ValueError(
+                    f"objective must be one of {sorted(OBJECTIVE_CLASSES)}, got {self.objective!r}."
+                )
+        lo, hi = self.noise_eps_min, self.noise_eps_max
+        for name, value in (("noise_eps_min", lo), ("noise_eps_max", hi)):
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must lie in (0, 1], got {value!r}.")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"need noise_eps_min <= noise_eps_max, got noise_eps_min={lo}, noise_eps_max={hi}.")
+        if self.loss_weighting is not None and self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
+        if self.objective == "fast_dllm_v2" and self.loss_weighting not in (None, "unit"):
+            raise ValueError(
+                f"objective='fast_dllm_v2' uses unit weights (complementary masks), got "
+                f"loss_weighting={self.loss_weighting!r}; leave it unset or use 'unit'."
+            )
+        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}.")
+
+    def _check_data_fields(self) -> None:
+        if self.overlong_samples not in OVERLONG_POLICIES:
+            raise ValueError(f"overlong_samples must be one of {OVERLONG_POLICIES}, got {self.overlong_samples!r}.")
+        if self.padding_free:
+            raise ValueError(
+                "padding_free=True flattens a batch into one sequence, which a block-diffusion batch cannot be "
+                "(each row is a [clean, noisy] pair of block-aligned sequences). Use packing=True instead: documents "
+                "are packed whole, aligned to block boundaries, with per-document attention."
+            )
+        packs = self.packing or bool(self.eval_packing)
+        if packs and self.packing_strategy not in PACKING_STRATEGIES:
+            why = {
+                "wrapped": "it cuts documents mid-sequence, so a document would start mid-block and lose its prompt",
+                "bfd_split": "it splits overflowing documents, so a completion could be separated from its prompt",
+            }.get(self.packing_strategy, "it is not a block-aligned strategy")
+            raise ValueError(
+                f"packing_strategy={self.packing_strategy!r} cannot be honoured by block-diffusion packing: {why}. "
+                f"Use packing_strategy='bfd' (whole documents, best-fit decreasing, each aligned to the block size)."
+            )
+        if packs and self.max_length is None:
+            raise ValueError("packing=True needs max_length (the length of a packed row); got max_length=None.")
+        if packs and self.block_size is not None and self.max_length % self.block_size:
+            raise ValueError(
+                f"with packing=True, max_length={self.max_length} must be a multiple of block_size={self.block_size} "
+                f"(packed documents are aligned to block boundaries); use e.g. max_length="
+                f"{(self.max_length // self.block_size) * self.block_size or self.block_size}."
+            )
+
+    def _check_block_parallel_fields(self, world_size: int) -> None:
+        P = self.block_parallel_size
+        if not isinstance(P, int) or isinstance(P, bool) or P <= 0:
+            raise ValueError(f"block_parallel_size must be a positive integer, got {P!r}.")
+        if self.block_parallel_transport not in TRANSPORTS:
+            raise ValueError(
+                f"block_parallel_transport must be one of {TRANSPORTS}, got {self.block_parallel_transport!r}."
+            )
+        self.clean_ring_size = resolve_layout(P, self.clean_ring_size, self.block_parallel_mode, self.block_schedule)
+        if world_size % P:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"block_parallel_size={P} does not divide the world size {world_size}: the world is split into "
+                f"data-parallel replicas of block-parallel groups of {P} ranks. Choose one of {divisors}, or launch "
+                f"a multiple of {P} processes."
+            )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas `D = W / P`."""
+        return self.world_size // self.block_parallel_size

@@ -1,0 +1,631 @@
+"""`BDLMSFTTrainer`: TRL's `SFTTrainer` for block diffusion LMs, with block parallelism.
+
+The few hooks that change are overridden; the rest (dataset formats and chat templates, PEFT,
+gradient accumulation and checkpointing, mixed precision, logging, checkpoints) is TRL's and
+transformers' own. One optimizer step:
+
+1. ``get_batch_samples``: each micro-batch is corrupted by the objective with noise keyed by
+   (seed, optimizer step, sample id, position). A sample occurs once per step, so the noise does not
+   depend on how the step's global batch is split over block-parallel ranks, data-parallel replicas or
+   accumulation micro-batches. The supervised-token count of the whole optimizer step becomes the loss
+   normalizer (as TRL does with ``num_items_in_batch``): the step's gradient is that of one big batch.
+2. ``compute_loss``: with ``block_parallel_size > 1`` the rank runs only its rows of the layout
+   (:class:`~hf_bdlm.parallel.ShardedLayout`) and scores the targets it owns; the loss is scaled by
+   the world size so that DDP's / FSDP2's mean over ranks is the single-device gradient.
+3. Logged ``loss`` and ``mean_token_accuracy`` are those of the whole global batch: the same numbers
+   whatever the parallel layout.
+
+    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/sft.py \\
+        --config recipes/configs/smollm2_cpu_csbp.yaml
+
+    from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
+    trainer = BDLMSFTTrainer("path/to/causal-lm", args=BDLMSFTConfig("out", block_size=16), train_dataset=ds)
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+from dataclasses import replace
+from typing import Any
+
+import datasets
+import torch
+from accelerate.utils import is_peft_model
+from torch.utils.data import DataLoader
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    ProcessorMixin,
+    TrainingArguments,
+)
+from transformers.trainer_utils import has_length
+from trl import SFTTrainer
+from trl.data_utils import get_dataset_column_names, is_conversational
+
+from ..attention.rows import vectorized_rows
+from ..configuration import BlockDiffusionConfig
+from ..modeling import BlockDiffusionForMaskedLM
+from ..objectives import Objective, get_objective, supervised_mask, target_rows_in
+from ..parallel.plugin import BlockParallelPlugin
+from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
+from .config import BDLMSFTConfig
+
+logger = logging.getLogger(__name__)
+
+CORRUPTED_KEY = "bdlm_corrupted"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+DEFAULT_CONVERSION_BLOCK_SIZE = 32
+_MISSING = object()
+
+
+class BDLMSFTTrainer(SFTTrainer):
+    r"""
+    Supervised fine-tuning of block diffusion LMs (and AR -> BDLM conversion) with block parallelism.
+
+    Args:
+        model (`str`, `os.PathLike`, [`~transformers.PreTrainedModel`] or [`~peft.PeftModel`]):
+            A [`BlockDiffusionForMaskedLM`] (object or local checkpoint folder), or a causal LM (object or local
+            folder) that is converted with [`convert_causal_lm`] (a `[MASK]` token is added to the tokenizer).
+            `args.model_init_kwargs` go to `from_pretrained` (dtype defaults to float32, as in TRL).
+        args ([`BDLMSFTConfig`], *optional*):
+            The configuration; a plain `SFTConfig` / `TrainingArguments` is converted.
+        data_collator (*optional*):
+            Defaults to [`~hf_bdlm.trainer.collator.BlockAlignedCollator`] (block-aligned padding).
+        train_dataset ([`~datasets.Dataset`]):
+            Any TRL SFT format: language modeling (`text`), prompt-completion (standard or conversational),
+            conversational (`messages`), or pre-tokenized (`input_ids`). A map-style dataset is required: the
+            global sample index keys the diffusion noise.
+        eval_dataset (*optional*), processing_class (*optional*), callbacks (*optional*), optimizers (*optional*),
+        optimizer_cls_and_kwargs (*optional*), formatting_func (*optional*):
+            As in [`~trl.SFTTrainer`].
+        peft_config ([`~peft.PeftConfig`], *optional*):
+            LoRA and friends; `target_modules` must be given (PEFT cannot infer them for this model type), and
+            `task_type` is ignored (a block-diffusion model is not a causal LM).
+        block_parallel_plugin ([`BlockParallelPlugin`], *optional*):
+            Defaults to `BlockParallelPlugin.from_config(args)`.
+    """
+
+    _tag_names = ["trl", "sft", "hf_bdlm", "block-diffusion"]
+    _name = "BDLM SFT"
+    # compute_loss divides by the supervised tokens of the whole optimizer step; no further 1/accumulation.
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        model,
+        args: BDLMSFTConfig | TrainingArguments | None = None,
+        data_collator=None,
+        train_dataset: datasets.Dataset | None = None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        peft_config=None,
+        formatting_func=None,
+        block_parallel_plugin: BlockParallelPlugin | None = None,
+    ):
+        args = _as_bdlm_config(args, model)
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required.")
+        # Everything the user gave is checked before anything is loaded, converted or written.
+        eval_sets = eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset} if eval_dataset else {}
+        for name, dataset in {"train": train_dataset, **eval_sets}.items():
+            check_dataset_format(dataset, args, formatting_func, name)
+        peft_config = _check_peft_config(peft_config)
+
+        model, processing_class, self._base_model_name = load_diffusion_model(model, processing_class, args)
+        diffusion = _diffusion_model(model)
+        if peft_config is not None:
+            check_lora_targets(peft_config, diffusion)
+        self.objective: Objective = configure_objective(diffusion, args)
+        self.block_size = diffusion.config.block_size
+        if (args.packing or args.eval_packing) and args.max_length % self.block_size:
+            raise ValueError(
+                f"with packing=True, max_length={args.max_length} must be a multiple of the block size "
+                f"{self.block_size} (packed documents are aligned to block boundaries)."
+            )
+
+        tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad with; set pad_token.")
+            tokenizer.pad_token = tokenizer.eos_token
+        self._pad_token_id = tokenizer.pad_token_id
+
+        self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args)
+        self.plugin.setup(args.device.type)
+        if data_collator is None:
+            data_collator = BlockAlignedCollator(
+                self._pad_token_id, self.block_size, self.plugin.pad_multiple(self.block_size)
+            )
+        train_dataset = add_sample_ids(train_dataset, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: add_sample_ids(v, k) for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = add_sample_ids(eval_dataset, "eval")
+
+        self.data_report: dict[str, dict] = {}
+        self.model_card_info: dict[str, Any] = {"dataset": _dataset_name(train_dataset)}
+        self._pack = {"train": args.packing, "eval": args.packing if args.eval_packing is None else args.eval_packing}
+        # TRL's packing is token-level (documents not block-aligned) and forces its padding-free collator; ours
+        # runs in _prepare_dataset instead, so TRL must see packing off while it builds the trainer.
+        packing, eval_packing, init_kwargs = args.packing, args.eval_packing, args.model_init_kwargs
+        args.packing, args.eval_packing, args.model_init_kwargs = False, False, None  # kwargs used by the loader
+        try:
+            super().__init__(
+                model=model,
+                args=args,
+                data_collator=data_collator,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                peft_config=peft_config,
+                formatting_func=formatting_func,
+            )
+        finally:
+            args.packing, args.eval_packing, args.model_init_kwargs = packing, eval_packing, init_kwargs
+
+        # Sums over the logging window of [loss_sum, correct, masked tokens, tokens], whole global batch.
+        self._window = {"train": torch.zeros(4, dtype=torch.float64), "eval": torch.zeros(4, dtype=torch.float64)}
+        self._tokens_seen = 0.0
+        if self.is_fsdp_enabled:
+            logger.warning(
+                "FSDP with BDLMSFTTrainer is written for FSDP2 (parameters sharded over dp x bp, the whole world) but "
+                "has not been tested yet; compare the first losses with a DDP run."
+            )
+
+    # --- data ------------------------------------------------------------------------------------
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        if isinstance(dataset, datasets.IterableDataset):
+            raise NotImplementedError(
+                "BDLMSFTTrainer needs a map-style datasets.Dataset: the global sample index keys the diffusion noise "
+                "and the block-parallel sampler shards by index. Materialise the stream first (e.g. "
+                "Dataset.from_generator)."
+            )
+        dataset = add_sample_ids(dataset, dataset_name)
+        # TRL tokenizes, applies chat templates and builds labels; truncation and packing are done below, with
+        # the length policy and block alignment.
+        unlimited = copy.copy(args)
+        unlimited.max_length = None
+        unlimited.shuffle_dataset = False  # the sampler shuffles, by sample id, the same on every layout
+        dataset = super()._prepare_dataset(dataset, processing_class, unlimited, False, formatting_func, dataset_name)
+        dataset, report = apply_length_policy(dataset, args.max_length, args.overlong_samples, dataset_name)
+        if self._pack["train" if dataset_name == "train" else "eval"]:
+            dataset = pack_block_aligned(dataset, args.max_length, self.block_size, self._pad_token_id, dataset_name)
+            report["packed_rows"] = len(dataset)
+        self.data_report[dataset_name] = report
+        return dataset
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["input_ids", "labels", "attention_mask", "completion_mask", "assistant_masks",
+                                       "seq_lengths", SAMPLE_ID_COLUMN]
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._sharded_dataloader(self.train_dataset, self._train_batch_size, "training", shuffle=True)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        elif eval_dataset is None:
+            eval_dataset = self.eval_dataset
+        return self._sharded_dataloader(eval_dataset, self.args.eval_batch_size, "evaluation", shuffle=False)
+
+    def _sharded_dataloader(self, dataset, batch_size: int, description: str, shuffle: bool) -> DataLoader:
+        """Every rank of a block-parallel group gets the same batches; replicas get disjoint ones.
+
+        Not passed through ``accelerator.prepare``, which would shard by global rank.
+        """
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        if not has_length(dataset):
+            raise NotImplementedError("BDLMSFTTrainer needs a dataset with a length (a map-style dataset).")
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = self.plugin.batch_sampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
+                                            drop_last=self.args.dataloader_drop_last)
+        workers = self.args.dataloader_num_workers
+        return EpochDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=self.data_collator,
+            num_workers=workers,
+            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=self.args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+
+    def get_total_train_batch_size(self, args) -> int:
+        # Ranks of a block-parallel group share their batch: only the data-parallel replicas add samples.
+        return self._train_batch_size * args.gradient_accumulation_steps * self.plugin.data_parallel_size
+
+    # --- the loss --------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        normalizer = 0.0
+        for batch in batches:
+            batch.update(self._prepare_input({k: v for k, v in batch.items() if torch.is_tensor(v)}))
+            corrupted = self._corrupt(batch, step=self.state.global_step)
+            batch[CORRUPTED_KEY] = corrupted
+            normalizer += 0.0 if corrupted is None else corrupted.normalizer
+        total = torch.tensor(normalizer, dtype=torch.float64, device=self.args.device)
+        return batches, self.plugin.sum_over_replicas(total).item()
+
+    def _corrupt(self, batch, step: int):
+        """The corrupted batch, or ``None`` when it supervises nothing (e.g. a replica's empty share)."""
+        if not bool(supervised_mask(batch).any()):
+            return None
+        return self.objective.corrupt(batch, seed=self.args.seed, step=step)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        corrupted = inputs.pop(CORRUPTED_KEY, _MISSING)
+        if corrupted is _MISSING:
+            corrupted = self._corrupt(inputs, step=self.state.global_step if mode == "train" else 0)
+        if corrupted is None:
+            loss = self._zero_loss(model, inputs)
+            self._record(mode, None, inputs)
+            return (loss, None) if return_outputs else loss
+        if mode == "train" and num_items_in_batch is not None:
+            corrupted = replace(corrupted, normalizer=max(float(num_items_in_batch), 1.0))
+        hidden, row_index = self._forward_rows(model, corrupted)
+        loss, metrics = self.objective.loss_from_hidden(_diffusion_model(self.model), hidden, corrupted, row_index)
+        self._record(mode, metrics, inputs)
+        if mode == "train":
+            # Each rank holds the loss of its own rows of the global batch; DDP / FSDP2 average over all ranks.
+            loss = loss * self.accelerator.num_processes
+        else:
+            loss = self.plugin.sum_over_group(loss.detach().clone())
+        return (loss, None) if return_outputs else loss
+
+    def _forward_rows(self, model, corrupted):
+        """Hidden states of this rank's rows and, per target, the row predicting it (-1: not counted here)."""
+        diffusion = _diffusion_model(self.model)
+        if self.plugin.is_active:
+            layout = self.plugin.layout(corrupted.seq_len, self.block_size, diffusion.mask_rule(),
+                                        diffusion.config.attention_backend, corrupted.document_ids)
+            ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
+            out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
+            return out.hidden_states, layout.loss_row_index(corrupted)
+        out = model(input_ids=corrupted.noisy_ids, clean_input_ids=corrupted.clean_ids,
+                    position_ids=corrupted.position_ids, document_ids=corrupted.document_ids, return_logits=False)
+        rows = vectorized_rows(corrupted.seq_len, device=corrupted.clean_ids.device)
+        return out.hidden_states, target_rows_in(rows, corrupted)
+
+    def _zero_loss(self, model, inputs):
+        """A zero reaching every parameter: DDP's hooks fire as on ranks with targets."""
+        ids = inputs["input_ids"]
+        hidden = model(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
+        return (hidden.sum() + _diffusion_model(self.model).lm_logits(hidden[:, :1]).sum()) * 0.0
+
+    def _record(self, mode: str, metrics, inputs) -> None:
+        """Add this micro-batch's metric sums, summed over every rank, to the logging window."""
+        device = self.args.device
+        local = torch.zeros(4, dtype=torch.float64, device=device)
+        if metrics is not None:
+            local[0] = metrics["loss_sum"].double()
+            local[1] = metrics["correct"].double()
+            local[2] = metrics["count"].double()
+        # Every rank of a group holds the whole batch: count its tokens once per group.
+        local[3] = inputs["attention_mask"].sum().double() / self.plugin.block_parallel_size
+        self._window[mode] += self.plugin.sum_over_world(local).cpu()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        window = self._window[mode]
+        if window[2] > 0:
+            self._metrics[mode]["mean_token_accuracy"] = [float(window[1] / window[2])]
+            self._metrics[mode]["masked_tokens"] = [float(window[2])]
+        if mode == "train":
+            self._tokens_seen += float(window[3])
+            self._metrics[mode]["num_tokens"] = [self._tokens_seen]
+        window.zero_()
+        super().log(logs, start_time)
+
+    # --- saving ----------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            self._write_model_card(output_dir or self.args.output_dir)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        if _hub_model_card_writer() is None:
+            return super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        # TRL calls this at every checkpoint for the output folder, which holds a model only after save_model.
+        if self.is_world_process_zero():
+            self._write_model_card(self.args.output_dir)
+
+    def model_card_metadata(self) -> dict[str, Any]:
+        """What the model card says about this run (see ``hf_bdlm.hub.CARD_INFO_KEYS``).
+
+        Extra entries (e.g. an exact-match score, a dataset name) can be put in ``trainer.model_card_info``.
+        """
+        plugin = self.plugin
+        last: dict[str, float] = {}
+        for entry in self.state.log_history:
+            last.update({k: v for k, v in entry.items() if isinstance(v, (int, float))})
+        metrics = {"loss": last.get("loss"), "masked_token_accuracy": last.get("mean_token_accuracy"),
+                   "eval_loss": last.get("eval_loss")}
+        info: dict[str, Any] = {
+            "objective": self.objective.name,
+            "parallel": {"mode": plugin.mode, "P": plugin.block_parallel_size, "C": plugin.clean_ring_size,
+                         "transport": plugin.transport, "world": plugin.world_size, "schedule": plugin.schedule},
+            "metrics": {k: v for k, v in metrics.items() if v is not None},
+            "training": {
+                "steps": self.state.global_step,
+                "learning_rate": self.args.learning_rate,
+                "per_device_train_batch_size": self.args.per_device_train_batch_size,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                "data_parallel_size": plugin.data_parallel_size,
+                "max_length": self.args.max_length,
+                "packing": self.args.packing,
+                "peft": type(self.model.peft_config["default"]).__name__ if is_peft_model(self.model) else None,
+                "seed": self.args.seed,
+            },
+        }
+        base = self._base_model_name
+        if base and _HUB_ID.match(base) and not os.path.exists(base):
+            info["base_model"] = base
+        elif base:
+            info["description"] = f"Fine-tuned with hf_bdlm's BDLMSFTTrainer from `{base}`."
+        for key, value in self.model_card_info.items():
+            if isinstance(value, dict) and isinstance(info.get(key), dict):
+                info[key] = {**info[key], **value}
+            else:
+                info[key] = value
+        return info
+
+    def _write_model_card(self, output_dir: str) -> None:
+        # The card is rendered by hf_bdlm.hub.write_model_card (template in model_cards/); without that module,
+        # TRL's card from create_model_card is what a checkpoint carries.
+        writer = _hub_model_card_writer()
+        # A PEFT checkpoint holds only the adapter (no config.json): the card describes full models.
+        if writer is not None and os.path.isfile(os.path.join(output_dir, "config.json")):
+            writer(output_dir, self.model_card_metadata())
+
+
+class EpochDataLoader(DataLoader):
+    """A DataLoader whose ``set_epoch`` reaches its batch sampler (the Trainer calls it every epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+
+# --- model, objective and checks -------------------------------------------------------------------
+def _hub_model_card_writer():
+    try:
+        from ..hub import write_model_card
+    except ImportError:
+        return None
+    return write_model_card
+
+
+def _as_bdlm_config(args, model) -> BDLMSFTConfig:
+    if isinstance(args, BDLMSFTConfig):
+        return args
+    if args is None:
+        name = os.path.basename(os.fspath(model).rstrip("/")) if isinstance(model, (str, os.PathLike)) else "model"
+        return BDLMSFTConfig(f"{name}-BDLM-SFT")
+    if isinstance(args, TrainingArguments):
+        values = args.to_dict()
+        values["hub_token"] = args.hub_token  # to_dict hides it
+        return BDLMSFTConfig(**values)
+    raise TypeError(f"args must be a BDLMSFTConfig (or SFTConfig / TrainingArguments), got {type(args).__name__}.")
+
+
+def _diffusion_model(model) -> BlockDiffusionForMaskedLM:
+    """The BlockDiffusionForMaskedLM inside wrappers (PEFT)."""
+    inner = model.get_base_model() if is_peft_model(model) else model
+    if not isinstance(inner, BlockDiffusionForMaskedLM):
+        raise TypeError(f"expected a BlockDiffusionForMaskedLM (possibly inside PEFT), got {type(inner).__name__}.")
+    return inner
+
+
+def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
+    """Resolve ``model`` to a block-diffusion model and its tokenizer; convert causal LMs.
+
+    Returns:
+        `(model, processing_class, base_model_name)`.
+    """
+    from ..conversion import convert_causal_lm
+
+    convert_kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE}
+    if args.objective is not None:
+        convert_kwargs["objective"] = args.objective
+    if args.attention_backend is not None:
+        convert_kwargs["attention_backend"] = args.attention_backend
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        kwargs = _model_init_kwargs(args)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        if config.model_type == BlockDiffusionConfig.model_type:
+            loaded = AutoModel.from_pretrained(path, **kwargs)
+        else:
+            causal = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            loaded, processing_class = convert_causal_lm(causal, processing_class, **convert_kwargs)
+            logger.info("converted causal LM %s into a block diffusion model (block size %d, mask token id %d)",
+                        path, loaded.config.block_size, loaded.config.mask_token_id)
+        return loaded, processing_class, path
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model must be a path or a model object, got {type(model).__name__}; pass a BlockDiffusionForMaskedLM, "
+            "a causal LM to convert, or a local checkpoint folder."
+        )
+    base_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    inner = model.get_base_model() if is_peft_model(model) else model
+    if isinstance(inner, BlockDiffusionForMaskedLM):
+        if processing_class is None:
+            processing_class = _tokenizer_near(model)
+        return model, processing_class, base_name
+    if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None:
+        if processing_class is None:
+            processing_class = _tokenizer_near(model)
+        converted, processing_class = convert_causal_lm(model, processing_class, **convert_kwargs)
+        return converted, processing_class, base_name
+    raise TypeError(
+        f"{type(model).__name__} is neither a BlockDiffusionForMaskedLM nor a causal LM with an LM head; pass a "
+        "block-diffusion model, a *ForCausalLM model to convert, or a local checkpoint folder."
+    )
+
+
+def _tokenizer_near(model):
+    path = getattr(model.config, "_name_or_path", "")
+    if path and os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    raise ValueError(
+        f"no processing_class was given and the model's config names no local folder to load a tokenizer from "
+        f"(_name_or_path={path!r}); pass processing_class=<its tokenizer>."
+    )
+
+
+def _model_init_kwargs(args) -> dict[str, Any]:
+    kwargs = dict(args.model_init_kwargs or {})
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
+        dtype = getattr(torch, dtype)
+    kwargs["dtype"] = dtype
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
+
+
+def configure_objective(model: BlockDiffusionForMaskedLM, args: BDLMSFTConfig) -> Objective:
+    """Apply the config's diffusion fields to the model's config and build the objective from it.
+
+    The saved checkpoint thus records the block size, objective and noise it was trained with.
+    """
+    cfg = model.config
+    updates = {
+        "block_size": args.block_size,
+        "objective": args.objective,
+        "noise_eps_min": args.noise_eps_min,
+        "noise_eps_max": args.noise_eps_max,
+        "attention_backend": args.attention_backend,
+    }
+    if args.loss_weighting is not None and (args.objective or cfg.objective) != "fast_dllm_v2":
+        updates["loss_weighting"] = args.loss_weighting
+    for name, value in updates.items():
+        if value is not None and getattr(cfg, name) != value:
+            logger.info("model config: %s %r -> %r (from BDLMSFTConfig)", name, getattr(cfg, name), value)
+            setattr(cfg, name, value)
+    cfg._check_diffusion_fields()
+    return get_objective(cfg.objective, cfg)
+
+
+def add_sample_ids(dataset, name: str = "train"):
+    """Add the global sample index column (kept through tokenization; keys the noise)."""
+    if dataset is None or isinstance(dataset, datasets.IterableDataset):
+        return dataset
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"the {name} dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
+    if SAMPLE_ID_COLUMN in dataset.column_names:
+        return dataset
+    return dataset.add_column(SAMPLE_ID_COLUMN, list(range(len(dataset))))
+
+
+def check_dataset_format(dataset, args: BDLMSFTConfig, formatting_func, name: str = "train") -> None:
+    """Raise a clear error when the dataset lacks the fields its TRL format needs (before any work)."""
+    if isinstance(dataset, datasets.IterableDataset):
+        raise NotImplementedError(
+            f"the {name} dataset is an IterableDataset; BDLMSFTTrainer needs a map-style datasets.Dataset (the global "
+            "sample index keys the diffusion noise). Materialise it first, e.g. Dataset.from_generator."
+        )
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"the {name} dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
+    if len(dataset) == 0:
+        raise ValueError(f"the {name} dataset is empty.")
+    columns = set(get_dataset_column_names(dataset))
+    text = args.dataset_text_field
+    if formatting_func is None and "input_ids" not in columns:
+        if "prompt" in columns or "completion" in columns:
+            missing = sorted({"prompt", "completion"} - columns)
+            if missing:
+                raise ValueError(
+                    f"the {name} dataset has a {'prompt' if 'prompt' in columns else 'completion'!r} column but no "
+                    f"{missing[0]!r} column: the prompt-completion format needs both (columns: {sorted(columns)})."
+                )
+        elif not ({"messages", "conversations", text} & columns):
+            raise ValueError(
+                f"the {name} dataset has the columns {sorted(columns)}, which match no SFT format: language "
+                f"modeling needs {text!r} (set dataset_text_field for another column), prompt-completion needs "
+                "'prompt' and 'completion', conversational needs 'messages', pre-tokenized data needs 'input_ids'; "
+                "or pass a formatting_func."
+            )
+    if args.completion_only_loss and formatting_func is None and not (
+        {"prompt", "completion"} <= columns or {"input_ids", "completion_mask"} <= columns
+    ):
+        raise ValueError(
+            f"completion_only_loss=True needs a prompt-completion dataset ('prompt' and 'completion' columns); the "
+            f"{name} dataset has {sorted(columns)}."
+        )
+    if args.assistant_only_loss and not is_conversational(dataset[0]):
+        raise ValueError(
+            f"assistant_only_loss=True needs a conversational dataset ('messages', or 'prompt'/'completion' as lists "
+            f"of messages); the first {name} example is not conversational."
+        )
+
+
+def _check_peft_config(peft_config):
+    if peft_config is None:
+        return None
+    if getattr(peft_config, "task_type", None) is not None:
+        peft_config = copy.deepcopy(peft_config)
+        logger.info("peft_config.task_type=%r ignored: a block-diffusion model is not a causal LM.",
+                    peft_config.task_type)
+        peft_config.task_type = None
+    return peft_config
+
+
+def check_lora_targets(peft_config, model: torch.nn.Module) -> None:
+    """Raise when LoRA targets nothing (PEFT cannot infer targets for this model type)."""
+    targets = getattr(peft_config, "target_modules", None)
+    if targets is None:
+        if getattr(peft_config, "target_parameters", None):
+            return
+        raise ValueError(
+            "peft_config.target_modules is not set, and PEFT cannot infer LoRA targets for model_type "
+            "'block_diffusion'. Name them, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'] or "
+            "'all-linear'."
+        )
+    if targets == "all-linear":
+        return
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    names = [name for name, _ in model.named_modules() if name]
+    if not any(check_target_module_exists(peft_config, name) for name in names):
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(
+            f"LoRA target_modules={targets!r} match no module of the model, so nothing would be trained. Its linear "
+            f"layers are named {linear}."
+        )
+
+
+def _dataset_name(dataset) -> str:
+    info = getattr(dataset, "info", None)
+    for attr in ("dataset_name", "builder_name"):
+        value = getattr(info, attr, None)
+        if value:
+            return value
+    return "custom"

@@ -1,0 +1,99 @@
+"""Tiny offline fixtures shared by tests/test_trainer*.py and the trainer workers.
+
+A word-level tokenizer with a ChatML-like chat template (``{% generation %}`` markers, so
+``assistant_only_loss`` works), a 2-layer Llama block-diffusion model, and small datasets in
+every TRL SFT format.
+"""
+
+from __future__ import annotations
+
+import datasets
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
+
+SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>", "[MASK]", "<|im_start|>", "<|im_end|>"]
+WORDS = (["user", "assistant", "system"] + [str(d) for d in range(10)]
+         + "what is the sum of and plus minus sort count letters in word answer a b c d e f g h yes no".split())
+PAD, MASK = 0, 4
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ message['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
+                                  eos_token="</s>", mask_token="[MASK]",
+                                  additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def vocab_size() -> int:
+    return len(SPECIALS) + len(WORDS)
+
+
+def llama_config(**kw) -> LlamaConfig:
+    base = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=48, head_dim=8, pad_token_id=PAD, bos_token_id=2,
+                eos_token_id=3)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def tiny_bdlm(block_size: int = 4, objective: str = "standard", seed: int = 0, **kw) -> BlockDiffusionForMaskedLM:
+    torch.manual_seed(seed)
+    clean = "causal" if objective == "fast_dllm_v2" else "block_causal"
+    cfg = BlockDiffusionConfig(backbone_config=llama_config(), block_size=block_size, mask_token_id=MASK,
+                               objective=objective, clean_attention=clean, **kw)
+    return BlockDiffusionForMaskedLM(cfg)
+
+
+def tiny_causal_lm(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config())
+
+
+def _question(i: int) -> tuple[str, str]:
+    a, b = i % 7, (3 * i) % 5
+    words = "yes no a b c d e f g h".split()
+    # Answers of 3 to 8 tokens, so that every small batch has masked targets at any masking rate.
+    return f"what is the sum of {a} and {b}", " ".join([str(a + b)] + words[i % 4 : i % 4 + 2 + i % 6])
+
+
+def prompt_completion(n: int = 12, conversational: bool = True, long_every: int = 0) -> datasets.Dataset:
+    rows = {"prompt": [], "completion": []}
+    for i in range(n):
+        q, a = _question(i)
+        if long_every and i % long_every == 0:
+            q = q + " plus 1" * 20
+        if conversational:
+            rows["prompt"].append([{"role": "user", "content": q}])
+            rows["completion"].append([{"role": "assistant", "content": a}])
+        else:
+            rows["prompt"].append(q + " answer")
+            rows["completion"].append(" " + a)
+    return datasets.Dataset.from_dict(rows)
+
+
+def messages(n: int = 12) -> datasets.Dataset:
+    rows = []
+    for i in range(n):
+        q, a = _question(i)
+        rows.append([{"role": "system", "content": "answer yes or no"}, {"role": "user", "content": q},
+                     {"role": "assistant", "content": a}, {"role": "user", "content": "sort the letters"},
+                     {"role": "assistant", "content": "a b c"}])
+    return datasets.Dataset.from_dict({"messages": rows})
+
+
+def language_modeling(n: int = 12) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"text": [" ".join(_question(i)) + " yes" * (i % 5) for i in range(n)]})
