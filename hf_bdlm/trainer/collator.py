@@ -122,7 +122,7 @@ def apply_length_policy(dataset, max_length: int | None, policy: str, name: str 
 
 # --- block-aligned packing ---------------------------------------------------------------------
 def pack_block_aligned(dataset, max_length: int, block_size: int, pad_token_id: int, name: str = "train"):
-    """Pack whole documents into rows of ``max_length`` tokens, each document padded to a block multiple.
+    """Pack whole documents into rows of at most ``max_length`` tokens, each document padded to a block multiple.
 
     Best-fit decreasing on the block-aligned lengths: documents are placed longest first, each into the
     open row with the least room that still fits it (a new row when none does); inside a row they keep

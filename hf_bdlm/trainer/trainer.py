@@ -616,8 +616,9 @@ def check_lora_targets(peft_config, model: torch.nn.Module) -> None:
     names = [name for name, _ in model.named_modules() if name]
     if not any(check_target_module_exists(peft_config, name) for name in names):
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        shown = sorted(targets) if isinstance(targets, (set, list, tuple)) else targets
         raise ValueError(
-            f"LoRA target_modules={targets!r} match no module of the model, so nothing would be trained. Its linear "
+            f"LoRA target_modules={shown!r} match no module of the model, so nothing would be trained. Its linear "
             f"layers are named {linear}."
         )
 
