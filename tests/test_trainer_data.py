@@ -147,6 +147,26 @@ def test_packing_aligns_every_document_to_the_block_and_keeps_documents_whole(tm
     assert trainer.data_report["train"]["packed_rows"] == len(trainer.train_dataset) < 10
 
 
+def test_a_packed_document_is_computed_as_if_it_were_alone(tmp_path):
+    # Per-document attention and per-document RoPE positions: each document's hidden states in a packed row equal
+    # those of the document run by itself (its block-aligned span), in both streams.
+    trainer = make_trainer(tmp_path, language_modeling(6), packing=True, max_length=32)
+    model = trainer.model.eval()
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    ids, doc = batch["input_ids"], batch["document_ids"]
+    length = ids.shape[1]
+    with torch.no_grad():
+        packed = model(input_ids=ids, clean_input_ids=ids, document_ids=doc, return_logits=False).hidden_states
+        assert len(doc[0].unique()) >= 2  # at least two documents (and a padding tail when the row is not full)
+        for d in doc[0].unique().tolist():
+            span = (doc[0] == d).nonzero().flatten()
+            alone_ids = ids[:, span]
+            alone = model(input_ids=alone_ids, clean_input_ids=alone_ids, return_logits=False).hidden_states
+            n = span.numel()
+            torch.testing.assert_close(packed[:, span], alone[:, :n], rtol=1e-5, atol=1e-5)  # noisy stream
+            torch.testing.assert_close(packed[:, length + span], alone[:, n:], rtol=1e-5, atol=1e-5)  # clean
+
+
 # --- the length policy ---------------------------------------------------------------------------
 def test_overlong_samples_stop_before_training_and_say_how_many(tmp_path):
     data = prompt_completion(6, long_every=3)  # samples 0 and 3 are ~60 tokens

@@ -57,7 +57,9 @@ class BDLMSFTConfig(SFTConfig):
 
         block_parallel_size (`int`, *optional*, defaults to `1`):
             Ranks `P` of a block-parallel group sharing one batch of sequences. Must divide the world size `W`; the
-            `W / P` groups are data-parallel replicas that receive disjoint data.
+            `W / P` groups are data-parallel replicas that receive disjoint data. `per_device_train_batch_size` is
+            then the batch of a group (all its ranks hold the same samples), and a step's global batch is
+            `per_device_train_batch_size * gradient_accumulation_steps * W / P` samples.
         clean_ring_size (`int`, *optional*):
             Ranks `C` of a clean ring, `C | P`. Defaults to `P` for `"csbp"` and `"cp"`, and to `1` for `"bp"`.
         block_parallel_mode (`str`, *optional*, defaults to `"csbp"`):
