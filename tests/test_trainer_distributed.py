@@ -1,7 +1,8 @@
 """BDLMSFTTrainer with the block-parallel plugin under torchrun (gloo): the acceptance tests of issue 4.
 
-- P = 2 (csbp, bp, cp) logs the same per-step losses as P = 1 and ends with the same weights (float32);
-  also with gradient accumulation + gradient checkpointing + block-aligned packing, and with LoRA.
+- P = 2 (csbp with the all-gather and the ring transport, bp, cp) logs the same per-step losses as P = 1, ends
+  with the same weights (float32) and evaluates the same held-out loss; also with gradient accumulation +
+  gradient checkpointing + block-aligned packing, and with LoRA.
 - Resume: from a checkpoint of the same layout, exactly the uninterrupted losses; a P = 2 csbp checkpoint
   resumed with P = 1 continues with the same losses.
 - 4 processes = 2 data-parallel groups x P 2: ranks of a group get the same batches, groups disjoint ones, and
@@ -50,8 +51,8 @@ def _weights_rel(path_a, path_b):
     return max((a[k] - b[k]).abs().max().item() / max(b[k].abs().max().item(), 1e-30) for k in a)
 
 
-@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "accum_ckpt_packed/csbp", "lora/csbp",
-                                 "resume/csbp"])
+@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/csbp_ring", "accum_ckpt_packed/csbp",
+                                 "lora/csbp", "resume/csbp"])
 def test_p2_logs_the_single_process_losses(runs, run):
     layouts, reference, _ = runs
     got, want = layouts[run], reference[run.split("/")[0] + "/p1"]
@@ -60,10 +61,18 @@ def test_p2_logs_the_single_process_losses(runs, run):
     assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-12)
 
 
-@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "accum_ckpt_packed/csbp", "lora/csbp"])
+@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/csbp_ring", "accum_ckpt_packed/csbp",
+                                 "lora/csbp"])
 def test_p2_ends_with_the_single_process_weights(runs, run):
     layouts, reference, _ = runs
     assert _weights_rel(layouts[run]["weights"], reference[run.split("/")[0] + "/p1"]["weights"]) <= TOL
+
+
+@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/csbp_ring"])
+def test_p2_evaluates_the_single_process_held_out_loss(runs, run):
+    layouts, reference, other_rank = runs
+    assert layouts[run]["eval_loss"] == pytest.approx(reference["plain/p1"]["eval_loss"], rel=TOL)
+    assert other_rank[run]["eval_loss"] == layouts[run]["eval_loss"]
 
 
 def test_every_rank_of_the_group_logs_the_whole_batch_loss(runs):

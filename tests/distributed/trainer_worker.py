@@ -6,8 +6,8 @@
 
 Scenarios:
 - ``layouts`` (2 ranks, one block-parallel group): each training setup of :data:`SETUPS` for 4 steps with
-  ``block_parallel_size=2`` (csbp; bp and cp on the plain setup), checkpoint at step 2; logged losses and
-  final weights are written.
+  ``block_parallel_size=2`` (csbp; bp, cp and csbp with the ring transport on the plain setup), checkpoint at
+  step 2; logged losses, final weights and (plain setup) the held-out loss are written.
 - ``reference`` (1 rank): the same setups with P = 1, plus two resumes of the AdamW setup from step 2: from
   its own checkpoint (same layout) and from the P = 2 csbp checkpoint of ``layouts`` (layout change).
 - ``data`` (4 ranks = 2 data-parallel groups x P 2): one epoch with gradient accumulation, recording the
@@ -57,8 +57,9 @@ def config(out: Path, P: int, mode: str = "csbp", **overrides) -> BDLMSFTConfig:
     return BDLMSFTConfig(**values)
 
 
-def run(setup: str, out: Path, P: int, mode: str = "csbp", resume: str | None = None) -> dict:
+def run(setup: str, out: Path, P: int, mode: str = "csbp", resume: str | None = None, **extra) -> dict:
     model_kw, data, overrides, lora = SETUPS[setup]
+    overrides = {**overrides, **extra}
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -74,6 +75,9 @@ def run(setup: str, out: Path, P: int, mode: str = "csbp", resume: str | None = 
         "accuracy": [h.get("mean_token_accuracy") for h in history],
         "weights": None,
     }
+    if setup == "plain":
+        # Held-out loss after training: every group rank holds part of it; the trainer sums it over the group.
+        result["eval_loss"] = trainer.evaluate(eval_dataset=prompt_completion(5))["eval_loss"]
     if trainer.is_world_process_zero():
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         path = out / "final_weights.pt"
@@ -88,6 +92,8 @@ def scenario_layouts(out: Path) -> dict:
         results[f"{setup}/csbp"] = run(setup, out / setup / "p2_csbp", 2, "csbp")
     for mode in ("bp", "cp"):
         results[f"plain/{mode}"] = run("plain", out / "plain" / f"p2_{mode}", 2, mode)
+    results["plain/csbp_ring"] = run("plain", out / "plain" / "p2_csbp_ring", 2, "csbp",
+                                     block_parallel_transport="ring")
     return results
 
 
