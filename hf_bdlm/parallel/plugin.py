@@ -22,7 +22,6 @@ that path is written but has not been run here (no GPU on the development machin
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,8 +32,6 @@ from torch.utils.data import Sampler
 
 from .plan import MODES, SCHEDULES, PlanConfig, required_multiple
 from .sharded import BlockParallelGroups, ShardedLayout
-
-logger = logging.getLogger(__name__)
 
 # Process groups must be created by every rank in the same order; build each shape once per process.
 _GROUPS: dict[tuple, BlockParallelGroups] = {}
