@@ -36,32 +36,30 @@ import datasets
 import torch
 from accelerate.utils import is_peft_model
 from torch.utils.data import DataLoader
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    ProcessorMixin,
-    TrainingArguments,
-)
+from transformers import ProcessorMixin, TrainingArguments
 from transformers.trainer_utils import has_length
 from trl import SFTTrainer
-from trl.data_utils import get_dataset_column_names, is_conversational
 
 from ..attention.rows import vectorized_rows
-from ..configuration import BlockDiffusionConfig
 from ..modeling import BlockDiffusionForMaskedLM
-from ..objectives import Objective, get_objective, supervised_mask, target_rows_in
+from ..objectives import Objective, supervised_mask, target_rows_in
 from ..parallel.plugin import BlockParallelPlugin
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
 from .config import BDLMSFTConfig
+from .inputs import (
+    add_sample_ids,
+    check_dataset_format,
+    check_lora_targets,
+    check_peft_config,
+    configure_objective,
+    dataset_name,
+    load_diffusion_model,
+)
 
 logger = logging.getLogger(__name__)
 
 CORRUPTED_KEY = "bdlm_corrupted"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-DEFAULT_CONVERSION_BLOCK_SIZE = 32
 _MISSING = object()
 
 
@@ -119,7 +117,7 @@ class BDLMSFTTrainer(SFTTrainer):
         eval_sets = eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset} if eval_dataset else {}
         for name, dataset in {"train": train_dataset, **eval_sets}.items():
             check_dataset_format(dataset, args, formatting_func, name)
-        peft_config = _check_peft_config(peft_config)
+        peft_config = check_peft_config(peft_config)
 
         model, processing_class, self._base_model_name = load_diffusion_model(model, processing_class, args)
         diffusion = _diffusion_model(model)
@@ -153,7 +151,7 @@ class BDLMSFTTrainer(SFTTrainer):
             eval_dataset = add_sample_ids(eval_dataset, "eval")
 
         self.data_report: dict[str, dict] = {}
-        self.model_card_info: dict[str, Any] = {"dataset": _dataset_name(train_dataset)}
+        self.model_card_info: dict[str, Any] = {"dataset": dataset_name(train_dataset)}
         self._pack = {"train": args.packing, "eval": args.packing if args.eval_packing is None else args.eval_packing}
         # TRL's packing is token-level (documents not block-aligned) and forces its padding-free collator; ours
         # runs in _prepare_dataset instead, so TRL must see packing off while it builds the trainer.
@@ -412,7 +410,7 @@ class EpochDataLoader(DataLoader):
             self.batch_sampler.set_epoch(epoch)
 
 
-# --- model, objective and checks -------------------------------------------------------------------
+# --- helpers ------------------------------------------------------------------------------------
 def _hub_model_card_writer():
     try:
         from ..hub import write_model_card
@@ -440,193 +438,3 @@ def _diffusion_model(model) -> BlockDiffusionForMaskedLM:
     if not isinstance(inner, BlockDiffusionForMaskedLM):
         raise TypeError(f"expected a BlockDiffusionForMaskedLM (possibly inside PEFT), got {type(inner).__name__}.")
     return inner
-
-
-def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
-    """Resolve ``model`` to a block-diffusion model and its tokenizer; convert causal LMs.
-
-    Returns:
-        `(model, processing_class, base_model_name)`.
-    """
-    from ..conversion import convert_causal_lm
-
-    convert_kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE}
-    if args.objective is not None:
-        convert_kwargs["objective"] = args.objective
-    if args.attention_backend is not None:
-        convert_kwargs["attention_backend"] = args.attention_backend
-    if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        kwargs = _model_init_kwargs(args)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        if config.model_type == BlockDiffusionConfig.model_type:
-            loaded = AutoModel.from_pretrained(path, **kwargs)
-        else:
-            causal = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            loaded, processing_class = convert_causal_lm(causal, processing_class, **convert_kwargs)
-            logger.info("converted causal LM %s into a block diffusion model (block size %d, mask token id %d)",
-                        path, loaded.config.block_size, loaded.config.mask_token_id)
-        return loaded, processing_class, path
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"model must be a path or a model object, got {type(model).__name__}; pass a BlockDiffusionForMaskedLM, "
-            "a causal LM to convert, or a local checkpoint folder."
-        )
-    base_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    inner = model.get_base_model() if is_peft_model(model) else model
-    if isinstance(inner, BlockDiffusionForMaskedLM):
-        if processing_class is None:
-            processing_class = _tokenizer_near(model)
-        return model, processing_class, base_name
-    if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None:
-        if processing_class is None:
-            processing_class = _tokenizer_near(model)
-        converted, processing_class = convert_causal_lm(model, processing_class, **convert_kwargs)
-        return converted, processing_class, base_name
-    raise TypeError(
-        f"{type(model).__name__} is neither a BlockDiffusionForMaskedLM nor a causal LM with an LM head; pass a "
-        "block-diffusion model, a *ForCausalLM model to convert, or a local checkpoint folder."
-    )
-
-
-def _tokenizer_near(model):
-    path = getattr(model.config, "_name_or_path", "")
-    if path and os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
-    raise ValueError(
-        f"no processing_class was given and the model's config names no local folder to load a tokenizer from "
-        f"(_name_or_path={path!r}); pass processing_class=<its tokenizer>."
-    )
-
-
-def _model_init_kwargs(args) -> dict[str, Any]:
-    kwargs = dict(args.model_init_kwargs or {})
-    dtype = kwargs.get("dtype", "float32")
-    if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
-        dtype = getattr(torch, dtype)
-    kwargs["dtype"] = dtype
-    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    return kwargs
-
-
-def configure_objective(model: BlockDiffusionForMaskedLM, args: BDLMSFTConfig) -> Objective:
-    """Apply the config's diffusion fields to the model's config and build the objective from it.
-
-    The saved checkpoint thus records the block size, objective and noise it was trained with.
-    """
-    cfg = model.config
-    updates = {
-        "block_size": args.block_size,
-        "objective": args.objective,
-        "noise_eps_min": args.noise_eps_min,
-        "noise_eps_max": args.noise_eps_max,
-        "attention_backend": args.attention_backend,
-    }
-    if args.loss_weighting is not None and (args.objective or cfg.objective) != "fast_dllm_v2":
-        updates["loss_weighting"] = args.loss_weighting
-    for name, value in updates.items():
-        if value is not None and getattr(cfg, name) != value:
-            logger.info("model config: %s %r -> %r (from BDLMSFTConfig)", name, getattr(cfg, name), value)
-            setattr(cfg, name, value)
-    cfg._check_diffusion_fields()
-    return get_objective(cfg.objective, cfg)
-
-
-def add_sample_ids(dataset, name: str = "train"):
-    """Add the global sample index column (kept through tokenization; keys the noise)."""
-    if dataset is None or isinstance(dataset, datasets.IterableDataset):
-        return dataset
-    if not isinstance(dataset, datasets.Dataset):
-        raise TypeError(f"the {name} dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
-    if SAMPLE_ID_COLUMN in dataset.column_names:
-        return dataset
-    return dataset.add_column(SAMPLE_ID_COLUMN, list(range(len(dataset))))
-
-
-def check_dataset_format(dataset, args: BDLMSFTConfig, formatting_func, name: str = "train") -> None:
-    """Raise a clear error when the dataset lacks the fields its TRL format needs (before any work)."""
-    if isinstance(dataset, datasets.IterableDataset):
-        raise NotImplementedError(
-            f"the {name} dataset is an IterableDataset; BDLMSFTTrainer needs a map-style datasets.Dataset (the global "
-            "sample index keys the diffusion noise). Materialise it first, e.g. Dataset.from_generator."
-        )
-    if not isinstance(dataset, datasets.Dataset):
-        raise TypeError(f"the {name} dataset must be a datasets.Dataset, got {type(dataset).__name__}.")
-    if len(dataset) == 0:
-        raise ValueError(f"the {name} dataset is empty.")
-    columns = set(get_dataset_column_names(dataset))
-    text = args.dataset_text_field
-    if formatting_func is None and "input_ids" not in columns:
-        if "prompt" in columns or "completion" in columns:
-            missing = sorted({"prompt", "completion"} - columns)
-            if missing:
-                raise ValueError(
-                    f"the {name} dataset has a {'prompt' if 'prompt' in columns else 'completion'!r} column but no "
-                    f"{missing[0]!r} column: the prompt-completion format needs both (columns: {sorted(columns)})."
-                )
-        elif not ({"messages", "conversations", text} & columns):
-            raise ValueError(
-                f"the {name} dataset has the columns {sorted(columns)}, which match no SFT format: language "
-                f"modeling needs {text!r} (set dataset_text_field for another column), prompt-completion needs "
-                "'prompt' and 'completion', conversational needs 'messages', pre-tokenized data needs 'input_ids'; "
-                "or pass a formatting_func."
-            )
-    if args.completion_only_loss and formatting_func is None and not (
-        {"prompt", "completion"} <= columns or {"input_ids", "completion_mask"} <= columns
-    ):
-        raise ValueError(
-            f"completion_only_loss=True needs a prompt-completion dataset ('prompt' and 'completion' columns); the "
-            f"{name} dataset has {sorted(columns)}."
-        )
-    if args.assistant_only_loss and not is_conversational(dataset[0]):
-        raise ValueError(
-            f"assistant_only_loss=True needs a conversational dataset ('messages', or 'prompt'/'completion' as lists "
-            f"of messages); the first {name} example is not conversational."
-        )
-
-
-def _check_peft_config(peft_config):
-    if peft_config is None:
-        return None
-    if getattr(peft_config, "task_type", None) is not None:
-        peft_config = copy.deepcopy(peft_config)
-        logger.info("peft_config.task_type=%r ignored: a block-diffusion model is not a causal LM.",
-                    peft_config.task_type)
-        peft_config.task_type = None
-    return peft_config
-
-
-def check_lora_targets(peft_config, model: torch.nn.Module) -> None:
-    """Raise when LoRA targets nothing (PEFT cannot infer targets for this model type)."""
-    targets = getattr(peft_config, "target_modules", None)
-    if targets is None:
-        if getattr(peft_config, "target_parameters", None):
-            return
-        raise ValueError(
-            "peft_config.target_modules is not set, and PEFT cannot infer LoRA targets for model_type "
-            "'block_diffusion'. Name them, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'] or "
-            "'all-linear'."
-        )
-    if targets == "all-linear":
-        return
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    names = [name for name, _ in model.named_modules() if name]
-    if not any(check_target_module_exists(peft_config, name) for name in names):
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        shown = sorted(targets) if isinstance(targets, (set, list, tuple)) else targets
-        raise ValueError(
-            f"LoRA target_modules={shown!r} match no module of the model, so nothing would be trained. Its linear "
-            f"layers are named {linear}."
-        )
-
-
-def _dataset_name(dataset) -> str:
-    info = getattr(dataset, "info", None)
-    for attr in ("dataset_name", "builder_name"):
-        value = getattr(info, attr, None)
-        if value:
-            return value
-    return "custom"
