@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoModel, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
@@ -148,6 +149,13 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
         Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(training_args.output_dir) / "sft_results.json").write_text(json.dumps(results, indent=2))
         print(f"saved to {training_args.output_dir} ({results['seconds']:.0f}s in all)")
+        if held_out and not hasattr(trainer.model, "get_base_model"):
+            # The saved folder is what users get: reload it the way they will and generate from it.
+            reloaded = AutoModel.from_pretrained(training_args.output_dir)
+            tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
+            _, texts = exact_match_score(reloaded, tokenizer, held_out[:1])
+            print(f"reloaded {type(reloaded).__name__} with AutoModel.from_pretrained; "
+                  f"{held_out[0]['prompt'][-1]['content']!r} -> {texts[0]!r}")
     return results
 
 

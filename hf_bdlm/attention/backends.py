@@ -131,6 +131,24 @@ def attend_flash(q, sources, q_rows, k_rows, rule, scale, cache):
     return attend_flash_attn(q, sources, q_rows, k_rows, rule, scale, cache)
 
 
+def common_dtype(q, sources):
+    """Bring q/k/v to one dtype, as SDPA does: under autocast its dtype, else the promoted one.
+
+    Rotary embeddings compute in float32, so under bf16 autocast q/k arrive in float32 and v in bf16.
+    """
+    tensors = [q] + [t for kv in sources for t in kv]
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        target = torch.get_autocast_dtype(device)
+    else:
+        target = tensors[0].dtype
+        for t in tensors[1:]:
+            target = torch.promote_types(target, t.dtype)
+    if all(t.dtype == target for t in tensors):
+        return q, sources
+    return q.to(target), [(k.to(target), v.to(target)) for k, v in sources]
+
+
 _DISPATCH = {
     "dense": attend_dense,
     "blockwise": attend_blockwise,
@@ -163,6 +181,7 @@ def attend(
             f"attention rows do not match the layout: {q.shape[2]} query rows for {q_rows.num_rows} described, "
             f"{[k.shape[2] for k, _ in sources]} key rows for {[r.num_rows for r in k_rows]} described."
         )
+    q, sources = common_dtype(q, sources)
     if fn is attend_blockwise:
         return fn(q, sources, q_rows, k_rows, rule, scale, cache, waits)
     for wait in (waits or {}).values():

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..attention.backends import attend
+from ..attention.backends import common_dtype, attend
 from ..attention.tiles import plan_attention
 from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
@@ -209,7 +209,7 @@ class ShardedLayout:
         for item in items:
             sl = slice(None) if item is None else slice(item, item + 1)
             local_plans, shard_plans = self._ring_plans(rule, n, item or 0)
-            q, k, v = query[sl], key[sl], value[sl]
+            q, [(k, v)] = common_dtype(query[sl], [(key[sl], value[sl])])
             local = [(k[:, :, :n], v[:, :, :n])] if n else []
             outs.append(ring_attention(self.comm, q, (k[:, :, n:], v[:, :, n:]), local, local_plans, shard_plans,
                                        scale))
