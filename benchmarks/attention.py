@@ -12,8 +12,11 @@ Two tables:
 
 Every measurement runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own:
 the reported peak is the high-water mark of the first (cold) run minus the RSS after the
-inputs were allocated. Times are the minimum over ``--repeats`` runs after that first one
-(plans and masks are reused, as every layer after the first reuses them in a model).
+inputs were allocated. The time is the minimum over that run and ``--repeats`` more (which
+reuse plans and masks, as every layer after the first does in a model); a measurement
+predicted to be long runs once.
+Children run with ``OMP_WAIT_POLICY=PASSIVE`` (see ``--omp-wait-policy``): on a machine shared
+with other jobs, OpenMP's spin-waiting otherwise dominates every small parallel op.
 A measurement whose estimated memory exceeds ``--max-gb``, or whose time extrapolated from the
 previous length exceeds ``--max-seconds``, is skipped and says why.
 
@@ -165,10 +168,13 @@ def estimate_gb(backend: str, length: int) -> float:
     return 0.0
 
 
-def run_child(spec: dict, timeout: float) -> dict:
+def run_child(spec: dict, timeout: float, omp_wait_policy: str) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.attention", "--child", json.dumps(spec)]
+    env = dict(os.environ)
+    if omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(skipped=f"timed out after {timeout:.0f} s")
     if proc.returncode != 0:
@@ -186,18 +192,20 @@ def _fmt(rec: dict) -> str:
 def measure(args, bench: str, name: str, lengths, extra: dict, records: list) -> None:
     previous = None
     for length in lengths:
-        spec = dict(bench=bench, length=length, threads=args.threads, repeats=args.repeats, **extra)
-        rec = dict(spec, name=name, loadavg=round(os.getloadavg()[0], 2))
-        need = estimate_gb(extra.get("backend", ""), length)
         # Attention cost grows ~4x per doubling of L; a training step at these sizes ~2-3x.
         growth = 4.0 if bench == "attention" else 3.0
-        predicted = None if previous is None else previous * growth * (1 + args.repeats)
+        predicted = None if previous is None else previous * growth
+        # A long measurement runs once (its cold run is then also its timed run).
+        repeats = 0 if predicted is not None and predicted * (1 + args.repeats) > args.max_seconds else args.repeats
+        spec = dict(bench=bench, length=length, threads=args.threads, repeats=repeats, **extra)
+        rec = dict(spec, name=name, omp_wait_policy=args.omp_wait_policy, loadavg=round(os.getloadavg()[0], 2))
+        need = estimate_gb(extra.get("backend", ""), length)
         if need > args.max_gb:
             rec["skipped"] = f"skipped (needs {need:.1f} GB)"
         elif predicted is not None and predicted > args.max_seconds:
             rec["skipped"] = f"skipped (predicted {predicted:.0f} s)"
         else:
-            rec.update(run_child(spec, timeout=args.max_seconds * 2))
+            rec.update(run_child(spec, args.max_seconds * 2, args.omp_wait_policy))
         previous = rec.get("time_s")
         records.append(rec)
         print(f"  {name:<10} L={length:>6}  {_fmt(rec)}", flush=True)
@@ -210,7 +218,8 @@ def summarize(records: list) -> list[str]:
                 return r
         return None
 
-    lines = ["", "Summary", f"  {'L':>6}  {'blockwise/dense time':>21}  {'blockwise MB per 1K tok':>24}  {'BDLM/AR step':>13}"]
+    header = f"  {'L':>6}  {'blockwise/dense time':>21}  {'blockwise MB per 1K tok':>24}  {'BDLM/AR step':>13}"
+    lines = ["", "Summary", header]
     for length in sorted({r["length"] for r in records}):
         b, d = get("blockwise", length), get("dense", length)
         bdlm, ar = get("bdlm_step", length), get("ar_step", length)
@@ -229,10 +238,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", nargs="+", default=["blockwise", "dense", "flex"])
     p.add_argument("--clean-attention", default="block_causal", choices=["block_causal", "causal"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs after the first (cold) run")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after the first (cold) run")
     p.add_argument("--max-gb", type=float, default=16.0, help="skip a measurement estimated to need more")
     p.add_argument("--max-seconds", type=float, default=300.0, help="skip a measurement predicted to take longer")
-    p.add_argument("--quick", action="store_true", help="L up to 2K (steps up to 1K), one repeat")
+    # OpenMP's default spin-waiting makes every parallel op stall for a scheduler time slice
+    # when the machine has more runnable threads than cores: measured 6x slower blockwise
+    # attention at 2 threads on a loaded 2-core machine. PASSIVE sleeps instead of spinning.
+    p.add_argument("--omp-wait-policy", default="PASSIVE", help="OMP_WAIT_POLICY of the children ('' = inherit)")
+    p.add_argument("--quick", action="store_true", help="L up to 2K, steps up to 1K")
     p.add_argument("--out", default="results.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p
@@ -246,9 +259,12 @@ def main(argv=None) -> None:
     if args.quick:
         args.lengths = [n for n in args.lengths if n <= 2048]
         args.step_lengths = [n for n in args.step_lengths if n <= 1024]
-        args.repeats, args.max_seconds = 1, min(args.max_seconds, 60.0)
+        args.max_seconds = min(args.max_seconds, 60.0)
     started = time.perf_counter()
-    print(f"threads={args.threads}  load average at start={os.getloadavg()[0]:.2f}  cpus={os.cpu_count()}")
+    print(
+        f"threads={args.threads}  OMP_WAIT_POLICY={args.omp_wait_policy or 'inherited'}  "
+        f"load average at start={os.getloadavg()[0]:.2f}  cpus={os.cpu_count()}"
+    )
     records: list = []
     print(f"Attention forward+backward (flex: forward only), B={BLOCK}, H={HEADS}, H_kv={KV_HEADS}, d={HEAD_DIM}, "
           f"float32, clean_attention={args.clean_attention}")  # fmt: skip

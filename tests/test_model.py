@@ -229,7 +229,8 @@ def llama():
 
 def test_length_not_a_multiple_of_the_block_size_points_to_pad_to_block_multiple(llama):
     noisy, clean = _batch(length=LENGTH + 1)
-    with pytest.raises(ValueError, match=f"length {LENGTH + 1} is not a multiple of block_size={BLOCK}.*pad_to_block_multiple"):
+    message = f"length {LENGTH + 1} is not a multiple of block_size={BLOCK}.*pad_to_block_multiple"
+    with pytest.raises(ValueError, match=message):
         llama(input_ids=noisy, clean_input_ids=clean)
 
 

@@ -133,7 +133,8 @@ class FlashBlockSparseAttention(torch.autograd.Function):
             ks = _bthd(_gather_rows(keys[fc.source], fc.k_rows))
             vs = _bthd(_gather_rows(values[fc.source], fc.k_rows))
             res = fa._flash_attn_forward(qs, ks, vs, return_softmax=False, **_flags(fc, scale, split_window))
-            out, lse = res[0].transpose(1, 2), res[-3]  # 2.6: (out, q, k, v, out_pad, lse, S, rng); 2.7+: (out, lse, S, rng)
+            # 2.6 returns (out, q, k, v, out_padded, lse, S, rng), 2.7+ (out_padded, lse, S, rng).
+            out, lse = res[0].transpose(1, 2), res[-3]
             if fc.empty_rows is not None:
                 # flash-attn reports LSE +inf for a row without keys; it must not weigh in the merge.
                 lse = lse.masked_fill(fc.empty_rows.to(lse.device), float("-inf"))
