@@ -69,6 +69,16 @@ class BlockDiffusionConfig(PreTrainedConfig):
     def get_text_config(self, decoder=None, encoder=None):
         return self.backbone_config
 
+    def check_token_ids(self, ids, name: str = "input_ids") -> None:
+        """Raise if ``ids`` holds ids outside the backbone vocabulary (a tokenizer/model mismatch)."""
+        vocab = self.backbone_config.vocab_size
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"{name} holds token ids in [{low}, {high}] but the model vocabulary has {vocab} entries: the "
+                "tokenizer and the model do not match (resize the embeddings, e.g. with hf_bdlm.convert_causal_lm)."
+            )
+
     def _check_diffusion_fields(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")

@@ -420,12 +420,7 @@ def _check_inputs(model, input_ids, attention_mask) -> None:
             f"input_ids has empty prompts (shape {tuple(input_ids.shape)}); block diffusion decoding needs at least "
             "one prompt token (e.g. the BOS token)."
         )
-    vocab = model.config.backbone_config.vocab_size
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-        raise ValueError(
-            f"input_ids holds token ids in [{int(input_ids.min())}, {int(input_ids.max())}] but the model vocabulary "
-            f"has {vocab} entries."
-        )
+    model.config.check_token_ids(input_ids)
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(

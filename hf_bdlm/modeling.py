@@ -253,13 +253,8 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
                 f"sequence length {clean.shape[1]} is not a multiple of block_size={block}; pad it with "
                 "hf_bdlm.pad_to_block_multiple (pad tokens are never supervised) instead of truncating."
             )
-        vocab = self.config.backbone_config.vocab_size
-        for name, t in (("input_ids", noisy), ("clean_input_ids", clean)):
-            if int(t.min()) < 0 or int(t.max()) >= vocab:
-                raise ValueError(
-                    f"{name} holds token ids in [{int(t.min())}, {int(t.max())}] but the model vocabulary has "
-                    f"{vocab} entries: the tokenizer and the model do not match (resize the embeddings)."
-                )
+        self.config.check_token_ids(noisy, "input_ids")
+        self.config.check_token_ids(clean, "clean_input_ids")
         if document_ids is not None:
             if document_ids.shape != clean.shape:
                 raise ValueError(
