@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import BackendUnavailable, _batch_plans
-from .kernels import _gather_rows, _scatter_add_rows, _ungather_shape, merge_partial
+from .kernels import _gather_rows, _scatter_add_rows, _ungather_shape, merge_partial, new_accumulators
 from .tiles import KernelCall, TilePlan
 
 
@@ -126,8 +126,7 @@ class FlashBlockSparseAttention(torch.autograd.Function):
         fa, split_window = _flash_api()
         keys, values = kv[0::2], kv[1::2]
         batch = q.shape[0]
-        out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out_acc, lse_acc = new_accumulators(q)  # float32 for the fp16/bf16 inputs flash-attn takes
         for fc in calls:
             qs = _bthd(_gather_rows(q, fc.q_rows))
             ks = _bthd(_gather_rows(keys[fc.source], fc.k_rows))
