@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from datetime import timedelta
 
 import torch
@@ -51,6 +52,10 @@ def main():
     if args.case == "disagree":
         dist.barrier()
         dist.destroy_process_group()
+    else:
+        # After a timed-out collective the group holds work that can never finish; tearing it down
+        # (even implicitly at interpreter exit) may abort inside gloo. A real job stops here, so do we.
+        os._exit(0)
 
 
 if __name__ == "__main__":
