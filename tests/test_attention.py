@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_bdlm.attention import BackendUnavailable, MaskRule, attend, dense_mask, vectorized_rows
+from hf_bdlm.attention.kernels import block_sparse_attention
 from hf_bdlm.attention.masks import (
     CLEAN,
     NOISY,
@@ -24,7 +25,7 @@ from hf_bdlm.attention.masks import (
     tile_classes,
 )
 from hf_bdlm.attention.rows import RowMeta, stream_rows
-from hf_bdlm.attention.tiles import plan_attention, split_chunks
+from hf_bdlm.attention.tiles import DEFAULT_GROUP_ROWS, plan_attention, split_chunks
 
 KINDS = ("block_causal", "causal")
 CUDA = torch.cuda.is_available()
@@ -169,7 +170,27 @@ def _assert_blockwise_equals_dense(q_rows, k_rows, rule, batch=1, heads=4, kv_he
     want = _run("dense", q, sources, q_rows, k_rows, rule, grad_out)
     got = _run("blockwise", q, sources, q_rows, k_rows, rule, grad_out)
     _assert_close(got, want, str(rule))
+    # The planner's other granularities: block-sized tiles only, and small groups of blocks.
+    for group_rows in (0, 2 * rule.block_size):
+        _assert_close(_run_plans(group_rows, q, sources, q_rows, k_rows, rule, grad_out), want,
+                      f"{rule}, group_rows={group_rows}")  # fmt: skip
     return got
+
+
+def _run_plans(group_rows, q, sources, q_rows, k_rows, rule, grad_out):
+    q = q.detach().requires_grad_()
+    sources = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in sources]
+    outs = []
+    for i in range(q.shape[0]):
+        def item_rows(r):
+            return r.batch_item(i if r.doc is not None and r.doc.shape[0] > 1 else 0)
+
+        plan = plan_attention(item_rows(q_rows), [item_rows(r) for r in k_rows], rule, group_rows)
+        item = [(k[i : i + 1], v[i : i + 1]) for k, v in sources]
+        outs.append(block_sparse_attention(plan, q[i : i + 1], item, q.shape[-1] ** -0.5)[0])
+    out = torch.cat(outs)
+    out.backward(grad_out)
+    return out.detach(), [q.grad] + [t.grad for kv in sources for t in kv]
 
 
 def _windows(block_size, length):
@@ -264,20 +285,43 @@ def test_blockwise_equals_dense_in_inference_form(kind, block, window):
 # --- the plan stays block-sized --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("group_rows", [0, 256, DEFAULT_GROUP_ROWS], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("window", [None, 100], ids=["no_window", "window"])
-def test_plan_never_builds_a_sequence_sized_object(kind, window):
+def test_plan_never_builds_a_sequence_sized_object(kind, window, group_rows):
     length, block_size = 2048, 64
     rule = MaskRule(block_size, kind, window)
     rows = vectorized_rows(length)
-    plan = plan_attention(rows, [rows], rule)
+    plan = plan_attention(rows, [rows], rule, group_rows)
+    side = max(block_size, group_rows)  # group tiles are bounded by group_rows, whatever the length
     for call in plan.calls:
         if call.mask is not None:
-            assert call.mask.numel() <= block_size * block_size, f"mask of shape {tuple(call.mask.shape)}"
+            assert call.mask.numel() <= side * side, f"mask of shape {tuple(call.mask.shape)}"
         for spec in (call.q_rows, call.k_rows):
             if not isinstance(spec, tuple):  # index tensors list rows, never pairs
                 assert spec.numel() <= 2 * length
     assert plan.allowed_pairs() == count_allowed_pairs(rows, rows, rule)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_group_tiles_cut_the_calls_and_waste_little(kind):
+    # Grouping dense regions into group_rows-sized masked tiles trades a few computed-but-masked
+    # pairs for far fewer, larger kernel calls; the exact pairs stay the rule's (tested above).
+    length, block_size = 4096, 64
+    rule = MaskRule(block_size, kind)
+    rows = vectorized_rows(length)
+    fine, grouped = plan_attention(rows, [rows], rule, 0), plan_attention(rows, [rows], rule)
+
+    def computed(plan):  # pairs the kernels evaluate, masked ones included
+        total = 0
+        for c in plan.calls:
+            nq = c.q_rows[1] - c.q_rows[0] if isinstance(c.q_rows, tuple) else c.q_rows.numel()
+            nk = c.k_rows[1] - c.k_rows[0] if isinstance(c.k_rows, tuple) else c.k_rows.shape[-1]
+            total += nq * nk
+        return total
+
+    assert len(grouped.calls) * 4 <= len(fine.calls)
+    assert computed(grouped) <= 1.15 * grouped.allowed_pairs()
 
 
 # --- flex ------------------------------------------------------------------------------------
@@ -378,7 +422,7 @@ def test_flash_maps_every_masked_tile_to_causal_or_window_flags_exactly(kind, wi
 
     block_size = 8
     rows = vectorized_rows(64, _docs([3, 5], block_size))
-    plan = plan_attention(rows.batch_item(0), [rows.batch_item(0)], MaskRule(block_size, kind, window))
+    plan = plan_attention(rows.batch_item(0), [rows.batch_item(0)], MaskRule(block_size, kind, window), group_rows=0)
     for call in plan.calls:
         fc = flash_call(call)
         if call.mask is None:

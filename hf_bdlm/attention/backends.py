@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .kernels import block_sparse_attention
 from .masks import MaskRule, allowed, dense_mask
 from .rows import RowMeta
-from .tiles import plan_attention
+from .tiles import DEFAULT_GROUP_ROWS, plan_attention
 
 BACKENDS = ("dense", "blockwise", "flex", "flash")
 
@@ -59,16 +59,16 @@ def attend_dense(q, sources, q_rows, k_rows, rule, scale, cache):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _batch_plans(q_rows, k_rows, rule, cache, batch):
+def _batch_plans(q_rows, k_rows, rule, cache, batch, group_rows=DEFAULT_GROUP_ROWS):
     """One plan for the whole batch, or one per batch item when packed documents differ."""
-    key = ("plan", rule)
+    key = ("plan", rule, group_rows)
     plans = cache.get(key)
     if plans is None:
         docs = [q_rows.doc] + [r.doc for r in k_rows]
         same = all(d is None for d in docs) or all(bool((d == d[:1]).all()) for d in docs if d is not None)
         items = [0] if same else list(range(batch))
         plans = [
-            plan_attention(q_rows.batch_item(i), [r.batch_item(i) for r in k_rows], rule) for i in items
+            plan_attention(q_rows.batch_item(i), [r.batch_item(i) for r in k_rows], rule, group_rows) for i in items
         ]
         cache[key] = plans
     return plans

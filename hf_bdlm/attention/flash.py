@@ -202,7 +202,8 @@ def attend_flash_attn(q, sources, q_rows, k_rows, rule, scale, cache):
             f"{q.shape[-1]}; use attention_backend='blockwise'."
         )
     _flash_api()
-    plans = _batch_plans(q_rows, k_rows, rule, cache, q.shape[0])
+    # Block-sized tiles only: flash-attn runs a tile's mask only when it is a causal band or a window.
+    plans = _batch_plans(q_rows, k_rows, rule, cache, q.shape[0], group_rows=0)
 
     def run(plan, q, kv):
         flat = [t for pair in kv for t in pair]

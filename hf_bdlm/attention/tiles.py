@@ -13,7 +13,15 @@ tiles become a short list of :class:`KernelCall`:
 - small equally shaped tiles are batched into one call (the noisy block diagonal: ``N``
   ``B x B`` tiles become one kernel call over a batch of ``N`` blocks);
 - partially allowed tiles (token-causal diagonal, sliding-window edge) get an exact mask built
-  by the rule's predicate.
+  by the rule's predicate;
+- consecutive chunks of one stream form *groups* of up to ``group_rows`` rows (512 by
+  default). A group tile whose chunk tiles are all full joins the unmasked ranges above; one
+  that is dense enough (at least 40% of its pairs allowed, e.g. the block-triangular region
+  next to the diagonal) runs as one masked call; the rest (the noisy block diagonal, window
+  edges) is planned chunk by chunk. At L = 4K and B = 64 this turns 66 calls into 10 and cut
+  the attention time by ~20% on CPU, for about 12% of pairs computed and masked out.
+  ``group_rows=0`` plans chunk by chunk only: every mask is then a causal band or a window
+  edge, which is what the flash-attn backend can run.
 
 A plan is built once per forward and layer kind and reused by every layer.
 """
@@ -25,11 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import TILE_FULL, TILE_PARTIAL, MaskRule, allowed, tile_classes
+from .masks import TILE_FULL, TILE_NONE, TILE_PARTIAL, MaskRule, allowed, tile_classes
 from .rows import RowMeta
 
 # Tiles up to this many key rows (in units of the block size) are batched when equally shaped.
 _BATCH_MAX_KEY_BLOCKS = 2
+# Groups of consecutive chunks up to this many rows are planned as one tile when dense enough.
+DEFAULT_GROUP_ROWS = 512
+# A group tile runs as one masked call when at least this fraction of its pairs is allowed.
+_MIN_DENSITY = 0.4
 
 
 @dataclass(frozen=True)
@@ -121,45 +133,106 @@ def _rows_spec(index: list[torch.Tensor]):
     return idx.view(1, -1)
 
 
-def plan_attention(q_rows: RowMeta, k_sources: list[RowMeta], rule: MaskRule) -> TilePlan:
-    """Plan block-sparse attention of ``q_rows`` over key sources (all of one batch item)."""
+def _groups(chunks: Chunks, max_rows: int) -> torch.Tensor:
+    """Group id of every chunk: runs of consecutive chunks of one stream with at most ``max_rows`` rows.
+
+    ``max_rows <= 0`` keeps every chunk alone (the fine plan).
+    """
+    ids = torch.zeros(chunks.count, dtype=torch.long)
+    group, rows = 0, 0
+    for i in range(chunks.count):
+        n = int(chunks.end[i] - chunks.start[i])
+        if i and (max_rows <= 0 or rows + n > max_rows or int(chunks.stream[i]) != int(chunks.stream[i - 1])):
+            group, rows = group + 1, 0
+        ids[i] = group
+        rows += n
+    return ids
+
+
+def _group_sum(x: torch.Tensor, q_group: torch.Tensor, k_group: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+    per_q = torch.zeros(nq, x.shape[1], dtype=x.dtype).index_add_(0, q_group, x)
+    return torch.zeros(nq, nk, dtype=x.dtype).index_add_(1, k_group, per_q)
+
+
+def _runs(full: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(row, first, last)`` of every run of consecutive ``True`` along the last dimension."""
+    prev = torch.zeros_like(full)
+    prev[:, 1:] = full[:, :-1]
+    nxt = torch.zeros_like(full)
+    nxt[:, :-1] = full[:, 1:]
+    starts = (full & ~prev).nonzero().tolist()
+    ends = (full & ~nxt).nonzero().tolist()
+    return [(qi, k0, k1) for (qi, k0), (_, k1) in zip(starts, ends)]
+
+
+def _bounds(chunks: Chunks, group: torch.Tensor, n: int) -> tuple[list[int], list[int]]:
+    first = torch.full((n,), chunks.count, dtype=torch.long).scatter_reduce_(
+        0, group, torch.arange(chunks.count), "amin")
+    last = torch.zeros(n, dtype=torch.long).scatter_reduce_(0, group, torch.arange(chunks.count), "amax")
+    return chunks.start[first].tolist(), chunks.end[last].tolist()
+
+
+def plan_attention(
+    q_rows: RowMeta, k_sources: list[RowMeta], rule: MaskRule, group_rows: int = DEFAULT_GROUP_ROWS
+) -> TilePlan:
+    """Plan block-sparse attention of ``q_rows`` over key sources (all of one batch item).
+
+    ``group_rows`` > 0 lets the planner cover a dense region of up to ``group_rows x group_rows``
+    rows with one masked call (see the module docstring); ``0`` plans block-sized tiles only,
+    each mask a band of the token-causal diagonal or a window edge (what flash-attn can run).
+    """
     qc = split_chunks(q_rows, rule.block_size)
+    q_group = _groups(qc, group_rows)
+    nqg = int(q_group.max()) + 1 if qc.count else 0
+    q_lo, q_hi = _bounds(qc, q_group, nqg)
     shared: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # (source, ks, ke) -> query row ranges
-    masked: list[tuple[int, int, int, int, int, torch.Tensor]] = []
+    masked: list[tuple[torch.Tensor, int, int, int, torch.Tensor]] = []  # (q index, source, ks, ke, mask)
     for source, k_rows in enumerate(k_sources):
         kc = split_chunks(k_rows, rule.block_size)
         if kc.count == 0 or qc.count == 0:
             continue
         classes = tile_classes(qc, kc, rule)
+        q_len = (qc.end - qc.start).to(torch.float64)
+        k_len = (kc.end - kc.start).to(torch.float64)
+        pairs = torch.zeros(classes.shape, dtype=torch.float64)  # allowed pairs of every tile
+        tiles: dict[tuple[int, int], torch.Tensor] = {}
         for qi, kj in (classes == TILE_PARTIAL).nonzero().tolist():
             qs, qe, ks, ke = int(qc.start[qi]), int(qc.end[qi]), int(kc.start[kj]), int(kc.end[kj])
-            tile = allowed(
-                q_rows.stream[qs:qe, None].cpu(),
-                q_rows.pos[qs:qe, None].cpu(),
-                None,
-                k_rows.stream[None, ks:ke].cpu(),
-                k_rows.pos[None, ks:ke].cpu(),
-                None,
-                rule,
-            )
-            if bool(tile.all()):
+            tile = _tile_mask(q_rows, qs, qe, k_rows, ks, ke, rule)
+            count = int(tile.sum())
+            if count == tile.numel():
                 classes[qi, kj] = TILE_FULL
             else:
-                classes[qi, kj] = 0
-                if bool(tile.any()):
-                    masked.append((qs, qe, source, ks, ke, tile))
+                classes[qi, kj] = TILE_NONE
+                if count:
+                    tiles[(qi, kj)] = tile
+                    pairs[qi, kj] = count
         full = classes == TILE_FULL
-        # Runs of consecutive full key chunks: a run starts where a full tile follows a non-full one.
-        prev = torch.zeros_like(full)
-        prev[:, 1:] = full[:, :-1]
-        nxt = torch.zeros_like(full)
-        nxt[:, :-1] = full[:, 1:]
-        run_starts = (full & ~prev).nonzero().tolist()
-        run_ends = (full & ~nxt).nonzero().tolist()
-        for (qi, kj0), (qi2, kj1) in zip(run_starts, run_ends):
-            assert qi == qi2
-            key = (source, int(kc.start[kj0]), int(kc.end[kj1]))
-            shared[key].append(torch.arange(int(qc.start[qi]), int(qc.end[qi])))
+        pairs[full] = (q_len[:, None] * k_len[None, :])[full]
+        # Groups of tiles: all full -> one unmasked range; dense enough -> one masked call; else tile by tile.
+        k_group = _groups(kc, group_rows)
+        nkg = int(k_group.max()) + 1
+        k_lo, k_hi = _bounds(kc, k_group, nkg)
+        g_pairs = _group_sum(pairs, q_group, k_group, nqg, nkg)
+        g_tiles = _group_sum(torch.ones(classes.shape, dtype=torch.float64), q_group, k_group, nqg, nkg)
+        g_full = _group_sum(full.to(torch.float64), q_group, k_group, nqg, nkg) == g_tiles
+        area = torch.tensor(q_hi, dtype=torch.float64).sub(torch.tensor(q_lo, dtype=torch.float64))[:, None] * (
+            torch.tensor(k_hi, dtype=torch.float64).sub(torch.tensor(k_lo, dtype=torch.float64))[None, :]
+        )
+        g_masked = ~g_full & (g_tiles > 1) & (g_pairs >= _MIN_DENSITY * area) & (g_pairs > 0)
+        for qg, kg0, kg1 in _runs(g_full):
+            shared[(source, k_lo[kg0], k_hi[kg1])].append(torch.arange(q_lo[qg], q_hi[qg]))
+        for qg, kg in g_masked.nonzero().tolist():
+            qs, qe, ks, ke = q_lo[qg], q_hi[qg], k_lo[kg], k_hi[kg]
+            masked.append((torch.arange(qs, qe), source, ks, ke, _tile_mask(q_rows, qs, qe, k_rows, ks, ke, rule)))
+        # Tile by tile where a group is neither.
+        fine = ~(g_full | g_masked)[q_group][:, k_group]
+        for qi, kj0, kj1 in _runs(full & fine):
+            shared[(source, int(kc.start[kj0]), int(kc.end[kj1]))].append(torch.arange(int(qc.start[qi]), int(qc.end[qi])))
+        for (qi, kj), tile in tiles.items():
+            if fine[qi, kj]:
+                masked.append((torch.arange(int(qc.start[qi]), int(qc.end[qi])), source, int(kc.start[kj]),
+                               int(kc.end[kj]), tile))
     calls: list[KernelCall] = []
     batchable: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
     limit = _BATCH_MAX_KEY_BLOCKS * rule.block_size
@@ -170,11 +243,11 @@ def plan_attention(q_rows: RowMeta, k_sources: list[RowMeta], rule: MaskRule) ->
             calls.append(KernelCall(_rows_spec(q_parts), source, (ks, ke)))
     mask_index: dict[bytes, int] = {}
     masks: list[torch.Tensor] = []
-    for qs, qe, source, ks, ke, tile in masked:
+    for q_idx, source, ks, ke, tile in masked:
         mi = mask_index.setdefault(tile.numpy().tobytes() + str(tuple(tile.shape)).encode(), len(masks))
         if mi == len(masks):
             masks.append(tile)
-        batchable[(source, qe - qs, ke - ks, mi)].append((torch.arange(qs, qe), torch.arange(ks, ke)))
+        batchable[(source, q_idx.numel(), ke - ks, mi)].append((q_idx, torch.arange(ks, ke)))
     for (source, _, _, mi), group in batchable.items():
         mask = None if mi is None else masks[mi]
         empty = None
@@ -196,6 +269,21 @@ def plan_attention(q_rows: RowMeta, k_sources: list[RowMeta], rule: MaskRule) ->
     # (gathered K/V) may still be in flight.
     calls.sort(key=lambda c: c.source)
     return TilePlan(tuple(calls), q_rows.num_rows, tuple(k.num_rows for k in k_sources))
+
+
+def _tile_mask(q_rows: RowMeta, qs: int, qe: int, k_rows: RowMeta, ks: int, ke: int, rule: MaskRule) -> torch.Tensor:
+    """Exact mask of query rows ``[qs, qe)`` over key rows ``[ks, ke)`` from the rule's predicate."""
+    q_doc = None if q_rows.doc is None else q_rows.doc[0, qs:qe, None].cpu()
+    k_doc = None if k_rows.doc is None else k_rows.doc[0, None, ks:ke].cpu()
+    return allowed(
+        q_rows.stream[qs:qe, None].cpu(),
+        q_rows.pos[qs:qe, None].cpu(),
+        q_doc,
+        k_rows.stream[None, ks:ke].cpu(),
+        k_rows.pos[None, ks:ke].cpu(),
+        k_doc,
+        rule,
+    )
 
 
 def _batched_call(pairs, source: int, mask, empty) -> KernelCall:
