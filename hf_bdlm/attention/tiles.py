@@ -216,9 +216,8 @@ def plan_attention(
         g_pairs = _group_sum(pairs, q_group, k_group, nqg, nkg)
         g_tiles = _group_sum(torch.ones(classes.shape, dtype=torch.float64), q_group, k_group, nqg, nkg)
         g_full = _group_sum(full.to(torch.float64), q_group, k_group, nqg, nkg) == g_tiles
-        area = torch.tensor(q_hi, dtype=torch.float64).sub(torch.tensor(q_lo, dtype=torch.float64))[:, None] * (
-            torch.tensor(k_hi, dtype=torch.float64).sub(torch.tensor(k_lo, dtype=torch.float64))[None, :]
-        )
+        q_size = torch.tensor(q_hi, dtype=torch.float64) - torch.tensor(q_lo, dtype=torch.float64)
+        area = q_size[:, None] * (torch.tensor(k_hi, dtype=torch.float64) - torch.tensor(k_lo, dtype=torch.float64))
         g_masked = ~g_full & (g_tiles > 1) & (g_pairs >= _MIN_DENSITY * area) & (g_pairs > 0)
         for qg, kg0, kg1 in _runs(g_full):
             shared[(source, k_lo[kg0], k_hi[kg1])].append(torch.arange(q_lo[qg], q_hi[qg]))
@@ -228,7 +227,8 @@ def plan_attention(
         # Tile by tile where a group is neither.
         fine = ~(g_full | g_masked)[q_group][:, k_group]
         for qi, kj0, kj1 in _runs(full & fine):
-            shared[(source, int(kc.start[kj0]), int(kc.end[kj1]))].append(torch.arange(int(qc.start[qi]), int(qc.end[qi])))
+            q_range = torch.arange(int(qc.start[qi]), int(qc.end[qi]))
+            shared[(source, int(kc.start[kj0]), int(kc.end[kj1]))].append(q_range)
         for (qi, kj), tile in tiles.items():
             if fine[qi, kj]:
                 masked.append((torch.arange(int(qc.start[qi]), int(qc.end[qi])), source, int(kc.start[kj]),
