@@ -96,3 +96,16 @@ def test_plugin_pads_to_what_the_layout_needs():
     assert plugin.pad_multiple(4) == 16  # csbp dual-end: 2 * P blocks
     assert BlockParallelPlugin(block_parallel_size=2, mode="cp").pad_multiple(4) == 8
     assert BlockParallelPlugin().pad_multiple(4) == 4  # P = 1: the block size
+
+
+def test_checkpointing_defaults_on_under_the_current_name_and_honours_the_old_one(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the default must not trip transformers' deprecation
+        default = make(tmp_path)
+    assert default.activation_checkpointing is True and default.gradient_checkpointing is True
+    assert make(tmp_path, activation_checkpointing=False).gradient_checkpointing is False
+    with pytest.warns(FutureWarning, match="gradient_checkpointing"):
+        old = make(tmp_path, gradient_checkpointing=False)
+    assert old.activation_checkpointing is False

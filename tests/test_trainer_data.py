@@ -28,7 +28,7 @@ BLOCK = 4
 
 def make_trainer(tmp_path, dataset, model=None, peft_config=None, **kw):
     args = dict(output_dir=str(tmp_path / "out"), report_to="none", per_device_train_batch_size=2, max_length=64,
-                disable_tqdm=True, gradient_checkpointing=False)
+                disable_tqdm=True, activation_checkpointing=False)
     args.update(kw)
     return BDLMSFTTrainer(model or tiny_bdlm(block_size=BLOCK), args=BDLMSFTConfig(**args), train_dataset=dataset,
                           processing_class=tiny_tokenizer(), peft_config=peft_config)

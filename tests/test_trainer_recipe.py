@@ -94,7 +94,7 @@ def test_recipe_converts_trains_scores_and_saves_a_tiny_model(tmp_path):
     results = sft.main(*parse(
         "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out),
         "--block_size", "4", "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "64",
-        "--exact_match_examples", "2", "--report_to", "none", "--gradient_checkpointing", "false",
+        "--exact_match_examples", "2", "--report_to", "none", "--activation_checkpointing", "false",
         "--save_strategy", "no", "--disable_tqdm", "true",
     ))
     assert results["steps"] == 2 and 0 <= results["exact_match"] <= 1 and "exact_match_before" in results

@@ -21,7 +21,7 @@ STEPS = 3
 
 def train(tmp_path, name="run", model=None, dataset=None, peft_config=None, tokenizer=None, **kw):
     args = dict(output_dir=str(tmp_path / name), report_to="none", max_steps=STEPS, logging_steps=1,
-                per_device_train_batch_size=2, learning_rate=0.05, optim="sgd", gradient_checkpointing=False,
+                per_device_train_batch_size=2, learning_rate=0.05, optim="sgd", activation_checkpointing=False,
                 save_strategy="no", disable_tqdm=True, seed=1, max_length=64)
     args.update(kw)
     trainer = BDLMSFTTrainer(model if model is not None else tiny_bdlm(), args=BDLMSFTConfig(**args),
@@ -47,9 +47,10 @@ def test_accumulation_and_batch_size_give_the_same_steps(tmp_path):
     assert max_rel(list(accumulated.model.parameters()), list(big.model.parameters())) < 1e-5
 
 
-def test_gradient_checkpointing_does_not_change_the_step(tmp_path):
+def test_activation_checkpointing_does_not_change_the_step(tmp_path):
     plain = train(tmp_path, "plain", objective="fast_dllm_v2")
-    checkpointed = train(tmp_path, "ckpt", objective="fast_dllm_v2", gradient_checkpointing=True)
+    checkpointed = train(tmp_path, "ckpt", objective="fast_dllm_v2", activation_checkpointing=True)
+    assert checkpointed.model.is_activation_checkpointing and not plain.model.is_activation_checkpointing
     assert losses(checkpointed) == pytest.approx(losses(plain), rel=1e-6)
     assert max_rel(list(checkpointed.model.parameters()), list(plain.model.parameters())) < 1e-6
 

@@ -1,7 +1,7 @@
 """Autograd-aware collectives over ``torch.distributed`` and the byte meter that counts them.
 
 All K/V travel along the sequence axis of ``[b, H_kv, T, d]`` tensors. To gather along ``T``
-with ``all_gather_into_tensor`` (which concatenates along dim 0) the local shard is laid out
+with ``all_gather_single`` (which concatenates along dim 0) the local shard is laid out
 ``[T, b, H, d]`` once; the gathered buffer ``[C*T, b, H, d]`` is then handed to attention as
 a strided ``[b, H, C*T, d]`` view, with no copy after the collective.
 
@@ -105,13 +105,18 @@ class Pending:
             self.work = None
 
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn on every call); same arguments and layout.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: CommContext, name: str, box: list):
         world = comm.size
         shard = x.permute(2, 0, 1, 3).contiguous()  # [T, b, H, d]
         out = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
-        work = dist.all_gather_into_tensor(out, shard, group=comm.group, async_op=True)
+        work = _all_gather_single(out, shard, group=comm.group, async_op=True)
         comm.meter.record(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size())
         box.append(Pending(comm, work, f"all_gather({name})"))
         ctx.comm, ctx.name = comm, name
@@ -123,7 +128,7 @@ class _GatherRows(torch.autograd.Function):
         world = comm.size
         full = grad.contiguous()  # [C*T, b, H, d]
         shard = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-        work = dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
+        work = _reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
         comm.meter.record(f"{ctx.name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size())
         comm.wait(work, f"reduce_scatter({ctx.name})")
         return shard.permute(1, 2, 0, 3), None, None, None

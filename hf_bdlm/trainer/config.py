@@ -87,7 +87,9 @@ class BDLMSFTConfig(SFTConfig):
     > [!NOTE]
     > Defaults that differ from [`~trl.SFTConfig`]: `bf16` defaults to `True` only when a CUDA device is used (else
     > `False`), and `ddp_find_unused_parameters` to `False` (the LM head is applied outside the model's forward, to the
-    > rows that carry targets, which DDP's unused-parameter search would misread).
+    > rows that carry targets, which DDP's unused-parameter search would misread). Checkpointing is on by default as in
+    > TRL, under transformers' current name `activation_checkpointing` (`gradient_checkpointing` is its deprecated
+    > alias).
     """
 
     # The diffusion objective
@@ -118,6 +120,12 @@ class BDLMSFTConfig(SFTConfig):
         default="dual_end", metadata={"help": "'dual_end' or 'contiguous'.", "choices": list(SCHEDULES)}
     )
 
+    # Training. TRL turns checkpointing on by default under the name transformers now deprecates (a FutureWarning on
+    # every config); __post_init__ applies the same default under the current name.
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of activation_checkpointing (default: on)."}
+    )
+
     # Data
     overlong_samples: str = field(
         default="error",
@@ -142,6 +150,8 @@ class BDLMSFTConfig(SFTConfig):
                 "arrive. Every parameter is used in every step; leave ddp_find_unused_parameters unset."
             )
         self.ddp_find_unused_parameters = False
+        if getattr(self, "activation_checkpointing", None) is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default, set where transformers reads it
         self._check_diffusion_fields()
         self._check_data_fields()
         super().__post_init__()

@@ -38,7 +38,7 @@ SETUPS = {
     "accum_ckpt_packed": (
         dict(objective="fast_dllm_v2"),
         lambda: language_modeling(24),
-        dict(packing=True, max_length=32, gradient_accumulation_steps=2, gradient_checkpointing=True, optim="sgd",
+        dict(packing=True, max_length=32, gradient_accumulation_steps=2, activation_checkpointing=True, optim="sgd",
              learning_rate=0.05),
         False,
     ),
@@ -50,7 +50,7 @@ SETUPS = {
 def config(out: Path, P: int, mode: str = "csbp", **overrides) -> BDLMSFTConfig:
     values = dict(
         output_dir=str(out), report_to="none", max_steps=STEPS, logging_steps=1, per_device_train_batch_size=2,
-        learning_rate=1e-3, gradient_checkpointing=False, save_strategy="steps", save_steps=2, disable_tqdm=True,
+        learning_rate=1e-3, activation_checkpointing=False, save_strategy="steps", save_steps=2, disable_tqdm=True,
         block_parallel_size=P, block_parallel_mode=mode, bf16=False, seed=3, max_length=64,
     )
     values.update(overrides)
