@@ -152,8 +152,9 @@ def _groups(chunks: Chunks, max_rows: int) -> torch.Tensor:
 
 
 def _group_sum(x: torch.Tensor, q_group: torch.Tensor, k_group: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+    """Sums of a per-tile matrix over (query group, key group), in int64."""
     per_q = torch.zeros(nq, x.shape[1], dtype=x.dtype).index_add_(0, q_group, x)
-    return torch.zeros(nq, nk, dtype=x.dtype).index_add_(1, k_group, per_q)
+    return torch.zeros(nq, nk, dtype=torch.int64).index_add_(1, k_group, per_q.to(torch.int64))
 
 
 def _runs(full: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -194,9 +195,10 @@ def plan_attention(
         if kc.count == 0 or qc.count == 0:
             continue
         classes = tile_classes(qc, kc, rule)
-        q_len = (qc.end - qc.start).to(torch.float64)
-        k_len = (kc.end - kc.start).to(torch.float64)
-        pairs = torch.zeros(classes.shape, dtype=torch.float64)  # allowed pairs of every tile
+        # Per-tile bookkeeping in int32 (a tile holds at most B x B pairs): at 256K tokens the tile matrix is large.
+        q_len = (qc.end - qc.start).to(torch.int32)
+        k_len = (kc.end - kc.start).to(torch.int32)
+        pairs = torch.zeros(classes.shape, dtype=torch.int32)  # allowed pairs of every tile
         tiles: dict[tuple[int, int], torch.Tensor] = {}
         for qi, kj in (classes == TILE_PARTIAL).nonzero().tolist():
             qs, qe, ks, ke = int(qc.start[qi]), int(qc.end[qi]), int(kc.start[kj]), int(kc.end[kj])
@@ -216,10 +218,10 @@ def plan_attention(
         nkg = int(k_group.max()) + 1
         k_lo, k_hi = _bounds(kc, k_group, nkg)
         g_pairs = _group_sum(pairs, q_group, k_group, nqg, nkg)
-        g_tiles = _group_sum(torch.ones(classes.shape, dtype=torch.float64), q_group, k_group, nqg, nkg)
-        g_full = _group_sum(full.to(torch.float64), q_group, k_group, nqg, nkg) == g_tiles
-        q_size = torch.tensor(q_hi, dtype=torch.float64) - torch.tensor(q_lo, dtype=torch.float64)
-        area = q_size[:, None] * (torch.tensor(k_hi, dtype=torch.float64) - torch.tensor(k_lo, dtype=torch.float64))
+        g_tiles = torch.bincount(q_group, minlength=nqg)[:, None] * torch.bincount(k_group, minlength=nkg)[None, :]
+        g_full = _group_sum(full.to(torch.int32), q_group, k_group, nqg, nkg) == g_tiles
+        q_size = torch.tensor(q_hi) - torch.tensor(q_lo)
+        area = q_size[:, None] * (torch.tensor(k_hi) - torch.tensor(k_lo))
         g_masked = ~g_full & (g_tiles > 1) & (g_pairs >= _MIN_DENSITY * area) & (g_pairs > 0)
         for qg, kg0, kg1 in _runs(g_full):
             shared[(source, k_lo[kg0], k_hi[kg1])].append(torch.arange(q_lo[qg], q_hi[qg]))
