@@ -74,18 +74,9 @@ def _batch_plans(q_rows, k_rows, rule, cache, batch, group_rows=DEFAULT_GROUP_RO
     return plans
 
 
-def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache, waits=None):
+def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache):
     plans = _batch_plans(q_rows, k_rows, rule, cache, q.shape[0])
-    if len(plans) == 1:
-        return block_sparse_attention(plans[0], q, sources, scale, waits)[0]
-    if waits:
-        for wait in waits.values():
-            wait()
-    outs = [
-        block_sparse_attention(plan, q[i : i + 1], [(k[i : i + 1], v[i : i + 1]) for k, v in sources], scale)[0]
-        for i, plan in enumerate(plans)
-    ]
-    return torch.cat(outs, dim=0)
+    return block_sparse_attention(plans, q, sources, scale)[0]
 
 
 def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
@@ -135,8 +126,10 @@ def common_dtype(q, sources):
     """Bring q/k/v to one dtype, as SDPA does: under autocast its dtype, else the promoted one.
 
     Rotary embeddings compute in float32, so under bf16 autocast q/k arrive in float32 and v in bf16.
+    A :class:`~.kernels.DeferredKV` source is converted on its local contribution, before anything is sent.
     """
-    tensors = [q] + [t for kv in sources for t in kv]
+    pairs = [s if isinstance(s, tuple) else (s.k, s.v) for s in sources]
+    tensors = [q] + [t for kv in pairs for t in kv]
     device = q.device.type
     if torch.is_autocast_enabled(device):
         target = torch.get_autocast_dtype(device)
@@ -146,7 +139,16 @@ def common_dtype(q, sources):
             target = torch.promote_types(target, t.dtype)
     if all(t.dtype == target for t in tensors):
         return q, sources
-    return q.to(target), [(k.to(target), v.to(target)) for k, v in sources]
+    converted = []
+    for s, (k, v) in zip(sources, pairs):
+        k, v = k.to(target), v.to(target)
+        converted.append((k, v) if isinstance(s, tuple) else s.with_kv(k, v))
+    return q.to(target), converted
+
+
+def source_rows(source) -> int:
+    """Key rows a source provides (a deferred source: after its transfer)."""
+    return source[0].shape[2] if isinstance(source, tuple) else source.num_rows
 
 
 _DISPATCH = {
@@ -160,30 +162,28 @@ _DISPATCH = {
 def attend(
     backend: str,
     q: torch.Tensor,
-    sources: list[tuple[torch.Tensor, torch.Tensor]],
+    sources: list,
     q_rows: RowMeta,
     k_rows: list[RowMeta],
     rule: MaskRule,
     scale: float,
     cache: dict,
-    waits: dict | None = None,
 ) -> torch.Tensor:
     """Block-diffusion attention of ``q`` over ``sources`` with the named backend; ``[b, H, Tq, d]``.
 
-    ``waits`` (source index -> callable) marks sources still being communicated; ``blockwise``
-    computes on the other sources first, the other backends wait up front.
+    A source is a ``(k, v)`` pair or a :class:`~.kernels.DeferredKV` (rows that arrive by
+    communication). ``blockwise`` starts the transfer, computes the local sources meanwhile and
+    reads the deferred rows after their wait; the other backends gather synchronously first.
     """
     fn = _DISPATCH.get(backend)
     if fn is None:
         raise ValueError(f"Unknown attention backend {backend!r}; choose one of {BACKENDS}.")
-    if q.shape[2] != q_rows.num_rows or any(k.shape[2] != r.num_rows for (k, _), r in zip(sources, k_rows)):
+    if q.shape[2] != q_rows.num_rows or any(source_rows(s) != r.num_rows for s, r in zip(sources, k_rows)):
         raise ValueError(
             f"attention rows do not match the layout: {q.shape[2]} query rows for {q_rows.num_rows} described, "
-            f"{[k.shape[2] for k, _ in sources]} key rows for {[r.num_rows for r in k_rows]} described."
+            f"{[source_rows(s) for s in sources]} key rows for {[r.num_rows for r in k_rows]} described."
         )
     q, sources = common_dtype(q, sources)
-    if fn is attend_blockwise:
-        return fn(q, sources, q_rows, k_rows, rule, scale, cache, waits)
-    for wait in (waits or {}).values():
-        wait()
+    if fn is not attend_blockwise:
+        sources = [s if isinstance(s, tuple) else s.materialize() for s in sources]
     return fn(q, sources, q_rows, k_rows, rule, scale, cache)

@@ -10,13 +10,18 @@ only ``q``, ``k``, ``v``, the output and the LSE are saved, never a score matrix
 
 Several key sources exist because sharded layouts attend to keys held in different tensors
 (local noisy K/V and the all-gathered clean K/V of the ring); their gradients come back
-separately so each can travel its own way (stay local, or be reduce-scattered).
+separately so each can travel its own way (stay local, or be reduce-scattered). A source that
+arrives by communication is a :class:`DeferredKV`: the function starts its transfer, computes
+the local sources meanwhile and reads the arrived rows only from the transfer's handle, after
+its wait; in backward it starts returning their gradients before computing the local ones.
 
 Kernels: the CPU flash kernel of PyTorch (``_scaled_dot_product_flash_attention_for_cpu``)
 and, on CUDA, PyTorch's memory-efficient kernel. Both take arbitrary additive masks.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -197,51 +202,98 @@ def backward_calls(calls, extras, q, keys: dict, values: dict, grad_out, out, ls
         _scatter_add_rows(dvs[call.source], call.k_rows, _ungather_shape(dvs_, call.k_rows, batch))
 
 
+class DeferredKV(Protocol):
+    """A key source whose rows arrive by communication (e.g. :class:`hf_bdlm.parallel.collectives.GatheredKV`).
+
+    ``k``/``v`` are this rank's contribution (the autograd inputs); :meth:`start_forward` starts
+    the transfer and returns a handle whose ``wait()`` yields the full ``(k, v)``; :meth:`start_backward`
+    sends the full gradients back and its handle's ``wait()`` yields the gradients of ``k``/``v``.
+    The rows are reachable only through those handles, so nothing reads them before they arrive.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def with_kv(self, k: torch.Tensor, v: torch.Tensor) -> "DeferredKV": ...
+
+    def start_forward(self, k: torch.Tensor, v: torch.Tensor): ...
+
+    def start_backward(self, dk: torch.Tensor, dv: torch.Tensor): ...
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _item_views(plans, *tensors):
+    """``(plan, views)`` per batch item group: one shared plan covers the whole batch; per-item plans
+    get per-item views (``t[i:i+1]``, writes go through to ``t``)."""
+    if len(plans) == 1:
+        return [(plans[0], tensors)]
+    return [(plan, tuple(t[i : i + 1] for t in tensors)) for i, plan in enumerate(plans)]
+
+
 class BlockSparseAttention(torch.autograd.Function):
-    """``out = softmax(q k^T * scale + mask) v`` over the allowed tiles of a :class:`TilePlan`."""
+    """``out = softmax(q k^T * scale + mask) v`` over the allowed tiles of :class:`TilePlan` s.
+
+    ``plans`` holds one plan for the whole batch, or one per batch item (packed documents that
+    differ between items). ``deferred[i]`` is ``None`` for a local source ``i`` and a
+    :class:`DeferredKV` for one that arrives by communication: its transfer starts first, the
+    local sources are computed meanwhile, and its rows are read only from the handle's wait. In
+    backward the deferred sources go first, so their gradients travel while the local ones compute.
+    """
 
     @staticmethod
-    def forward(ctx, plan: TilePlan, scale: float, groups: int, waits: dict | None, q: torch.Tensor, *kv):
+    def forward(ctx, plans, scale: float, groups: int, deferred: tuple, q: torch.Tensor, *kv):
+        num_sources = len(kv) // 2
+        in_flight = {i: d.start_forward(kv[2 * i], kv[2 * i + 1]) for i, d in enumerate(deferred) if d is not None}
         out_acc, lse_acc = new_accumulators(q)
         mask_cache: dict = {}
-        extras = []
-        keys: dict[int, torch.Tensor] = {}
-        values: dict[int, torch.Tensor] = {}
-        # Calls come sorted by source: a source may still be in flight (an async all-gather), so
-        # wait only when its first call comes and the calls on sources already here overlap it.
-        for source in sorted({c.source for c in plan.calls}):
-            if waits and source in waits:
-                waits[source]()
-            keys[source] = repeat_kv(kv[2 * source], groups)
-            values[source] = repeat_kv(kv[2 * source + 1], groups)
-            calls = [c for c in plan.calls if c.source == source]
-            extras += forward_calls(calls, q, keys, values, scale, out_acc, lse_acc, mask_cache)
-        for source, wait in (waits or {}).items():
-            if source not in keys:
-                wait()  # a source no call reads must still complete before its buffer is reused
+        extras: dict = {}
+        resolved: list = [None] * num_sources
+        for source in sorted(range(num_sources), key=lambda i: i in in_flight):  # local sources first
+            k, v = in_flight[source].wait() if source in in_flight else (kv[2 * source], kv[2 * source + 1])
+            resolved[source] = (k, v)
+            keys, values = {source: repeat_kv(k, groups)}, {source: repeat_kv(v, groups)}
+            for item, (plan, (q_i, out_i, lse_i)) in enumerate(_item_views(plans, q, out_acc, lse_acc)):
+                calls = [c for c in plan.calls if c.source == source]
+                keys_i = keys if len(plans) == 1 else {source: keys[source][item : item + 1]}
+                values_i = values if len(plans) == 1 else {source: values[source][item : item + 1]}
+                extras[source, item] = forward_calls(calls, q_i, keys_i, values_i, scale, out_i, lse_i, mask_cache)
         out = out_acc.to(q.dtype)
-        ctx.plan, ctx.scale, ctx.groups, ctx.mask_cache, ctx.extras = plan, scale, groups, mask_cache, extras
-        ctx.save_for_backward(q, out, lse_acc, *kv)
+        ctx.plans, ctx.scale, ctx.groups, ctx.deferred = plans, scale, groups, deferred
+        ctx.mask_cache, ctx.extras = mask_cache, extras
+        ctx.save_for_backward(q, out, lse_acc, *[t for pair in resolved for t in pair])
         ctx.mark_non_differentiable(lse_acc)
         return out, lse_acc
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, out, lse, *kv = ctx.saved_tensors
-        groups = ctx.groups
-        num_sources = len(kv) // 2
-        keys = {i: repeat_kv(kv[2 * i], groups) for i in range(num_sources)}
-        values = {i: repeat_kv(kv[2 * i + 1], groups) for i in range(num_sources)}
+        groups, plans, deferred = ctx.groups, ctx.plans, ctx.deferred
+        grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
-        dks = {i: torch.zeros_like(k) for i, k in keys.items()}
-        dvs = {i: torch.zeros_like(v) for i, v in values.items()}
-        calls = sorted(ctx.plan.calls, key=lambda c: c.source)
-        backward_calls(calls, ctx.extras, q, keys, values, grad_out.contiguous(), out, lse, ctx.scale,
-                       ctx.mask_cache, dq, dks, dvs)
-        grads = [None, None, None, None, dq]
-        for i in range(num_sources):
-            grads += [sum_kv_groups(dks[i], groups), sum_kv_groups(dvs[i], groups)]
-        return tuple(grads)
+        grads: list = [None] * len(kv)
+        returning = {}
+        for source in sorted(range(len(kv) // 2), key=lambda i: deferred[i] is None):  # deferred sources first
+            keys, values = {source: repeat_kv(kv[2 * source], groups)}, {source: repeat_kv(kv[2 * source + 1], groups)}
+            dks, dvs = {source: torch.zeros_like(keys[source])}, {source: torch.zeros_like(values[source])}
+            views = _item_views(plans, q, grad_out, out, lse, dq)
+            for item, (plan, (q_i, go_i, out_i, lse_i, dq_i)) in enumerate(views):
+                calls = [c for c in plan.calls if c.source == source]
+                sl = slice(None) if len(plans) == 1 else slice(item, item + 1)
+                backward_calls(calls, ctx.extras[source, item], q_i, {source: keys[source][sl]},
+                               {source: values[source][sl]}, go_i, out_i, lse_i, ctx.scale, ctx.mask_cache, dq_i,
+                               {source: dks[source][sl]}, {source: dvs[source][sl]})
+            dk, dv = sum_kv_groups(dks[source], groups), sum_kv_groups(dvs[source], groups)
+            if deferred[source] is not None:
+                returning[source] = deferred[source].start_backward(dk, dv)
+            else:
+                grads[2 * source], grads[2 * source + 1] = dk, dv
+        for source, handle in returning.items():
+            grads[2 * source], grads[2 * source + 1] = handle.wait()
+        return (None, None, None, None, dq, *grads)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -260,13 +312,16 @@ def sum_kv_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, t, d).sum(2)
 
 
-def block_sparse_attention(plan: TilePlan, q: torch.Tensor, kv_sources, scale: float, waits: dict | None = None):
-    """Attention of ``q [b, H, Tq, d]`` over ``kv_sources = [(k, v), ...]`` (``[b, H_kv, Tk_i, d]``).
+def block_sparse_attention(plans, q: torch.Tensor, kv_sources, scale: float):
+    """Attention of ``q [b, H, Tq, d]`` over ``kv_sources``: ``(k, v)`` pairs (``[b, H_kv, Tk_i, d]``) or
+    :class:`DeferredKV` sources, planned by ``plans`` (one :class:`TilePlan`, or one per batch item).
 
-    ``waits`` maps a source index to a callable that blocks until that source's tensors hold
-    their values (an in-flight collective); it is called right before the source is first read.
     Returns ``(out [b, H, Tq, d], lse [b, H, Tq])``; the LSE carries no gradient.
     """
-    groups = q.shape[1] // kv_sources[0][0].shape[1]
-    flat = [t for kv in kv_sources for t in kv]
-    return BlockSparseAttention.apply(plan, scale, groups, waits, q, *flat)
+    plans = (plans,) if isinstance(plans, TilePlan) else tuple(plans)
+    if len(plans) not in (1, q.shape[0]):
+        raise ValueError(f"got {len(plans)} plans for a batch of {q.shape[0]}: pass one plan, or one per item.")
+    deferred = tuple(None if isinstance(s, tuple) else s for s in kv_sources)
+    flat = [t for s in kv_sources for t in (s if isinstance(s, tuple) else (s.k, s.v))]
+    groups = q.shape[1] // flat[0].shape[1]
+    return BlockSparseAttention.apply(plans, scale, groups, deferred, q, *flat)

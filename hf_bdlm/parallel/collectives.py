@@ -1,17 +1,25 @@
-"""Autograd-aware collectives over ``torch.distributed`` and the byte meter that counts them.
+"""Collectives over ``torch.distributed`` whose results exist only after their wait, and the byte meter.
 
-All K/V travel along the sequence axis of ``[b, H_kv, T, d]`` tensors. To gather along ``T``
-with ``all_gather_single`` (which concatenates along dim 0) the local shard is laid out
-``[T, b, H, d]`` once; the gathered buffer ``[C*T, b, H, d]`` is then handed to attention as
-a strided ``[b, H, C*T, d]`` view, with no copy after the collective.
+An asynchronous collective writes its output buffer while this rank goes on computing. Reading,
+converting or viewing that buffer before the transfer completes yields garbage (bf16 training
+once read half-written K/V this way). So no function here returns an in-flight buffer: starting
+a collective returns an :class:`InFlight` handle, and :meth:`InFlight.wait` is the only way to
+its result. Overlap comes from starting early and waiting late, never from early access.
 
-- :func:`gather_rows`: async all-gather; backward reduce-scatters the gradient back to the
-  owners (summed). The returned ``Pending`` is waited on by attention right before it first
-  reads the gathered rows, so local work overlaps the transfer.
-- :func:`exchange_rows`: all-to-all of selected rows (uneven splits); backward sends the
-  gradients back and adds them into the owners' rows. Used when a rank needs only some rows of
-  its peers (sliding-window layers).
+- :func:`start_gather` / :func:`start_reduce_scatter`: async all-gather of rows of ``[b, H, T, d]``
+  tensors along ``T`` (rank order) and its adjoint, the reduce-scatter (sum) back to the owners.
+- :class:`GatheredKV`: the K/V rows of every rank of a group, as one attention *key source*. The
+  block-sparse kernel (:mod:`hf_bdlm.attention.kernels`) starts the gather itself, computes on its
+  local sources meanwhile, and takes the gathered rows from the handle; its backward starts the
+  reduce-scatter of dK/dV and finishes the local gradients before waiting. Other backends call
+  :meth:`GatheredKV.materialize`, a synchronous autograd gather.
+- :func:`exchange_rows`: all-to-all of selected rows (uneven splits), synchronous; backward
+  sends the gradients back and adds them into the owners' rows (sliding-window layers).
 - :class:`ByteMeter`: bytes *received* by this rank per collective and per step.
+
+To gather along ``T`` with ``all_gather_single`` (which concatenates along dim 0) the local shard
+is laid out ``[T, b, H, d]``; the gathered ``[C*T, b, H, d]`` is handed over as a strided
+``[b, H, C*T, d]`` view after the wait, with no copy.
 
 A collective that does not complete within the group's timeout raises
 :class:`CollectiveTimeout` naming the group, the collective and the step.
@@ -19,9 +27,12 @@ A collective that does not complete within the group's timeout raises
 
 from __future__ import annotations
 
+import math
+import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -76,8 +87,6 @@ class CommContext:
         return dist.get_rank(self.group)
 
     def wait(self, work, what: str) -> None:
-        import time
-
         start = time.perf_counter()
         try:
             ok = work.wait(self.timeout)
@@ -93,16 +102,28 @@ class CommContext:
         self.wait_seconds += time.perf_counter() - start
 
 
-class Pending:
-    """An in-flight collective; ``wait()`` is idempotent."""
+class InFlight:
+    """A started collective. Its result is reachable only through :meth:`wait`, which blocks first.
 
-    def __init__(self, comm: CommContext, work, what: str):
-        self.comm, self.work, self.what = comm, work, what
+    ``works`` are the ``torch.distributed`` work objects; ``finish`` builds the result from the
+    completed buffers (a view, a list); ``keep`` holds buffers the transfer still reads (the send
+    side) until it completes. ``wait()`` is idempotent and returns the same result every time.
+    """
 
-    def wait(self) -> None:
-        if self.work is not None:
-            self.comm.wait(self.work, self.what)
-            self.work = None
+    __slots__ = ("_comm", "_works", "_what", "_finish", "_keep", "_result", "_done")
+
+    def __init__(self, comm: CommContext, works: list, what: str, finish: Callable[[], Any], keep: tuple = ()):
+        self._comm, self._works, self._what = comm, list(works), what
+        self._finish, self._keep = finish, keep
+        self._result, self._done = None, False
+
+    def wait(self) -> Any:
+        if not self._done:
+            for work in self._works:
+                self._comm.wait(work, self._what)
+            self._result = self._finish()
+            self._works, self._finish, self._keep, self._done = [], None, (), True
+        return self._result
 
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn on every call); same arguments and layout.
@@ -110,73 +131,118 @@ _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def start_gather(x: torch.Tensor, comm: CommContext, name: str) -> InFlight:
+    """Start an all-gather of ``x [b, H, T, d]`` along ``T`` over ``comm`` (rank order).
+
+    ``wait()`` returns ``[b, H, world*T, d]``. Records ``(world-1)/world`` of the result's bytes.
+    """
+    world = comm.size
+    shard = x.detach().permute(2, 0, 1, 3).contiguous()  # [T, b, H, d]
+    buffer = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
+    work = _all_gather_single(buffer, shard, group=comm.group, async_op=True)
+    comm.meter.record(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size())
+    return InFlight(comm, [work], f"all_gather({name})", lambda: buffer.permute(1, 2, 0, 3), keep=(shard,))
+
+
+def start_reduce_scatter(full: torch.Tensor, comm: CommContext, name: str) -> InFlight:
+    """Start the adjoint of :func:`start_gather`: sum ``full [b, H, world*T, d]`` over ``comm`` and keep
+    this rank's ``T`` rows. ``wait()`` returns ``[b, H, T, d]``."""
+    world = comm.size
+    rows = full.detach().permute(2, 0, 1, 3).contiguous()  # [C*T, b, H, d]
+    shard = rows.new_empty((rows.shape[0] // world, *rows.shape[1:]))
+    work = _reduce_scatter_single(shard, rows, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
+    comm.meter.record(f"{name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size())
+    return InFlight(comm, [work], f"reduce_scatter({name})", lambda: shard.permute(1, 2, 0, 3), keep=(rows,))
+
+
 class _GatherRows(torch.autograd.Function):
+    """Synchronous all-gather with a reduce-scatter backward (for backends that cannot overlap)."""
+
     @staticmethod
-    def forward(ctx, x, comm: CommContext, name: str, box: list):
-        world = comm.size
-        shard = x.permute(2, 0, 1, 3).contiguous()  # [T, b, H, d]
-        out = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
-        work = _all_gather_single(out, shard, group=comm.group, async_op=True)
-        comm.meter.record(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size())
-        box.append(Pending(comm, work, f"all_gather({name})"))
+    def forward(ctx, x, comm: CommContext, name: str):
         ctx.comm, ctx.name = comm, name
-        return out
+        return start_gather(x, comm, name).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        comm = ctx.comm
-        world = comm.size
-        full = grad.contiguous()  # [C*T, b, H, d]
-        shard = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-        work = _reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
-        comm.meter.record(f"{ctx.name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size())
-        comm.wait(work, f"reduce_scatter({ctx.name})")
-        return shard.permute(1, 2, 0, 3), None, None, None
+        return start_reduce_scatter(grad, ctx.comm, ctx.name).wait(), None, None
 
 
-def gather_rows(x: torch.Tensor, comm: CommContext, name: str) -> tuple[torch.Tensor, Pending]:
-    """All-gather ``x [b, H, T, d]`` along ``T`` over ``comm.group`` (rank order), asynchronously.
+def gather_rows(x: torch.Tensor, comm: CommContext, name: str) -> torch.Tensor:
+    """All-gather ``x [b, H, T, d]`` along ``T`` over ``comm``; returns after the transfer completed.
 
-    Returns the gathered ``[b, H, world*T, d]`` (valid after ``pending.wait()``) and the pending
-    handle. Backward reduce-scatters the gradient (sum) to the owners.
+    Backward reduce-scatters the gradient (sum) to the owners.
     """
-    box: list[Pending] = []
-    out = _GatherRows.apply(x, comm, name, box)
-    # The view is taken outside the autograd function: the collective writes its output in place.
-    return out.permute(1, 2, 0, 3), box[0]
+    return _GatherRows.apply(x, comm, name)
+
+
+@dataclass(frozen=True)
+class GatheredKV:
+    """Key source: the K/V rows of every rank of ``comm``, this rank contributing ``k``/``v`` (``[b, H_kv, T, d]``).
+
+    The block-sparse kernel starts :meth:`start_forward` itself and reads the result after its
+    wait; gradients of the gathered rows go back through :meth:`start_backward`.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    comm: CommContext
+    names: tuple[str, str] = ("k", "v")
+
+    @property
+    def num_rows(self) -> int:
+        return self.k.shape[2] * self.comm.size
+
+    def with_kv(self, k: torch.Tensor, v: torch.Tensor) -> "GatheredKV":
+        return replace(self, k=k, v=v)
+
+    def start_forward(self, k: torch.Tensor, v: torch.Tensor) -> InFlight:
+        """Gather ``k`` and ``v``; ``wait()`` returns ``(k_all, v_all)``."""
+        pk, pv = start_gather(k, self.comm, self.names[0]), start_gather(v, self.comm, self.names[1])
+        return InFlight(self.comm, [], "gathered_kv", lambda: (pk.wait(), pv.wait()))
+
+    def start_backward(self, dk_all: torch.Tensor, dv_all: torch.Tensor) -> InFlight:
+        """Return gathered-row gradients to their owners; ``wait()`` returns this rank's ``(dk, dv)``."""
+        pk = start_reduce_scatter(dk_all, self.comm, self.names[0])
+        pv = start_reduce_scatter(dv_all, self.comm, self.names[1])
+        return InFlight(self.comm, [], "gathered_kv_grad", lambda: (pk.wait(), pv.wait()))
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Synchronous autograd gather: ``(k_all, v_all)``, complete on return."""
+        return gather_rows(self.k, self.comm, self.names[0]), gather_rows(self.v, self.comm, self.names[1])
 
 
 class _ExchangeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: CommContext, name: str, send_index, send_counts, recv_counts):
-        rows = x.index_select(2, send_index).permute(2, 0, 1, 3).contiguous()  # [S, b, H, d]
-        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
-        work = dist.all_to_all_single(out, rows, recv_counts, send_counts, group=comm.group, async_op=True)
-        comm.wait(work, f"all_to_all({name})")
-        per_row = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
-        comm.meter.record(f"{name}.all_to_all", (sum(recv_counts) - recv_counts[comm.rank]) * per_row)
         ctx.comm, ctx.name = comm, name
         ctx.send_index, ctx.send_counts, ctx.recv_counts, ctx.x_rows = send_index, send_counts, recv_counts, x.shape[2]
-        return out.permute(1, 2, 0, 3)
+        rows = x.index_select(2, send_index).permute(2, 0, 1, 3).contiguous()  # [S, b, H, d]
+        return _start_all_to_all(rows, comm, f"{name}.all_to_all", recv_counts, send_counts).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        comm = ctx.comm
         g = grad.permute(2, 0, 1, 3).contiguous()
-        back = g.new_empty((sum(ctx.send_counts), *g.shape[1:]))
-        work = dist.all_to_all_single(back, g, ctx.send_counts, ctx.recv_counts, group=comm.group, async_op=True)
-        comm.wait(work, f"all_to_all_backward({ctx.name})")
-        per_row = g[0].numel() * g.element_size() if g.shape[0] else 0
-        comm.meter.record(f"{ctx.name}.all_to_all_backward", (sum(ctx.send_counts) - ctx.send_counts[comm.rank]) * per_row)
+        back = _start_all_to_all(g, ctx.comm, f"{ctx.name}.all_to_all_backward", ctx.send_counts, ctx.recv_counts)
         b, h, _, d = grad.shape
         dx = grad.new_zeros((b, h, ctx.x_rows, d))
-        dx.index_add_(2, ctx.send_index, back.permute(1, 2, 0, 3))
+        dx.index_add_(2, ctx.send_index, back.wait())
         return dx, None, None, None, None, None
+
+
+def _start_all_to_all(rows: torch.Tensor, comm: CommContext, label: str, recv_counts, send_counts) -> InFlight:
+    """All-to-all of ``rows [S, b, H, d]`` (``send_counts`` per peer); ``wait()`` returns ``[b, H, R, d]``."""
+    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    work = dist.all_to_all_single(out, rows, recv_counts, send_counts, group=comm.group, async_op=True)
+    per_row = math.prod(rows.shape[1:]) * rows.element_size()
+    comm.meter.record(label, (sum(recv_counts) - recv_counts[comm.rank]) * per_row)
+    return InFlight(comm, [work], label, lambda: out.permute(1, 2, 0, 3), keep=(rows,))
 
 
 def exchange_rows(x, comm: CommContext, name: str, send_index, send_counts, recv_counts) -> torch.Tensor:
     """All-to-all of rows of ``x [b, H, T, d]``: ``send_index`` lists the rows sent to peer 0, then
     peer 1, ... (``send_counts`` each); the result holds ``recv_counts[p]`` rows from each peer
-    ``p``, in peer order. Backward returns the gradients to the senders (summed per row).
+    ``p``, in peer order, and is complete on return. Backward returns the gradients to the senders
+    (summed per row).
     """
     return _ExchangeRows.apply(x, comm, name, send_index, list(send_counts), list(recv_counts))

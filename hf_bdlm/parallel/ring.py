@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.kernels import backward_calls, forward_calls, new_accumulators, repeat_kv, sum_kv_groups
-from .collectives import CommContext
+from .collectives import CommContext, InFlight
 
 
 class _Rotation:
@@ -31,7 +31,8 @@ class _Rotation:
         self.next = dist.get_global_rank(comm.group, (me + 1) % size)
         self.prev = dist.get_global_rank(comm.group, (me - 1) % size)
 
-    def start(self, tensors: list[torch.Tensor], label: str):
+    def start(self, tensors: list[torch.Tensor], label: str) -> InFlight:
+        """Send ``tensors`` on and receive the previous rank's; ``wait()`` returns the received list."""
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sent]
         ops = []
@@ -40,13 +41,8 @@ class _Rotation:
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.comm.group))
         works = dist.batch_isend_irecv(ops)
         self.comm.meter.record(f"{self.name}.ring_{label}", sum(r.numel() * r.element_size() for r in received))
-        return works, received, sent  # the sent buffers must live until the transfer completes
-
-    def finish(self, pending, label: str) -> list[torch.Tensor]:
-        works, received, _ = pending
-        for w in works:
-            self.comm.wait(w, f"ring_{label}({self.name})")
-        return received
+        # The sent buffers must live until the transfer completes: the handle keeps them.
+        return InFlight(self.comm, works, f"ring_{label}({self.name})", lambda: received, keep=tuple(sent))
 
 
 class RingAttention(torch.autograd.Function):
@@ -72,7 +68,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             owner = (me - step) % size
             if step > 0:
-                k_cur, v_cur = rotation.finish(pending, "kv")
+                k_cur, v_cur = pending.wait()
                 pending = rotation.start([k_cur, v_cur], "kv") if step < size - 1 else None
             plan = shard_plans[owner]
             keys, values = {0: repeat_kv(k_cur, groups)}, {0: repeat_kv(v_cur, groups)}
@@ -108,9 +104,9 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             owner = (me - step) % size
             if step > 0:
-                k_cur, v_cur = kv_rotation.finish(kv_pending, "kv")
+                k_cur, v_cur = kv_pending.wait()
                 kv_pending = kv_rotation.start([k_cur, v_cur], "kv") if step < size - 1 else None
-                dk_acc, dv_acc = grad_rotation.finish(grad_pending, "dkv")
+                dk_acc, dv_acc = grad_pending.wait()
             keys, values = {0: repeat_kv(k_cur, groups)}, {0: repeat_kv(v_cur, groups)}
             dks, dvs = {0: torch.zeros_like(keys[0])}, {0: torch.zeros_like(values[0])}
             backward_calls(ctx.shard_plans[owner].calls, ctx.shard_extras[owner], q, keys, values, grad_out, out,
@@ -121,7 +117,7 @@ class RingAttention(torch.autograd.Function):
                 # The accumulator follows its shard; after the last step one more hop takes it home.
                 grad_pending = grad_rotation.start([dk_acc, dv_acc], "dkv")
         if size > 1:
-            dk_acc, dv_acc = grad_rotation.finish(grad_pending, "dkv")
+            dk_acc, dv_acc = grad_pending.wait()
         return (None, None, None, None, None, dq, dk_acc, dv_acc, *local_grads)
 
 

@@ -32,7 +32,7 @@ from ..attention.backends import common_dtype, attend
 from ..attention.tiles import plan_attention
 from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
-from .collectives import ByteMeter, CommContext, exchange_rows, gather_rows
+from .collectives import ByteMeter, CommContext, GatheredKV, exchange_rows
 from .plan import GroupPlan, PlanConfig, make_plan
 from .ring import ring_attention
 
@@ -164,24 +164,18 @@ class ShardedLayout:
         n = self.num_noisy if self.mode == "csbp" else 0
         if rule.sliding_window is not None:
             return self._attend_window(query, key, value, rule, scale, n)
-        k_send, v_send = key[:, :, n:], value[:, :, n:]
         if self.transport == "ring" and self.comm.size > 1:
             return self._attend_ring(query, key, value, rule, scale, n)
-        if self.comm.size == 1:
-            k_all, v_all, waits = k_send, v_send, None
-        else:
-            k_all, k_pending = gather_rows(k_send, self.comm, "k")
-            v_all, v_pending = gather_rows(v_send, self.comm, "v")
-            waits = None  # set below, per source index
+        k_send, v_send = key[:, :, n:], value[:, :, n:]
         sources, rows = [], []
         if n:
             sources.append((key[:, :, :n], value[:, :, :n]))
             rows.append(self.q_rows.slice(0, n))
-        sources.append((k_all, v_all))
+        # The clean rows of the ring (cp: all rows of the group) arrive by an all-gather that the
+        # block-sparse kernel overlaps with the local source; they are reachable only after its wait.
+        sources.append((k_send, v_send) if self.comm.size == 1 else GatheredKV(k_send, v_send, self.comm))
         rows.append(self.gathered_rows)
-        if self.comm.size > 1:
-            waits = {len(sources) - 1: lambda: (k_pending.wait(), v_pending.wait())}
-        return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache, waits)
+        return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache)
 
     def _sent_rows(self, owner: int, doc=None) -> RowMeta:
         """Rows a group rank communicates: ``csbp`` its clean rows, ``cp`` all its rows."""

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hf_bdlm.attention.masks import MaskRule
-from hf_bdlm.parallel.collectives import ByteMeter, CollectiveTimeout, gather_rows
+from hf_bdlm.parallel.collectives import ByteMeter, CollectiveTimeout, start_gather
 from hf_bdlm.parallel.plan import PlanConfig
 from hf_bdlm.parallel.sharded import BlockParallelGroups, ShardedLayout
 
@@ -41,8 +41,7 @@ def main():
         groups.ring.meter.step = 5
         if rank == 0:  # rank 1 never joins the all-gather
             try:
-                out, pending = gather_rows(torch.zeros(1, 1, 4, 2), groups.ring, "k")
-                pending.wait()
+                start_gather(torch.zeros(1, 1, 4, 2), groups.ring, "k").wait()
             except CollectiveTimeout as err:
                 error = str(err)
         else:
