@@ -17,17 +17,20 @@ next block starts fully masked. Noisy K/V never enter the cache. Tiny CPU exampl
     model = BlockDiffusionForMaskedLM(cfg).eval()
     out = generate(model, torch.tensor([[1, 2, 3, 4, 5, 6]]), max_new_tokens=10, confidence_threshold=0.9)
 
-Batches: prompts of equal length decode together in lock step. A left-padded batch (an
-``attention_mask`` with leading zeros) is decoded one row at a time, because blocks are
-absolute positions of each sequence and rows with different prompt lengths have different
-block boundaries; the output keeps HF's layout (input columns, then the generated tokens,
-right-padded with ``pad_token_id``).
+Batches: prompts of equal length decode together in lock step. Prompts of different lengths (a
+left-padded batch, or :func:`decode_ragged`) also decode in one batch: each row is laid out in
+common columns behind a whole number of padding *blocks*, so its blocks still start at its own
+first token; padding columns are a separate document that the row never attends to, and RoPE
+positions count from each row's first token. Rows that finish (EOS, their own token budget) leave
+the batch. The output keeps HF's layout (input columns, then the generated tokens, right-padded
+with ``pad_token_id``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -228,9 +231,35 @@ def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: 
 # --- the clean context: cached or recomputed ---------------------------------------------------
 
 
-def _run_rows(model, ids, q_rows, k_rows, settings, cache=None):
+@dataclass(frozen=True)
+class LeftPadding:
+    """A ragged batch in common columns: row ``i`` starts after ``pad[i]`` padding columns (a multiple of the block
+    size, so each row's blocks start at its own first token). Padding is document 0, the row's tokens document 1."""
+
+    pad: torch.Tensor  # [batch]
+
+    def doc(self, columns: torch.Tensor) -> torch.Tensor:
+        return (columns[None] >= self.pad[:, None]).long()
+
+    def position_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """RoPE positions counted from each row's first token (what the row would get decoded alone)."""
+        return (columns[None] - self.pad[:, None]).clamp(min=0)
+
+    def select(self, index: torch.Tensor) -> "LeftPadding":
+        return LeftPadding(self.pad[index])
+
+
+def _rows(stream: int, start: int, end: int, device, padding: LeftPadding | None) -> RowMeta:
+    pos = torch.arange(start, end, device=device)
+    return stream_rows(stream, pos, None if padding is None else padding.doc(pos))
+
+
+def _run_rows(model, ids, q_rows, k_rows, settings, cache=None, padding: LeftPadding | None = None):
     """Hidden states of ``ids`` (rows ``q_rows``) attending to ``k_rows`` (the cache's rows, then ``q_rows``)."""
-    positions = q_rows.pos[None].expand(ids.shape[0], -1)
+    if padding is None:
+        positions = q_rows.pos[None].expand(ids.shape[0], -1)
+    else:
+        positions = padding.position_ids(q_rows.pos)
     layout = LocalLayout(q_rows, k_rows, settings.rule, settings.backend)
     out = model(
         input_ids=ids,
@@ -246,8 +275,8 @@ def _run_rows(model, ids, q_rows, k_rows, settings, cache=None):
 class CachedContext:
     """Clean prefix held as K/V in a `DynamicCache`; noisy steps run over it and are cropped away."""
 
-    def __init__(self, model, settings: DecodeSettings, device):
-        self.model, self.settings, self.device = model, settings, device
+    def __init__(self, model, settings: DecodeSettings, device, padding: LeftPadding | None = None):
+        self.model, self.settings, self.device, self.padding = model, settings, device, padding
         # No config, so every layer keeps all its keys: transformers' sliding-window layers keep only the last
         # W - 1 keys (enough for one new token, not for a block whose first query looks W - 1 back) and refuse
         # the per-step crop once full. The attention rule masks by distance instead.
@@ -256,42 +285,58 @@ class CachedContext:
         self.last_hidden = None  # clean hidden state of the last cached position (token shift)
 
     def _cached_rows(self) -> RowMeta:
-        return stream_rows(CLEAN, torch.arange(self.length, device=self.device))
+        return _rows(CLEAN, 0, self.length, self.device, self.padding)
 
     def append(self, ids: torch.Tensor) -> None:
-        q_rows = stream_rows(CLEAN, torch.arange(self.length, self.length + ids.shape[1], device=self.device))
+        q_rows = _rows(CLEAN, self.length, self.length + ids.shape[1], self.device, self.padding)
         k_rows = RowMeta.cat([self._cached_rows(), q_rows]) if self.length else q_rows
-        hidden = _run_rows(self.model, ids, q_rows, k_rows, self.settings, self.cache)
+        hidden = _run_rows(self.model, ids, q_rows, k_rows, self.settings, self.cache, self.padding)
         self.length += ids.shape[1]
         self.last_hidden = hidden[:, -1]
 
     def block_hidden(self, block: torch.Tensor, start: int):
-        q_rows = stream_rows(NOISY, torch.arange(start, start + block.shape[1], device=self.device))
+        q_rows = _rows(NOISY, start, start + block.shape[1], self.device, self.padding)
         if not self.length:
-            return _run_rows(self.model, block, q_rows, q_rows, self.settings), None
+            return _run_rows(self.model, block, q_rows, q_rows, self.settings, padding=self.padding), None
         k_rows = RowMeta.cat([self._cached_rows(), q_rows])
-        hidden = _run_rows(self.model, block, q_rows, k_rows, self.settings, self.cache)
+        hidden = _run_rows(self.model, block, q_rows, k_rows, self.settings, self.cache, self.padding)
         self.cache.crop(-block.shape[1])  # noisy K/V must never become context
         return hidden, self.last_hidden
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows ``index`` (finished rows leave the batch)."""
+        if self.length:
+            self.cache.batch_select_indices(index)
+            self.last_hidden = self.last_hidden[index]
+        if self.padding is not None:
+            self.padding = self.padding.select(index)
 
 
 class RecomputedContext:
     """No cache: every step runs the whole clean prefix plus the noisy block (the reference for the cache)."""
 
-    def __init__(self, model, settings: DecodeSettings, device):
-        self.model, self.settings, self.device = model, settings, device
+    def __init__(self, model, settings: DecodeSettings, device, padding: LeftPadding | None = None):
+        self.model, self.settings, self.device, self.padding = model, settings, device, padding
         self.prefix = None
 
     def append(self, ids: torch.Tensor) -> None:
         self.prefix = ids if self.prefix is None else torch.cat([self.prefix, ids], dim=1)
 
     def block_hidden(self, block: torch.Tensor, start: int):
-        noisy = stream_rows(NOISY, torch.arange(start, start + block.shape[1], device=self.device))
+        noisy = _rows(NOISY, start, start + block.shape[1], self.device, self.padding)
         if self.prefix is None:
-            return _run_rows(self.model, block, noisy, noisy, self.settings), None
-        rows = RowMeta.cat([stream_rows(CLEAN, torch.arange(start, device=self.device)), noisy])
-        hidden = _run_rows(self.model, torch.cat([self.prefix, block], dim=1), rows, rows, self.settings)
+            return _run_rows(self.model, block, noisy, noisy, self.settings, padding=self.padding), None
+        rows = RowMeta.cat([_rows(CLEAN, 0, start, self.device, self.padding), noisy])
+        ids = torch.cat([self.prefix, block], dim=1)
+        hidden = _run_rows(self.model, ids, rows, rows, self.settings, padding=self.padding)
         return hidden[:, start:], hidden[:, start - 1]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows ``index``."""
+        if self.prefix is not None:
+            self.prefix = self.prefix[index]
+        if self.padding is not None:
+            self.padding = self.padding.select(index)
 
 
 # --- choosing tokens ---------------------------------------------------------------------------
@@ -488,14 +533,13 @@ def generate(
 
 
 def _decode_left_padded(model, input_ids, mask, config, use_cache, generator) -> torch.Tensor:
-    """Ragged batch: decode each row alone (its blocks start at its first real token), re-assemble HF-style."""
+    """Ragged batch: decode the rows together (each row's blocks start at its first real token), re-assemble
+    HF-style."""
     width = input_ids.shape[1]
     # max_length counts the padded width, as in transformers, so every row gets the same budget.
     settings = resolve_settings(model, config, width)
-    rows = []
-    for i in range(input_ids.shape[0]):
-        prompt = input_ids[i : i + 1][:, mask[i]]
-        rows.append(decode(model, prompt, settings, use_cache, generator)[0, prompt.shape[1] :])
+    prompts = [input_ids[i][mask[i]] for i in range(input_ids.shape[0])]
+    rows = decode_ragged(model, prompts, settings, use_cache, generator)
     longest = max(r.shape[0] for r in rows)
     # Rows only differ in length when EOS ended some, and then pad_token_id is set (it defaults to EOS).
     out = input_ids.new_full((input_ids.shape[0], width + longest), settings.pad_token_id or 0)
@@ -503,3 +547,85 @@ def _decode_left_padded(model, input_ids, mask, config, use_cache, generator) ->
     for i, r in enumerate(rows):
         out[i, width : width + r.shape[0]] = r
     return out
+
+
+BlockCallback = Callable[[dict[int, torch.Tensor]], "set[int] | None"]
+
+
+def decode_ragged(
+    model,
+    prompts: Sequence[torch.Tensor],
+    settings: DecodeSettings,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    max_new_tokens: Sequence[int] | None = None,
+    on_block: BlockCallback | None = None,
+) -> list[torch.Tensor]:
+    """Block-wise decoding of prompts of any lengths in one batch (see :class:`LeftPadding`).
+
+    Args:
+        prompts: 1-D token tensors, one per row (at least one token each).
+        settings: the decoding settings shared by the batch (`resolve_settings`).
+        max_new_tokens: a budget per row (default: `settings.max_new_tokens` for every row).
+        on_block: called after every decoded block with `{row: new tokens}` of the rows still running (tokens after
+            an EOS or past the row's budget already cut); returns the rows to stop now (e.g. a stop string was
+            generated, or the client went away), or `None`.
+
+    Returns:
+        One 1-D tensor of generated tokens per row: up to and including its first EOS, at most its budget.
+    """
+    B = settings.block_size
+    device = prompts[0].device
+    budgets = list(max_new_tokens) if max_new_tokens is not None else [settings.max_new_tokens] * len(prompts)
+    lengths = torch.tensor([int(p.numel()) for p in prompts])
+    full = torch.div(lengths, B, rounding_mode="floor")
+    start = int(full.max()) * B  # column of the first decoded block; every row's prompt blocks end there
+    pad = (start - full * B).to(device)
+    context = (CachedContext if use_cache else RecomputedContext)(model, settings, device, LeftPadding(pad))
+    if start:
+        prefix = torch.zeros((len(prompts), start), dtype=prompts[0].dtype, device=device)
+        for i, p in enumerate(prompts):
+            prefix[i, int(pad[i]) :] = p[: int(full[i]) * B]
+        context.append(prefix)
+    block = torch.full((len(prompts), B), settings.mask_token_id, dtype=prompts[0].dtype, device=device)
+    masked = torch.ones((len(prompts), B), dtype=torch.bool, device=device)
+    tails = []
+    for i, p in enumerate(prompts):
+        tail = p[int(full[i]) * B :]
+        block[i, : tail.numel()] = tail
+        masked[i, : tail.numel()] = False
+        tails.append(tail.numel())
+    eos = torch.tensor(settings.eos_token_ids, dtype=block.dtype, device=device)
+    generated: list[list[torch.Tensor]] = [[] for _ in prompts]
+    counts = [0] * len(prompts)
+    active = list(range(len(prompts)))  # original row index of each batch row
+    while True:
+        block = denoise_block(model, context, block, masked, start, settings, generator)
+        new, finished = {}, set()
+        for j, row in enumerate(active):
+            tokens = block[j, tails[j] :][: budgets[row] - counts[row]]
+            hits = torch.isin(tokens, eos).nonzero()
+            if len(hits):
+                tokens = tokens[: int(hits[0]) + 1]
+                finished.add(row)
+            generated[row].append(tokens)
+            counts[row] += tokens.numel()
+            new[row] = tokens
+            if counts[row] >= budgets[row]:
+                finished.add(row)
+        if on_block is not None:
+            finished |= set(on_block(new) or ())
+        keep = [j for j, row in enumerate(active) if row not in finished]
+        if not keep:
+            break
+        if len(keep) < len(active):
+            index = torch.tensor(keep, device=device)
+            context.select(index)
+            block = block[index]
+            active = [active[j] for j in keep]
+        context.append(block)
+        start += B
+        tails = [0] * len(active)
+        block = torch.full_like(block, settings.mask_token_id)
+        masked = torch.ones_like(block, dtype=torch.bool)
+    return [torch.cat(parts) if parts else prompts[0].new_empty(0) for parts in generated]
