@@ -3,7 +3,7 @@
 Each launch runs the whole matrix of tests/distributed/exactness_worker.py under torchrun (gloo):
 backbones (Llama GQA, Gemma 3 sliding+full, Qwen3) x objectives (standard, fast_dllm_v2) x
 modes (cp, bp, csbp with C in {1, 2, P}) x batches (plain, padded, packed documents), float64 and
-float32, plus data parallelism (4 processes = 2 groups x P 2). Loss and every parameter gradient
+float32 (every layout), plus data parallelism (4 processes = 2 groups x P 2). Loss and every parameter gradient
 must match; K/V bytes recorded by the meter must equal DESIGN.md section 2's formulas.
 """
 
@@ -16,8 +16,12 @@ from torchrun import run_torchrun
 pytestmark = pytest.mark.distributed
 
 
-def _tolerance(case):
-    return 1e-9 if case["dtype"] == "float64" else 1e-5
+# Relative to the largest element of each tensor. Measured maxima over both launches (314 cases):
+# float64 loss 3.9e-16, gradients 3.0e-15; float32 loss 1.2e-7, gradients 1.8e-6 (bp, summing the
+# replicated clean prefix in another order). Bounds keep a margin of ~3x over float32 and ~300x over
+# float64 (whose errors are a handful of ulps).
+LOSS_TOL = {"float64": 1e-12, "float32": 5e-7}
+GRAD_TOL = {"float64": 1e-12, "float32": 5e-6}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
@@ -37,6 +41,9 @@ def test_matrix_covers_every_mode_backbone_objective_and_batch_kind(results):
     assert {c["backbone"] for c in cases} == {"llama", "gemma3", "qwen3"}
     assert {c["objective"] for c in cases} == {"standard", "fast_dllm_v2"}
     assert {c["batch"] for c in cases} == {"plain", "padded", "packed"}
+    layouts = {(c["P"], c["mode"], c["C"], c["transport"]) for c in cases}
+    float32 = {(c["P"], c["mode"], c["C"], c["transport"]) for c in cases if c["dtype"] == "float32"}
+    assert float32 == layouts  # a float32 case for every layout
 
 
 def test_loss_and_every_gradient_equal_single_process(results):
@@ -44,7 +51,7 @@ def test_loss_and_every_gradient_equal_single_process(results):
     bad = [
         {k: c[k] for k in ("P", "C", "mode", "backbone", "objective", "batch", "dtype", "loss_err", "grad_err")}
         for c in cases
-        if c["loss_err"] > _tolerance(c) or c["grad_err"] > _tolerance(c)
+        if c["loss_err"] > LOSS_TOL[c["dtype"]] or c["grad_err"] > GRAD_TOL[c["dtype"]]
     ]
     assert not bad, bad
 
@@ -54,7 +61,7 @@ def test_data_parallel_groups_average_to_reference(results):
     if world != 4:
         pytest.skip("data parallelism needs 4 processes (2 groups x P 2)")
     dp = [c for c in cases if c["P"] == 2]
-    assert dp and all(c["grad_err"] <= _tolerance(c) for c in dp)
+    assert dp and all(c["grad_err"] <= GRAD_TOL[c["dtype"]] for c in dp)
 
 
 def test_bytes_received_match_design_formulas(results):

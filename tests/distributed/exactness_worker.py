@@ -181,9 +181,12 @@ def cases(world: int):
                         clean = "causal" if obj == "fast_dllm_v2" else "block_causal"
                         out.append(dict(P=P, C=C, mode=mode, backbone=bb, objective=obj, clean=clean, batch=batch,
                                         dtype="float64", backend="blockwise", transport="ring"))
-                # float32 and the dense backend on one configuration each
-                out.append(dict(P=P, C=C, mode=mode, backbone="llama", objective="standard", clean="block_causal",
-                                batch="packed", dtype="float32", backend="blockwise", transport="allgather"))
+                # float32 on every layout (both transports where the ring applies), the dense backend once
+                for transport in ("allgather", "ring") if mode != "bp" and (C > 1 or mode == "cp") else ("allgather",):
+                    out.append(dict(P=P, C=C, mode=mode, backbone="llama", objective="standard", clean="block_causal",
+                                    batch="packed", dtype="float32", backend="blockwise", transport=transport))
+                out.append(dict(P=P, C=C, mode=mode, backbone="gemma3", objective="fast_dllm_v2", clean="causal",
+                                batch="padded", dtype="float32", backend="blockwise", transport="allgather"))
                 out.append(dict(P=P, C=C, mode=mode, backbone="gemma3", objective="fast_dllm_v2", clean="causal",
                                 batch="padded", dtype="float64", backend="dense", transport="allgather"))
     return out

@@ -97,3 +97,15 @@ def messages(n: int = 12) -> datasets.Dataset:
 
 def language_modeling(n: int = 12) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": [" ".join(_question(i)) + " yes" * (i % 5) for i in range(n)]})
+
+
+def long_documents(n: int = 4, words: int = 900) -> datasets.Dataset:
+    """Language-modeling rows of about ``words`` tokens: long enough that sharded K/V are in flight for a while."""
+    texts = []
+    for i in range(n):
+        parts = []
+        while len(parts) < words:
+            q, a = _question(i + len(parts))
+            parts += (q + " " + a).split()
+        texts.append(" ".join(parts[:words]))
+    return datasets.Dataset.from_dict({"text": texts})

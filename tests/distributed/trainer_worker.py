@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer_common import language_modeling, prompt_completion, tiny_bdlm, tiny_tokenizer
+from trainer_common import language_modeling, long_documents, prompt_completion, tiny_bdlm, tiny_tokenizer
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
 
@@ -44,6 +44,9 @@ SETUPS = {
     ),
     "lora": (dict(objective="standard"), lambda: prompt_completion(24), dict(learning_rate=5e-3), True),
     "resume": (dict(objective="standard"), lambda: prompt_completion(24), dict(learning_rate=1e-3), False),
+    # bf16 autocast over float32 weights, sequences of ~900 tokens (1808 rows): gathers are in flight for a while.
+    "bf16": (dict(objective="standard"), lambda: long_documents(4), dict(bf16=True, use_cpu=True, max_length=1024, max_steps=2),
+             False),
 }
 
 
@@ -92,6 +95,7 @@ def scenario_layouts(out: Path) -> dict:
         results[f"{setup}/csbp"] = run(setup, out / setup / "p2_csbp", 2, "csbp")
     for mode in ("bp", "cp"):
         results[f"plain/{mode}"] = run("plain", out / "plain" / f"p2_{mode}", 2, mode)
+    results["bf16/cp"] = run("bf16", out / "bf16" / "p2_cp", 2, "cp")
     results["plain/csbp_ring"] = run("plain", out / "plain" / "p2_csbp_ring", 2, "csbp",
                                      block_parallel_transport="ring")
     return results
