@@ -1,0 +1,259 @@
+"""The FastAPI application: OpenAI-compatible routes over an :class:`~hf_bdlm.serving.engine.Engine`.
+
+    from hf_bdlm.serving import Engine, ServerConfig, create_app
+    app = create_app(Engine.from_pretrained("path/to/bdlm"), ServerConfig(api_key="secret"))
+    # uvicorn.run(app, host="127.0.0.1", port=8000), or: hf-bdlm serve path/to/bdlm
+
+Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions` (plain JSON or
+SSE streaming with one chunk per decoded block), `GET /health` (no key needed; scheduler counters). Every error is
+OpenAI's JSON error shape; bad input is a 4xx, and a failure inside generation is a 500 for that request only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import protocol
+from .config import ServerConfig
+from .engine import Engine
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .scheduler import BatchScheduler, Job, QueueFull
+
+logger = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class APIKeyMiddleware:
+    """Pure ASGI check of `Authorization: Bearer <key>` on `/v1` paths (401 otherwise); streams pass untouched."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.api_key):
+                err = APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+    """Build the app; the batching scheduler starts and stops with the app's lifespan."""
+    config = config or ServerConfig()
+    scheduler = BatchScheduler(engine.run_batch, config.max_batch_size, config.max_queue,
+                               config.batch_wait_ms / 1000)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="hf-bdlm", lifespan=lifespan)
+    app.state.engine, app.state.scheduler, app.state.config = engine, scheduler, config
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, err: ClientGone):
+        return Response(status_code=499)  # nobody reads it; keeps the log free of tracebacks
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(err).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+
+    @app.get("/health")
+    async def health():
+        stats = scheduler.stats
+        return {"status": "ok", "model": engine.name, "queued": scheduler.queued, "running": scheduler.running,
+                "batches": stats.batches, "requests": stats.jobs, "largest_batch": stats.largest_batch,
+                "mean_batch": round(stats.mean_batch, 3), "rejected": stats.rejected, "cancelled": stats.cancelled,
+                "failed_batches": stats.failed_batches}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [protocol.model_card(engine.name, created)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        check_model(model_id)
+        return protocol.model_card(engine.name, created)
+
+    def check_model(name: str) -> None:
+        if name != engine.name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {engine.name!r}.",
+                           param="model", code="model_not_found")
+
+    async def read_json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise APIError(413, f"the request body has {declared} bytes; the limit is {config.max_body_bytes}.")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_body_bytes:
+                raise APIError(413, f"the request body exceeds the limit of {config.max_body_bytes} bytes.")
+        try:
+            return json.loads(bytes(body))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"the request body is not valid JSON: {err}") from None
+
+    def submit(jobs: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+        for job in jobs:
+            job.loop, job.events = loop, asyncio.Queue()
+        try:
+            scheduler.submit(jobs)
+        except QueueFull as err:
+            raise APIError(429, f"the server is busy ({err}); retry later.", type="rate_limit_exceeded",
+                           code="rate_limit_exceeded") from None
+
+    def build_job(request, prompt_ids: list[int]) -> Job:
+        return engine.make_job(request, prompt_ids, config.max_tokens_limit, config.default_max_tokens,
+                               config.max_prompt_tokens or engine.context_length - 1)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = protocol.parse_request(ChatCompletionRequest, await read_json(request))
+        check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        job = build_job(req, engine.chat_prompt(messages))
+        submit([job])
+        rid = protocol.new_id("chatcmpl")
+        if req.stream:
+            return sse(chat_events(job, rid, req.include_usage))
+        text, finish = await collect(request, job)
+        return protocol.chat_response(rid, engine.name, text, finish, len(job.prompt_ids), job.completion_tokens)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = protocol.parse_request(CompletionRequest, await read_json(request))
+        check_model(req.model)
+        prompts = req.prompts()
+        if req.stream and len(prompts) > 1:
+            raise APIError(400, "streaming takes a single prompt.", param="prompt")
+        if len(prompts) > config.max_batch_size:
+            raise APIError(400, f"at most {config.max_batch_size} prompts per request.", param="prompt")
+        jobs = [build_job(req, engine.text_prompt(p)) for p in prompts]
+        submit(jobs)
+        rid = protocol.new_id("cmpl")
+        if req.stream:
+            echo = prompts[0] if req.echo else ""
+            return sse(completion_events(jobs[0], rid, req.include_usage, echo))
+        try:
+            results = await asyncio.gather(*(collect(request, job) for job in jobs))
+        finally:
+            for job in jobs:  # one failed prompt: the others stop too
+                if not job.finished:
+                    job.cancelled.set()
+        choices = [((p if req.echo else "") + text, finish) for p, (text, finish) in zip(prompts, results)]
+        return protocol.completion_response(rid, engine.name, choices, sum(len(j.prompt_ids) for j in jobs),
+                                            sum(j.completion_tokens for j in jobs))
+
+    async def collect(request: Request, job: Job) -> tuple[str, str]:
+        """Wait for a job's text; a client that disconnects cancels it."""
+        parts = []
+        checked = time.monotonic()
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # text may arrive faster than the poll
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise ClientGone
+                if kind is None:
+                    continue
+                if kind == "text":
+                    parts.append(payload)
+                elif kind == "done":
+                    return "".join(parts), payload
+                else:
+                    raise APIError(500, payload, type="server_error")
+        finally:
+            if not job.finished:
+                job.cancelled.set()
+
+    async def job_events(job: Job) -> AsyncIterator[tuple[str, str]]:
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "error":
+                    raise APIError(500, payload, type="server_error")
+                yield kind, payload
+                if kind == "done":
+                    return
+        finally:
+            if not job.finished:  # the client went away mid-stream
+                job.cancelled.set()
+
+    async def chat_events(job: Job, rid: str, include_usage: bool) -> AsyncIterator[dict]:
+        yield protocol.chat_chunk(rid, engine.name, {"role": "assistant", "content": ""})
+        async for kind, payload in job_events(job):
+            if kind == "text":
+                yield protocol.chat_chunk(rid, engine.name, {"content": payload})
+            else:
+                yield protocol.chat_chunk(rid, engine.name, {}, finish=payload)
+        if include_usage:
+            yield protocol.chat_chunk(rid, engine.name, {}, usage_=protocol.usage(len(job.prompt_ids),
+                                                                                   job.completion_tokens))
+
+    async def completion_events(job: Job, rid: str, include_usage: bool, echo: str) -> AsyncIterator[dict]:
+        if echo:
+            yield protocol.completion_chunk(rid, engine.name, echo)
+        async for kind, payload in job_events(job):
+            if kind == "text":
+                yield protocol.completion_chunk(rid, engine.name, payload)
+            else:
+                yield protocol.completion_chunk(rid, engine.name, "", finish=payload)
+        if include_usage:
+            yield protocol.completion_chunk(rid, engine.name, "", usage_=protocol.usage(len(job.prompt_ids),
+                                                                                         job.completion_tokens))
+
+    def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+        async def body():
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event)}\n\n"
+            except APIError as err:  # headers are sent already: report the error in the stream
+                yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app

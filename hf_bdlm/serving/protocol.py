@@ -1,0 +1,180 @@
+"""The OpenAI wire format the server speaks: request models (pydantic), response builders, errors.
+
+Only what `/v1/chat/completions`, `/v1/completions` and `/v1/models` need. Unknown fields are accepted and
+ignored (clients send `user`, `stream_options`, penalties, ...); fields we cannot honour (`n > 1`, `logprobs`,
+`tools`) are refused with a 400 instead of being silently dropped. Block-diffusion knobs are extra body fields:
+
+    client.chat.completions.create(model=..., messages=..., extra_body={"confidence_threshold": 0.8,
+                                                                        "steps_per_block": 4})
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    seed: int | None = None
+    n: int = 1
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: Any = None
+    # block-diffusion decoding (defaults: the checkpoint's generation config)
+    confidence_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
+    steps_per_block: int | None = Field(default=None, ge=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        if value is None:
+            return []
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return stops
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request.", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported by block-diffusion decoding.", param="logprobs")
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined); other part types are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"unsupported content part of type {part.get('type')!r}: only text is accepted.",
+                               param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tool calling is not supported: use a text-based agent mode.", param="tools")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: StrictBool = False
+
+    def prompts(self) -> list[str]:
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not prompts:
+            raise APIError(400, "prompt must not be an empty list.", param="prompt")
+        return prompts
+
+
+def parse_request(model_class: type[BaseModel], payload: Any) -> Any:
+    """Validate a decoded JSON body; every problem becomes a 400 naming the field."""
+    if not isinstance(payload, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(payload).__name__}.")
+    try:
+        request = model_class.model_validate(payload)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"invalid value for {param}: {first['msg']}", param=param) from None
+    request.check_supported()
+    return request
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                     "logprobs": None}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, usage_: dict | None = None) -> dict:
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    if usage_ is not None:
+        chunk["choices"], chunk["usage"] = [], usage_
+    return chunk
+
+
+def completion_response(rid: str, model: str, choices: list[tuple[str, str]], prompt_tokens: int,
+                        completion_tokens: int) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                    for i, (text, finish) in enumerate(choices)],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None = None,
+                     usage_: dict | None = None) -> dict:
+    chunk = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+    if usage_ is not None:
+        chunk["choices"], chunk["usage"] = [], usage_
+    return chunk
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "hf-bdlm"}

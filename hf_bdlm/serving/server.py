@@ -1,0 +1,73 @@
+"""Running the app: in the foreground (`hf-bdlm serve`) or in a background thread (tests, evaluation, callbacks).
+
+    from hf_bdlm.serving import Engine, ServerConfig, ServerThread
+    with ServerThread(Engine.from_pretrained("path/to/bdlm"), ServerConfig(port=0)) as server:
+        print(server.base_url)      # http://127.0.0.1:<free port>/v1
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from .app import create_app
+from .config import ServerConfig
+from .engine import Engine
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def serve(engine: Engine, config: ServerConfig) -> None:
+    """Serve in the foreground until interrupted."""
+    uvicorn.run(create_app(engine, config), host=config.host, port=config.port, log_level="info")
+
+
+class ServerThread:
+    """The server on a background thread, as a context manager. `port=0` picks a free port.
+
+    Attributes:
+        base_url (`str`): `http://host:port/v1`, what OpenAI clients take as `base_url`.
+        app: the FastAPI app (its `state.scheduler.stats` counts batches).
+    """
+
+    def __init__(self, engine: Engine, config: ServerConfig | None = None, startup_timeout: float = 60.0):
+        config = config or ServerConfig()
+        if config.port == 0:
+            config.port = free_port(config.host)
+        self.config = config
+        self.app = create_app(engine, config)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
+                                                     log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, name="hf-bdlm-server", daemon=True)
+        self.startup_timeout = startup_timeout
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}/v1"
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.config.host}:{self.config.port}.")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

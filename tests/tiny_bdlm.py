@@ -1,0 +1,51 @@
+"""A tiny random block-diffusion checkpoint folder with a word-level tokenizer and a chat template, built offline.
+
+Used by the serving and evaluation tests: `save_tiny_bdlm(path)` writes weights, config, generation config and
+tokenizer; `hf_bdlm.serving.Engine.from_pretrained(path)` loads it like any checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
+
+VOCAB, MASK, BLOCK, CONTEXT = 64, 63, 4, 256
+WORDS = ["[UNK]", "[PAD]", "<s>", "</s>", "user", "assistant", "system"] + [f"w{i}" for i in range(7, MASK)] + [
+    "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                        bos_token="<s>", eos_token="</s>", mask_token="<|mask|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_bdlm(seed: int = 0) -> BlockDiffusionForMaskedLM:
+    torch.manual_seed(seed)
+    backbone = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=CONTEXT,
+                           bos_token_id=2, eos_token_id=3, pad_token_id=1)
+    config = BlockDiffusionConfig(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK)
+    model = BlockDiffusionForMaskedLM(config).eval()
+    # No EOS: a random model would stop at random places; lengths stay exactly max_tokens.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def save_tiny_bdlm(path: str | Path) -> Path:
+    path = Path(path)
+    tiny_bdlm().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
