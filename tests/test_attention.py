@@ -493,13 +493,13 @@ def test_row_count_mismatch_is_an_error():
 
 
 def test_equally_spaced_batched_rows_are_read_in_place_on_cpu():
-    from hf_bdlm.attention.kernels import _gather_rows
+    from hf_bdlm.attention.kernels import select_rows
 
     x = torch.randn(1, 3, 40, 8)
     regular = torch.arange(4)[None, :] + torch.tensor([2, 12, 22])[:, None]  # three runs of 4 rows, 10 apart
     irregular = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8], [20, 21, 22, 23]])
     for rows in (regular, irregular):
         want = x[0][:, rows].permute(1, 0, 2, 3)  # [n, H, c, d]
-        assert torch.equal(_gather_rows(x, rows), want)
-    assert _gather_rows(x, regular).untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-    assert _gather_rows(x, irregular).untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        assert torch.equal(select_rows(x, rows), want)
+    assert select_rows(x, regular).untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert select_rows(x, irregular).untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

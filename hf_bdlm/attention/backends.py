@@ -29,16 +29,12 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from .kernels import block_sparse_attention
+from .kernels import BackendUnavailable, block_sparse_attention
 from .masks import MaskRule, allowed, dense_mask
 from .rows import RowMeta
-from .tiles import DEFAULT_GROUP_ROWS, plan_attention
+from .tiles import batch_plans
 
 BACKENDS = ("dense", "blockwise", "flex", "flash")
-
-
-class BackendUnavailable(RuntimeError):
-    """The requested attention backend cannot run in this environment."""
 
 
 def _cat_sources(sources, k_rows: list[RowMeta]):
@@ -59,23 +55,8 @@ def attend_dense(q, sources, q_rows, k_rows, rule, scale, cache):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _batch_plans(q_rows, k_rows, rule, cache, batch, group_rows=DEFAULT_GROUP_ROWS):
-    """One plan for the whole batch, or one per batch item when packed documents differ."""
-    key = ("plan", rule, group_rows)
-    plans = cache.get(key)
-    if plans is None:
-        docs = [q_rows.doc] + [r.doc for r in k_rows]
-        same = all(d is None for d in docs) or all(bool((d == d[:1]).all()) for d in docs if d is not None)
-        items = [0] if same else list(range(batch))
-        plans = [
-            plan_attention(q_rows.batch_item(i), [r.batch_item(i) for r in k_rows], rule, group_rows) for i in items
-        ]
-        cache[key] = plans
-    return plans
-
-
 def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache):
-    plans = _batch_plans(q_rows, k_rows, rule, cache, q.shape[0])
+    plans = batch_plans(q_rows, k_rows, rule, cache, q.shape[0])
     return block_sparse_attention(plans, q, sources, scale)[0]
 
 

@@ -7,8 +7,9 @@ clean stream, a sliding-window edge, or both), which becomes ``causal`` / ``wind
 after trimming the leading and trailing query rows and keys the mask leaves empty (flash-attn
 aligns its diagonal to the bottom-right corner, so a band off that diagonal needs the trim);
 any other mask raises ``NotImplementedError`` naming the tile. Partial results are merged by
-log-sum-exp and the backward re-runs each call with the merged output and LSE, exactly like
-:class:`.kernels.BlockSparseAttention`; GQA is passed through unexpanded (flash-attn supports it).
+log-sum-exp and the backward re-runs each call with the merged output and LSE: the loops are
+:class:`.kernels.BlockSparseAttention`'s, with :class:`FlashAttnKernel` running each call; GQA is
+passed through unexpanded (flash-attn supports it).
 
 Needs CUDA, fp16/bf16 tensors, head dim a multiple of 8 (<= 256) and ``flash-attn >= 2.6``
 (``pip install 'hf-bdlm[flash]'``). It uses flash-attn's internal ``_flash_attn_forward`` /
@@ -25,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import BackendUnavailable, _batch_plans
-from .kernels import _gather_rows, _scatter_add_rows, _ungather_shape, merge_partial, new_accumulators
-from .tiles import KernelCall, TilePlan
+from .kernels import BackendUnavailable, block_sparse_attention
+from .tiles import KernelCall, TilePlan, batch_plans
 
 
 @dataclass(frozen=True)
@@ -118,75 +118,37 @@ def _bthd(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class FlashBlockSparseAttention(torch.autograd.Function):
-    """:class:`.kernels.BlockSparseAttention` with flash-attn kernels (``q [b, H, Tq, d]``)."""
+class FlashAttnKernel:
+    """:class:`~.kernels.AttentionKernel` over flash-attn: block-sized tiles, calls mapped by :func:`flash_call`."""
 
-    @staticmethod
-    def forward(ctx, calls: tuple[FlashCall, ...], scale: float, q: torch.Tensor, *kv: torch.Tensor):
+    expands_gqa = False  # flash-attn takes GQA K/V as they are
+    group_rows = 0  # block tiles only: a tile's mask must be a causal band or a window
+
+    def __init__(self):
+        self._prepared: dict[int, tuple] = {}
+
+    def prepare(self, plan: TilePlan) -> tuple:
+        found = self._prepared.get(id(plan))
+        if found is None or found[0] is not plan:
+            found = self._prepared[id(plan)] = (plan, tuple(flash_call(c) for c in plan.calls))
+        return found[1]
+
+    def forward(self, call: FlashCall, q, k, v, scale, cache):
         fa, split_window = _flash_api()
-        keys, values = kv[0::2], kv[1::2]
-        batch = q.shape[0]
-        out_acc, lse_acc = new_accumulators(q)  # float32 for the fp16/bf16 inputs flash-attn takes
-        for fc in calls:
-            qs = _bthd(_gather_rows(q, fc.q_rows))
-            ks = _bthd(_gather_rows(keys[fc.source], fc.k_rows))
-            vs = _bthd(_gather_rows(values[fc.source], fc.k_rows))
-            res = fa._flash_attn_forward(qs, ks, vs, return_softmax=False, **_flags(fc, scale, split_window))
-            # 2.6 returns (out, q, k, v, out_padded, lse, S, rng), 2.7+ (out_padded, lse, S, rng).
-            out, lse = res[0].transpose(1, 2), res[-3]
-            if fc.empty_rows is not None:
-                # flash-attn reports LSE +inf for a row without keys; it must not weigh in the merge.
-                lse = lse.masked_fill(fc.empty_rows.to(lse.device), float("-inf"))
-            merge_partial(
-                out_acc,
-                lse_acc,
-                fc.q_rows,
-                _ungather_shape(out, fc.q_rows, batch),
-                _ungather_shape(lse.unsqueeze(-1), fc.q_rows, batch).squeeze(-1),
-            )
-        out = out_acc.to(q.dtype)
-        ctx.calls, ctx.scale = calls, scale
-        ctx.save_for_backward(q, out, lse_acc, *kv)
-        ctx.mark_non_differentiable(lse_acc)
-        return out, lse_acc
+        res = fa._flash_attn_forward(_bthd(q), _bthd(k), _bthd(v), return_softmax=False,
+                                     **_flags(call, scale, split_window))
+        # 2.6 returns (out, q, k, v, out_padded, lse, S, rng), 2.7+ (out_padded, lse, S, rng).
+        return res[0].transpose(1, 2), res[-3], None
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(self, call: FlashCall, grad_out, q, k, v, out, lse, extra, scale, cache):
         fa, split_window = _flash_api()
-        q, out, lse, *kv = ctx.saved_tensors
-        keys, values = kv[0::2], kv[1::2]
-        batch = q.shape[0]
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros_like(q)
-        dks = [torch.zeros_like(k) for k in keys]
-        dvs = [torch.zeros_like(v) for v in values]
-        for fc in ctx.calls:
-            qs = _bthd(_gather_rows(q, fc.q_rows))
-            ks = _bthd(_gather_rows(keys[fc.source], fc.k_rows))
-            vs = _bthd(_gather_rows(values[fc.source], fc.k_rows))
-            go = _bthd(_gather_rows(grad_out, fc.q_rows))
-            os_ = _bthd(_gather_rows(out, fc.q_rows))
-            ls = _gather_rows(lse.unsqueeze(-1), fc.q_rows).squeeze(-1).contiguous()
-            dqs, dks_, dvs_ = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
-            fa._flash_attn_backward(
-                go, qs, ks, vs, os_, ls, dqs, dks_, dvs_,
-                deterministic=False, rng_state=None, **_flags(fc, ctx.scale, split_window),
-            )  # fmt: skip
-            _scatter_add_rows(dq, fc.q_rows, _ungather_shape(dqs.transpose(1, 2), fc.q_rows, batch))
-            _scatter_add_rows(dks[fc.source], fc.k_rows, _ungather_shape(dks_.transpose(1, 2), fc.k_rows, batch))
-            _scatter_add_rows(dvs[fc.source], fc.k_rows, _ungather_shape(dvs_.transpose(1, 2), fc.k_rows, batch))
-        grads = [None, None, dq]
-        for dk, dv in zip(dks, dvs):
-            grads += [dk, dv]
-        return tuple(grads)
-
-
-def _flash_calls(plan: TilePlan, cache: dict) -> tuple[FlashCall, ...]:
-    key = ("flash_calls", id(plan))
-    found = cache.get(key)
-    if found is None:
-        found = cache[key] = tuple(flash_call(c) for c in plan.calls)
-    return found
+        qs, ks, vs = _bthd(q), _bthd(k), _bthd(v)
+        dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
+        fa._flash_attn_backward(
+            _bthd(grad_out), qs, ks, vs, _bthd(out), lse, dq, dk, dv,
+            deterministic=False, rng_state=None, **_flags(call, scale, split_window),
+        )  # fmt: skip
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def attend_flash_attn(q, sources, q_rows, k_rows, rule, scale, cache):
@@ -202,15 +164,6 @@ def attend_flash_attn(q, sources, q_rows, k_rows, rule, scale, cache):
             f"{q.shape[-1]}; use attention_backend='blockwise'."
         )
     _flash_api()
-    # Block-sized tiles only: flash-attn runs a tile's mask only when it is a causal band or a window.
-    plans = _batch_plans(q_rows, k_rows, rule, cache, q.shape[0], group_rows=0)
-
-    def run(plan, q, kv):
-        flat = [t for pair in kv for t in pair]
-        return FlashBlockSparseAttention.apply(_flash_calls(plan, cache), scale, q, *flat)[0]
-
-    if len(plans) == 1:
-        return run(plans[0], q, sources)
-    return torch.cat(
-        [run(plan, q[i : i + 1], [(k[i : i + 1], v[i : i + 1]) for k, v in sources]) for i, plan in enumerate(plans)]
-    )
+    kernel = cache.setdefault("flash_kernel", FlashAttnKernel())
+    plans = batch_plans(q_rows, k_rows, rule, cache, q.shape[0], group_rows=kernel.group_rows)
+    return block_sparse_attention(plans, q, sources, scale, kernel)[0]

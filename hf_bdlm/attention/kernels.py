@@ -15,8 +15,10 @@ arrives by communication is a :class:`DeferredKV`: the function starts its trans
 the local sources meanwhile and reads the arrived rows only from the transfer's handle, after
 its wait; in backward it starts returning their gradients before computing the local ones.
 
-Kernels: the CPU flash kernel of PyTorch (``_scaled_dot_product_flash_attention_for_cpu``)
-and, on CUDA, PyTorch's memory-efficient kernel. Both take arbitrary additive masks.
+The loops (row selection, batching, LSE merge, gradient scatter) are written once, here; what
+runs one call is an :class:`AttentionKernel`: :data:`SDPA_KERNEL` (the CPU flash kernel of
+PyTorch, ``_scaled_dot_product_flash_attention_for_cpu``, and on CUDA PyTorch's memory-efficient
+kernel; both take arbitrary additive masks) or flash-attn's (:mod:`.flash`, band masks only).
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from typing import Protocol
 
 import torch
 
-from .tiles import KernelCall, TilePlan
+from .tiles import DEFAULT_GROUP_ROWS, TilePlan
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested attention backend (or one of its kernels) cannot run in this environment."""
 
 
 def _additive_mask(mask: torch.Tensor | None, dtype, device, cache: dict) -> torch.Tensor | None:
@@ -39,35 +45,68 @@ def _additive_mask(mask: torch.Tensor | None, dtype, device, cache: dict) -> tor
     return found
 
 
-def _kernel_forward(q, k, v, mask, scale):
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+class AttentionKernel(Protocol):
+    """Runs one planned call: the dense attention of selected query rows over selected key rows.
+
+    ``forward(call, q, k, v, scale, cache) -> (out [n, H, c, d], lse [n, H, c], extra)`` and
+    ``backward(call, grad_out, q, k, v, out, lse, extra, scale, cache) -> (dq, dk, dv)``, all in
+    ``[batch, heads, rows, dim]`` layout; ``expands_gqa`` says whether ``k``/``v`` must arrive with the
+    query's head count; ``group_rows`` is the planner granularity the kernel can run
+    (:func:`~.tiles.plan_attention`); ``prepare(plan)`` maps a plan's calls to what the kernel runs.
+    """
+
+    expands_gqa: bool
+    group_rows: int
+
+    def prepare(self, plan: TilePlan) -> tuple: ...
+
+    def forward(self, call, q, k, v, scale: float, cache: dict): ...
+
+    def backward(self, call, grad_out, q, k, v, out, lse, extra, scale: float, cache: dict): ...
+
+
+class SDPAKernel:
+    """PyTorch's fused kernels with an additive mask: CPU flash attention; CUDA memory-efficient attention."""
+
+    expands_gqa = True
+    group_rows = DEFAULT_GROUP_ROWS
+
+    def prepare(self, plan: TilePlan) -> tuple:
+        return plan.calls
+
+    def forward(self, call, q, k, v, scale, cache):
+        mask = _additive_mask(call.mask, q.dtype, q.device, cache)
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=mask, scale=scale
+            )
+            return out, lse, None
+        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, False, scale=scale
         )
-        return out, lse, None
-    bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, False, scale=scale
-    )
-    return out, lse[..., : q.shape[2]], (bias, seed, offset, lse)
+        return out, lse[..., : q.shape[2]], (bias, seed, offset, lse)
 
-
-def _kernel_backward(grad_out, q, k, v, out, lse, mask, scale, extra):
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
+    def backward(self, call, grad_out, q, k, v, out, lse, extra, scale, cache):
+        mask = _additive_mask(call.mask, q.dtype, q.device, cache)
+        if q.device.type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
+            )
+        bias, seed, offset, padded_lse = extra
+        # The efficient kernel pads its LSE to a multiple of 32 rows; write the merged LSE into that layout.
+        full_lse = padded_lse.clone()
+        full_lse[..., : q.shape[2]] = lse
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, bias, out, full_lse, seed, offset, 0.0, (True, True, True, False), False, scale=scale
         )
-    bias, seed, offset, padded_lse = extra
-    # The efficient kernel pads its LSE to a multiple of 32 rows; write the merged LSE into that layout.
-    full_lse = padded_lse.clone()
-    full_lse[..., : q.shape[2]] = lse
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, k, v, bias, out, full_lse, seed, offset, 0.0, (True, True, True, False), False, scale=scale
-    )
-    return dq, dk, dv
+        return dq, dk, dv
 
 
-def _gather_rows(x: torch.Tensor, rows) -> torch.Tensor:
+SDPA_KERNEL = SDPAKernel()
+
+
+def select_rows(x: torch.Tensor, rows) -> torch.Tensor:
     """Rows of ``x [b, H, T, d]`` selected by a call: a (start, end) range or an index ``[n, c]``.
 
     An ``[n, c]`` index with ``n > 1`` becomes a batch of ``b * n`` sequences of ``c`` rows.
@@ -103,8 +142,8 @@ def _equally_spaced(rows: torch.Tensor) -> tuple[int, int] | None:
     return (start, step) if torch.equal(rows, expected) else None
 
 
-def _ungather_shape(t: torch.Tensor, rows, batch: int) -> torch.Tensor:
-    """Inverse of the batching in :func:`_gather_rows` for a result ``[b*n, H, c, ...]``."""
+def unbatch_rows(t: torch.Tensor, rows, batch: int) -> torch.Tensor:
+    """Inverse of the batching in :func:`select_rows` for a result ``[b*n, H, c, ...]``."""
     if isinstance(rows, tuple) or rows.shape[0] == 1:
         return t
     n = rows.shape[0]
@@ -112,7 +151,7 @@ def _ungather_shape(t: torch.Tensor, rows, batch: int) -> torch.Tensor:
     return t.view(batch, n, t.shape[1], *rest).transpose(1, 2).reshape(batch, t.shape[1], n * rest[0], *rest[1:])
 
 
-def _scatter_add_rows(target: torch.Tensor, rows, value: torch.Tensor) -> None:
+def scatter_add_rows(target: torch.Tensor, rows, value: torch.Tensor) -> None:
     if isinstance(rows, tuple):
         target[:, :, rows[0] : rows[1]] += value
     else:
@@ -128,19 +167,6 @@ def _write_rows(x: torch.Tensor, rows, value: torch.Tensor) -> None:
         x[:, :, rows[0] : rows[1]] = value
     else:
         x.index_copy_(2, rows.reshape(-1), value)
-
-
-def _run_call(call: KernelCall, q, keys: dict, values: dict, scale, mask_cache):
-    qs = _gather_rows(q, call.q_rows)
-    ks = _gather_rows(keys[call.source], call.k_rows)
-    vs = _gather_rows(values[call.source], call.k_rows)
-    mask = _additive_mask(call.mask, q.dtype, q.device, mask_cache)
-    out, lse, extra = _kernel_forward(qs, ks, vs, mask, scale)
-    if call.empty_rows is not None:
-        # The kernels report LSE 0 and output 0 for a row whose keys are all masked; an empty
-        # row must not weigh in the merge.
-        lse = lse.masked_fill(call.empty_rows.to(lse.device), float("-inf"))
-    return out, lse, (qs, ks, vs, mask, extra)
 
 
 def merge_partial(out_acc, lse_acc, rows, out, lse):
@@ -164,42 +190,47 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out_acc, lse_acc
 
 
-def forward_calls(calls, q, keys: dict, values: dict, scale, out_acc, lse_acc, mask_cache) -> list:
-    """Run kernel calls (keys/values already GQA-expanded) and merge them into the accumulators.
-
-    Returns what each call's backward needs besides the tensors (kernel-specific state).
-    """
+def forward_calls(calls, q, keys: dict, values: dict, scale, out_acc, lse_acc, cache, kernel=SDPA_KERNEL) -> list:
+    """Run kernel calls and merge them into the accumulators (``keys``/``values`` by source, GQA-expanded
+    when the kernel needs it). Returns what each call's backward needs besides the tensors."""
     batch = q.shape[0]
     extras = []
     for call in calls:
-        out, lse, saved = _run_call(call, q, keys, values, scale, mask_cache)
-        extras.append(saved[4])
+        qs = select_rows(q, call.q_rows)
+        ks = select_rows(keys[call.source], call.k_rows)
+        vs = select_rows(values[call.source], call.k_rows)
+        out, lse, extra = kernel.forward(call, qs, ks, vs, scale, cache)
+        if call.empty_rows is not None:
+            # Kernels report LSE 0 (PyTorch) or +inf (flash-attn) for a row whose keys are all masked; an empty
+            # row must not weigh in the merge.
+            lse = lse.masked_fill(call.empty_rows.to(lse.device), float("-inf"))
+        extras.append(extra)
         merge_partial(
             out_acc,
             lse_acc,
             call.q_rows,
-            _ungather_shape(out, call.q_rows, batch),
-            _ungather_shape(lse.unsqueeze(-1), call.q_rows, batch).squeeze(-1),
+            unbatch_rows(out, call.q_rows, batch),
+            unbatch_rows(lse.unsqueeze(-1), call.q_rows, batch).squeeze(-1),
         )
     return extras
 
 
-def backward_calls(calls, extras, q, keys: dict, values: dict, grad_out, out, lse, scale, mask_cache, dq, dks, dvs):
+def backward_calls(calls, extras, q, keys: dict, values: dict, grad_out, out, lse, scale, cache, dq, dks, dvs,
+                   kernel=SDPA_KERNEL):
     """Gradients of kernel calls given the *merged* output and LSE, added into ``dq``/``dks``/``dvs``."""
     batch = q.shape[0]
     lse_kernel = lse if q.dtype == torch.float64 else lse.float()
     for call, extra in zip(calls, extras):
-        qs = _gather_rows(q, call.q_rows)
-        ks = _gather_rows(keys[call.source], call.k_rows)
-        vs = _gather_rows(values[call.source], call.k_rows)
-        go = _gather_rows(grad_out, call.q_rows)
-        os_ = _gather_rows(out, call.q_rows)
-        ls = _gather_rows(lse_kernel.unsqueeze(-1), call.q_rows).squeeze(-1).contiguous()
-        mask = _additive_mask(call.mask, q.dtype, q.device, mask_cache)
-        dqs, dks_, dvs_ = _kernel_backward(go, qs, ks, vs, os_, ls, mask, scale, extra)
-        _scatter_add_rows(dq, call.q_rows, _ungather_shape(dqs, call.q_rows, batch))
-        _scatter_add_rows(dks[call.source], call.k_rows, _ungather_shape(dks_, call.k_rows, batch))
-        _scatter_add_rows(dvs[call.source], call.k_rows, _ungather_shape(dvs_, call.k_rows, batch))
+        qs = select_rows(q, call.q_rows)
+        ks = select_rows(keys[call.source], call.k_rows)
+        vs = select_rows(values[call.source], call.k_rows)
+        go = select_rows(grad_out, call.q_rows)
+        os_ = select_rows(out, call.q_rows)
+        ls = select_rows(lse_kernel.unsqueeze(-1), call.q_rows).squeeze(-1).contiguous()
+        dqs, dks_, dvs_ = kernel.backward(call, go, qs, ks, vs, os_, ls, extra, scale, cache)
+        scatter_add_rows(dq, call.q_rows, unbatch_rows(dqs, call.q_rows, batch))
+        scatter_add_rows(dks[call.source], call.k_rows, unbatch_rows(dks_, call.k_rows, batch))
+        scatter_add_rows(dvs[call.source], call.k_rows, unbatch_rows(dvs_, call.k_rows, batch))
 
 
 class DeferredKV(Protocol):
@@ -226,44 +257,46 @@ class DeferredKV(Protocol):
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def _item_views(plans, *tensors):
-    """``(plan, views)`` per batch item group: one shared plan covers the whole batch; per-item plans
+def _item_views(call_lists, *tensors):
+    """``(calls, views)`` per batch item group: one shared call list covers the whole batch; per-item lists
     get per-item views (``t[i:i+1]``, writes go through to ``t``)."""
-    if len(plans) == 1:
-        return [(plans[0], tensors)]
-    return [(plan, tuple(t[i : i + 1] for t in tensors)) for i, plan in enumerate(plans)]
+    if len(call_lists) == 1:
+        return [(call_lists[0], tensors)]
+    return [(calls, tuple(t[i : i + 1] for t in tensors)) for i, calls in enumerate(call_lists)]
 
 
 class BlockSparseAttention(torch.autograd.Function):
-    """``out = softmax(q k^T * scale + mask) v`` over the allowed tiles of :class:`TilePlan` s.
+    """``out = softmax(q k^T * scale + mask) v`` over the planned calls, run by ``kernel``.
 
-    ``plans`` holds one plan for the whole batch, or one per batch item (packed documents that
-    differ between items). ``deferred[i]`` is ``None`` for a local source ``i`` and a
+    ``call_lists`` holds one call list for the whole batch, or one per batch item (packed documents
+    that differ between items). ``deferred[i]`` is ``None`` for a local source ``i`` and a
     :class:`DeferredKV` for one that arrives by communication: its transfer starts first, the
     local sources are computed meanwhile, and its rows are read only from the handle's wait. In
     backward the deferred sources go first, so their gradients travel while the local ones compute.
     """
 
     @staticmethod
-    def forward(ctx, plans, scale: float, groups: int, deferred: tuple, q: torch.Tensor, *kv):
+    def forward(ctx, call_lists, scale: float, kernel, deferred: tuple, q: torch.Tensor, *kv):
         num_sources = len(kv) // 2
+        groups = q.shape[1] // kv[0].shape[1] if kernel.expands_gqa else 1
         in_flight = {i: d.start_forward(kv[2 * i], kv[2 * i + 1]) for i, d in enumerate(deferred) if d is not None}
         out_acc, lse_acc = new_accumulators(q)
-        mask_cache: dict = {}
+        cache: dict = {}
         extras: dict = {}
         resolved: list = [None] * num_sources
         for source in sorted(range(num_sources), key=lambda i: i in in_flight):  # local sources first
             k, v = in_flight[source].wait() if source in in_flight else (kv[2 * source], kv[2 * source + 1])
             resolved[source] = (k, v)
-            keys, values = {source: repeat_kv(k, groups)}, {source: repeat_kv(v, groups)}
-            for item, (plan, (q_i, out_i, lse_i)) in enumerate(_item_views(plans, q, out_acc, lse_acc)):
-                calls = [c for c in plan.calls if c.source == source]
-                keys_i = keys if len(plans) == 1 else {source: keys[source][item : item + 1]}
-                values_i = values if len(plans) == 1 else {source: values[source][item : item + 1]}
-                extras[source, item] = forward_calls(calls, q_i, keys_i, values_i, scale, out_i, lse_i, mask_cache)
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            per_item = len(call_lists) > 1
+            for item, (calls, (q_i, out_i, lse_i)) in enumerate(_item_views(call_lists, q, out_acc, lse_acc)):
+                calls = [c for c in calls if c.source == source]
+                sl = slice(item, item + 1) if per_item else slice(None)
+                extras[source, item] = forward_calls(calls, q_i, {source: k[sl]}, {source: v[sl]}, scale, out_i,
+                                                     lse_i, cache, kernel)
         out = out_acc.to(q.dtype)
-        ctx.plans, ctx.scale, ctx.groups, ctx.deferred = plans, scale, groups, deferred
-        ctx.mask_cache, ctx.extras = mask_cache, extras
+        ctx.call_lists, ctx.scale, ctx.kernel, ctx.groups, ctx.deferred = call_lists, scale, kernel, groups, deferred
+        ctx.cache, ctx.extras = cache, extras
         ctx.save_for_backward(q, out, lse_acc, *[t for pair in resolved for t in pair])
         ctx.mark_non_differentiable(lse_acc)
         return out, lse_acc
@@ -271,22 +304,22 @@ class BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, out, lse, *kv = ctx.saved_tensors
-        groups, plans, deferred = ctx.groups, ctx.plans, ctx.deferred
+        groups, call_lists, deferred = ctx.groups, ctx.call_lists, ctx.deferred
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
         grads: list = [None] * len(kv)
         returning = {}
+        per_item = len(call_lists) > 1
         for source in sorted(range(len(kv) // 2), key=lambda i: deferred[i] is None):  # deferred sources first
-            keys, values = {source: repeat_kv(kv[2 * source], groups)}, {source: repeat_kv(kv[2 * source + 1], groups)}
-            dks, dvs = {source: torch.zeros_like(keys[source])}, {source: torch.zeros_like(values[source])}
-            views = _item_views(plans, q, grad_out, out, lse, dq)
-            for item, (plan, (q_i, go_i, out_i, lse_i, dq_i)) in enumerate(views):
-                calls = [c for c in plan.calls if c.source == source]
-                sl = slice(None) if len(plans) == 1 else slice(item, item + 1)
-                backward_calls(calls, ctx.extras[source, item], q_i, {source: keys[source][sl]},
-                               {source: values[source][sl]}, go_i, out_i, lse_i, ctx.scale, ctx.mask_cache, dq_i,
-                               {source: dks[source][sl]}, {source: dvs[source][sl]})
-            dk, dv = sum_kv_groups(dks[source], groups), sum_kv_groups(dvs[source], groups)
+            k, v = repeat_kv(kv[2 * source], groups), repeat_kv(kv[2 * source + 1], groups)
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+            views = _item_views(call_lists, q, grad_out, out, lse, dq)
+            for item, (calls, (q_i, go_i, out_i, lse_i, dq_i)) in enumerate(views):
+                calls = [c for c in calls if c.source == source]
+                sl = slice(item, item + 1) if per_item else slice(None)
+                backward_calls(calls, ctx.extras[source, item], q_i, {source: k[sl]}, {source: v[sl]}, go_i, out_i,
+                               lse_i, ctx.scale, ctx.cache, dq_i, {source: dk[sl]}, {source: dv[sl]}, ctx.kernel)
+            dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
             if deferred[source] is not None:
                 returning[source] = deferred[source].start_backward(dk, dv)
             else:
@@ -312,9 +345,10 @@ def sum_kv_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, t, d).sum(2)
 
 
-def block_sparse_attention(plans, q: torch.Tensor, kv_sources, scale: float):
+def block_sparse_attention(plans, q: torch.Tensor, kv_sources, scale: float, kernel: AttentionKernel = SDPA_KERNEL):
     """Attention of ``q [b, H, Tq, d]`` over ``kv_sources``: ``(k, v)`` pairs (``[b, H_kv, Tk_i, d]``) or
-    :class:`DeferredKV` sources, planned by ``plans`` (one :class:`TilePlan`, or one per batch item).
+    :class:`DeferredKV` sources, planned by ``plans`` (one :class:`TilePlan`, or one per batch item) and run by
+    ``kernel``.
 
     Returns ``(out [b, H, Tq, d], lse [b, H, Tq])``; the LSE carries no gradient.
     """
@@ -323,5 +357,5 @@ def block_sparse_attention(plans, q: torch.Tensor, kv_sources, scale: float):
         raise ValueError(f"got {len(plans)} plans for a batch of {q.shape[0]}: pass one plan, or one per item.")
     deferred = tuple(None if isinstance(s, tuple) else s for s in kv_sources)
     flat = [t for s in kv_sources for t in (s if isinstance(s, tuple) else (s.k, s.v))]
-    groups = q.shape[1] // flat[0].shape[1]
-    return BlockSparseAttention.apply(plans, scale, groups, deferred, q, *flat)
+    call_lists = tuple(kernel.prepare(plan) for plan in plans)
+    return BlockSparseAttention.apply(call_lists, scale, kernel, deferred, q, *flat)

@@ -298,3 +298,18 @@ def _batched_call(pairs, source: int, mask, empty) -> KernelCall:
         k_spec = (int(k_idx[0, 0]), int(k_idx[0, -1]) + 1)
         return KernelCall(q_spec, source, k_spec, mask, empty)
     return KernelCall(q_idx, source, k_idx, mask, empty)
+
+
+def batch_plans(q_rows, k_rows, rule, cache: dict, batch: int, group_rows: int = DEFAULT_GROUP_ROWS) -> list:
+    """One plan for the whole batch, or one per batch item when packed documents differ (cached in ``cache``)."""
+    key = ("plan", rule, group_rows)
+    plans = cache.get(key)
+    if plans is None:
+        docs = [q_rows.doc] + [r.doc for r in k_rows]
+        same = all(d is None for d in docs) or all(bool((d == d[:1]).all()) for d in docs if d is not None)
+        items = [0] if same else list(range(batch))
+        plans = [
+            plan_attention(q_rows.batch_item(i), [r.batch_item(i) for r in k_rows], rule, group_rows) for i in items
+        ]
+        cache[key] = plans
+    return plans
