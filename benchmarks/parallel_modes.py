@@ -1,4 +1,4 @@
-"""CPU (gloo) benchmark of the block-parallel modes of DESIGN.md §2: ``cp``, ``bp``, ``csbp``.
+"""CPU (gloo) benchmark of the block-parallel modes of docs/design.md §3: ``cp``, ``bp``, ``csbp``.
 
 One training step (forward + backward, no optimizer) of a small Llama-style BDLM (hidden 256,
 8 heads, 2 KV heads, head dim 32, intermediate 512, vocab 1024, ``--layers`` layers, block 64,
@@ -103,7 +103,8 @@ def worker(args) -> None:
 
     from hf_bdlm.parallel.collectives import ByteMeter
     from hf_bdlm.parallel.plan import PlanConfig
-    from hf_bdlm.parallel.sharded import BlockParallelGroups, ShardedLayout
+    from hf_bdlm.parallel.groups import BlockParallelGroups
+    from hf_bdlm.parallel.sharded import ShardedLayout
 
     dist.init_process_group("gloo")
     P, rank = dist.get_world_size(), dist.get_rank()

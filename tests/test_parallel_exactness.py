@@ -4,7 +4,7 @@ Each launch runs the whole matrix of tests/distributed/exactness_worker.py under
 backbones (Llama GQA, Gemma 3 sliding+full, Qwen3) x objectives (standard, fast_dllm_v2) x
 modes (cp, bp, csbp with C in {1, 2, P}) x batches (plain, padded, packed documents), float64 and
 float32 (every layout), plus data parallelism (4 processes = 2 groups x P 2). Loss and every parameter gradient
-must match; K/V bytes recorded by the meter must equal DESIGN.md section 2's formulas.
+must match; K/V bytes recorded by the meter must equal the formulas of docs/design.md §3.
 """
 
 import json

@@ -1,6 +1,6 @@
 """Block alignment of SFT data: the length policy, block-aligned packing and the collator.
 
-The rule (DESIGN.md section 1): a sequence, and with packing each packed document, is padded to
+The rule (docs/design.md §2): a sequence, and with packing each packed document, is padded to
 a multiple of the block size with the pad token; pad tokens are never supervised and nothing is
 truncated unless the config says so (``overlong_samples="truncate"``), in which case the number
 of samples and tokens cut is reported.
