@@ -347,7 +347,7 @@ INVALID = [
     ("padding_cp", dict(seq_len=72, group_size=4, mode="cp"),
      r"seq_len=72.*pad the sequence to a multiple of 16"),
     ("zero_length", dict(seq_len=0, group_size=4), r"seq_len must be a positive integer, got 0"),
-    ("zero_group", dict(group_size=0), r"group_size must be a positive integer, got 0"),
+    ("zero_group", dict(group_size=0), r"block_parallel_size must be a positive integer, got 0"),
 ]
 
 

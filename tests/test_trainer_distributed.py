@@ -129,10 +129,12 @@ def test_all_ranks_log_the_same_loss_under_data_parallelism(data_parallel):
     assert all(lst == losses[0] for lst in losses) and len(losses[0]) == 2
 
 
-def test_the_device_mesh_is_dp_by_bp(data_parallel):
+def test_one_device_mesh_holds_dp_the_block_parallel_group_and_the_clean_rings(data_parallel):
     for rank, result in enumerate(data_parallel):
-        assert result["mesh_shape"] == [2, 2] and result["mesh_dims"] == ["dp", "bp"]
+        assert result["mesh_shape"] == [2, 1, 2] and result["mesh_dims"] == ["dp", "ring", "clean_ring"]
         assert result["bp_group_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert result["ring_ranks"] == result["bp_group_ranks"]  # csbp: C = P
+        assert result["world_mesh_size"] == 4
         assert result["group_rank"] == rank % 2
 
 

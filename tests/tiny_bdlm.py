@@ -32,10 +32,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_bdlm(seed: int = 0) -> BlockDiffusionForMaskedLM:
+def tiny_bdlm(seed: int = 0, context: int = CONTEXT) -> BlockDiffusionForMaskedLM:
     torch.manual_seed(seed)
     backbone = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=CONTEXT,
+                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=context,
                            bos_token_id=2, eos_token_id=3, pad_token_id=1)
     config = BlockDiffusionConfig(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK)
     model = BlockDiffusionForMaskedLM(config).eval()
@@ -44,8 +44,8 @@ def tiny_bdlm(seed: int = 0) -> BlockDiffusionForMaskedLM:
     return model
 
 
-def save_tiny_bdlm(path: str | Path) -> Path:
+def save_tiny_bdlm(path: str | Path, context: int = CONTEXT) -> Path:
     path = Path(path)
-    tiny_bdlm().save_pretrained(path)
+    tiny_bdlm(context=context).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path

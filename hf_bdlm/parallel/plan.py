@@ -7,7 +7,7 @@ blocks and clean positions every rank holds, in which order they are laid out lo
 whose K/V each rank receives. The sharded attention, the trainer and the benchmarks all read
 the layout from here.
 
-Conventions (see ``DESIGN.md`` section 2):
+Conventions (see ``docs/design.md`` §3):
 
 - Global rows are the ``2L`` rows of :func:`hf_bdlm.attention.rows.vectorized_rows`: row
   ``g < L`` is noisy position ``g``, row ``g >= L`` is clean position ``g - L``.
@@ -58,48 +58,18 @@ import torch
 
 from ..attention.masks import CLEAN, NOISY
 from ..attention.rows import RowMeta
-
-MODES = ("cp", "bp", "csbp")
-SCHEDULES = ("dual_end", "contiguous")
+from .dims import MODES, SCHEDULES, ParallelDims  # noqa: F401  (re-exported)
 
 Range = tuple[int, int]
-
-
-def _block_multiple(mode: str, group_size: int, clean_ring_size: int, schedule: str) -> tuple[int, str]:
-    """How many blocks the sequence must be a multiple of, and why (for error messages)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
-    P, C = group_size, clean_ring_size
-    if mode == "cp":
-        return P, f"each of the 2*group_size={2 * P} zigzag chunks of the 2L rows must hold whole blocks"
-    if schedule == "contiguous":
-        return P, f"the blocks are split evenly over the group_size={P} ranks"
-    if mode == "bp":
-        return 2 * P, f"each of the group_size={P} ranks owns whole dual-end block pairs (j, N-1-j)"
-    return 2 * P, (
-        f"the clean stream is cut into 2*clean_ring_size={2 * C} head-tail chunks of whole blocks and the "
-        f"dual-end block pairs (j, N-1-j) are dealt evenly over the group_size={P} ranks"
-    )
 
 
 def required_multiple(
     mode: str, block_size: int, group_size: int, clean_ring_size: int | None = None, schedule: str = "dual_end"
 ) -> int:
-    """The multiple of which ``seq_len`` must be for a layout: pad sequences to it.
-
-    ``cp``: ``P * B`` (the ``2P`` chunks of ``L/P`` rows hold whole blocks). ``bp`` and
-    ``csbp``: ``2 * P * B`` with ``dual_end`` (whole block pairs per rank), ``P * B`` with
-    ``contiguous``. ``clean_ring_size`` does not change the multiple; it is accepted so that
-    callers can pass a whole configuration.
-    """
-    ring = clean_ring_size if clean_ring_size is not None else group_size
-    return _block_multiple(mode, group_size, ring, schedule)[0] * block_size
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The multiple of which ``seq_len`` must be for a layout: pad sequences to it (see
+    :meth:`ParallelDims.required_multiple <hf_bdlm.parallel.dims.ParallelDims.required_multiple>`)."""
+    dims = ParallelDims(group_size, clean_ring_size, mode, schedule)
+    return dims.block_multiple()[0] * block_size
 
 
 @dataclass(frozen=True)
@@ -131,46 +101,20 @@ class PlanConfig:
     schedule: str = "dual_end"
 
     def __post_init__(self):
-        for name in ("seq_len", "block_size", "group_size"):
+        for name in ("seq_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        mode, schedule, P = self.mode, self.schedule, self.group_size
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
-        C = self.clean_ring_size
-        if C is None:
-            C = 1 if mode == "bp" else P
-            object.__setattr__(self, "clean_ring_size", C)
-        elif not isinstance(C, int) or isinstance(C, bool) or C <= 0:
-            raise ValueError(f"clean_ring_size must be a positive integer or None, got {C!r}.")
-        if mode == "bp" and C != 1:
-            raise ValueError(
-                f"mode='bp' has no clean ring (each rank computes its clean prefix itself), so clean_ring_size "
-                f"must be 1 or None, got {C}; use mode='csbp' to shard the clean stream over rings of {C} ranks."
-            )
-        if mode == "cp" and C != P:
-            raise ValueError(
-                f"mode='cp' gathers the K/V of all 2L rows over the whole group, so clean_ring_size must be None "
-                f"or group_size={P}, got {C}; use mode='csbp' for a clean ring smaller than the group."
-            )
-        if mode == "cp" and schedule != "dual_end":
-            raise ValueError(
-                f"mode='cp' always shards the 2L rows head-tail (zigzag), got schedule={schedule!r}; "
-                "use schedule='dual_end' (the default)."
-            )
-        if P % C:
-            raise ValueError(
-                f"clean_ring_size={C} does not divide group_size={P}; choose one of {_divisors(P)}."
-            )
+        # The layout's own rules live in ParallelDims; the plan adds what the sequence must satisfy.
+        dims = ParallelDims(self.group_size, self.clean_ring_size, self.mode, self.schedule)
+        object.__setattr__(self, "clean_ring_size", dims.clean_ring_size)
+        mode, schedule = self.mode, self.schedule
         L, B = self.seq_len, self.block_size
         if L % B:
             raise ValueError(
                 f"seq_len={L} is not a multiple of block_size={B}; pad the sequence to a multiple of {B}."
             )
-        blocks, why = _block_multiple(mode, P, C, schedule)
+        blocks, why = dims.block_multiple()
         multiple = blocks * B
         layout = f"mode={mode!r}" if mode == "cp" else f"mode={mode!r} with schedule={schedule!r}"
         if L // B < blocks:
@@ -184,6 +128,11 @@ class PlanConfig:
                 f"seq_len={L} is not a multiple of {multiple} ({blocks} blocks of block_size={B}), which "
                 f"{layout} needs ({why}); pad the sequence to a multiple of {multiple}."
             )
+
+    @classmethod
+    def from_dims(cls, dims: ParallelDims, seq_len: int, block_size: int) -> "PlanConfig":
+        """The plan of one batch of sequences of length ``seq_len`` under a declared layout."""
+        return cls(seq_len, block_size, dims.block_parallel_size, dims.clean_ring_size, dims.mode, dims.schedule)
 
     @property
     def num_blocks(self) -> int:

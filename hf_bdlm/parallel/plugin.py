@@ -5,23 +5,21 @@ attention masks), so the plugin builds what block parallelism needs from the wor
 `accelerate launch` / `torchrun` set up:
 
 - the world of ``W = D x P`` ranks is cut into ``D`` block-parallel groups of ``P`` consecutive
-  ranks (data-parallel replicas), each with its clean rings (:class:`BlockParallelGroups`), and a
-  ``DeviceMesh`` of shape ``(dp, bp)`` for whoever needs one (FSDP2 shards over both dimensions);
+  ranks (data-parallel replicas), each with its clean rings: one ``DeviceMesh`` ``(dp, ring, clean_ring)``
+  built from the validated :class:`~hf_bdlm.parallel.dims.ParallelDims` (:class:`BlockParallelGroups`);
 - :class:`BlockParallelBatchSampler` gives every rank of a group the *same* batches and the
   groups *disjoint* ones: the data is sharded by data-parallel group index, not by global rank;
 - :meth:`BlockParallelPlugin.layout` builds the :class:`ShardedLayout` of one batch for this rank.
 
 With ``P = 1`` the plugin is plain data parallelism. It composes with DDP (CPU/gloo and GPU/NCCL):
 every rank returns the loss of the rows it owns, scaled so that DDP's mean over ``W`` ranks is the
-single-device gradient. FSDP2 (GPU) shards parameters over the whole world, i.e. over ``dp x bp``;
-that path is written but has not been run here (no GPU on the development machine).
+single-device gradient. FSDP2 shards parameters over the whole world (the mesh's flattened ``dp_bp``).
 
     torchrun --nproc_per_node 4 -m hf_bdlm.parallel.plugin     # prints each rank's groups and first batches
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,46 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .plan import MODES, SCHEDULES, PlanConfig, required_multiple
-from .sharded import BlockParallelGroups, ShardedLayout
-
-# Process groups must be created by every rank in the same order; build each shape once per process.
-_GROUPS: dict[tuple, BlockParallelGroups] = {}
-_MESHES: dict[tuple, object] = {}
-
-TRANSPORTS = ("allgather", "ring")
-
-
-def resolve_layout(group_size: int, clean_ring_size: int | None, mode: str, schedule: str) -> int:
-    """Validate a block-parallel layout with the plan's own rules and return the clean-ring size it uses.
-
-    The plan (:class:`~hf_bdlm.parallel.plan.PlanConfig`) is the one source of truth for which (P, C, mode,
-    schedule) combinations exist; a sequence of exactly the required length is planned to check them.
-    """
-    fields = (
-        f"block_parallel_size={group_size}, clean_ring_size={clean_ring_size}, block_parallel_mode={mode!r}, "
-        f"block_schedule={schedule!r}"
-    )
-    if mode not in MODES:
-        raise ValueError(f"block_parallel_mode must be one of {MODES}, got {mode!r}.")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"block_schedule must be one of {SCHEDULES}, got {schedule!r}.")
-    if clean_ring_size is not None and (
-        not isinstance(clean_ring_size, int) or isinstance(clean_ring_size, bool) or clean_ring_size <= 0
-    ):
-        raise ValueError(f"clean_ring_size must be a positive integer or None, got {clean_ring_size!r}.")
-    try:
-        plan = PlanConfig(
-            seq_len=required_multiple(mode, 1, group_size, clean_ring_size, schedule),
-            block_size=1,
-            group_size=group_size,
-            clean_ring_size=clean_ring_size,
-            mode=mode,
-            schedule=schedule,
-        )
-    except ValueError as err:
-        raise ValueError(f"invalid block-parallel layout ({fields}): {err}") from None
-    return plan.clean_ring_size
+from .dims import ParallelDims
+from .groups import BlockParallelGroups
+from .plan import PlanConfig
+from .sharded import ShardedLayout
 
 
 class BlockParallelBatchSampler(Sampler[list[int]]):
@@ -163,10 +125,11 @@ class BlockParallelPlugin:
         transport (`str`, defaults to `"allgather"`): `"allgather"` or `"ring"` (passed on to the layout).
         timeout (`timedelta`, *optional*): timeout of the block-parallel collectives.
         verify_layout (`bool`, defaults to `True`):
-            Check, on every batch, that the ranks of a group agree on the plan (one small all-gather); a
-            disagreement raises the same clear error on every rank instead of hanging in a collective.
+            The first time the ranks of a group meet a plan, check that they agree on it (one small all-gather);
+            a disagreement raises the same clear error on every rank instead of hanging in a collective.
 
-    Call :meth:`setup` once the distributed world exists (the trainer does it).
+    The values are validated once, by :class:`~hf_bdlm.parallel.dims.ParallelDims` (``plugin.dims``). Call
+    :meth:`setup` once the distributed world exists (the trainer does it).
     """
 
     block_parallel_size: int = 1
@@ -183,50 +146,41 @@ class BlockParallelPlugin:
     device_mesh: object | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self.clean_ring_size = resolve_layout(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}.")
+        self.dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule,
+                                 self.transport)
+        self.clean_ring_size = self.dims.clean_ring_size
         self._ready = False
 
     @classmethod
     def from_config(cls, args) -> "BlockParallelPlugin":
         """Build the plugin from a :class:`~hf_bdlm.BDLMSFTConfig` (or any object with its fields)."""
         timeout = getattr(args, "ddp_timeout", None)
+        dims = args.parallel_dims if hasattr(args, "parallel_dims") else None
+        if dims is None:
+            dims = ParallelDims(args.block_parallel_size, args.clean_ring_size, args.block_parallel_mode,
+                                args.block_schedule, args.block_parallel_transport)
         return cls(
-            block_parallel_size=args.block_parallel_size,
-            clean_ring_size=args.clean_ring_size,
-            mode=args.block_parallel_mode,
-            schedule=args.block_schedule,
-            transport=args.block_parallel_transport,
+            block_parallel_size=dims.block_parallel_size,
+            clean_ring_size=dims.clean_ring_size,
+            mode=dims.mode,
+            schedule=dims.schedule,
+            transport=dims.transport,
             timeout=timedelta(seconds=timeout) if timeout else None,
         )
 
     # --- world ---------------------------------------------------------------------------------
     def setup(self, device_type: str = "cpu") -> "BlockParallelPlugin":
-        """Create the groups of this rank from the initialised ``torch.distributed`` world (idempotent)."""
+        """Create the mesh and groups of this rank from the initialised ``torch.distributed`` world (idempotent)."""
         if self._ready:
             return self
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
-        P, C = self.block_parallel_size, self.clean_ring_size
-        if self.world_size % P:
-            raise ValueError(
-                f"block_parallel_size={P} does not divide the world size {self.world_size}; choose a divisor of "
-                f"{self.world_size} or launch a multiple of {P} processes."
-            )
-        if self.transport == "ring" and "transport" not in inspect.signature(ShardedLayout.build).parameters:
-            raise NotImplementedError(
-                "block_parallel_transport='ring' needs the ring transport of hf_bdlm.parallel.sharded, which this "
-                "installation does not have; use block_parallel_transport='allgather'."
-            )
-        if P > 1:
-            key = (self.world_size, P, C, self.timeout)
-            if key not in _GROUPS:
-                _GROUPS[key] = BlockParallelGroups.create(P, C, timeout=self.timeout)
-            self.groups = _GROUPS[key]
+        self.dims = self.dims.with_world(self.world_size)  # raises if P does not divide the world
         if distributed and self.world_size > 1:
-            self.device_mesh = _device_mesh(device_type, self.data_parallel_size, P)
+            self.groups = BlockParallelGroups.build(self.dims, device_type, timeout=self.timeout,
+                                                    verify=self.verify_layout)
+            self.device_mesh = self.groups.mesh
         self._ready = True
         return self
 
@@ -262,23 +216,18 @@ class BlockParallelPlugin:
 
     def pad_multiple(self, block_size: int) -> int:
         """The multiple sequences are padded to: the block size, or what the layout needs when ``P > 1``."""
-        if not self.is_active:
-            return block_size
-        return required_multiple(self.mode, block_size, self.block_parallel_size, self.clean_ring_size, self.schedule)
+        return self.dims.required_multiple(block_size)
 
     # --- layout --------------------------------------------------------------------------------
     def plan_config(self, seq_len: int, block_size: int) -> PlanConfig:
-        return PlanConfig(seq_len=seq_len, block_size=block_size, group_size=self.block_parallel_size,
-                          clean_ring_size=self.clean_ring_size, mode=self.mode, schedule=self.schedule)
+        return PlanConfig.from_dims(self.dims, seq_len, block_size)
 
     def layout(self, seq_len: int, block_size: int, rule, backend: str, document_ids=None) -> ShardedLayout:
         """This rank's :class:`ShardedLayout` for a batch of sequences of length ``seq_len``."""
         self._check_ready()
         if not self.is_active:
             raise RuntimeError("layout() needs block_parallel_size > 1; with P = 1 the model runs the whole batch.")
-        kwargs = {"transport": self.transport} if self.transport != "allgather" else {}
-        return ShardedLayout.build(self.plan_config(seq_len, block_size), self.groups, rule, backend, document_ids,
-                                   verify=self.verify_layout, **kwargs)
+        return ShardedLayout.build(self.plan_config(seq_len, block_size), self.groups, rule, backend, document_ids)
 
     # --- reductions ----------------------------------------------------------------------------
     def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -296,16 +245,6 @@ class BlockParallelPlugin:
     def sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of a value every rank of a group holds identically, over the data-parallel replicas."""
         return self.sum_over_world(tensor).div_(self.block_parallel_size)
-
-
-def _device_mesh(device_type: str, dp: int, bp: int):
-    """A ``(dp, bp)`` DeviceMesh over the world (rank ``g * P + r`` = group ``g``, group rank ``r``)."""
-    key = (device_type, dp, bp)
-    if key not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESHES[key] = init_device_mesh(device_type, (dp, bp), mesh_dim_names=("dp", "bp"))
-    return _MESHES[key]
 
 
 def _demo() -> None:  # pragma: no cover - a manual check under torchrun

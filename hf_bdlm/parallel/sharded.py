@@ -23,83 +23,18 @@ The layout does not care where clean K/V come from: a source is a tensor plus it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 
 from ..attention.backends import common_dtype, attend
 from ..attention.tiles import plan_attention
 from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
-from .collectives import ByteMeter, CommContext, GatheredKV, exchange_rows
-from .plan import GroupPlan, PlanConfig, make_plan
+from .collectives import GatheredKV, exchange_rows
+from .groups import BlockParallelGroups
+from .plan import GroupPlan, PlanConfig
 from .ring import ring_attention
-
-TRANSPORTS = ("allgather", "ring")
-
-
-@dataclass
-class BlockParallelGroups:
-    """This rank's block-parallel group and clean ring (``torch.distributed`` process groups).
-
-    The world of ``W`` ranks is cut into ``W / P`` groups of ``P`` consecutive ranks (data-parallel
-    replicas); inside a group, rings of ``C`` consecutive ranks.
-    """
-
-    group: CommContext
-    ring: CommContext
-    group_rank: int
-    group_index: int
-    num_groups: int
-
-    @classmethod
-    def create(cls, group_size: int, clean_ring_size: int, meter: ByteMeter | None = None, timeout=None):
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world % group_size:
-            raise ValueError(
-                f"block_parallel_size={group_size} does not divide the world size {world}; choose a divisor of "
-                f"{world} (the world is split into data-parallel replicas of block-parallel groups)."
-            )
-        if group_size % clean_ring_size:
-            raise ValueError(f"clean_ring_size={clean_ring_size} must divide block_parallel_size={group_size}.")
-        meter = meter or ByteMeter()
-        kw = {} if timeout is None else {"timeout": timeout}
-        my_group = my_ring = None
-        # Every rank must create every group, in the same order.
-        for g in range(world // group_size):
-            ranks = list(range(g * group_size, (g + 1) * group_size))
-            pg = dist.new_group(ranks, **kw)
-            if rank in ranks:
-                my_group = pg
-            for r0 in range(0, group_size, clean_ring_size):
-                ring_ranks = ranks[r0 : r0 + clean_ring_size]
-                rg = dist.new_group(ring_ranks, **kw)
-                if rank in ring_ranks:
-                    my_ring = rg
-        ctx_kw = {} if timeout is None else {"timeout": timeout}
-        gi = rank // group_size
-        return cls(
-            CommContext(my_group, f"block_parallel[{gi}]", meter, **ctx_kw),
-            CommContext(my_ring, f"clean_ring[{gi}.{(rank % group_size) // clean_ring_size}]", meter, **ctx_kw),
-            rank % group_size,
-            gi,
-            world // group_size,
-        )
-
-
-def verify_plan_agreement(config: PlanConfig, comm: CommContext) -> None:
-    """Every rank of the group must run the same plan; raise the same error on all ranks if not."""
-    mine = (config.seq_len, config.block_size, config.group_size, config.clean_ring_size, config.mode, config.schedule)
-    everyone: list = [None] * comm.size
-    dist.all_gather_object(everyone, mine, group=comm.group)
-    if any(other != everyone[0] for other in everyone):
-        fields = "(seq_len, block_size, group_size, clean_ring_size, mode, schedule)"
-        listing = "; ".join(f"rank {i}: {p}" for i, p in enumerate(everyone))
-        raise ValueError(
-            f"ranks of process group '{comm.name}' disagree on the block-parallel plan {fields}: {listing}. "
-            "Every rank of a block-parallel group must receive the same batch and configuration."
-        )
 
 
 @dataclass
@@ -115,8 +50,7 @@ class ShardedLayout:
     cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"block_parallel_transport must be one of {TRANSPORTS}, got {self.transport!r}.")
+        replace(self.groups.dims, transport=self.transport)  # validates an overriding transport
         if self.transport == "ring" and self.backend != "blockwise":
             raise ValueError(
                 f"the ring transport runs the block-sparse kernels of attention_backend='blockwise'; got "
@@ -131,10 +65,10 @@ class ShardedLayout:
 
     @classmethod
     def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="blockwise",
-              doc=None, verify: bool = False, transport: str = "allgather") -> "ShardedLayout":
-        if verify:
-            verify_plan_agreement(config, groups.group)
-        return cls(make_plan(config), groups, base_rule, backend, doc, transport)
+              doc=None, transport: str | None = None) -> "ShardedLayout":
+        """The layout of one batch: ``config``'s (cached) plan, agreed on by the group (see
+        :meth:`BlockParallelGroups.plan <.groups.BlockParallelGroups.plan>`)."""
+        return cls(groups.plan(config), groups, base_rule, backend, doc, transport or groups.dims.transport)
 
     # --- inputs and loss bookkeeping ---------------------------------------------------------
     def local_inputs(self, noisy: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor):

@@ -19,8 +19,7 @@ from trl import SFTConfig
 from ..attention.backends import BACKENDS
 from ..configuration import LOSS_WEIGHTINGS
 from ..objectives import OBJECTIVE_CLASSES, PLANNED_OBJECTIVES
-from ..parallel.plan import MODES, SCHEDULES
-from ..parallel.plugin import TRANSPORTS, resolve_layout
+from ..parallel.dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 PACKING_STRATEGIES = ("bfd",)
@@ -219,21 +218,9 @@ class BDLMSFTConfig(SFTConfig):
             )
 
     def _check_block_parallel_fields(self, world_size: int) -> None:
-        P = self.block_parallel_size
-        if not isinstance(P, int) or isinstance(P, bool) or P <= 0:
-            raise ValueError(f"block_parallel_size must be a positive integer, got {P!r}.")
-        if self.block_parallel_transport not in TRANSPORTS:
-            raise ValueError(
-                f"block_parallel_transport must be one of {TRANSPORTS}, got {self.block_parallel_transport!r}."
-            )
-        self.clean_ring_size = resolve_layout(P, self.clean_ring_size, self.block_parallel_mode, self.block_schedule)
-        if world_size % P:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(
-                f"block_parallel_size={P} does not divide the world size {world_size}: the world is split into "
-                f"data-parallel replicas of block-parallel groups of {P} ranks. Choose one of {divisors}, or launch "
-                f"a multiple of {P} processes."
-            )
+        self.parallel_dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.block_parallel_mode,
+                                          self.block_schedule, self.block_parallel_transport, world_size)
+        self.clean_ring_size = self.parallel_dims.clean_ring_size
 
     @property
     def data_parallel_size(self) -> int:

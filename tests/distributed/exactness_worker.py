@@ -6,7 +6,7 @@ For each case (backbone x objective x mode x clean ring x batch kind x dtype) ev
 the same tiny model and batch, computes the single-process reference loss and gradients
 locally, then runs its own rows of the sharded layout; the summed losses and gradients of the
 group (and the data-parallel mean across groups) must equal the reference. Bytes recorded by
-the meter are checked against DESIGN.md's formulas on full-attention models.
+the meter are checked against the formulas of docs/design.md §3 on full-attention models.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.parallel.collectives import ByteMeter
 from hf_bdlm.parallel.plan import PlanConfig
-from hf_bdlm.parallel.sharded import BlockParallelGroups, ShardedLayout
+from hf_bdlm.parallel.groups import BlockParallelGroups
+from hf_bdlm.parallel.sharded import ShardedLayout
 
 VOCAB, MASK, PAD = 96, 95, 0
 L, B = 64, 4
@@ -121,7 +122,7 @@ def run_case(case, groups_by_shape, world, rank):
     meter.next_step()
     plan_cfg = PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=C, mode=mode)
     layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), case["backend"], corrupted.document_ids,
-                                 verify=True, transport=case.get("transport", "allgather"))
+                                 transport=case.get("transport", "allgather"))
     ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
     model.zero_grad()
     out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)

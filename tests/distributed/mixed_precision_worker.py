@@ -23,7 +23,8 @@ from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.parallel.collectives import ByteMeter
 from hf_bdlm.parallel.plan import PlanConfig
-from hf_bdlm.parallel.sharded import BlockParallelGroups, ShardedLayout
+from hf_bdlm.parallel.groups import BlockParallelGroups
+from hf_bdlm.parallel.sharded import ShardedLayout
 
 VOCAB, MASK, PAD = 96, 95, 0
 L, B = 2048, 32

@@ -147,7 +147,9 @@ def scenario_data(out: Path) -> dict:
         group_rank=plugin.group_rank,
         mesh_shape=list(plugin.device_mesh.shape),
         mesh_dims=list(plugin.device_mesh.mesh_dim_names),
-        bp_group_ranks=dist.get_process_group_ranks(plugin.device_mesh.get_group("bp")),
+        bp_group_ranks=dist.get_process_group_ranks(plugin.groups.bp_mesh.get_group()),
+        ring_ranks=dist.get_process_group_ranks(plugin.device_mesh.get_group("clean_ring")),
+        world_mesh_size=plugin.groups.world_mesh.size(),
         losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
         dataset=[{"sample_id": row["bdlm_sample_id"],
                   # fast_dllm_v2 predicts token i from i-1: position 0 is never a target.

@@ -1,0 +1,1 @@
+"""SWE-bench and Terminal-Bench evaluation of served block-diffusion models."""

@@ -1,0 +1,161 @@
+"""The block-parallel layout, declared once: :class:`ParallelDims` validates it and builds its mesh.
+
+A run's parallel layout is six numbers and names: the block-parallel group size ``P``, the clean
+ring size ``C`` (``C | P``), the mode (``cp`` | ``bp`` | ``csbp``), the noisy-block schedule, the
+K/V transport, and the world (``W = D x P``, ``D`` data-parallel replicas). They are checked
+here and nowhere else; the trainer config, the plugin, the plan and the sharded attention all
+take a :class:`ParallelDims`.
+
+:meth:`ParallelDims.build_mesh` turns it into one ``DeviceMesh`` of shape ``(D, P/C, C)``, dims
+``("dp", "ring", "clean_ring")``: rank ``g*P + r`` is group ``g``, group rank ``r``, ring
+``r // C``, ring rank ``r % C``. Its sub-meshes are the block-parallel group (``"ring"`` and
+``"clean_ring"`` flattened to ``"bp"``), the clean rings (``"clean_ring"``) and the whole world
+(flattened to ``"dp_bp"``, what FSDP2 shards parameters over). See :mod:`.groups` for the
+process groups and batch planning on top of it.
+
+    python -c "from hf_bdlm.parallel.dims import ParallelDims; \\
+print(ParallelDims(block_parallel_size=4, clean_ring_size=2, world_size=8))"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("cp", "bp", "csbp")
+SCHEDULES = ("dual_end", "contiguous")
+TRANSPORTS = ("allgather", "ring")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The block-parallel layout of a run.
+
+    Parameters:
+        block_parallel_size (`int`, defaults to `1`):
+            Ranks `P` of a block-parallel group (they share one batch).
+        clean_ring_size (`int`, *optional*):
+            Ranks `C` of a clean ring, `C | P`. `None` resolves to `P` (`cp`, `csbp`) or `1` (`bp`); after
+            construction it is always an integer.
+        mode (`str`, defaults to `"csbp"`): `"cp"`, `"bp"` or `"csbp"`.
+        schedule (`str`, defaults to `"dual_end"`): `"dual_end"` (balanced block pairs) or `"contiguous"`.
+        transport (`str`, defaults to `"allgather"`): `"allgather"` or `"ring"` (K/V shards rotate peer to peer).
+        world_size (`int`, *optional*): total ranks `W`; must be a multiple of `P`. `None` when not known yet.
+
+    Invalid combinations raise `ValueError` naming the values and the fix.
+    """
+
+    block_parallel_size: int = 1
+    clean_ring_size: int | None = None
+    mode: str = "csbp"
+    schedule: str = "dual_end"
+    transport: str = "allgather"
+    world_size: int | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        P, mode, schedule = self.block_parallel_size, self.mode, self.schedule
+        _positive_int("block_parallel_size", P)
+        if mode not in MODES:
+            raise ValueError(f"block_parallel_mode must be one of {MODES}, got {mode!r}.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"block_schedule must be one of {SCHEDULES}, got {schedule!r}.")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"block_parallel_transport must be one of {TRANSPORTS}, got {self.transport!r}.")
+        C = self.clean_ring_size
+        if C is None:
+            C = 1 if mode == "bp" else P
+            object.__setattr__(self, "clean_ring_size", C)
+        elif not isinstance(C, int) or isinstance(C, bool) or C <= 0:
+            raise ValueError(f"clean_ring_size must be a positive integer or None, got {C!r}.")
+        if mode == "bp" and C != 1:
+            raise ValueError(
+                f"mode='bp' has no clean ring (each rank computes its clean prefix itself), so clean_ring_size "
+                f"must be 1 or None, got {C}; use mode='csbp' to shard the clean stream over rings of {C} ranks."
+            )
+        if mode == "cp" and C != P:
+            raise ValueError(
+                f"mode='cp' gathers the K/V of all 2L rows over the whole group, so clean_ring_size must be None "
+                f"or group_size={P}, got {C}; use mode='csbp' for a clean ring smaller than the group."
+            )
+        if mode == "cp" and schedule != "dual_end":
+            raise ValueError(
+                f"mode='cp' always shards the 2L rows head-tail (zigzag), got schedule={schedule!r}; "
+                "use schedule='dual_end' (the default)."
+            )
+        if P % C:
+            raise ValueError(f"clean_ring_size={C} does not divide group_size={P}; choose one of {divisors(P)}.")
+        W = self.world_size
+        if W is not None:
+            _positive_int("world_size", W)
+            if W % P:
+                raise ValueError(
+                    f"block_parallel_size={P} does not divide the world size {W}: the world is split into "
+                    f"data-parallel replicas of block-parallel groups of {P} ranks. Choose one of {divisors(W)}, or "
+                    f"launch a multiple of {P} processes."
+                )
+
+    # --- derived sizes -------------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas `D = W / P` (1 while the world size is unknown)."""
+        return (self.world_size or self.block_parallel_size) // self.block_parallel_size
+
+    @property
+    def rings_per_group(self) -> int:
+        return self.block_parallel_size // self.clean_ring_size
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether a batch is split over several ranks (``P > 1``)."""
+        return self.block_parallel_size > 1
+
+    def with_world(self, world_size: int) -> "ParallelDims":
+        return ParallelDims(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule, self.transport,
+                            world_size)
+
+    def block_multiple(self) -> tuple[int, str]:
+        """How many blocks a sequence must be a multiple of under this layout, and why (for error messages)."""
+        P, C = self.block_parallel_size, self.clean_ring_size
+        if self.mode == "cp":
+            return P, f"each of the 2*group_size={2 * P} zigzag chunks of the 2L rows must hold whole blocks"
+        if self.schedule == "contiguous":
+            return P, f"the blocks are split evenly over the group_size={P} ranks"
+        if self.mode == "bp":
+            return 2 * P, f"each of the group_size={P} ranks owns whole dual-end block pairs (j, N-1-j)"
+        return 2 * P, (
+            f"the clean stream is cut into 2*clean_ring_size={2 * C} head-tail chunks of whole blocks and the "
+            f"dual-end block pairs (j, N-1-j) are dealt evenly over the group_size={P} ranks"
+        )
+
+    def required_multiple(self, block_size: int) -> int:
+        """The multiple sequences are padded to: ``B`` when nothing is sharded, else what the layout needs.
+
+        ``cp``: ``P * B``; ``bp`` and ``csbp``: ``2 * P * B`` with ``dual_end``, ``P * B`` with ``contiguous``.
+        """
+        return self.block_multiple()[0] * block_size if self.is_sharded else block_size
+
+    # --- runtime ---------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str = "cpu"):
+        """One ``DeviceMesh`` ``(dp, ring, clean_ring)`` over the initialised world, with the flattened
+        ``"bp"`` (block-parallel group) and ``"dp_bp"`` (whole world) dims registered on it.
+
+        Every rank must call it, in the same order (it creates process groups).
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        if self.world_size is not None and self.world_size != world:
+            raise ValueError(f"ParallelDims was declared for world_size={self.world_size}, the world has {world} ranks.")
+        dims = self.with_world(world)
+        mesh = init_device_mesh(device_type, (dims.data_parallel_size, dims.rings_per_group, dims.clean_ring_size),
+                                mesh_dim_names=("dp", "ring", "clean_ring"))
+        return mesh, mesh["ring", "clean_ring"]._flatten("bp"), mesh._flatten("dp_bp")

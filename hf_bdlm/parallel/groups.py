@@ -1,0 +1,126 @@
+"""Process groups of a declared layout, and the planning of each batch on top of them.
+
+:class:`BlockParallelGroups` is what a rank holds at run time: its block-parallel group and
+clean ring as :class:`~.collectives.CommContext` s (taken from the one ``DeviceMesh`` of
+:meth:`ParallelDims.build_mesh <.dims.ParallelDims.build_mesh>`), and :meth:`BlockParallelGroups.layout`,
+which plans a batch: plans are cached by their inputs (a :class:`~.plan.PlanConfig` is a
+frozen dataclass), and the ranks of a group check that they agree on a plan once, the first
+time they see it, instead of on every micro-batch.
+
+    torchrun --nproc_per_node 4 -m hf_bdlm.parallel.groups     # prints each rank's groups and a plan
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import lru_cache
+
+import torch.distributed as dist
+
+from .collectives import ByteMeter, CommContext
+from .dims import ParallelDims
+from .plan import GroupPlan, PlanConfig, make_plan
+
+
+@lru_cache(maxsize=64)
+def cached_plan(config: PlanConfig) -> GroupPlan:
+    """:func:`~.plan.make_plan`, memoised: a plan is a pure function of its (frozen, hashable) config."""
+    return make_plan(config)
+
+
+def verify_plan_agreement(config: PlanConfig, comm: CommContext) -> None:
+    """Every rank of the group must run the same plan; raise the same error on all ranks if not."""
+    mine = (config.seq_len, config.block_size, config.group_size, config.clean_ring_size, config.mode, config.schedule)
+    everyone: list = [None] * comm.size
+    dist.all_gather_object(everyone, mine, group=comm.group)
+    if any(other != everyone[0] for other in everyone):
+        fields = "(seq_len, block_size, group_size, clean_ring_size, mode, schedule)"
+        listing = "; ".join(f"rank {i}: {p}" for i, p in enumerate(everyone))
+        raise ValueError(
+            f"ranks of process group '{comm.name}' disagree on the block-parallel plan {fields}: {listing}. "
+            "Every rank of a block-parallel group must receive the same batch and configuration."
+        )
+
+
+@dataclass
+class BlockParallelGroups:
+    """This rank's block-parallel group and clean ring, built from a :class:`ParallelDims`.
+
+    Attributes:
+        dims: the declared layout (with the world size filled in).
+        group, ring: :class:`CommContext` of the block-parallel group and of the clean ring.
+        mesh: the ``(dp, ring, clean_ring)`` DeviceMesh; ``bp_mesh`` / ``world_mesh`` its flattened
+            block-parallel and whole-world dims (FSDP2 shards over ``world_mesh``).
+        group_rank, group_index, num_groups: rank inside the group, data-parallel replica, replicas.
+    """
+
+    dims: ParallelDims
+    group: CommContext
+    ring: CommContext
+    mesh: object
+    bp_mesh: object
+    world_mesh: object
+    group_rank: int
+    group_index: int
+    num_groups: int
+    verify: bool = True
+    _verified: set = field(default_factory=set, repr=False)
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device_type: str = "cpu", meter: ByteMeter | None = None,
+              timeout: timedelta | None = None, verify: bool = True) -> "BlockParallelGroups":
+        """Create the mesh and this rank's groups (every rank calls it, in the same order)."""
+        if timeout is not None:
+            # DeviceMesh builds its groups with the default timeout; the waits below use ours.
+            timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        mesh, bp_mesh, world_mesh = dims.build_mesh(device_type)
+        dims = dims.with_world(dist.get_world_size())
+        meter = meter or ByteMeter()
+        rank, P, C = dist.get_rank(), dims.block_parallel_size, dims.clean_ring_size
+        gi = rank // P
+        kw = {} if timeout is None else {"timeout": timeout}
+        return cls(
+            dims=dims,
+            group=CommContext(bp_mesh.get_group(), f"block_parallel[{gi}]", meter, **kw),
+            ring=CommContext(mesh.get_group("clean_ring"), f"clean_ring[{gi}.{(rank % P) // C}]", meter, **kw),
+            mesh=mesh,
+            bp_mesh=bp_mesh,
+            world_mesh=world_mesh,
+            group_rank=rank % P,
+            group_index=gi,
+            num_groups=dims.data_parallel_size,
+            verify=verify,
+        )
+
+    @classmethod
+    def create(cls, group_size: int, clean_ring_size: int, meter: ByteMeter | None = None, timeout=None,
+               device_type: str = "cpu") -> "BlockParallelGroups":
+        """Groups of ``group_size`` ranks with rings of ``clean_ring_size`` (any mode that allows that shape)."""
+        mode = "bp" if clean_ring_size == 1 and group_size > 1 else "csbp"
+        return cls.build(ParallelDims(group_size, clean_ring_size, mode), device_type, meter, timeout)
+
+    @property
+    def meter(self) -> ByteMeter:
+        return self.group.meter
+
+    def plan(self, config: PlanConfig) -> GroupPlan:
+        """The (cached) plan of ``config``; the group checks agreement the first time it meets a config."""
+        if self.verify and config not in self._verified:
+            verify_plan_agreement(config, self.group)
+            self._verified.add(config)
+        return cached_plan(config)
+
+
+def _demo() -> None:  # pragma: no cover - a manual check under torchrun
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    groups = BlockParallelGroups.build(ParallelDims(block_parallel_size=2 if world % 2 == 0 else 1))
+    plan = groups.plan(PlanConfig.from_dims(groups.dims, 64, 4))
+    print(f"rank {dist.get_rank()}: {groups.group.name} {groups.ring.name} mesh {groups.mesh}\n"
+          f"{plan.describe()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _demo()
