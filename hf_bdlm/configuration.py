@@ -11,10 +11,13 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
 from .attention.backends import BACKENDS
-from .attention.masks import CLEAN_ATTENTION_KINDS
+from .attention.masks import CLEAN_ATTENTION_KINDS, WINDOW_CONVENTIONS
 
 OBJECTIVES = ("standard", "fast_dllm_v2", "diffusion_gemma", "dflash")
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
+# The sliding-window convention an objective's model runs at inference (others: "per_query", what hf_bdlm's generate
+# has always applied).
+OBJECTIVE_WINDOW_CONVENTION = {"diffusion_gemma": "block_start"}
 
 
 class BlockDiffusionConfig(PreTrainedConfig):
@@ -35,6 +38,13 @@ class BlockDiffusionConfig(PreTrainedConfig):
             `"causal"` (token-causal; for AR-converted models and DiffusionGemma).
         objective (`str`, defaults to `"standard"`):
             Default training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"`, `"diffusion_gemma"`, `"dflash"`.
+        sliding_window_convention (`str`, *optional*):
+            What a sliding window of width `W` means for a block of queries, on the backbone's sliding-window layers:
+            `"per_query"` (every query sees keys within distance `W`, as in the causal LM; what `generate` has
+            always applied) or `"block_start"` (a noisy block sees the `W - 1` clean positions before its start and
+            its whole block, what a sliding cache holds: DiffusionGemma, Turbo-dLLM). Training and `generate` use
+            the same one. Defaults to the objective's (`"per_query"` except for `"diffusion_gemma"`). See
+            `hf_bdlm.attention.masks`.
         noise_eps_min (`float`, defaults to 1e-3), noise_eps_max (`float`, defaults to 1.0):
             Range the per-block masking rate `t` is clipped to.
         loss_weighting (`str`, defaults to `"inverse_t"`):
@@ -51,6 +61,7 @@ class BlockDiffusionConfig(PreTrainedConfig):
     mask_token_id: int | None = None
     clean_attention: str = "block_causal"
     objective: str = "standard"
+    sliding_window_convention: str | None = None
     noise_eps_min: float = 1e-3
     noise_eps_max: float = 1.0
     loss_weighting: str = "inverse_t"
@@ -92,6 +103,13 @@ class BlockDiffusionConfig(PreTrainedConfig):
             raise ValueError(f"clean_attention must be one of {CLEAN_ATTENTION_KINDS}, got {self.clean_attention!r}.")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
+        if self.sliding_window_convention is None:
+            self.sliding_window_convention = OBJECTIVE_WINDOW_CONVENTION.get(self.objective, "per_query")
+        if self.sliding_window_convention not in WINDOW_CONVENTIONS:
+            raise ValueError(
+                f"sliding_window_convention must be one of {WINDOW_CONVENTIONS}, got "
+                f"{self.sliding_window_convention!r}."
+            )
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
         if not 0.0 < self.noise_eps_min <= self.noise_eps_max <= 1.0:

@@ -223,7 +223,7 @@ def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: 
         top_p=1.0 if config.top_p is None else float(config.top_p),
         eos_token_ids=eos_ids,
         pad_token_id=pad,
-        rule=MaskRule(block, model_config.clean_attention),
+        rule=model.mask_rule(block),  # the training rule, sliding-window convention included
         backend=model_config.attention_backend,
     )
 
@@ -279,7 +279,7 @@ class CachedContext:
         self.model, self.settings, self.device, self.padding = model, settings, device, padding
         # No config, so every layer keeps all its keys: transformers' sliding-window layers keep only the last
         # W - 1 keys (enough for one new token, not for a block whose first query looks W - 1 back) and refuse
-        # the per-step crop once full. The attention rule masks by distance instead.
+        # the per-step crop once full. The attention rule applies the window instead, in the model's convention.
         self.cache = DynamicCache()
         self.length = 0
         self.last_hidden = None  # clean hidden state of the last cached position (token shift)

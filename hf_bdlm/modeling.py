@@ -135,8 +135,14 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
         """The backbone's base model (transformer layers without the LM head)."""
         return getattr(self.backbone, self.backbone.base_model_prefix)
 
-    def mask_rule(self) -> MaskRule:
-        return MaskRule(self.config.block_size, self.config.clean_attention)
+    def mask_rule(self, block_size: int | None = None) -> MaskRule:
+        """The attention rule of this model: training and `generate` use the same one.
+
+        `block_size` overrides the config's (decoding in sub-blocks); the sliding-window layers add their window.
+        """
+        cfg = self.config
+        return MaskRule(block_size or cfg.block_size, cfg.clean_attention,
+                        window_convention=cfg.sliding_window_convention)
 
     # --- forward ---------------------------------------------------------------------------
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:

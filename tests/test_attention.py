@@ -413,16 +413,18 @@ def _flash_reference_mask(cq, ck, causal, left, right):
     return ok
 
 
+@pytest.mark.parametrize("convention", ["per_query", "block_start"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("window", [None, 1, 5, 8, 12, 17, 25], ids=lambda w: f"w{w}")
-def test_flash_maps_every_masked_tile_to_causal_or_window_flags_exactly(kind, window):
+def test_flash_maps_every_masked_tile_to_causal_or_window_flags_exactly(kind, window, convention):
     # CPU-checkable half of the flash backend: each planned tile mask becomes flash-attn flags
     # (after trimming rows/keys the mask leaves empty) that reproduce the mask exactly.
     from hf_bdlm.attention.flash import flash_call
 
     block_size = 8
     rows = vectorized_rows(64, _docs([3, 5], block_size))
-    plan = plan_attention(rows.batch_item(0), [rows.batch_item(0)], MaskRule(block_size, kind, window), group_rows=0)
+    rule = MaskRule(block_size, kind, window, convention)
+    plan = plan_attention(rows.batch_item(0), [rows.batch_item(0)], rule, group_rows=0)
     for call in plan.calls:
         fc = flash_call(call)
         if call.mask is None:

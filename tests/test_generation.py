@@ -35,12 +35,13 @@ def llama_bdlm(clean_attention="block_causal", block_size=4, seed=0, **kwargs):
     return BlockDiffusionForMaskedLM(config).double().eval()
 
 
-def gemma3_bdlm():
+def gemma3_bdlm(convention="per_query", clean_attention="causal", window=3):
     torch.manual_seed(0)
     backbone = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, intermediate_size=64, sliding_window=3,
+                                num_key_value_heads=2, head_dim=8, intermediate_size=64, sliding_window=window,
                                 layer_types=["sliding_attention", "full_attention"], **NO_SPECIAL)
-    config = BlockDiffusionConfig(backbone_config=backbone, block_size=4, mask_token_id=MASK, clean_attention="causal")
+    config = BlockDiffusionConfig(backbone_config=backbone, block_size=4, mask_token_id=MASK,
+                                  clean_attention=clean_attention, sliding_window_convention=convention)
     return BlockDiffusionForMaskedLM(config).double().eval()
 
 
@@ -63,10 +64,11 @@ def test_cached_decoding_equals_uncached_decoding(clean_attention, prompt_len):
         assert torch.equal(cached, uncached)
 
 
+@pytest.mark.parametrize("convention", ["per_query", "block_start"])
 @pytest.mark.parametrize("prompt_len", [2, 4, 7])
-def test_cached_decoding_equals_uncached_with_sliding_window_layers(prompt_len):
+def test_cached_decoding_equals_uncached_with_sliding_window_layers(prompt_len, convention):
     # Window 3 < sequence: a cache that dropped keys outside the window would lose keys a block still needs.
-    model = gemma3_bdlm()
+    model = gemma3_bdlm(convention)
     x = prompts(1, prompt_len)
     cached = generate(model, x, max_new_tokens=14, confidence_threshold=0.1)
     assert torch.equal(cached, generate(model, x, max_new_tokens=14, confidence_threshold=0.1, use_cache=False))
@@ -98,6 +100,31 @@ def test_block_over_cache_equals_training_form(clean_attention):
         hidden, _ = context.block_hidden(x_t[:, k * B :], k * B)
         assert context.cache.get_seq_length() == k * B  # noisy K/V were cropped away
     torch.testing.assert_close(hidden, reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("clean_attention", ["block_causal", "causal"])
+@pytest.mark.parametrize("convention", ["per_query", "block_start"])
+def test_block_over_a_sliding_window_cache_equals_training_form(convention, clean_attention):
+    # Gemma 3 with window 6 > B = 4: a canvas block's window reaches into the previous clean blocks, where the two
+    # conventions differ (per_query: from p - 5 for query p; block_start: from s_b - 5 for the whole block).
+    B, k = 4, 3
+    x = prompts(2, (k + 1) * B)
+    x_t = x.clone()
+    x_t[:, k * B + 1 :] = MASK
+    hidden = {}
+    for conv in ("per_query", "block_start"):
+        model = gemma3_bdlm(conv, clean_attention, window=6)
+        assert model.mask_rule().window_convention == conv
+        with torch.no_grad():
+            reference = model(input_ids=x_t, clean_input_ids=x).hidden_states[:, k * B : (k + 1) * B]
+            settings = resolve_settings(model, BlockDiffusionGenerationConfig(), k * B)
+            assert settings.rule == model.mask_rule()  # generate runs the training rule
+            context = CachedContext(model, settings, x.device)
+            for b in range(k):
+                context.append(x[:, b * B : (b + 1) * B])
+            hidden[conv], _ = context.block_hidden(x_t[:, k * B :], k * B)
+        torch.testing.assert_close(hidden[conv], reference, rtol=0, atol=1e-12)
+    assert (hidden["per_query"] - hidden["block_start"]).abs().max() > 1e-3  # the conventions are different models
 
 
 # --- a trained model reproduces its pattern ----------------------------------------------------

@@ -13,32 +13,61 @@ inference over a KV cache, and every sharded layout of ``hf_bdlm.parallel``:
 | clean | clean | ``blk(k) <= blk(q)`` (``block_causal``) or ``k <= q`` (``causal``) |
 | clean | noisy | never                                                             |
 
-and always: same document, and ``|q - k| < sliding_window`` on sliding-window layers (the
-distance convention of transformers' sliding-window masks).
+and always the same document. This is BD3-LM's ``block_diff_mask`` (and Fast-dLLM v2's) with
+``block_causal``; ``causal`` keeps the clean stream token-causal, as a causal LM or
+DiffusionGemma's encoder computes it.
 
-Backends never re-derive this table: the dense reference materialises :func:`dense_mask`,
+Sliding-window layers of width ``W`` add a window, whose meaning for a block of queries is a
+*convention* of the model (``window_convention``); it must be the one the model runs at
+inference. With ``s_b = blk(q) * B`` the start of the query's block:
+
+| convention      | query                                  | keys in the window                        |
+|-----------------|----------------------------------------|-------------------------------------------|
+| ``per_query``   | any                                    | ``|q - k| < W`` (token by token)          |
+| ``block_start`` | noisy; clean under ``block_causal``    | ``k >= s_b - W + 1`` (and its own block)  |
+| ``block_start`` | clean under ``causal``                 | ``q - W + 1 <= k <= q``                   |
+
+``block_start`` is what a canvas block sees over a sliding cache holding the ``W - 1``
+positions before its start, plus its whole block (transformers' DiffusionGemma, Turbo-dLLM); a
+token-causal clean row keeps the causal encoder's own window. ``per_query`` applies the
+distance of transformers' sliding masks to every row (a noisy query at ``p`` sees clean keys
+from ``p - W + 1`` on, and its own block only within distance ``W``). The window of a query is an
+interval of key positions (:func:`window_key_range`), so the sharded layouts fetch exactly the
+keys it reaches (:func:`keys_in_window`).
+
+Backends never re-derive these tables: the dense reference materialises :func:`dense_mask`,
 the block-sparse planner classifies block tiles with :func:`tile_classes`, and FlexAttention
 calls :func:`allowed` from its ``mask_mod``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 CLEAN = 0
 NOISY = 1
 CLEAN_ATTENTION_KINDS = ("block_causal", "causal")
+WINDOW_CONVENTIONS = ("per_query", "block_start")
 
 
 @dataclass(frozen=True)
 class MaskRule:
-    """Static parameters of the rule: block size, clean-stream kind and (per layer) window."""
+    """Static parameters of the rule.
+
+    Args:
+        block_size (`int`): tokens per diffusion block.
+        clean_attention (`str`, defaults to `"block_causal"`): `"block_causal"` or `"causal"` (clean stream).
+        sliding_window (`int`, *optional*): the layer's window `W`; `None` on full-attention layers.
+        window_convention (`str`, defaults to `"per_query"`): what the window means for a block of queries,
+            `"per_query"` or `"block_start"` (see the module docstring).
+    """
 
     block_size: int
     clean_attention: str = "block_causal"
     sliding_window: int | None = None
+    window_convention: str = "per_query"
 
     def __post_init__(self):
         if self.block_size <= 0:
@@ -49,11 +78,59 @@ class MaskRule:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}.")
+        if self.window_convention not in WINDOW_CONVENTIONS:
+            raise ValueError(
+                f"window_convention must be one of {WINDOW_CONVENTIONS}, got {self.window_convention!r}."
+            )
 
     def with_window(self, sliding_window: int | None) -> "MaskRule":
         if sliding_window == self.sliding_window:
             return self
-        return MaskRule(self.block_size, self.clean_attention, sliding_window)
+        return replace(self, sliding_window=sliding_window)
+
+
+def window_key_range(q_stream, q_pos, rule: MaskRule):
+    """Inclusive range ``(lo, hi)`` of key positions inside each query's sliding window.
+
+    The window part of the rule alone (the stream/block table and documents still apply); ``rule`` must have a
+    ``sliding_window``. Elementwise over broadcastable integer tensors; within one block of one stream both ends
+    are non-decreasing in ``q_pos``, which :func:`tile_classes` relies on.
+    """
+    reach = rule.sliding_window - 1
+    if rule.window_convention == "per_query":
+        return q_pos - reach, q_pos + reach
+    start = torch.div(q_pos, rule.block_size, rounding_mode="floor") * rule.block_size
+    if rule.clean_attention == "block_causal":  # every query sees its whole block
+        return start - reach, start + (rule.block_size - 1)
+    block_level = q_stream == NOISY
+    return (
+        torch.where(block_level, start - reach, q_pos - reach),
+        torch.where(block_level, start + (rule.block_size - 1), q_pos),
+    )
+
+
+def keys_in_window(q_stream, q_pos, k_pos, rule: MaskRule) -> torch.Tensor:
+    """Whether each key position (``k_pos [n]``) lies in the window of at least one query (``[m]`` rows).
+
+    What a rank holding these queries must fetch on a sliding-window layer: the window, cut at the last position
+    the stream table lets the query see (its block's end, or itself in a token-causal clean stream). Memory
+    O(span of the positions).
+    """
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return torch.zeros(k_pos.shape, dtype=torch.bool, device=k_pos.device)
+    lo, hi = window_key_range(q_stream, q_pos, rule)
+    block_end = torch.div(q_pos, rule.block_size, rounding_mode="floor") * rule.block_size + (rule.block_size - 1)
+    if rule.clean_attention == "causal":
+        block_end = torch.where(q_stream == NOISY, block_end, q_pos)
+    hi = torch.minimum(hi, block_end)
+    lo, hi = torch.broadcast_to(lo, q_pos.shape), torch.broadcast_to(hi, q_pos.shape)
+    base = int(torch.minimum(lo.min(), k_pos.min()))
+    size = int(torch.maximum(hi.max(), k_pos.max())) - base + 2
+    # +1 where a window opens, -1 one past where it closes: positive prefix sums are covered positions.
+    delta = torch.zeros(size, dtype=torch.long, device=q_pos.device)
+    delta.index_add_(0, (lo - base).long(), torch.ones_like(lo, dtype=torch.long))
+    delta.index_add_(0, (hi - base + 1).long(), -torch.ones_like(hi, dtype=torch.long))
+    return (delta.cumsum(0) > 0)[(k_pos - base).long()]
 
 
 def allowed(q_stream, q_pos, q_doc, k_stream, k_pos, k_doc, rule: MaskRule):
@@ -79,7 +156,8 @@ def allowed(q_stream, q_pos, q_doc, k_stream, k_pos, k_doc, rule: MaskRule):
     if q_doc is not None and k_doc is not None:
         ok = ok & (q_doc == k_doc)
     if rule.sliding_window is not None:
-        ok = ok & ((q_pos - k_pos).abs() < rule.sliding_window)
+        lo, hi = window_key_range(q_stream, q_pos, rule)
+        ok = ok & (k_pos >= lo) & (k_pos <= hi)
     return ok
 
 
@@ -135,11 +213,12 @@ def tile_classes(q_chunks, k_chunks, rule: MaskRule) -> torch.Tensor:
         same_doc = q_chunks.doc[:, None] == k_chunks.doc[None, :]
         any_ok, all_ok = any_ok & same_doc, all_ok & same_doc
     if rule.sliding_window is not None:
-        w = rule.sliding_window
-        max_dist = torch.maximum((ql - kf).abs(), (kl - qf).abs())
-        min_dist = torch.clamp(torch.maximum(kf - ql, qf - kl), min=0)
-        any_ok = any_ok & (min_dist < w)
-        all_ok = all_ok & (max_dist < w)
+        # Window ends are non-decreasing along a chunk and consecutive windows overlap, so the chunk's windows
+        # cover [lo(first), hi(last)] and all of them contain [lo(last), hi(first)].
+        lo_first, hi_first = window_key_range(qs, qf, rule)
+        lo_last, hi_last = window_key_range(qs, ql, rule)
+        any_ok = any_ok & (kl >= lo_first) & (kf <= hi_last)
+        all_ok = all_ok & (kf >= lo_last) & (kl <= hi_first)
     classes = torch.full(any_ok.shape, TILE_NONE, dtype=torch.int8)
     classes[any_ok] = TILE_PARTIAL
     classes[all_ok] = TILE_FULL

@@ -145,29 +145,26 @@ class ShardedLayout:
 
     def _window_exchange(self, rule: MaskRule, n: int):
         """Which gathered rows each rank needs under a window, as all-to-all send/recv lists (cached)."""
-        key = ("window_exchange", rule.sliding_window)
+        from ..attention.masks import keys_in_window
+
+        key = ("window_exchange", rule)  # the whole rule: the window's reach depends on its convention
         found = self.cache.get(key)
         if found is not None:
             return found
         me = self.groups.group_rank
         members = self.plan.ring_members(me) if self.mode == "csbp" else tuple(range(len(self.plan.ranks)))
-        w = rule.sliding_window
 
         sent_rows = self._sent_rows
 
         def needed(requester: int, owner: int) -> torch.Tensor:
             """Indices (into owner's sent rows) of rows within the window of requester's queries."""
-            q_pos = self.plan.ranks[requester].rows().pos
+            q = self.plan.ranks[requester].rows()
             k = sent_rows(owner)
-            if q_pos.numel() == 0 or k.num_rows == 0:
+            if q.num_rows == 0 or k.num_rows == 0:
                 return torch.empty(0, dtype=torch.long)
-            # Row k is needed when some query position is within the window: |q - k| < w.
-            qs = torch.sort(q_pos).values
-            idx = torch.searchsorted(qs, k.pos)
-            lo = qs[(idx - 1).clamp(min=0)]
-            hi = qs[idx.clamp(max=qs.numel() - 1)]
-            near = torch.minimum((k.pos - lo).abs(), (hi - k.pos).abs()) < w
-            return near.nonzero().flatten()
+            # Row k is needed when its position lies in some query's window, as the rule defines it (per query,
+            # or from the query's block start): masks.window_key_range.
+            return keys_in_window(q.stream, q.pos, k.pos, rule).nonzero().flatten()
 
         send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
         for peer in members:
