@@ -11,8 +11,7 @@ from .attention import register_attention
 from .configuration import BlockDiffusionConfig
 from .generation import BlockDiffusionGenerationConfig
 from .modeling import BlockDiffusionForMaskedLM, BlockDiffusionOutput, pad_to_block_multiple
-
-__version__ = "0.1.0"
+from .version import __version__
 
 register_attention()
 AutoConfig.register(BlockDiffusionConfig.model_type, BlockDiffusionConfig, exist_ok=True)

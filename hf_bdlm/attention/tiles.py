@@ -18,10 +18,9 @@ tiles become a short list of :class:`KernelCall`:
   default). A group tile whose chunk tiles are all full joins the unmasked ranges above; one
   that is dense enough (at least 40% of its pairs allowed, e.g. the block-triangular region
   next to the diagonal) runs as one masked call; the rest (the noisy block diagonal, window
-  edges) is planned chunk by chunk. With B = 64 this turns 66 calls into 10 at L = 4K (258
-  into 34 at 16K) for 12% (3%) more pairs computed and masked out; on CPU the attention
-  forward + backward took 0.64-0.85x the time of block-sized tiles at L = 2K-16K
-  (``benchmarks/attention.py --compare-block-tiles``).
+  edges) is planned chunk by chunk: far fewer kernel calls for a few percent more pairs
+  computed and masked out (``python -m benchmarks.attention --compare-block-tiles`` measures it;
+  the README has the numbers).
   ``group_rows=0`` plans chunk by chunk only: every mask is then a causal band or a window
   edge, which is what the flash-attn backend can run.
 

@@ -13,13 +13,14 @@
 - `checkpoint.py`: `save_for_hub`, `push_to_hub`, `push_folder_to_hub`.
 """
 
-from .card import CARD_INFO_KEYS, render_model_card, write_model_card
+from .card import CARD_INFO_KEYS, hub_repo_id, render_model_card, write_model_card
 from .checkpoint import folder_files, push_folder_to_hub, push_to_hub, save_for_hub
 from .remote_code import AUTO_MAP, bundle_remote_code, write_remote_code
 
 __all__ = [
     "AUTO_MAP",
     "CARD_INFO_KEYS",
+    "hub_repo_id",
     "bundle_remote_code",
     "folder_files",
     "push_folder_to_hub",

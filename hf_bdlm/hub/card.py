@@ -130,7 +130,7 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
     import jinja2
     from huggingface_hub import ModelCardData
 
-    from .. import __version__
+    from ..version import __version__
 
     directory = Path(output_dir)
     info = _check_info(info)
@@ -148,7 +148,7 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
     backbone = config.get("backbone_config") or {}
     generation = _read_json(directory / "generation_config.json") or {}
     objective = info.get("objective", config.get("objective", "standard"))
-    base_model = info.get("base_model") or _hub_id(backbone.get("_name_or_path"))
+    base_model = info.get("base_model") or hub_repo_id(backbone.get("_name_or_path"))
     datasets = _as_list(info.get("dataset"))
     model_type = backbone.get("model_type", "unknown")
 
@@ -159,7 +159,7 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
                      + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
                      + _as_list(info.get("tags"))),
         pipeline_tag="text-generation",
-        datasets=[d for d in datasets if _hub_id(d)] or None,
+        datasets=[d for d in datasets if hub_repo_id(d)] or None,
         license=info.get("license", "unknown"),
     )
     tokenizer_config = _read_json(directory / "tokenizer_config.json")
@@ -245,7 +245,7 @@ def _unique(items: list) -> list:
     return list(dict.fromkeys(i for i in items if i))
 
 
-def _hub_id(name: str | None) -> str | None:
+def hub_repo_id(name: str | None) -> str | None:
     """``name`` when it reads as a Hub repo id (``namespace/name``) and is not a local path, else ``None``."""
     if not name or not _HUB_ID.match(name) or os.path.exists(name):
         return None
@@ -321,7 +321,7 @@ def _layout_rows(parallel: dict | None) -> list[tuple[str, str]]:
 
 
 def _dataset_link(name: str) -> str:
-    return f"[{name}](https://huggingface.co/datasets/{name})" if _hub_id(name) else f"`{name}`"
+    return f"[{name}](https://huggingface.co/datasets/{name})" if hub_repo_id(name) else f"`{name}`"
 
 
 def _format_value(value) -> str:

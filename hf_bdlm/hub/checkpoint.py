@@ -156,7 +156,7 @@ def _commit_folder(api, folder, repo_id, commit_message, commit_description, tok
 def _api():
     from huggingface_hub import HfApi
 
-    from .. import __version__
+    from ..version import __version__
 
     return HfApi(library_name="hf-bdlm", library_version=__version__)
 

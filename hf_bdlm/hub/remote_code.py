@@ -319,7 +319,7 @@ def _body(module: _Module, *, external: list[str], constants: dict[str, str]) ->
 
 
 def _file_header(title: str, sources: list[str]) -> list[str]:
-    from .. import __version__
+    from ..version import __version__
 
     listed = "\n".join(f"    {s}" for s in sources)
     return [
