@@ -13,8 +13,16 @@ from transformers.configuration_utils import SubConfigSpec
 from .attention.backends import BACKENDS
 from .attention.masks import CLEAN_ATTENTION_KINDS, WINDOW_CONVENTIONS
 
-OBJECTIVES = ("standard", "fast_dllm_v2", "diffusion_gemma", "dflash")
+OBJECTIVES = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean", "diffusion_gemma", "dflash")
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
+# The clean stream an objective's reference trains (objectives absent here accept both kinds).
+OBJECTIVE_CLEAN_ATTENTION = {
+    "fast_dllm_v2": "block_causal",
+    "fast_dllm_v2_causal_clean": "causal",
+    "diffusion_gemma": "causal",
+}
+# Objectives whose row i - 1 predicts token i (generate shifts its logits for them).
+TOKEN_SHIFT_OBJECTIVES = ("fast_dllm_v2", "fast_dllm_v2_causal_clean")
 # The sliding-window convention an objective's model runs at inference (others: "per_query", what hf_bdlm's generate
 # has always applied).
 OBJECTIVE_WINDOW_CONVENTION = {"diffusion_gemma": "block_start"}
@@ -33,11 +41,15 @@ class BlockDiffusionConfig(PreTrainedConfig):
         mask_token_id (`int`):
             Id of the absorbing `[MASK]` token; must lie inside the backbone's vocabulary. Required by the
             model (a config without it exists only as a template).
-        clean_attention (`str`, defaults to `"block_causal"`):
-            Attention among clean tokens: `"block_causal"` (a block sees its whole block) or
-            `"causal"` (token-causal; for AR-converted models and DiffusionGemma).
+        clean_attention (`str`, *optional*):
+            Attention among clean tokens: `"block_causal"` (a clean token sees its whole block and the earlier ones:
+            BD3-LM and Fast-dLLM v2) or `"causal"` (token-causal, as the causal LM: DiffusionGemma's encoder and
+            `fast_dllm_v2_causal_clean`). Defaults to the objective's (`"block_causal"` for `"standard"`); an
+            objective with a reference clean stream rejects the other kind.
         objective (`str`, defaults to `"standard"`):
-            Default training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"`, `"diffusion_gemma"`, `"dflash"`.
+            Default training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"` (Fast-dLLM v2),
+            `"fast_dllm_v2_causal_clean"` (its variant whose clean stream stays the causal LM), `"diffusion_gemma"`,
+            `"dflash"`.
         sliding_window_convention (`str`, *optional*):
             What a sliding window of width `W` means for a block of queries, on the backbone's sliding-window layers:
             `"per_query"` (every query sees keys within distance `W`, as in the causal LM; what `generate` has
@@ -59,7 +71,7 @@ class BlockDiffusionConfig(PreTrainedConfig):
     backbone_config: dict | PreTrainedConfig | None = None
     block_size: int = 32
     mask_token_id: int | None = None
-    clean_attention: str = "block_causal"
+    clean_attention: str | None = None
     objective: str = "standard"
     sliding_window_convention: str | None = None
     noise_eps_min: float = 1e-3
@@ -99,10 +111,20 @@ class BlockDiffusionConfig(PreTrainedConfig):
                 f"mask_token_id={self.mask_token_id} is outside the backbone vocabulary of size {vocab}; "
                 "resize the embeddings to include the mask token first (convert_causal_lm does this)."
             )
-        if self.clean_attention not in CLEAN_ATTENTION_KINDS:
-            raise ValueError(f"clean_attention must be one of {CLEAN_ATTENTION_KINDS}, got {self.clean_attention!r}.")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
+        required = OBJECTIVE_CLEAN_ATTENTION.get(self.objective)
+        if self.clean_attention is None:
+            self.clean_attention = required or "block_causal"
+        if self.clean_attention not in CLEAN_ATTENTION_KINDS:
+            raise ValueError(f"clean_attention must be one of {CLEAN_ATTENTION_KINDS}, got {self.clean_attention!r}.")
+        if required is not None and self.clean_attention != required:
+            variants = [name for name, kind in OBJECTIVE_CLEAN_ATTENTION.items() if kind == self.clean_attention]
+            raise ValueError(
+                f"objective={self.objective!r} trains a {required!r} clean stream (its reference's), got "
+                f"clean_attention={self.clean_attention!r}. Drop clean_attention (it follows the objective), or pick "
+                f"an objective made for a {self.clean_attention!r} clean stream: {variants + ['standard']}."
+            )
         if self.sliding_window_convention is None:
             self.sliding_window_convention = OBJECTIVE_WINDOW_CONVENTION.get(self.objective, "per_query")
         if self.sliding_window_convention not in WINDOW_CONVENTIONS:

@@ -2,8 +2,9 @@
 
 The causal LM's config becomes the backbone config, its state dict is loaded unchanged (strict),
 and a `[MASK]` token is added to the tokenizer (the embeddings gain one row) unless an existing
-id is given. With the default `clean_attention="causal"` the converted model's clean stream is
-exactly the causal LM, so training starts from the checkpoint's behaviour. Tiny CPU example::
+id is given. The default objective is `fast_dllm_v2` (Fast-dLLM v2: block-causal clean stream, token
+shift); `objective="fast_dllm_v2_causal_clean"` keeps the clean stream token-causal, exactly the causal LM, so
+that the prefix K/V cache stays the causal LM's own at inference. Tiny CPU example::
 
     from transformers import LlamaConfig, LlamaForCausalLM
     from hf_bdlm import convert_causal_lm
@@ -31,7 +32,7 @@ def convert_causal_lm(
     block_size: int = 32,
     mask_token: str = "<|mask|>",
     mask_token_id: int | None = None,
-    clean_attention: str = "causal",
+    clean_attention: str | None = None,
     objective: str = "fast_dllm_v2",
     **config_kwargs,
 ) -> tuple[BlockDiffusionForMaskedLM, object]:
@@ -50,10 +51,12 @@ def convert_causal_lm(
             The mask token; used as is when the tokenizer has it, else added as a special token.
         mask_token_id (`int`, *optional*):
             Use this existing id (e.g. a reserved token) as `[MASK]` instead; nothing is added or resized.
-        clean_attention (`str`, defaults to `"causal"`):
-            Clean-stream attention; `"causal"` keeps the causal LM's semantics on the clean stream.
+        clean_attention (`str`, *optional*):
+            Clean-stream attention; defaults to the objective's (`"block_causal"` for `fast_dllm_v2`, `"causal"`,
+            the causal LM's own, for `fast_dllm_v2_causal_clean`).
         objective (`str`, defaults to `"fast_dllm_v2"`):
-            Default training objective (token shift keeps the LM head's meaning).
+            Default training objective (token shift keeps the LM head's meaning): `"fast_dllm_v2"` or
+            `"fast_dllm_v2_causal_clean"` (see `hf_bdlm.objectives.fast_dllm_v2`).
         config_kwargs:
             Further [`BlockDiffusionConfig`] fields (`attention_backend`, `loss_weighting`, ...).
 

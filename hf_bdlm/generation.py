@@ -39,6 +39,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from .attention import CLEAN, NOISY, LocalLayout, MaskRule, RowMeta
 from .attention.rows import stream_rows
+from .configuration import TOKEN_SHIFT_OBJECTIVES
 
 BLOCK_DIFFUSION_FIELDS = ("block_size", "steps_per_block", "confidence_threshold", "mask_token_id", "token_shift")
 
@@ -63,10 +64,11 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
         mask_token_id (`int`, *optional*):
             The `[MASK]` token; `None` uses the model's `config.mask_token_id`.
         token_shift (`bool`, *optional*):
-            Whether the logit at position `i - 1` predicts token `i` (models trained with the `fast_dllm_v2`
-            objective, e.g. converted causal LMs). `None` follows `model.config.objective`. With a shift, the
-            first position of a block is predicted by the clean stream (the causal LM's own next-token
-            prediction) and is unmasked in the block's first step.
+            Whether the logit at position `i - 1` predicts token `i` (models trained with the `fast_dllm_v2` or
+            `fast_dllm_v2_causal_clean` objective, e.g. converted causal LMs). `None` follows
+            `model.config.objective`. With a shift, the first position of a block is predicted by the clean stream's
+            last row (the finished previous block, as in Fast-dLLM v2's decoding; with a token-causal clean stream,
+            the causal LM's own next-token prediction) and is unmasked in the block's first step.
 
     The usual fields apply: `max_new_tokens` (default: one block), `do_sample`, `temperature`, `top_k`, `top_p`,
     `eos_token_id` (int or list), `pad_token_id` (default: the first EOS id).
@@ -208,7 +210,7 @@ def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: 
     eos = config.eos_token_id
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
-    shift = config.token_shift if config.token_shift is not None else model_config.objective == "fast_dllm_v2"
+    shift = config.token_shift if config.token_shift is not None else model_config.objective in TOKEN_SHIFT_OBJECTIVES
     return DecodeSettings(
         block_size=block,
         mask_token_id=int(mask),

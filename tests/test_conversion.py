@@ -110,10 +110,11 @@ def test_padded_embedding_uses_a_spare_row_for_the_added_token():
 
 
 @pytest.mark.parametrize("causal_cls,config_cls", [(LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config)])
-def test_clean_stream_of_converted_model_reproduces_the_causal_lm(causal_cls, config_cls):
+def test_causal_clean_variant_reproduces_the_causal_lm_on_its_clean_stream(causal_cls, config_cls):
     torch.manual_seed(0)
     lm = causal_cls(tiny_config(config_cls)).double().eval()
-    bdlm, _ = convert_causal_lm(lm, tiny_tokenizer(), block_size=4)
+    bdlm, _ = convert_causal_lm(lm, tiny_tokenizer(), block_size=4, objective="fast_dllm_v2_causal_clean")
+    assert bdlm.config.clean_attention == "causal"
     x = torch.randint(0, len(WORDS), (2, 12))
     x_t = x.masked_fill(torch.rand(2, 12) < 0.5, bdlm.config.mask_token_id)
     with torch.no_grad():
@@ -121,6 +122,13 @@ def test_clean_stream_of_converted_model_reproduces_the_causal_lm(causal_cls, co
         hidden = bdlm(input_ids=x_t, clean_input_ids=x).hidden_states
     clean = hidden[:, 12:]  # training form: noisy rows first, then the clean rows
     torch.testing.assert_close(clean, reference, rtol=0, atol=1e-12)
+
+
+def test_default_conversion_is_fast_dllm_v2_with_a_block_causal_clean_stream():
+    bdlm, _ = convert_causal_lm(tiny_llama(), tiny_tokenizer(), block_size=4)
+    assert (bdlm.config.objective, bdlm.config.clean_attention) == ("fast_dllm_v2", "block_causal")
+    with pytest.raises(ValueError, match="fast_dllm_v2_causal_clean"):
+        convert_causal_lm(tiny_llama(), tiny_tokenizer(), block_size=4, clean_attention="causal")
 
 
 def test_block_size_one_with_token_shift_decodes_like_the_causal_lm():

@@ -74,8 +74,10 @@ def test_cached_decoding_equals_uncached_with_sliding_window_layers(prompt_len, 
     assert torch.equal(cached, generate(model, x, max_new_tokens=14, confidence_threshold=0.1, use_cache=False))
 
 
-def test_token_shift_decoding_equals_uncached():
-    model = llama_bdlm("causal", objective="fast_dllm_v2")
+@pytest.mark.parametrize("objective", ["fast_dllm_v2", "fast_dllm_v2_causal_clean"])
+def test_token_shift_decoding_equals_uncached(objective):
+    model = llama_bdlm(None, objective=objective)
+    assert resolve_settings(model, BlockDiffusionGenerationConfig(), 4).token_shift
     for prompt_len in (4, 5):
         x = prompts(2, prompt_len)
         cached = generate(model, x, max_new_tokens=11, confidence_threshold=0.1)

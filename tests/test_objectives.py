@@ -14,6 +14,7 @@ from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.attention.masks import CLEAN, NOISY
 from hf_bdlm.attention.rows import vectorized_rows
 from hf_bdlm.objectives import (
+    FastDLLMv2CausalCleanObjective,
     FastDLLMv2Objective,
     StandardObjective,
     get_objective,
@@ -23,7 +24,8 @@ from hf_bdlm.objectives import (
 )
 
 B, MASK, VOCAB = 4, 63, 64
-OBJECTIVES = ("standard", "fast_dllm_v2")
+OBJECTIVES = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean")
+SHIFTED = ("fast_dllm_v2", "fast_dllm_v2_causal_clean")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -139,9 +141,22 @@ def test_block_t_is_stratified_over_each_sequence_blocks():
     c = obj.corrupt({"input_ids": torch.zeros(8, 64, dtype=torch.long), "attention_mask": attention},
                     seed=4, step=2)
     for row, n in [(0, 16), (1, 3), (5, 16)]:
-        s = ((c.block_t[row, :n] - lo) / (hi - lo)).sort().values
-        gaps = torch.diff(torch.cat([s, s[:1] + 1]))  # circular gaps, wrapping 1 -> 0
-        assert torch.allclose(gaps, torch.full_like(gaps, 1 / n), atol=1e-9), (row, gaps)
+        stratum = ((c.block_t[row, :n] - lo) / (hi - lo) * n).floor().long()
+        assert torch.equal(stratum.sort().values, torch.arange(n)), (row, stratum)  # each stratum exactly once
+        # Block j takes stratum (j + s) mod n, s drawn per sample; the position inside the stratum is free.
+        assert torch.equal((stratum - torch.arange(n)) % n, torch.full((n,), int(stratum[0]))), (row, stratum)
+
+
+def test_fast_dllm_v2_block_t_are_independent_draws():
+    obj = _objective("fast_dllm_v2")
+    attention = torch.ones(4, 64, dtype=torch.long)
+    attention[1, 10:] = 0
+    c = obj.corrupt({"input_ids": torch.ones(4, 64, dtype=torch.long), "attention_mask": attention}, seed=4, step=2)
+    t = c.block_t[:4]
+    expected = 1e-3 + (1 - 1e-3) * hash_uniform(4, 2, torch.arange(4)[:, None], torch.arange(16)[None, :],
+                                                 salt=0x5EED_0001)
+    assert torch.equal(t, expected)
+    assert torch.equal(c.block_t[4:], t)  # both views share the rates
 
 
 # --- corruption and targets --------------------------------------------------------------------
@@ -156,7 +171,7 @@ def test_prompt_and_pad_tokens_are_never_corrupted_nor_supervised(name):
     assert torch.equal(c.noisy_ids[~c.masked], c.clean_ids[~c.masked])
     assert (c.noisy_ids[c.masked] == MASK).all()
     # Targets are exactly the masked tokens: (row, position) of the predicted token.
-    shift = 1 if name == "fast_dllm_v2" else 0
+    shift = 1 if name in SHIFTED else 0
     target_pos = c.target_row_pos + shift
     assert supervised[c.target_sample, target_pos].all()
     assert torch.equal(c.masked.nonzero(), torch.stack([c.target_sample, target_pos], 1))
@@ -176,7 +191,7 @@ def test_weights_are_inverse_t_or_unit():
     unit = _objective("standard", loss_weighting="unit").corrupt(batch, seed=0, step=0)
     assert torch.equal(inv.masked, unit.masked)
     t = inv.block_t[inv.target_sample, inv.target_row_pos // B]
-    assert torch.allclose(inv.target_weight, (1 / t).float())
+    assert torch.equal(inv.target_weight, 1 / t)  # float64, exact
     assert (unit.target_weight == 1).all()
     fast = _objective("fast_dllm_v2").corrupt(batch, seed=0, step=0)
     assert (fast.target_weight == 1).all()
@@ -184,36 +199,50 @@ def test_weights_are_inverse_t_or_unit():
         _objective("fast_dllm_v2", loss_weighting="inverse_t")
 
 
-def test_fast_dllm_v2_masks_every_supervised_token_in_exactly_one_view():
+@pytest.mark.parametrize("name", SHIFTED)
+def test_fast_dllm_v2_masks_every_supervised_token_in_exactly_one_view(name):
     batch = _sft_batch(b=5, length=32)
-    c = _objective("fast_dllm_v2").corrupt(batch, seed=2, step=7)
+    batch["completion_mask"][0, 0] = 1  # position 0 is corrupted like any supervised token, never scored
+    c = _objective(name).corrupt(batch, seed=2, step=7)
     assert c.noisy_ids.shape == (10, 32)
     view0, view1 = c.masked[:5], c.masked[5:]
     expected = supervised_mask(batch)
-    expected[:, 0] = False  # position 0 has no predecessor
     assert not (view0 & view1).any()
     assert torch.equal(view0 | view1, expected)
-    assert c.normalizer == float(expected.sum())
+    assert c.normalizer == float(expected[:, 1:].sum())  # position 0 has no predecessor
+    assert not (c.target_row_pos == -1).any()
     assert torch.equal(c.clean_ids[:5], c.clean_ids[5:]) and torch.equal(c.sample_ids[:5], c.sample_ids[5:])
 
 
-def test_fast_dllm_v2_shifts_targets_and_uses_the_clean_row_at_block_starts():
+def test_fast_dllm_v2_shifts_targets_to_the_noisy_row_before_even_at_block_starts():
     c = _objective("fast_dllm_v2").corrupt(_sft_batch(b=4, length=32), seed=0, step=0)
+    pos = c.target_row_pos + 1
+    assert torch.equal(c.target_token, c.clean_ids[c.target_sample, pos])
+    assert (pos % B == 0).any() and (pos % B != 0).any()
+    assert (c.target_stream == NOISY).all()  # the reference's labels shifted by one over the noisy half
+    assert (c.target_row_pos >= 0).all()
+
+
+def test_causal_clean_variant_scores_block_starts_from_the_clean_row():
+    c = _objective("fast_dllm_v2_causal_clean").corrupt(_sft_batch(b=4, length=32), seed=0, step=0)
     pos = c.target_row_pos + 1
     assert torch.equal(c.target_token, c.clean_ids[c.target_sample, pos])
     block_start = pos % B == 0
     assert block_start.any() and (~block_start).any()
     assert (c.target_stream[block_start] == CLEAN).all()
     assert (c.target_stream[~block_start] == NOISY).all()
-    assert (c.target_row_pos >= 0).all()
+    reference = _objective("fast_dllm_v2").corrupt(_sft_batch(b=4, length=32), seed=0, step=0)
+    assert torch.equal(c.masked, reference.masked)  # the same noise: only the block-start rows differ
 
 
-def test_fast_dllm_v2_never_supervises_a_document_first_token():
+@pytest.mark.parametrize("name", SHIFTED)
+def test_fast_dllm_v2_never_scores_a_document_first_token(name):
     ids = torch.randint(0, MASK, (1, 16))
     docs = torch.tensor([[0] * 8 + [1] * 8])
-    c = _objective("fast_dllm_v2").corrupt({"input_ids": ids, "document_ids": docs}, seed=0, step=0)
-    assert not c.masked[:, [0, 8]].any()
-    assert c.normalizer == 14.0
+    c = _objective(name).corrupt({"input_ids": ids, "document_ids": docs}, seed=0, step=0)
+    assert torch.equal(c.masked[:, [0, 8]].sum(0), torch.tensor([1, 1]))  # corrupted in exactly one view
+    assert not ((c.target_row_pos + 1)[:, None] == torch.tensor([0, 8])).any()
+    assert c.normalizer == 14.0 and c.num_targets == 14
     assert torch.equal(c.position_ids[0], torch.tensor(list(range(8)) * 2))
 
 
@@ -266,8 +295,9 @@ def test_standard_loss_equals_hand_computed_reference(model):
     assert metrics["correct"] == hits
 
 
-def test_fast_dllm_v2_loss_equals_hand_computed_reference(model):
-    obj = _objective("fast_dllm_v2")
+@pytest.mark.parametrize("name", SHIFTED)
+def test_fast_dllm_v2_loss_equals_hand_computed_reference(model, name):
+    obj = _objective(name)
     c = obj.corrupt(_sft_batch(), seed=1, step=0)
     with torch.no_grad():
         loss, _ = obj.loss(model, c)
@@ -276,22 +306,27 @@ def test_fast_dllm_v2_loss_equals_hand_computed_reference(model):
     length = c.seq_len
     ref = 0.0
     for r, i in c.masked.nonzero().tolist():
-        row = i - 1 if (i - 1) // B == i // B else length + i - 1
-        ref += _masked_ce(logits[r, row], c.clean_ids[r, i]).item()
+        clean_row = name == "fast_dllm_v2_causal_clean" and i % B == 0
+        row = length + i - 1 if clean_row else i - 1
+        ref += F.cross_entropy(logits[r, row], c.clean_ids[r, i]).item()  # the whole vocabulary, [MASK] included
     assert loss.item() == pytest.approx(ref / c.normalizer, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", OBJECTIVES)
-def test_mask_logit_is_excluded_from_the_softmax(model, name, monkeypatch):
-    obj = _objective(name)
-    c = obj.corrupt(_sft_batch(), seed=0, step=0)
-    with torch.no_grad():
-        before, m_before = obj.loss(model, c)
-        head = model.lm_logits
-        monkeypatch.setattr(model, "lm_logits", lambda h: head(h) + 1e4 * F.one_hot(torch.tensor(MASK), VOCAB))
-        after, m_after = obj.loss(model, c)
-    assert after.item() == pytest.approx(before.item(), rel=1e-6)
-    assert m_after["correct"] == m_before["correct"]
+def test_mask_logit_is_excluded_from_the_softmax_of_standard_only(model, monkeypatch):
+    for name, excluded in (("standard", True), ("fast_dllm_v2", False)):
+        obj = _objective(name)
+        c = obj.corrupt(_sft_batch(), seed=0, step=0)
+        with torch.no_grad():
+            before, m_before = obj.loss(model, c)
+            head = model.lm_logits
+            monkeypatch.setattr(model, "lm_logits", lambda h: head(h) + 1e4 * F.one_hot(torch.tensor(MASK), VOCAB))
+            after, m_after = obj.loss(model, c)
+            monkeypatch.undo()
+        if excluded:  # BD3-LM's SUBS parameterization
+            assert after.item() == pytest.approx(before.item(), rel=1e-6)
+        else:  # Fast-dLLM v2's causal-LM loss over the whole vocabulary
+            assert after.item() > before.item() + 1e3
+        assert m_after["correct"] == m_before["correct"]  # the accuracy never counts a [MASK] prediction
 
 
 @pytest.mark.parametrize("name", OBJECTIVES)
@@ -377,7 +412,10 @@ def test_get_objective_builds_from_config_and_rejects_unknown_names(model):
     fast = get_objective("fast_dllm_v2", model.config)  # the config's inverse_t belongs to `standard`
     assert isinstance(fast, FastDLLMv2Objective) and fast.loss_weighting == "unit"
     assert fast.block_size == B and fast.mask_token_id == MASK
-    with pytest.raises(ValueError, match=r"valid names: \['fast_dllm_v2', 'standard', 'diffusion_gemma', 'dflash'\]"):
+    variant = get_objective("fast_dllm_v2_causal_clean", model.config)
+    assert isinstance(variant, FastDLLMv2CausalCleanObjective) and variant.loss_weighting == "unit"
+    valid = r"valid names: \['fast_dllm_v2', 'fast_dllm_v2_causal_clean', 'standard', 'diffusion_gemma', 'dflash'\]"
+    with pytest.raises(ValueError, match=valid):
         get_objective("bd3lm", model.config)
     for planned in ("diffusion_gemma", "dflash"):
         with pytest.raises(NotImplementedError, match="planned"):

@@ -108,7 +108,7 @@ def test_a_causal_lm_is_converted(tmp_path):
     trainer = train(tmp_path, model=str(folder), tokenizer=None, block_size=4, max_steps=1)
     config = trainer.model.config
     assert config.model_type == "block_diffusion" and config.objective == "fast_dllm_v2"
-    assert config.clean_attention == "causal" and config.block_size == 4
+    assert config.clean_attention == "block_causal" and config.block_size == 4  # Fast-dLLM v2's clean stream
     assert trainer.processing_class.convert_tokens_to_ids("<|mask|>") == config.mask_token_id  # added token
     # A causal LM object with its tokenizer converts the same way.
     trainer = train(tmp_path, "object", model=tiny_causal_lm(), tokenizer=tiny_tokenizer(), objective="standard",

@@ -1,7 +1,8 @@
 """Training objectives: corrupt a batch, then score the model's hidden states on it.
 
-One module per objective (``standard`` = BD3-LM, ``fast_dllm_v2`` = AR -> BDLM conversion), a
-shared contract in ``base`` and layout-invariant noise in ``noise``. Build one by name::
+One module per objective (``standard`` = BD3-LM, ``fast_dllm_v2`` = AR -> BDLM conversion as in Fast-dLLM v2,
+with its variant ``fast_dllm_v2_causal_clean``), a shared contract in ``base`` and layout-invariant noise in
+``noise``. Build one by name::
 
     from hf_bdlm.objectives import get_objective
     objective = get_objective("standard", model.config)          # or a dict of constructor kwargs
@@ -14,13 +15,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import CorruptedBatch, Objective, supervised_mask, target_rows_in
-from .fast_dllm_v2 import FastDLLMv2Objective
-from .noise import hash_uniform, stratified_block_t
+from .fast_dllm_v2 import FastDLLMv2CausalCleanObjective, FastDLLMv2Objective
+from .noise import hash_uniform, independent_block_t, stratified_block_t
 from .standard import StandardObjective
 
 OBJECTIVE_CLASSES: dict[str, type[Objective]] = {
     StandardObjective.name: StandardObjective,
     FastDLLMv2Objective.name: FastDLLMv2Objective,
+    FastDLLMv2CausalCleanObjective.name: FastDLLMv2CausalCleanObjective,
 }
 PLANNED_OBJECTIVES = ("diffusion_gemma", "dflash")
 
@@ -29,7 +31,8 @@ def get_objective(name: str, config_or_kwargs: Any) -> Objective:
     """Build the objective called ``name``.
 
     Args:
-        name (`str`): `"standard"` or `"fast_dllm_v2"` (`"diffusion_gemma"` and `"dflash"` are planned).
+        name (`str`): `"standard"`, `"fast_dllm_v2"` or `"fast_dllm_v2_causal_clean"` (`"diffusion_gemma"` and
+            `"dflash"` are planned).
         config_or_kwargs: a `BlockDiffusionConfig` (block size, mask token, noise range and weighting are
             read from it) or a mapping of constructor arguments (`block_size`, `mask_token_id`, ...).
     """
@@ -54,12 +57,14 @@ def get_objective(name: str, config_or_kwargs: Any) -> Objective:
 
 __all__ = [
     "CorruptedBatch",
+    "FastDLLMv2CausalCleanObjective",
     "FastDLLMv2Objective",
     "OBJECTIVE_CLASSES",
     "Objective",
     "StandardObjective",
     "get_objective",
     "hash_uniform",
+    "independent_block_t",
     "stratified_block_t",
     "supervised_mask",
     "target_rows_in",

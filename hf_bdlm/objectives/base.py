@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from ..attention.masks import CLEAN, NOISY
 from ..attention.rows import RowMeta, check_block_aligned_documents, vectorized_rows
 from ..modeling import document_positions
-from .noise import SALT_TOKEN_MASK, hash_uniform, stratified_block_t
+from .noise import independent_block_t, stratified_block_t, token_uniform
 
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
 
@@ -40,7 +40,7 @@ class CorruptedBatch:
             row whose hidden state predicts the target.
         target_row_pos (`torch.LongTensor` of shape `[n]`): global position of that predicting row.
         target_token (`torch.LongTensor` of shape `[n]`): the token to predict.
-        target_weight (`torch.FloatTensor` of shape `[n]`): weight of its cross-entropy.
+        target_weight (`torch.DoubleTensor` of shape `[n]`): weight of its cross-entropy.
         normalizer (`float`): supervised tokens of the whole batch; loss = `sum(w * CE) / normalizer`.
         masked (`torch.BoolTensor` of shape `[b, L]`): positions replaced by `[MASK]` in `x_t`.
         sample_ids (`torch.LongTensor` of shape `[b]`, *optional*): global sample id of each row.
@@ -124,7 +124,8 @@ class Objective:
 
     Parameters:
         block_size (`int`): tokens per diffusion block.
-        mask_token_id (`int`): id of the absorbing `[MASK]` token (its logit is excluded from the softmax).
+        mask_token_id (`int`): id of the absorbing `[MASK]` token (its logit is excluded from the softmax when
+            the objective's reference does so, `exclude_mask_logit`).
         noise_eps_min (`float`, defaults to 1e-3), noise_eps_max (`float`, defaults to 1.0):
             range of the per-block masking rate `t`.
         loss_weighting (`str`, defaults to `"inverse_t"`): `"inverse_t"` (`w = 1/t`) or `"unit"` (`w = 1`).
@@ -134,6 +135,10 @@ class Objective:
     """
 
     name: ClassVar[str] = ""
+    # How the per-block masking rates are drawn: "stratified" (noise.stratified_block_t) or "independent".
+    block_rate_sampling: ClassVar[str] = "stratified"
+    # Whether the [MASK] logit is left out of the softmax of the loss (BD3-LM's SUBS parameterization).
+    exclude_mask_logit: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -249,6 +254,10 @@ class Objective:
     def block_rates(self, checked: CheckedBatch, *, seed: int, step: int) -> torch.Tensor:
         """Masking rate ``t`` of every (row, block), ``[b, L / block_size]`` float64."""
         length = checked.input_ids.shape[1]
+        if self.block_rate_sampling == "independent":
+            return independent_block_t(
+                seed, step, checked.sample_ids, length // self.block_size, self.noise_eps_min, self.noise_eps_max
+            )
         # A sample's extent ends at its last non-pad token; stratifying over that extent (not over the
         # padded length) keeps t independent of which other samples share the batch. Right padding assumed.
         pos = torch.arange(1, length + 1, device=checked.input_ids.device)
@@ -262,7 +271,7 @@ class Objective:
         """One uniform per (row, position), ``[b, L]`` float64: a token is masked when its draw < t."""
         length = checked.input_ids.shape[1]
         positions = torch.arange(length, device=checked.input_ids.device)
-        return hash_uniform(seed, step, checked.sample_ids[:, None], positions[None, :], SALT_TOKEN_MASK)
+        return token_uniform(seed, step, checked.sample_ids[:, None], positions[None, :])
 
     def per_token(self, block_values: torch.Tensor) -> torch.Tensor:
         """Expand ``[b, N]`` per-block values to ``[b, N * block_size]`` per-token values."""
@@ -349,29 +358,32 @@ class Objective:
         """(Σ w·CE, Σ CE, argmax hits) over targets, the [MASK] logit excluded; chunked over targets."""
         chunk = self.loss_chunk_size
         if hidden.shape[0] <= chunk or not torch.is_grad_enabled():
-            return _chunk_cross_entropy(hidden, tokens, weights, model.lm_logits, self.mask_token_id)
+            return _chunk_cross_entropy(
+                hidden, tokens, weights, model.lm_logits, self.mask_token_id, self.exclude_mask_logit
+            )
         totals = []
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
             totals.append(
                 checkpoint(
                     _chunk_cross_entropy,
-                    hidden[sl], tokens[sl], weights[sl], model.lm_logits, self.mask_token_id,
+                    hidden[sl], tokens[sl], weights[sl], model.lm_logits, self.mask_token_id, self.exclude_mask_logit,
                     use_reentrant=False,
                 )
             )
         return tuple(torch.stack(parts).sum() for parts in zip(*totals))
 
 
-def _chunk_cross_entropy(hidden, tokens, weights, lm_logits, mask_token_id: int):
+def _chunk_cross_entropy(hidden, tokens, weights, lm_logits, mask_token_id: int, exclude_mask_logit: bool):
     # Float32 softmax whatever the model dtype: the CE of a bf16 logit row loses ~2 digits.
     logits = lm_logits(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # CE in at least float32; float64 models stay float64
-    # The model must never predict [MASK] as a clean token: drop it from the softmax (and the argmax).
-    logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
-    ce = F.cross_entropy(logits, tokens, reduction="none")
-    correct = (logits.argmax(dim=-1) == tokens).sum().detach()
+    # [MASK] is never a clean token: generate never picks it, nor does the accuracy metric. BD3-LM also drops it
+    # from the softmax; Fast-dLLM v2 keeps it (a causal-LM loss over the whole vocabulary).
+    without_mask = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
+    ce = F.cross_entropy(without_mask if exclude_mask_logit else logits, tokens, reduction="none")
+    correct = (without_mask.argmax(dim=-1) == tokens).sum().detach()
     return (weights.to(ce.dtype) * ce).sum(), ce.sum(), correct
 
 

@@ -1,17 +1,29 @@
-"""`fast_dllm_v2`: AR -> BDLM conversion (Fast-dLLM v2) with token shift and complementary masks.
+"""`fast_dllm_v2`: AR -> BDLM conversion as in Fast-dLLM v2 (token shift, complementary masks).
 
-Token shift: the target at position ``i`` is predicted by the row at ``i - 1``, as in next-token
-prediction, so a converted causal LM keeps the meaning of its head. Inside a block that row is
-the noisy row ``i - 1`` (which may itself be masked: by design); at a block start (``i - 1`` in
-the previous block, which a noisy row cannot see) it is the clean row ``i - 1``, the last clean
-token of the previous block. Position 0 and the first token of every packed document have no
-predecessor in their document: they are neither supervised nor corrupted.
+The reference is Fast-dLLM v2's training forward (``Fast_dLLM_QwenForCausalLM.forward`` in its model code):
 
-Complementary views: the batch doubles to ``2b`` rows, **view-major** (rows ``0..b-1`` are view
-0 of samples ``0..b-1``, rows ``b..2b-1`` view 1 of the same samples). View 0 masks a supervised
-token iff its draw is below its block's ``t``; view 1 masks exactly the supervised tokens view 0
-kept. Every supervised token is thus a target exactly once; weights are 1 and the normalizer
-counts each supervised token once. Tiny CPU example::
+- rates: one ``t ~ U[0, 1)`` per (sample, block), drawn independently, ``p = eps + (1 - eps) t``; a supervised
+  token is masked in view 0 iff its own draw is below ``p`` and in view 1 otherwise, so every supervised token
+  is masked in exactly one of the two views. Here ``t`` and the draws are layout-invariant hashes
+  (:func:`~hf_bdlm.objectives.noise.independent_block_t`, ``eps = noise_eps_min``, ``noise_eps_max = 1``).
+- attention: the model runs ``[x_t, x]`` under BD3-LM's mask with a **block-causal** clean stream.
+- loss: a causal-LM loss on the noisy half: labels shifted by one, so the **noisy** row ``i - 1`` predicts a
+  masked token ``i``, also at a block start (the row is then the last one of the previous noisy block); a
+  cross-entropy over the whole vocabulary ([MASK] included), unit weights, divided by the number of scored
+  tokens (each supervised token with a predecessor, once over both views).
+
+Position 0 and the first token of every packed document have no predecessor in their document: they are
+corrupted like any supervised token (the reference masks position 0 too) but never scored.
+
+Complementary views double the batch to ``2b`` rows, **view-major** (rows ``0..b-1`` are view 0 of samples
+``0..b-1``, rows ``b..2b-1`` view 1 of the same samples).
+
+`fast_dllm_v2_causal_clean` is the variant that keeps the converted model's clean stream *identical to the source
+causal LM*: a token-causal clean stream, and a block's first token scored from the clean row before it, which is
+then exactly the causal LM's next-token prediction. The reason is inference: the K/V cache of the prompt and of
+every finished block is the causal LM's own cache (any autoregressive engine's prefill computes it, and the
+causal LM can share it), and ``generate`` unmasks each block's first token from that clean row in the block's
+first step. Tiny CPU example::
 
     import torch
     from hf_bdlm.objectives import get_objective
@@ -22,7 +34,7 @@ counts each supervised token once. Tiny CPU example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -32,14 +44,19 @@ from .base import CorruptedBatch, Objective
 
 class FastDLLMv2Objective(Objective):
     """Fast-dLLM v2 conversion objective. Same parameters as :class:`~hf_bdlm.objectives.base.Objective`,
-    except that the weighting is always `"unit"` (complementary views have no `1/t` ELBO weight)."""
+    except that the weighting is always `"unit"` (complementary views have no `1/t` ELBO weight). Train it on a
+    model whose `clean_attention` is `"block_causal"` (the config enforces it for `objective="fast_dllm_v2"`)."""
 
     name = "fast_dllm_v2"
+    block_rate_sampling = "independent"
+    exclude_mask_logit = False
+    # Stream of the row that predicts a block's first token (the row before it, in the previous block).
+    block_start_stream: ClassVar[int] = NOISY
 
     def __init__(self, *, loss_weighting: str = "unit", **kwargs: Any):
         if loss_weighting != "unit":
             raise ValueError(
-                f"fast_dllm_v2 uses unit weights (every supervised token is masked in exactly one of two "
+                f"{self.name} uses unit weights (every supervised token is masked in exactly one of two "
                 f"complementary views), got loss_weighting={loss_weighting!r}; drop the argument or pass 'unit'."
             )
         super().__init__(loss_weighting="unit", **kwargs)
@@ -54,27 +71,27 @@ class FastDLLMv2Objective(Objective):
     def corrupt(self, batch: Mapping[str, torch.Tensor], *, seed: int, step: int) -> CorruptedBatch:
         checked = self.check_batch(batch)
         clean = checked.input_ids
-        b, length = clean.shape
         has_predecessor = torch.ones_like(checked.supervised)
         has_predecessor[:, 0] = False
         if checked.document_ids is not None:
             has_predecessor[:, 1:] &= checked.document_ids[:, 1:] == checked.document_ids[:, :-1]
-        supervised = checked.supervised & has_predecessor
-        if not supervised.any():
+        scored = checked.supervised & has_predecessor
+        if not scored.any():
             raise ValueError(
                 "the batch has no supervised token after the token shift: only the first token of a sequence or "
                 "document is supervised, and it has no predecessor to predict it from."
             )
         block_t = self.block_rates(checked, seed=seed, step=step)
         in_view0 = self.token_draws(checked, seed=seed, step=step) < self.per_token(block_t)
+        supervised = checked.supervised
         masked = torch.cat([supervised & in_view0, supervised & ~in_view0], dim=0)  # [2b, L], view-major
         clean2 = clean.repeat(2, 1)
         noisy = clean2.masked_fill(masked, self.mask_token_id)
 
-        sample, pos = masked.nonzero(as_tuple=True)
-        prev = pos - 1
-        starts_block = pos % self.block_size == 0
-        stream = torch.where(starts_block, torch.full_like(pos, CLEAN), torch.full_like(pos, NOISY))
+        sample, pos = (masked & has_predecessor.repeat(2, 1)).nonzero(as_tuple=True)
+        stream = torch.full_like(pos, NOISY)
+        if self.block_start_stream == CLEAN:
+            stream[pos % self.block_size == 0] = CLEAN
         doc = None if checked.document_ids is None else checked.document_ids.repeat(2, 1)
         return CorruptedBatch(
             noisy_ids=noisy,
@@ -83,11 +100,23 @@ class FastDLLMv2Objective(Objective):
             document_ids=doc,
             target_sample=sample,
             target_stream=stream,
-            target_row_pos=prev,
+            target_row_pos=pos - 1,
             target_token=clean2[sample, pos],
-            target_weight=torch.ones(sample.shape[0], dtype=torch.float32, device=clean.device),
-            normalizer=float(supervised.sum()),
+            target_weight=torch.ones(sample.shape[0], dtype=torch.float64, device=clean.device),
+            normalizer=float(scored.sum()),
             masked=masked,
             sample_ids=checked.sample_ids.repeat(2),
             block_t=block_t.repeat(2, 1),
         )
+
+
+class FastDLLMv2CausalCleanObjective(FastDLLMv2Objective):
+    """`fast_dllm_v2_causal_clean`: Fast-dLLM v2 with the clean stream kept identical to the source causal LM.
+
+    Differs from :class:`FastDLLMv2Objective` in two documented ways (see the module docstring for the inference
+    reason): the model's clean stream is token-causal (`clean_attention="causal"`, enforced by the config), and
+    a block's first token is scored from the clean row before it (the causal LM's next-token prediction).
+    """
+
+    name = "fast_dllm_v2_causal_clean"
+    block_start_stream = CLEAN

@@ -21,6 +21,8 @@ _GOLDEN32 = 0x9E3779B9  # keeps zero inputs from hashing to zero
 # Salts of the draws the objectives make (any distinct constants; they separate the streams).
 SALT_BLOCK_T = 0x5EED_0001
 SALT_TOKEN_MASK = 0x5EED_0002
+SALT_BLOCK_JITTER = 0x5EED_0003
+SALT_TOKEN_REDRAW = 0x5EED_1000_0000  # + round: the token draws of a block redrawn by BD3-LM's clipped resampling
 
 
 def _mul32(x, c: int):
@@ -76,6 +78,10 @@ def hash_uniform(seed: int, step: int, sample: torch.Tensor, position: torch.Ten
     return bits.to(torch.float64) * (2.0**-53)
 
 
+def _to_range(u: torch.Tensor, eps_min: float, eps_max: float) -> torch.Tensor:
+    return eps_min + (eps_max - eps_min) * u
+
+
 def stratified_block_t(
     seed: int,
     step: int,
@@ -85,24 +91,52 @@ def stratified_block_t(
     eps_min: float,
     eps_max: float,
 ) -> torch.Tensor:
-    """Antithetic (stratified) masking rates, one per (sample, block).
+    """Per-sample stratified masking rates, one per (sample, block): BD3-LM's antithetic sampling, per sample.
 
-    Block ``j`` of a sample with ``n`` blocks gets ``frac(u + j / n)`` mapped linearly into
-    ``[eps_min, eps_max]``, where ``u = hash_uniform(seed, step, sample, 0, SALT_BLOCK_T)``: the
-    sample's first ``n`` blocks cover the ``n`` strata of the range exactly once, which lowers the
-    variance of the loss estimate, while each block's rate stays marginally uniform.
+    BD3-LM (``_sample_t`` with ``antithetic_sampling``) cuts ``[0, 1)`` into one stratum per (sample, block) of the
+    *batch* and draws an independent uniform inside each. Here the strata are those of one sample, so the rates do
+    not depend on the batch (layout invariance): a sample with ``n`` blocks cuts ``[0, 1)`` into ``n`` strata and
+    block ``j`` takes stratum ``(j + s) mod n`` at an independent position ``v_j`` inside it,
 
-    ``n`` is the sample's own block count (``blocks_per_sample [b]``, from its non-pad extent), not
-    the padded batch length, so the rates do not change when a sample is batched with longer ones.
-    Blocks ``j >= n`` (padding) still get a rate; they hold no supervised token.
+        u_j = ((j + s) mod n + v_j) / n,   s = floor(n * r),
+
+    with ``r = hash_uniform(seed, step, sample, 0, SALT_BLOCK_T)`` and ``v_j = hash_uniform(seed, step, sample, j,
+    SALT_BLOCK_JITTER)``, then ``t_j = eps_min + (eps_max - eps_min) * u_j``. The sample's first ``n`` blocks cover
+    the ``n`` strata exactly once (lower variance), and the random offset ``s`` makes every block's rate marginally
+    uniform on ``[eps_min, eps_max]`` (BD3-LM's fixed assignment gives block ``j`` of a lone sample the ``j``-th
+    stratum), so the loss stays an unbiased estimate of the ELBO (``tests/test_reference_semantics.py``).
+
+    ``n`` is the sample's own block count (``blocks_per_sample [b]``, from its non-pad extent), not the padded batch
+    length, so the rates do not change when a sample is batched with longer ones. Blocks ``j >= n`` (padding) get
+    a rate as well; they hold no supervised token.
 
     Returns:
         `torch.DoubleTensor` of shape ``[b, num_blocks]``.
     """
-    u = hash_uniform(seed, step, sample_ids[:, None], torch.zeros(1, dtype=torch.int64, device=sample_ids.device),
-                     SALT_BLOCK_T)
-    j = torch.arange(num_blocks, device=sample_ids.device, dtype=torch.float64)
-    # Each of these is one IEEE-rounded op per kernel (no fused multiply-add), so every device agrees.
-    s = u + j[None, :] / blocks_per_sample.clamp(min=1).to(torch.float64)[:, None]
-    s = s - torch.floor(s)
-    return eps_min + (eps_max - eps_min) * s
+    device = sample_ids.device
+    n = blocks_per_sample.clamp(min=1).to(torch.long)[:, None]
+    r = hash_uniform(seed, step, sample_ids[:, None], torch.zeros(1, dtype=torch.int64, device=device), SALT_BLOCK_T)
+    offset = torch.minimum((r * n).floor().to(torch.long), n - 1)  # r * n < n up to rounding
+    j = torch.arange(num_blocks, device=device)
+    v = hash_uniform(seed, step, sample_ids[:, None], j[None, :], SALT_BLOCK_JITTER)
+    # Each op is one IEEE-rounded kernel (no fused multiply-add), so every device agrees.
+    u = (((j[None, :] + offset) % n).to(torch.float64) + v) / n.to(torch.float64)
+    return _to_range(u, eps_min, eps_max)
+
+
+def independent_block_t(
+    seed: int, step: int, sample_ids: torch.Tensor, num_blocks: int, eps_min: float, eps_max: float
+) -> torch.Tensor:
+    """Independent masking rates, one per (sample, block), uniform on ``[eps_min, eps_max]``.
+
+    Fast-dLLM v2's draw (``t = torch.rand(blocks)``, ``p = (1 - eps) * t + eps``), keyed by
+    ``hash_uniform(seed, step, sample, block, SALT_BLOCK_T)``. Returns `torch.DoubleTensor` ``[b, num_blocks]``.
+    """
+    j = torch.arange(num_blocks, device=sample_ids.device)
+    return _to_range(hash_uniform(seed, step, sample_ids[:, None], j[None, :], SALT_BLOCK_T), eps_min, eps_max)
+
+
+def token_uniform(seed: int, step: int, sample: torch.Tensor, position: torch.Tensor, redraw: int = 0) -> torch.Tensor:
+    """The per-token masking draw (``redraw > 0``: the ``redraw``-th fresh draw of a resampled block)."""
+    salt = SALT_TOKEN_MASK if redraw == 0 else SALT_TOKEN_REDRAW + redraw
+    return hash_uniform(seed, step, sample, position, salt)

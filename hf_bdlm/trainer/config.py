@@ -17,7 +17,7 @@ import torch
 from trl import SFTConfig
 
 from ..attention.backends import BACKENDS
-from ..configuration import LOSS_WEIGHTINGS
+from ..configuration import LOSS_WEIGHTINGS, TOKEN_SHIFT_OBJECTIVES
 from ..objectives import OBJECTIVE_CLASSES, PLANNED_OBJECTIVES
 from ..parallel.dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
 
@@ -40,14 +40,16 @@ class BDLMSFTConfig(SFTConfig):
             Tokens per diffusion block. Defaults to the model's; when a causal LM is converted, to 32. Setting it on a
             BDLM checkpoint changes the model's block size (the weights do not depend on it).
         objective (`str`, *optional*):
-            Training objective: `"standard"` (BD3-LM) or `"fast_dllm_v2"` (AR -> BDLM conversion: token shift,
-            complementary masks). `"diffusion_gemma"` and `"dflash"` are planned. Defaults to the model's.
+            Training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"` (AR -> BDLM conversion as in Fast-dLLM v2:
+            token shift, complementary masks, block-causal clean stream) or `"fast_dllm_v2_causal_clean"` (its variant
+            whose clean stream stays the causal LM's, token-causal). `"diffusion_gemma"` and `"dflash"` are planned.
+            Defaults to the model's.
         noise_eps_min (`float`, *optional*), noise_eps_max (`float`, *optional*):
             Range the per-block masking rate `t` is clipped to, `0 < noise_eps_min <= noise_eps_max <= 1`.
             Default to the model's.
         loss_weighting (`str`, *optional*):
-            `"inverse_t"` (`1/t`, the ELBO) or `"unit"`; `fast_dllm_v2` always uses `"unit"`. Defaults to the
-            model's.
+            `"inverse_t"` (`1/t`, the ELBO) or `"unit"`; the `fast_dllm_v2` objectives always use `"unit"`. Defaults to
+            the model's.
         attention_backend (`str`, *optional*):
             `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`). Defaults to the
             model's. CPU training needs `"blockwise"` or `"dense"`.
@@ -95,7 +97,8 @@ class BDLMSFTConfig(SFTConfig):
     block_size: int | None = field(default=None, metadata={"help": "Tokens per diffusion block (default: the model's)."})
     objective: str | None = field(
         default=None,
-        metadata={"help": "Training objective: 'standard' or 'fast_dllm_v2' (default: the model's)."},
+        metadata={"help": "Training objective: 'standard', 'fast_dllm_v2' or 'fast_dllm_v2_causal_clean' (default: "
+                          "the model's)."},
     )
     noise_eps_min: float | None = field(default=None, metadata={"help": "Lowest per-block masking rate."})
     noise_eps_max: float | None = field(default=None, metadata={"help": "Highest per-block masking rate."})
@@ -181,9 +184,9 @@ class BDLMSFTConfig(SFTConfig):
             raise ValueError(f"need noise_eps_min <= noise_eps_max, got noise_eps_min={lo}, noise_eps_max={hi}.")
         if self.loss_weighting is not None and self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
-        if self.objective == "fast_dllm_v2" and self.loss_weighting not in (None, "unit"):
+        if self.objective in TOKEN_SHIFT_OBJECTIVES and self.loss_weighting not in (None, "unit"):
             raise ValueError(
-                f"objective='fast_dllm_v2' uses unit weights (complementary masks), got "
+                f"objective={self.objective!r} uses unit weights (complementary masks), got "
                 f"loss_weighting={self.loss_weighting!r}; leave it unset or use 'unit'."
             )
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:

@@ -22,7 +22,7 @@ from accelerate.utils import is_peft_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl.data_utils import get_dataset_column_names, is_conversational
 
-from ..configuration import BlockDiffusionConfig
+from ..configuration import TOKEN_SHIFT_OBJECTIVES, BlockDiffusionConfig
 from ..modeling import BlockDiffusionForMaskedLM
 from ..objectives import Objective, get_objective
 from .collator import SAMPLE_ID_COLUMN
@@ -115,7 +115,7 @@ def configure_objective(model: BlockDiffusionForMaskedLM, args: BDLMSFTConfig) -
         "noise_eps_max": args.noise_eps_max,
         "attention_backend": args.attention_backend,
     }
-    if args.loss_weighting is not None and (args.objective or cfg.objective) != "fast_dllm_v2":
+    if args.loss_weighting is not None and (args.objective or cfg.objective) not in TOKEN_SHIFT_OBJECTIVES:
         updates["loss_weighting"] = args.loss_weighting
     for name, value in updates.items():
         if value is not None and getattr(cfg, name) != value:

@@ -52,9 +52,8 @@ def llama_config(**kw) -> LlamaConfig:
 
 def tiny_bdlm(block_size: int = 4, objective: str = "standard", seed: int = 0, **kw) -> BlockDiffusionForMaskedLM:
     torch.manual_seed(seed)
-    clean = "causal" if objective == "fast_dllm_v2" else "block_causal"
     cfg = BlockDiffusionConfig(backbone_config=llama_config(), block_size=block_size, mask_token_id=MASK,
-                               objective=objective, clean_attention=clean, **kw)
+                               objective=objective, **kw)  # the clean stream follows the objective
     return BlockDiffusionForMaskedLM(cfg)
 
 
