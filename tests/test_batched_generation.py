@@ -50,7 +50,8 @@ def ragged(model, prompts, use_cache=True, max_new_tokens=8, on_block=None, **kw
 
 @pytest.mark.parametrize("backbone, clean_attention, objective", [
     ("llama", "block_causal", "standard"),
-    ("llama", "causal", "fast_dllm_v2"),  # token shift: a block's first token comes from the clean stream
+    ("llama", "block_causal", "fast_dllm_v2"),  # token shift: a block's first token comes from the clean stream
+    ("llama", "causal", "standard"),
     ("gemma3", "causal", "standard"),     # sliding-window layers: distances are what the row sees alone
 ])
 def test_ragged_batch_rows_equal_rows_decoded_alone(backbone, clean_attention, objective):
@@ -63,7 +64,7 @@ def test_ragged_batch_rows_equal_rows_decoded_alone(backbone, clean_attention, o
 
 
 def test_ragged_batch_without_cache_equals_with_cache():
-    model = bdlm("llama", "causal", objective="fast_dllm_v2")
+    model = bdlm("llama", "block_causal", objective="fast_dllm_v2")
     prompts = ragged_prompts()
     cached = ragged(model, prompts, max_new_tokens=9, confidence_threshold=0.1)
     recomputed = ragged(model, prompts, use_cache=False, max_new_tokens=9, confidence_threshold=0.1)
