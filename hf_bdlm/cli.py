@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, ImportError) as err:
+    except ImportError as err:
+        extra = "serve" if args.command == "serve" else "eval"
+        print(f"error: {err} (install the extra: pip install \"hf-bdlm[{extra}]\")", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

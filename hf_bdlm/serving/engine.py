@@ -107,6 +107,8 @@ class Engine:
             updates["confidence_threshold"] = request.confidence_threshold
         if request.steps_per_block is not None:
             updates["steps_per_block"] = request.steps_per_block
+        if request.ignore_eos:
+            updates["eos_token_id"] = None
         try:
             config.update(**updates)
             config.validate()

@@ -48,6 +48,7 @@ class _Sampling(BaseModel):
     # block-diffusion decoding (defaults: the checkpoint's generation config)
     confidence_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
     steps_per_block: int | None = Field(default=None, ge=1)
+    ignore_eos: StrictBool = False  # generate exactly max_tokens (benchmarks), as vLLM's extra field
 
     @field_validator("stop")
     @classmethod
