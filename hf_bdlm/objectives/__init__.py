@@ -1,7 +1,8 @@
 """Training objectives: corrupt a batch, then score the model's hidden states on it.
 
 One module per objective (``standard`` = BD3-LM, ``fast_dllm_v2`` = AR -> BDLM conversion as in Fast-dLLM v2,
-with its variant ``fast_dllm_v2_causal_clean``), a shared contract in ``base`` and layout-invariant noise in
+with its variant ``fast_dllm_v2_causal_clean``; ``diffusion_gemma`` = DiffusionGemma SFT on transformers' model), a
+shared contract in ``base`` and layout-invariant noise in
 ``noise``. Build one by name::
 
     from hf_bdlm.objectives import get_objective
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import CorruptedBatch, Objective, supervised_mask, target_rows_in
+from .diffusion_gemma import DiffusionGemmaBatch, DiffusionGemmaObjective
 from .fast_dllm_v2 import FastDLLMv2CausalCleanObjective, FastDLLMv2Objective
 from .noise import hash_uniform, independent_block_t, stratified_block_t
 from .standard import StandardObjective
@@ -23,16 +25,17 @@ OBJECTIVE_CLASSES: dict[str, type[Objective]] = {
     StandardObjective.name: StandardObjective,
     FastDLLMv2Objective.name: FastDLLMv2Objective,
     FastDLLMv2CausalCleanObjective.name: FastDLLMv2CausalCleanObjective,
+    DiffusionGemmaObjective.name: DiffusionGemmaObjective,
 }
-PLANNED_OBJECTIVES = ("diffusion_gemma", "dflash")
+PLANNED_OBJECTIVES = ("dflash",)
 
 
 def get_objective(name: str, config_or_kwargs: Any) -> Objective:
     """Build the objective called ``name``.
 
     Args:
-        name (`str`): `"standard"`, `"fast_dllm_v2"` or `"fast_dllm_v2_causal_clean"` (`"diffusion_gemma"` and
-            `"dflash"` are planned).
+        name (`str`): `"standard"`, `"fast_dllm_v2"`, `"fast_dllm_v2_causal_clean"` or `"diffusion_gemma"` (`"dflash"`
+            is planned).
         config_or_kwargs: a `BlockDiffusionConfig` (block size, mask token, noise range and weighting are
             read from it) or a mapping of constructor arguments (`block_size`, `mask_token_id`, ...).
     """
@@ -48,7 +51,8 @@ def get_objective(name: str, config_or_kwargs: Any) -> Objective:
         kwargs = dict(config_or_kwargs)
     else:
         kwargs = cls.config_kwargs(config_or_kwargs)
-    missing = [k for k in ("block_size", "mask_token_id") if kwargs.get(k) is None]
+    required = getattr(cls, "required_kwargs", ("block_size", "mask_token_id"))
+    missing = [k for k in required if kwargs.get(k) is None]
     if missing:
         given = sorted(k for k, v in kwargs.items() if v is not None)
         raise ValueError(f"objective {name!r} needs {missing}; got {given}.")
@@ -57,6 +61,8 @@ def get_objective(name: str, config_or_kwargs: Any) -> Objective:
 
 __all__ = [
     "CorruptedBatch",
+    "DiffusionGemmaBatch",
+    "DiffusionGemmaObjective",
     "FastDLLMv2CausalCleanObjective",
     "FastDLLMv2Objective",
     "OBJECTIVE_CLASSES",
