@@ -345,11 +345,12 @@ _FLEX_SKIP = _flex_runs_eagerly_here()
 @pytest.mark.skipif(_FLEX_SKIP is not None, reason=_FLEX_SKIP or "")
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("window", [None, 3], ids=["no_window", "w<B"])
-def test_flex_forward_equals_dense_on_cpu(kind, window):
+@pytest.mark.parametrize("window,convention", [(None, "per_query"), (3, "per_query"), (6, "block_start")],
+                         ids=["no_window", "w<B", "block_start"])
+def test_flex_forward_equals_dense_on_cpu(kind, window, convention):
     doc = torch.cat([_docs([2, 1, 3], 4), _docs([6], 4)])
     rows = vectorized_rows(24, doc)
-    rule = MaskRule(4, kind, window)
+    rule = MaskRule(4, kind, window, convention)
     q, sources = _qkv(2, 4, 2, rows.num_rows, [rows.num_rows])
     with torch.no_grad():
         flex = attend("flex", q, sources, rows, [rows], rule, 0.3, {})
