@@ -29,7 +29,7 @@ def test_bp_mode_has_no_clean_ring(tmp_path):
     [
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
         (dict(objective="bd3lm"), "objective must be one of .* got 'bd3lm'"),
-        (dict(objective="diffusion_gemma"), "'diffusion_gemma' is planned but not implemented yet"),
+        (dict(objective="dflash"), "'dflash' is planned but not implemented yet"),
         (dict(noise_eps_min=0.0), r"noise_eps_min must lie in \(0, 1\], got 0.0"),
         (dict(noise_eps_min=0.5, noise_eps_max=0.2), "noise_eps_min <= noise_eps_max"),
         (dict(loss_weighting="sqrt"), "loss_weighting must be one of"),

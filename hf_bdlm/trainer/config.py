@@ -19,6 +19,7 @@ from trl import SFTConfig
 from ..attention.backends import BACKENDS
 from ..configuration import LOSS_WEIGHTINGS, TOKEN_SHIFT_OBJECTIVES
 from ..objectives import OBJECTIVE_CLASSES, PLANNED_OBJECTIVES
+from ..objectives.diffusion_gemma import MODEL_PREDICTION_TYPES
 from ..parallel.dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
@@ -41,18 +42,33 @@ class BDLMSFTConfig(SFTConfig):
             BDLM checkpoint changes the model's block size (the weights do not depend on it).
         objective (`str`, *optional*):
             Training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"` (AR -> BDLM conversion as in Fast-dLLM v2:
-            token shift, complementary masks, block-causal clean stream) or `"fast_dllm_v2_causal_clean"` (its variant
-            whose clean stream stays the causal LM's, token-causal). `"diffusion_gemma"` and `"dflash"` are planned.
-            Defaults to the model's.
+            token shift, complementary masks, block-causal clean stream), `"fast_dllm_v2_causal_clean"` (its variant
+            whose clean stream stays the causal LM's, token-causal) or `"diffusion_gemma"` (DiffusionGemma SFT on
+            transformers' `DiffusionGemmaForBlockDiffusion`: uniform-state noise, self-conditioning, the encoder's
+            next-token loss; the default for such a model). `"dflash"` is planned. Defaults to the model's.
         noise_eps_min (`float`, *optional*), noise_eps_max (`float`, *optional*):
             Range the per-block masking rate `t` is clipped to, `0 < noise_eps_min <= noise_eps_max <= 1`.
-            Default to the model's.
+            Default to the model's. With `"diffusion_gemma"` (the per-block replacement rate, defaults `1e-4` and
+            `1 - 1e-4`) `0` is allowed: `0` / `0` trains without corruption.
         loss_weighting (`str`, *optional*):
             `"inverse_t"` (`1/t`, the ELBO) or `"unit"`; the `fast_dllm_v2` objectives always use `"unit"`. Defaults to
             the model's.
         attention_backend (`str`, *optional*):
             `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`). Defaults to the
             model's. CPU training needs `"blockwise"` or `"dense"`.
+
+        > Parameters of the `"diffusion_gemma"` objective (rejected with any other)
+
+        self_conditioning_prob (`float`, *optional*):
+            Per-sample probability of the self-conditioning pass (a first decoder pass without gradient whose soft
+            predictions condition the scored pass); `0` skips it. Defaults to `0.5`.
+        ar_loss_weight (`float`, *optional*):
+            Weight of the encoder's next-token loss. Defaults to `1.0`.
+        model_prediction_type (`str`, *optional*):
+            `"mean"` (the decoder predicts the clean token's posterior) or `"mean_loo"` (its leave-one-out posterior,
+            combined with the observed token in the loss). Defaults to `"mean"`.
+        freeze_router (`bool`, *optional*):
+            Keep the MoE routers frozen in full fine-tuning (LoRA never trains them). Defaults to `True`.
 
         > Parameters that control block parallelism
 
@@ -97,14 +113,26 @@ class BDLMSFTConfig(SFTConfig):
     block_size: int | None = field(default=None, metadata={"help": "Tokens per diffusion block (default: the model's)."})
     objective: str | None = field(
         default=None,
-        metadata={"help": "Training objective: 'standard', 'fast_dllm_v2' or 'fast_dllm_v2_causal_clean' (default: "
-                          "the model's)."},
+        metadata={"help": "Training objective: 'standard', 'fast_dllm_v2', 'fast_dllm_v2_causal_clean' or "
+                          "'diffusion_gemma' (default: the model's)."},
     )
     noise_eps_min: float | None = field(default=None, metadata={"help": "Lowest per-block masking rate."})
     noise_eps_max: float | None = field(default=None, metadata={"help": "Highest per-block masking rate."})
     loss_weighting: str | None = field(default=None, metadata={"help": "'inverse_t' or 'unit' (default: the model's)."})
     attention_backend: str | None = field(
         default=None, metadata={"help": "'dense', 'blockwise', 'flex' or 'flash' (default: the model's)."}
+    )
+    self_conditioning_prob: float | None = field(
+        default=None, metadata={"help": "diffusion_gemma: per-sample probability of self-conditioning (default 0.5)."}
+    )
+    ar_loss_weight: float | None = field(
+        default=None, metadata={"help": "diffusion_gemma: weight of the encoder's next-token loss (default 1.0)."}
+    )
+    model_prediction_type: str | None = field(
+        default=None, metadata={"help": "diffusion_gemma: 'mean' or 'mean_loo' (default 'mean')."}
+    )
+    freeze_router: bool | None = field(
+        default=None, metadata={"help": "diffusion_gemma: keep MoE routers frozen in full fine-tuning (default True)."}
     )
 
     # Block parallelism
@@ -177,9 +205,14 @@ class BDLMSFTConfig(SFTConfig):
                     f"objective must be one of {sorted(OBJECTIVE_CLASSES)}, got {self.objective!r}."
                 )
         lo, hi = self.noise_eps_min, self.noise_eps_max
+        gemma = self.objective == "diffusion_gemma"
         for name, value in (("noise_eps_min", lo), ("noise_eps_max", hi)):
-            if value is not None and not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must lie in (0, 1], got {value!r}.")
+            if value is not None and gemma and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1] for objective='diffusion_gemma', got {value!r}.")
+            if value is not None and not gemma and not 0.0 < value <= 1.0:
+                raise ValueError(
+                    f"{name} must lie in (0, 1], got {value!r} (0 is allowed with objective='diffusion_gemma')."
+                )
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"need noise_eps_min <= noise_eps_max, got noise_eps_min={lo}, noise_eps_max={hi}.")
         if self.loss_weighting is not None and self.loss_weighting not in LOSS_WEIGHTINGS:
@@ -191,6 +224,28 @@ class BDLMSFTConfig(SFTConfig):
             )
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}.")
+        self._check_diffusion_gemma_fields()
+
+    def _check_diffusion_gemma_fields(self) -> None:
+        fields = {"self_conditioning_prob": self.self_conditioning_prob, "ar_loss_weight": self.ar_loss_weight,
+                  "model_prediction_type": self.model_prediction_type, "freeze_router": self.freeze_router}
+        given = sorted(k for k, v in fields.items() if v is not None)
+        if given and self.objective not in (None, "diffusion_gemma"):
+            raise ValueError(f"{given} apply to objective='diffusion_gemma' only, got objective={self.objective!r}.")
+        if self.objective == "diffusion_gemma" and self.loss_weighting is not None:
+            raise ValueError(
+                f"loss_weighting={self.loss_weighting!r} does not apply to objective='diffusion_gemma' (a flat "
+                "cross-entropy over the canvas); leave it unset."
+            )
+        p = self.self_conditioning_prob
+        if p is not None and not 0.0 <= p <= 1.0:
+            raise ValueError(f"self_conditioning_prob must lie in [0, 1], got {p!r}.")
+        if self.ar_loss_weight is not None and self.ar_loss_weight < 0:
+            raise ValueError(f"ar_loss_weight must be >= 0, got {self.ar_loss_weight!r}.")
+        if self.model_prediction_type is not None and self.model_prediction_type not in MODEL_PREDICTION_TYPES:
+            raise ValueError(
+                f"model_prediction_type must be one of {MODEL_PREDICTION_TYPES}, got {self.model_prediction_type!r}."
+            )
 
     def _check_data_fields(self) -> None:
         if self.overlong_samples not in OVERLONG_POLICIES:

@@ -1,7 +1,9 @@
 """What the user hands to `BDLMSFTTrainer`, resolved and checked before any work is done.
 
 - the model: a BDLM (object or checkpoint folder) is used as is; a causal LM (object or folder) is converted with
-  `convert_causal_lm`; the config's diffusion fields are written into the model's config;
+  `convert_causal_lm`; the config's diffusion fields are written into the model's config; transformers'
+  `DiffusionGemmaForBlockDiffusion` (object or folder) trains as it is with the `diffusion_gemma` objective, whose
+  settings stay out of its config (the checkpoint remains a plain DiffusionGemma one);
 - the datasets: each must carry the fields its TRL format needs; the global sample index column is added;
 - the PEFT config: LoRA must target modules that exist.
 
@@ -23,6 +25,13 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from trl.data_utils import get_dataset_column_names, is_conversational
 
 from ..configuration import TOKEN_SHIFT_OBJECTIVES, BlockDiffusionConfig
+from ..diffusion_gemma import (
+    diffusion_gemma_class,
+    is_diffusion_gemma,
+    is_diffusion_gemma_config,
+    unwrap_diffusion_gemma,
+    use_block_diffusion_attention,
+)
 from ..modeling import BlockDiffusionForMaskedLM
 from ..objectives import Objective, get_objective
 from .collator import SAMPLE_ID_COLUMN
@@ -50,9 +59,12 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
         path = os.fspath(model)
         kwargs = _model_init_kwargs(args)
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        _check_objective_fits(args, is_diffusion_gemma_config(config), config.model_type)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        if config.model_type == BlockDiffusionConfig.model_type:
+        if is_diffusion_gemma_config(config):
+            loaded = diffusion_gemma_class().from_pretrained(path, **kwargs)
+        elif config.model_type == BlockDiffusionConfig.model_type:
             loaded = AutoModel.from_pretrained(path, **kwargs)
         else:
             causal = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -67,7 +79,8 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
         )
     base_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     inner = model.get_base_model() if is_peft_model(model) else model
-    if isinstance(inner, BlockDiffusionForMaskedLM):
+    _check_objective_fits(args, is_diffusion_gemma(inner), getattr(getattr(inner, "config", None), "model_type", ""))
+    if isinstance(inner, BlockDiffusionForMaskedLM) or is_diffusion_gemma(inner):
         if processing_class is None:
             processing_class = _tokenizer_near(model)
         return model, processing_class, base_name
@@ -80,6 +93,19 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
         f"{type(model).__name__} is neither a BlockDiffusionForMaskedLM nor a causal LM with an LM head; pass a "
         "block-diffusion model, a *ForCausalLM model to convert, or a local checkpoint folder."
     )
+
+
+def _check_objective_fits(args: BDLMSFTConfig, diffusion_gemma: bool, model_type: str) -> None:
+    if args.objective == "diffusion_gemma" and not diffusion_gemma:
+        raise ValueError(
+            f"objective='diffusion_gemma' trains transformers' DiffusionGemmaForBlockDiffusion; got a {model_type!r} "
+            "model. Pass a DiffusionGemma model (object or local folder), or another objective."
+        )
+    if diffusion_gemma and args.objective not in (None, "diffusion_gemma"):
+        raise ValueError(
+            f"a DiffusionGemma model trains with objective='diffusion_gemma' (its own encoder-decoder objective), got "
+            f"objective={args.objective!r}; leave objective unset or set it to 'diffusion_gemma'."
+        )
 
 
 def _tokenizer_near(model):
@@ -102,11 +128,14 @@ def _model_init_kwargs(args) -> dict[str, Any]:
     return kwargs
 
 
-def configure_objective(model: BlockDiffusionForMaskedLM, args: BDLMSFTConfig) -> Objective:
+def configure_objective(model: BlockDiffusionForMaskedLM, args: BDLMSFTConfig, tokenizer=None) -> Objective:
     """Apply the config's diffusion fields to the model's config and build the objective from it.
 
-    The saved checkpoint thus records the block size, objective and noise it was trained with.
+    The saved checkpoint thus records the block size, objective and noise it was trained with. A DiffusionGemma
+    model gets the `diffusion_gemma` objective instead (:func:`configure_diffusion_gemma`).
     """
+    if is_diffusion_gemma(model):
+        return configure_diffusion_gemma(model, args, tokenizer)
     cfg = model.config
     updates = {
         "block_size": args.block_size,
@@ -123,6 +152,54 @@ def configure_objective(model: BlockDiffusionForMaskedLM, args: BDLMSFTConfig) -
             setattr(cfg, name, value)
     cfg._check_diffusion_fields()
     return get_objective(cfg.objective, cfg)
+
+
+def configure_diffusion_gemma(model, args: BDLMSFTConfig, tokenizer=None) -> Objective:
+    """The `diffusion_gemma` objective for transformers' DiffusionGemma model, from the config's fields.
+
+    The canvas length is the model's; the fill token is the tokenizer's EOS (else the model's first EOS id); a
+    response that does not end with an EOS id of the tokenizer, the text config or the generation config counts as
+    truncated (its fill is not supervised). With `freeze_router` (default) the MoE routers stop training. The model's
+    attention is routed through hf_bdlm when a layout is passed (``generate`` is unchanged).
+    """
+    from ..objectives.diffusion_gemma import DEFAULT_NOISE_EPS, DiffusionGemmaObjective
+
+    dg = unwrap_diffusion_gemma(model)
+    canvas = dg.config.canvas_length
+    if args.block_size is not None and args.block_size != canvas:
+        raise ValueError(
+            f"block_size={args.block_size} differs from the DiffusionGemma model's canvas_length={canvas} (the block "
+            "its generate denoises); leave block_size unset."
+        )
+    if args.block_parallel_size > 1:
+        raise NotImplementedError(
+            f"block_parallel_size={args.block_parallel_size} with objective='diffusion_gemma' is not implemented yet; "
+            "DiffusionGemma trains in one process per data-parallel replica (block_parallel_size=1) for now."
+        )
+    kwargs = DiffusionGemmaObjective.config_kwargs(dg.config)
+    ends = set(kwargs.pop("end_token_ids") or [])
+    generation_eos = getattr(getattr(dg, "generation_config", None), "eos_token_id", None)
+    ends |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        kwargs["fill_token_id"] = tokenizer.eos_token_id
+        ends.add(tokenizer.eos_token_id)
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        kwargs["pad_token_id"] = tokenizer.pad_token_id
+    if kwargs.get("fill_token_id") is None:
+        raise ValueError("neither the tokenizer nor the DiffusionGemma config names an EOS token to fill canvases with.")
+    defaults = {"noise_eps_min": DEFAULT_NOISE_EPS, "noise_eps_max": 1.0 - DEFAULT_NOISE_EPS,
+                "self_conditioning_prob": 0.5, "ar_loss_weight": 1.0, "model_prediction_type": "mean",
+                "attention_backend": "blockwise"}
+    for name, default in defaults.items():
+        value = getattr(args, name)
+        kwargs[name] = default if value is None else value
+    objective = DiffusionGemmaObjective(end_token_ids=ends or None, **kwargs)
+    if args.freeze_router is None or args.freeze_router:
+        for name, param in dg.named_parameters():
+            if ".router." in name:
+                param.requires_grad_(False)
+    use_block_diffusion_attention(dg)
+    return objective
 
 
 def add_sample_ids(dataset, name: str = "train"):
@@ -190,7 +267,18 @@ def check_peft_config(peft_config):
 
 
 def check_lora_targets(peft_config, model: torch.nn.Module) -> None:
-    """Raise when LoRA targets nothing (PEFT cannot infer targets for this model type)."""
+    """Raise when LoRA targets nothing (PEFT cannot infer targets for this model type).
+
+    DiffusionGemma without `target_modules` gets the reference targets (set on `peft_config`): the attention and
+    dense-MLP linears of the encoder and decoder layers (router, experts, self-conditioning and vision frozen).
+    """
+    if is_diffusion_gemma(model) and getattr(peft_config, "target_modules", None) is None:
+        if not getattr(peft_config, "target_parameters", None):
+            from ..diffusion_gemma import DIFFUSION_GEMMA_LORA_TARGETS
+
+            logger.info("LoRA target_modules unset: using DiffusionGemma's reference targets %s",
+                        DIFFUSION_GEMMA_LORA_TARGETS)
+            peft_config.target_modules = DIFFUSION_GEMMA_LORA_TARGETS
     targets = getattr(peft_config, "target_modules", None)
     if targets is None:
         if getattr(peft_config, "target_parameters", None):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import re
 from dataclasses import replace
 from typing import Any
 
@@ -41,8 +40,9 @@ from transformers.trainer_utils import has_length
 from trl import SFTTrainer
 
 from ..attention.rows import vectorized_rows
+from ..diffusion_gemma import canvas_length, is_diffusion_gemma
 from ..modeling import BlockDiffusionForMaskedLM
-from ..objectives import Objective, supervised_mask, target_rows_in
+from ..objectives import DiffusionGemmaObjective, Objective, supervised_mask, target_rows_in
 from ..parallel.plugin import BlockParallelPlugin
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
 from .config import BDLMSFTConfig
@@ -59,7 +59,6 @@ from .inputs import (
 logger = logging.getLogger(__name__)
 
 CORRUPTED_KEY = "bdlm_corrupted"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _MISSING = object()
 
 
@@ -123,8 +122,9 @@ class BDLMSFTTrainer(SFTTrainer):
         diffusion = _diffusion_model(model)
         if peft_config is not None:
             check_lora_targets(peft_config, diffusion)
-        self.objective: Objective = configure_objective(diffusion, args)
-        self.block_size = diffusion.config.block_size
+        self.objective: Objective = configure_objective(diffusion, args, getattr(processing_class, "tokenizer",
+                                                                                 processing_class))
+        self.block_size = canvas_length(diffusion) if is_diffusion_gemma(diffusion) else diffusion.config.block_size
         if (args.packing or args.eval_packing) and args.max_length % self.block_size:
             raise ValueError(
                 f"with packing=True, max_length={args.max_length} must be a multiple of the block size "
@@ -152,6 +152,8 @@ class BDLMSFTTrainer(SFTTrainer):
 
         self.data_report: dict[str, dict] = {}
         self.model_card_info: dict[str, Any] = {"dataset": dataset_name(train_dataset)}
+        if isinstance(self.objective, DiffusionGemmaObjective):
+            self.model_card_info["training"] = self.objective.card_settings()
         self._pack = {"train": args.packing, "eval": args.packing if args.eval_packing is None else args.eval_packing}
         # TRL's packing is token-level (documents not block-aligned) and forces its padding-free collator; ours
         # runs in _prepare_dataset instead, so TRL must see packing off while it builds the trainer.
@@ -261,6 +263,12 @@ class BDLMSFTTrainer(SFTTrainer):
             batch[CORRUPTED_KEY] = corrupted
             normalizer += 0.0 if corrupted is None else corrupted.normalizer
         total = torch.tensor(normalizer, dtype=torch.float64, device=self.args.device)
+        if isinstance(self.objective, DiffusionGemmaObjective):  # its encoder's next-token loss has its own normalizer
+            held = [b[CORRUPTED_KEY] for b in batches if b[CORRUPTED_KEY] is not None]
+            pairs = torch.tensor(sum(c.ar_normalizer for c in held), dtype=torch.float64, device=self.args.device)
+            step_pairs = self.plugin.sum_over_replicas(pairs).item()
+            for c in held:
+                c.ar_step_normalizer = step_pairs
         return batches, self.plugin.sum_over_replicas(total).item()
 
     def _corrupt(self, batch, step: int):
@@ -280,8 +288,11 @@ class BDLMSFTTrainer(SFTTrainer):
             return (loss, None) if return_outputs else loss
         if mode == "train" and num_items_in_batch is not None:
             corrupted = replace(corrupted, normalizer=max(float(num_items_in_batch), 1.0))
-        hidden, row_index = self._forward_rows(model, corrupted)
-        loss, metrics = self.objective.loss_from_hidden(_diffusion_model(self.model), hidden, corrupted, row_index)
+        if isinstance(self.objective, DiffusionGemmaObjective):  # runs transformers' encoder-decoder itself
+            loss, metrics = self.objective.loss(model, corrupted)
+        else:
+            hidden, row_index = self._forward_rows(model, corrupted)
+            loss, metrics = self.objective.loss_from_hidden(_diffusion_model(self.model), hidden, corrupted, row_index)
         self._record(mode, metrics, inputs)
         if mode == "train":
             # Each rank holds the loss of its own rows of the global batch; DDP / FSDP2 average over all ranks.
@@ -306,6 +317,8 @@ class BDLMSFTTrainer(SFTTrainer):
 
     def _zero_loss(self, model, inputs):
         """A zero reaching every parameter: DDP's hooks fire as on ranks with targets."""
+        if isinstance(self.objective, DiffusionGemmaObjective):
+            return self.objective.zero_loss(model, inputs)
         ids = inputs["input_ids"]
         hidden = model(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
         return (hidden.sum() + _diffusion_model(self.model).lm_logits(hidden[:, :1]).sum()) * 0.0
@@ -382,7 +395,9 @@ class BDLMSFTTrainer(SFTTrainer):
             },
         }
         base = self._base_model_name
-        if base and _HUB_ID.match(base) and not os.path.exists(base):
+        from ..hub import hub_repo_id
+
+        if hub_repo_id(base):
             info["base_model"] = base
         elif base:
             info["description"] = f"Fine-tuned with hf_bdlm's BDLMSFTTrainer from `{base}`."
@@ -433,8 +448,8 @@ def _as_bdlm_config(args, model) -> BDLMSFTConfig:
 
 
 def _diffusion_model(model) -> BlockDiffusionForMaskedLM:
-    """The BlockDiffusionForMaskedLM inside wrappers (PEFT)."""
+    """The BlockDiffusionForMaskedLM (or transformers' DiffusionGemmaForBlockDiffusion) inside wrappers (PEFT)."""
     inner = model.get_base_model() if is_peft_model(model) else model
-    if not isinstance(inner, BlockDiffusionForMaskedLM):
+    if not isinstance(inner, BlockDiffusionForMaskedLM) and not is_diffusion_gemma(inner):
         raise TypeError(f"expected a BlockDiffusionForMaskedLM (possibly inside PEFT), got {type(inner).__name__}.")
     return inner
