@@ -56,10 +56,7 @@ OBJECTIVES = {
     "standard": "BD3-LM, absorbing `[MASK]` noise with one masking rate `t` per block; the loss is the cross-entropy "
     "of the masked tokens",
     "fast_dllm_v2": "Fast-dLLM v2 (AR to block-diffusion conversion), token shift (the logit at position `i - 1` "
-    "predicts token `i`, as in the causal LM), two complementary masks per sequence, unit weights, block-causal clean "
-    "stream",
-    "fast_dllm_v2_causal_clean": "Fast-dLLM v2 with the clean stream kept token-causal, identical to the source causal "
-    "LM (its KV cache is the causal LM's own), a block's first token predicted by the clean row before it",
+    "predicts token `i`, as in the causal LM), two complementary masks per sequence, unit weights",
     "diffusion_gemma": "DiffusionGemma, uniform-state noise with self-conditioning, plus the encoder's next-token loss",
     "dflash": "DFlash, a block drafter distilled from a frozen target model's features (speculative decoding)",
 }
@@ -143,6 +140,10 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
             f"{directory} has no config.json: save the model first (model.save_pretrained(output_dir), or "
             "hf_bdlm.hub.save_for_hub), then write its card."
         )
+    if config.get("model_type") == "diffusion_gemma":  # transformers' DiffusionGemma, fine-tuned by hf_bdlm
+        from .diffusion_gemma_card import render_diffusion_gemma_card
+
+        return render_diffusion_gemma_card(directory, config, info)
     if config.get("model_type") != "block_diffusion":
         raise ValueError(
             f"{directory}/config.json is a {config.get('model_type')!r} config, not a block-diffusion model "
