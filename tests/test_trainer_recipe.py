@@ -68,10 +68,14 @@ def test_qwen3_config_is_a_256k_csbp_conversion_over_16_ranks():
     assert args.max_length == 262144 and args.max_length % (2 * 16 * args.block_size) == 0
 
 
-def test_diffusion_gemma_config_waits_for_its_objective():
-    with pytest.raises(ValueError, match="objective='diffusion_gemma' is planned but not implemented yet"):
-        parse("--config", str(ROOT / "recipes/configs/diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"),
-              "--block_parallel_size", "1", "--clean_ring_size", "1", "--bf16", "false", "--output_dir", "/tmp/x")
+def test_diffusion_gemma_config_is_a_256k_csbp_sft_over_16_ranks():
+    _, args, _ = parse("--config", str(ROOT / "recipes/configs/diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"),
+                       "--block_parallel_size", "1", "--clean_ring_size", "1", "--bf16", "false",
+                       "--output_dir", "/tmp/x")
+    config = yaml.safe_load((ROOT / "recipes/configs/diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml").read_text())
+    assert (config["max_length"], config["block_parallel_size"], config["clean_ring_size"]) == (262144, 16, 16)
+    assert (args.objective, args.noise_eps_min, args.self_conditioning_prob, args.assistant_only_loss) == (
+        "diffusion_gemma", 1e-4, 0.5, True)
 
 
 def test_unknown_embedded_model_is_a_clear_error():
