@@ -1,0 +1,208 @@
+"""CPU benchmark of a DiffusionGemma training step: hf_bdlm's all-blocks pass against TRL's one-block estimator.
+
+A small but not trivial random ``DiffusionGemmaForBlockDiffusion`` (hidden 256, 4 layers: 3 sliding (W = 128) + 1
+full, 4 heads of 64, 2 KV heads, 8 experts top-2, vocab 8192, canvas 64, float32) and one sequence of ``L`` tokens:
+a prompt of ``L / 2`` tokens and a response of ``L / 2``. One training step = forward + backward of the loss (no
+optimizer), self-conditioning on (both methods then run the first, no-grad decoder pass every step, as TRL's example
+always does), default noise range, encoder next-token loss included.
+
+- ``ours``: ``DiffusionGemmaObjective.loss`` (P = 1): the encoder once over the sequence, the decoder over all
+  ``L / 2 / 64`` canvas blocks at once, hf_bdlm's ``blockwise`` attention. Supervises every response token.
+- ``trl``: the loss computation of TRL's example trainer (``examples/scripts/sft_diffusion_gemma.py``), written here
+  from its documented algorithm: one random response block per example; the encoder reads the whole sequence, the
+  decoder's mask cuts the cache at the block start; transformers' ``sdpa`` attention. Supervises ``canvas`` tokens.
+
+Reported per (method, L): step time (median of ``--steps`` after one warm-up), supervised tokens per second (the
+quantity a fixed training budget buys), all tokens per second, and peak memory (``ru_maxrss`` high-water mark minus
+the RSS once model and batch are built; each configuration runs in a fresh process). One thread per process.
+
+    python -m benchmarks.diffusion_gemma --lengths 512 1024 --steps 2          # ~1 minute
+    python -m benchmarks.diffusion_gemma --lengths 512 1024 2048 4096 --out dg.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CANVAS, VOCAB, WINDOW = 64, 8192, 128
+EOS, TURN_END, PAD = 1, 4, 0
+
+
+def _current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def build_model():
+    import torch
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig
+    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
+
+    torch.manual_seed(0)
+    text = DiffusionGemmaTextConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, global_head_dim=64, num_global_key_value_heads=2,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=WINDOW, num_experts=8,
+        top_k_experts=2, moe_intermediate_size=256, max_position_embeddings=65536, pad_token_id=PAD,
+        eos_token_id=[EOS, TURN_END], bos_token_id=2,
+    )
+    vision = Gemma4VisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                num_key_value_heads=1, head_dim=8, position_embedding_size=4, patch_size=2)
+    config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=CANVAS)
+    return DiffusionGemmaForBlockDiffusion(config).train()
+
+
+def build_batch(length: int):
+    import torch
+
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(9, VOCAB, (1, length), generator=g)
+    ids[0, -1] = TURN_END
+    completion = torch.zeros_like(ids)
+    completion[0, length // 2 :] = 1
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
+
+
+# --- TRL's one-block estimator, from the example's documented algorithm ----------------------------------------------
+def trl_loss(model, batch, generator, eps: float = 1e-4, self_conditioning_prob: float = 0.5):
+    """One random response block per example; encoder over the whole sequence, decoder mask cut at the block start;
+    uniform-token corruption at ``t ~ U(eps, 1 - eps)``; two-pass self-conditioning; CE over the canvas + the
+    encoder's next-token CE. Returns ``(loss, supervised tokens)``."""
+    import torch
+    import torch.nn.functional as F
+
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    supervised = batch["completion_mask"].bool() & attention.bool()
+    b, length = ids.shape
+    B = model.config.canvas_length
+    pos = torch.arange(length)
+    starts = supervised & ~F.pad(supervised, (1, 0))[:, :-1]
+    end = torch.where(supervised, pos, -1).amax(1)
+    prefix = torch.where(starts, pos, -1).amax(1).clamp(min=0)
+    response = (end - prefix + 1) * (end >= 0)
+    blocks = (response - 1).clamp(min=0) // B + 1
+    chosen = (torch.rand(b, generator=generator) * blocks).long()
+    encoder_len = prefix + chosen * B
+    offsets = torch.arange(B)
+    in_response = offsets < (response - chosen * B)[:, None]
+    source = (encoder_len[:, None] + offsets).clamp(max=length - 1)
+    target = torch.where(in_response, ids.gather(1, source), EOS)
+    t = eps + (1 - 2 * eps) * torch.rand(b, 1, generator=generator)
+    corrupt = torch.rand(b, B, generator=generator) < t
+    canvas = torch.where(corrupt, torch.randint(VOCAB, (b, B), generator=generator), target)
+    cache_mask = (pos < encoder_len[:, None]).long()
+    kwargs = dict(input_ids=ids, attention_mask=attention, decoder_input_ids=canvas,
+                  decoder_attention_mask=torch.cat([cache_mask, torch.ones(b, B, dtype=torch.long)], 1),
+                  decoder_position_ids=encoder_len[:, None] + offsets)
+    with torch.no_grad():
+        kwargs["self_conditioning_logits"] = model(**kwargs).logits
+    kwargs["self_conditioning_mask"] = torch.rand(b, generator=generator) < self_conditioning_prob
+    out = model(**kwargs)
+    diffusion = F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+    cap = model.final_logit_softcapping
+    encoder_logits = torch.tanh(model.lm_head(out.encoder_last_hidden_state).float() / cap) * cap
+    pairs = attention[:, :-1].bool() & attention[:, 1:].bool()
+    ar = F.cross_entropy(encoder_logits[:, :-1].flatten(0, 1), torch.where(pairs, ids[:, 1:], -100).flatten())
+    return diffusion + ar, b * B
+
+
+# --- worker -----------------------------------------------------------------------------------------------------
+def worker(method: str, length: int, steps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from hf_bdlm.objectives import get_objective
+
+    model = build_model()
+    batch = build_batch(length)
+    objective = get_objective("diffusion_gemma", dict(block_size=CANVAS, vocab_size=VOCAB, fill_token_id=EOS,
+                                                      end_token_ids={EOS, TURN_END}, self_conditioning_prob=1.0))
+    generator = torch.Generator().manual_seed(0)
+    base_rss = _current_rss()
+    times, supervised = [], 0
+    for step in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        if method == "ours":
+            corrupted = objective.corrupt(batch, seed=0, step=step)
+            loss, _ = objective.loss(model, corrupted)
+            supervised = int(corrupted.normalizer)
+        else:
+            loss, supervised = trl_loss(model, batch, generator)
+        loss.backward()
+        if step:
+            times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    return {"method": method, "length": length, "step_s": step_s, "supervised_tokens": supervised,
+            "supervised_tokens_per_s": supervised / step_s, "tokens_per_s": length / step_s,
+            "peak_mem_bytes": _peak_rss() - base_rss, "loss": float(loss)}
+
+
+# --- driver -----------------------------------------------------------------------------------------------------
+def run(lengths, steps: int) -> list[dict]:
+    results = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for length in lengths:
+        for method in ("trl", "ours"):
+            out = subprocess.run([sys.executable, "-m", "benchmarks.diffusion_gemma", "--worker", method,
+                                  "--lengths", str(length), "--steps", str(steps)],
+                                 capture_output=True, text=True, env=env, check=True)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            results.append(result)
+            print(f"  {method:4s} L={length:6d}: {result['step_s']:.2f} s/step, "
+                  f"{result['supervised_tokens_per_s']:.0f} supervised tok/s, "
+                  f"{result['peak_mem_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| L | method | step (s) | supervised tokens / step | supervised tok/s | all tok/s | peak memory (MiB) |",
+            "|---:|---|---:|---:|---:|---:|---:|"]
+    by = {(r["method"], r["length"]): r for r in results}
+    for length in sorted({r["length"] for r in results}):
+        for method in ("trl", "ours"):
+            r = by.get((method, length))
+            if r:
+                rows.append(f"| {length} | {method} | {r['step_s']:.2f} | {r['supervised_tokens']} | "
+                            f"{r['supervised_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
+                            f"{r['peak_mem_bytes'] / 2**20:.0f} |")
+        if (("trl", length) in by) and (("ours", length) in by):
+            ours, trl = by[("ours", length)], by[("trl", length)]
+            rows.append(f"| {length} | ours / trl | {ours['step_s'] / trl['step_s']:.2f}x | | "
+                        f"**{ours['supervised_tokens_per_s'] / trl['supervised_tokens_per_s']:.1f}x** | "
+                        f"{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x | "
+                        f"{ours['peak_mem_bytes'] / max(trl['peak_mem_bytes'], 1):.2f}x |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", help="write the results as JSON")
+    parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.lengths[0], args.steps)))
+        return
+    results = run(args.lengths, args.steps)
+    print(table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
