@@ -124,16 +124,14 @@ def worker(args) -> None:
         # The layout is rebuilt every step as a trainer would (its plan depends on the batch).
         layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), "blockwise", corrupted.document_ids,
                                      transport=args.transport)
-        ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
-        out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
-        loss, _ = objective.loss_from_hidden(model, out.hidden_states, corrupted, layout.loss_row_index(corrupted))
+        loss, _ = objective.loss(model, corrupted, layout)  # the trainer's step, on this rank's rows
         loss.backward()
         dt = time.perf_counter() - t0
         if step:
             times.append(dt)
             bytes_steps.append(meter.by_name())
             waits.append(sum(c.wait_seconds for c in comms) - wait0)
-        del out, loss, layout
+        del loss, layout
     peak, peak_abs = _peak_rss() - base_rss, _peak_rss()
     mine = dict(times=times, bytes=bytes_steps, waits=waits, peak=peak, peak_abs=peak_abs)
     everyone: list = [None] * P

@@ -18,7 +18,7 @@ import torch
 
 from .backends import attend
 from .masks import MaskRule
-from .rows import RowMeta
+from .rows import RowMeta, vectorized_rows
 
 ATTENTION_NAME = "bdlm"
 
@@ -29,12 +29,23 @@ class AttentionLayout(Protocol):
     def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor: ...
 
 
+class TrainingLayout(AttentionLayout, Protocol):
+    """The rows one rank runs in a training step (one device: :meth:`LocalLayout.vectorized`; a rank of a
+    block-parallel group: :class:`hf_bdlm.parallel.ShardedLayout`)."""
+
+    def local_inputs(self, noisy: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor): ...
+
+    def loss_row_index(self, corrupted) -> torch.Tensor: ...
+
+
 @dataclass
 class LocalLayout:
     """All rows on this device: ``query`` rows described by ``q_rows``, ``key`` rows by ``k_rows``.
 
     ``k_rows`` differs from ``q_rows`` during generation, where the keys are the cached clean
-    rows followed by the current block.
+    rows followed by the current block. :meth:`vectorized` is the training layout of one device:
+    the ``2L`` rows of both streams, which a training step uses through the same interface as a
+    rank of a sharded layout (``local_inputs``, ``loss_row_index``).
     """
 
     q_rows: RowMeta
@@ -42,6 +53,21 @@ class LocalLayout:
     base_rule: MaskRule
     backend: str = "blockwise"
     cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def vectorized(cls, seq_len: int, rule: MaskRule, backend: str = "blockwise",
+                   document_ids: torch.Tensor | None = None) -> "LocalLayout":
+        """The single-device training layout: noisy rows ``0..L-1``, then clean rows ``0..L-1``."""
+        rows = vectorized_rows(seq_len, document_ids, device=None if document_ids is None else document_ids.device)
+        return cls(rows, rows, rule, backend)
+
+    def local_inputs(self, noisy: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor):
+        """The rows' ``(input_ids [b, R], position_ids [b, R])``: here both streams, noisy first."""
+        return torch.cat([noisy, clean], 1), torch.cat([position_ids, position_ids], 1)
+
+    def loss_row_index(self, corrupted) -> torch.Tensor:
+        """Row predicting each target of ``corrupted`` (all are held here)."""
+        return self.q_rows.index_of(corrupted.target_stream, corrupted.target_row_pos, corrupted.seq_len)
 
     def attend(self, module, query, key, value, rule, scale):
         return attend(self.backend, query, [(key, value)], self.q_rows, [self.k_rows], rule, scale, self.cache)

@@ -55,6 +55,14 @@ class RowMeta:
         doc = None if self.doc is None else self.doc.to(device)
         return RowMeta(self.stream.to(device), self.pos.to(device), doc)
 
+    def index_of(self, stream: torch.Tensor, pos: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Index among these rows of each ``(stream, pos)`` pair, ``-1`` where these rows do not hold it."""
+        device = pos.device
+        # A [2, L] lookup table (stream, position) -> row; streams are CLEAN=0 / NOISY=1.
+        table = torch.full((2, seq_len), -1, dtype=torch.long, device=device)
+        table[self.stream.to(device), self.pos.to(device)] = torch.arange(self.num_rows, device=device)
+        return table[stream, pos]
+
     @staticmethod
     def cat(parts: list["RowMeta"]) -> "RowMeta":
         docs = [p.doc for p in parts]

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.masks import CLEAN, NOISY
-from ..attention.rows import RowMeta, check_block_aligned_documents, vectorized_rows
+from ..attention.interface import LocalLayout, TrainingLayout
+from ..attention.rows import RowMeta, check_block_aligned_documents
 from ..modeling import document_positions
 from .noise import independent_block_t, stratified_block_t, token_uniform
 
@@ -111,12 +112,7 @@ def target_rows_in(rows: RowMeta, corrupted: CorruptedBatch) -> torch.Tensor:
     ``rows`` are the rows a forward ran over (e.g. :func:`~hf_bdlm.attention.rows.vectorized_rows`, or a
     rank's rows from the parallel plan); the result is the ``row_index`` of :meth:`Objective.loss_from_hidden`.
     """
-    length = corrupted.seq_len
-    device = corrupted.target_row_pos.device
-    # A [2, L] lookup table (stream, position) -> local row; streams are CLEAN=0 / NOISY=1.
-    table = torch.full((2, length), -1, dtype=torch.long, device=device)
-    table[rows.stream.to(device), rows.pos.to(device)] = torch.arange(rows.num_rows, device=device)
-    return table[corrupted.target_stream, corrupted.target_row_pos]
+    return rows.index_of(corrupted.target_stream, corrupted.target_row_pos, corrupted.seq_len)
 
 
 class Objective:
@@ -329,18 +325,36 @@ class Objective:
         }
         return loss, metrics
 
-    def loss(self, model: torch.nn.Module, corrupted: CorruptedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Single-device loss: one vectorized forward over both streams, the head only on predicting rows."""
-        self._check_model(model)
-        out = model(
-            input_ids=corrupted.noisy_ids,
-            clean_input_ids=corrupted.clean_ids,
-            position_ids=corrupted.position_ids,
-            document_ids=corrupted.document_ids,
-            return_logits=False,
-        )
-        rows = vectorized_rows(corrupted.seq_len, device=corrupted.clean_ids.device)
-        return self.loss_from_hidden(model, out.hidden_states, corrupted, target_rows_in(rows, corrupted))
+    def loss(
+        self,
+        model: torch.nn.Module,
+        corrupted: CorruptedBatch,
+        layout: TrainingLayout | None = None,
+        *,
+        scorer: torch.nn.Module | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training step of one rank: the backbone over the rows ``layout`` holds, the loss of their targets.
+
+        Args:
+            model: what runs the forward (the `BlockDiffusionForMaskedLM`, or a DDP / PEFT wrapper of it).
+            corrupted: the corrupted batch (the whole batch: every rank of a group holds it).
+            layout: the rows this rank holds; `None` is every row on this device
+                (:meth:`~hf_bdlm.attention.interface.LocalLayout.vectorized`), a block-parallel rank passes its
+                :class:`~hf_bdlm.parallel.ShardedLayout`. Both go through the same code.
+            scorer: the `BlockDiffusionForMaskedLM` whose LM head scores the targets (default: ``model``).
+
+        Returns:
+            ``(loss, metrics)`` as :meth:`loss_from_hidden`: over a group, the ranks' losses add up to the
+            single-device loss.
+        """
+        scorer = model if scorer is None else scorer
+        self._check_model(scorer)
+        if layout is None:
+            layout = LocalLayout.vectorized(corrupted.seq_len, scorer.mask_rule(), scorer.config.attention_backend,
+                                            corrupted.document_ids)
+        ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
+        out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
+        return self.loss_from_hidden(scorer, out.hidden_states, corrupted, layout.loss_row_index(corrupted))
 
     def _check_model(self, model: torch.nn.Module) -> None:
         config = getattr(model, "config", None)

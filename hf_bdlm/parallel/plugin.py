@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ..attention.interface import LocalLayout
 from .dims import ParallelDims
 from .groups import BlockParallelGroups
 from .plan import PlanConfig
@@ -150,6 +151,7 @@ class BlockParallelPlugin:
                                  self.transport)
         self.clean_ring_size = self.dims.clean_ring_size
         self._ready = False
+        self._layouts: dict = {}
 
     @classmethod
     def from_config(cls, args) -> "BlockParallelPlugin":
@@ -222,12 +224,25 @@ class BlockParallelPlugin:
     def plan_config(self, seq_len: int, block_size: int) -> PlanConfig:
         return PlanConfig.from_dims(self.dims, seq_len, block_size)
 
-    def layout(self, seq_len: int, block_size: int, rule, backend: str, document_ids=None) -> ShardedLayout:
-        """This rank's :class:`ShardedLayout` for a batch of sequences of length ``seq_len``."""
+    def layout(self, seq_len: int, block_size: int, rule, backend: str, document_ids=None):
+        """The rows this rank runs for a batch of sequences of length ``seq_len``: its :class:`ShardedLayout`, or
+        with ``P = 1`` the whole batch (:meth:`LocalLayout.vectorized <hf_bdlm.attention.interface.LocalLayout.vectorized>`).
+
+        Without packed documents a layout depends only on its arguments, so it is kept and reused with its
+        tile plans (built once per layer kind) by every later batch of the same shape.
+        """
         self._check_ready()
-        if not self.is_active:
-            raise RuntimeError("layout() needs block_parallel_size > 1; with P = 1 the model runs the whole batch.")
-        return ShardedLayout.build(self.plan_config(seq_len, block_size), self.groups, rule, backend, document_ids)
+        key = (seq_len, block_size, rule, backend)
+        found = self._layouts.get(key) if document_ids is None else None
+        if found is None:
+            if self.is_active:
+                found = ShardedLayout.build(self.plan_config(seq_len, block_size), self.groups, rule, backend,
+                                            document_ids)
+            else:
+                found = LocalLayout.vectorized(seq_len, rule, backend, document_ids)
+            if document_ids is None:
+                self._layouts[key] = found
+        return found
 
     # --- reductions ----------------------------------------------------------------------------
     def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:

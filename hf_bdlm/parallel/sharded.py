@@ -83,9 +83,7 @@ class ShardedLayout:
         hybrid ``csbp``) count on exactly one of them, so the ranks' losses add up to the
         single-device loss.
         """
-        from ..objectives.base import target_rows_in
-
-        index = target_rows_in(self.q_rows, corrupted)
+        index = self.q_rows.index_of(corrupted.target_stream, corrupted.target_row_pos, corrupted.seq_len)
         counted = self.rank_plan.loss_row_mask().to(index.device)
         held = index >= 0
         index[held & ~counted[index.clamp(min=0)]] = -1

@@ -39,10 +39,9 @@ from transformers import ProcessorMixin, TrainingArguments
 from transformers.trainer_utils import has_length
 from trl import SFTTrainer
 
-from ..attention.rows import vectorized_rows
 from ..diffusion_gemma import canvas_length, is_diffusion_gemma
 from ..modeling import BlockDiffusionForMaskedLM
-from ..objectives import DiffusionGemmaObjective, Objective, supervised_mask, target_rows_in
+from ..objectives import DiffusionGemmaObjective, Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
 from .config import BDLMSFTConfig
@@ -291,8 +290,11 @@ class BDLMSFTTrainer(SFTTrainer):
         if isinstance(self.objective, DiffusionGemmaObjective):  # runs transformers' encoder-decoder itself
             loss, metrics = self.objective.loss(model, corrupted)
         else:
-            hidden, row_index = self._forward_rows(model, corrupted)
-            loss, metrics = self.objective.loss_from_hidden(_diffusion_model(self.model), hidden, corrupted, row_index)
+            # The same step on every rank, P = 1 included: the rows of this rank's layout, the targets it owns.
+            diffusion = _diffusion_model(self.model)
+            layout = self.plugin.layout(corrupted.seq_len, self.block_size, diffusion.mask_rule(),
+                                        diffusion.config.attention_backend, corrupted.document_ids)
+            loss, metrics = self.objective.loss(model, corrupted, layout, scorer=diffusion)
         self._record(mode, metrics, inputs)
         if mode == "train":
             # Each rank holds the loss of its own rows of the global batch; DDP / FSDP2 average over all ranks.
@@ -300,20 +302,6 @@ class BDLMSFTTrainer(SFTTrainer):
         else:
             loss = self.plugin.sum_over_group(loss.detach().clone())
         return (loss, None) if return_outputs else loss
-
-    def _forward_rows(self, model, corrupted):
-        """Hidden states of this rank's rows and, per target, the row predicting it (-1: not counted here)."""
-        diffusion = _diffusion_model(self.model)
-        if self.plugin.is_active:
-            layout = self.plugin.layout(corrupted.seq_len, self.block_size, diffusion.mask_rule(),
-                                        diffusion.config.attention_backend, corrupted.document_ids)
-            ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
-            out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
-            return out.hidden_states, layout.loss_row_index(corrupted)
-        out = model(input_ids=corrupted.noisy_ids, clean_input_ids=corrupted.clean_ids,
-                    position_ids=corrupted.position_ids, document_ids=corrupted.document_ids, return_logits=False)
-        rows = vectorized_rows(corrupted.seq_len, device=corrupted.clean_ids.device)
-        return out.hidden_states, target_rows_in(rows, corrupted)
 
     def _zero_loss(self, model, inputs):
         """A zero reaching every parameter: DDP's hooks fire as on ranks with targets."""

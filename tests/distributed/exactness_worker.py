@@ -123,10 +123,8 @@ def run_case(case, groups_by_shape, world, rank):
     plan_cfg = PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=C, mode=mode)
     layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), case["backend"], corrupted.document_ids,
                                  transport=case.get("transport", "allgather"))
-    ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
     model.zero_grad()
-    out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
-    loss, _ = objective.loss_from_hidden(model, out.hidden_states, corrupted, layout.loss_row_index(corrupted))
+    loss, _ = objective.loss(model, corrupted, layout)  # the step the reference ran, on this rank's rows
     (loss * P).backward()  # DDP averages over all W ranks
     total = loss.detach().clone()
     dist.all_reduce(total)

@@ -65,11 +65,9 @@ def reference(m, objective, corrupted):
 def sharded(m, objective, corrupted, groups, P, C, mode, transport):
     cfg = PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=C, mode=mode)
     layout = ShardedLayout.build(cfg, groups, m.mask_rule(), "blockwise", None, transport=transport)
-    ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
     m.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = m(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
-        loss, _ = objective.loss_from_hidden(m, out.hidden_states, corrupted, layout.loss_row_index(corrupted))
+        loss, _ = objective.loss(m, corrupted, layout)
     loss.backward()
     # Every data-parallel group runs the same batch here: sum over the world, then average over the groups.
     groups_count = dist.get_world_size() // P

@@ -49,10 +49,8 @@ def run_case(case: dict, groups: BlockParallelGroups) -> dict:
     groups.group.meter.next_step()
     layout = ShardedLayout.build(PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=P,
                                             mode=case["mode"]), groups, model.mask_rule(), "blockwise")
-    ids, pos = layout.local_inputs(corrupted.noisy_ids, corrupted.clean_ids, corrupted.position_ids)
     model.zero_grad()
-    out = model(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False)
-    loss, _ = objective.loss_from_hidden(model, out.hidden_states, corrupted, layout.loss_row_index(corrupted))
+    loss, _ = objective.loss(model, corrupted, layout)
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
