@@ -92,11 +92,6 @@ def canvas_length(model) -> int:
     return int(unwrap_diffusion_gemma(model).config.canvas_length)
 
 
-def sliding_window(model) -> int | None:
-    text = unwrap_diffusion_gemma(model).config.text_config
-    return text.sliding_window if "sliding_attention" in text.layer_types else None
-
-
 def use_block_diffusion_attention(model) -> str:
     """Route the model's attention through hf_bdlm when a layout is passed, else through its current implementation.
 
@@ -113,13 +108,13 @@ def use_block_diffusion_attention(model) -> str:
             "this DiffusionGemma config has use_bidirectional_attention='all' (a bidirectional encoder); the "
             "diffusion_gemma objective trains the causal encoder DiffusionGemma runs at inference."
         )
-    current = text._attn_implementation or "sdpa"
-    if current.startswith(ATTENTION_PREFIX):
-        return current
-    fallback = "eager" if current == "eager" else current
+    fallback = text._attn_implementation or "sdpa"
+    if fallback.startswith(ATTENTION_PREFIX):
+        return fallback
     name = f"{ATTENTION_PREFIX}+{fallback}"
     AttentionInterface.register(name, _dispatching_attention(fallback))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[fallback if fallback != "eager" else "eager"])
+    if fallback in ALL_MASK_ATTENTION_FUNCTIONS:  # masks for generate, built as for the fallback
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[fallback])
     dg.config._attn_implementation = name  # the setter reaches text_config and vision_config
     return name
 
@@ -371,7 +366,9 @@ class DiffusionGemmaLayout:
     ``attend`` is called by every attention module of the model (through the registered attention function): an
     encoder module attends its clean queries over the clean keys; a decoder module receives ``[clean ; canvas]`` keys
     (the cache, then its own) and attends its canvas queries over both sources. A sharded layout keeps this interface
-    and holds only its rows (``clean_index`` / ``canvas_index``: the frame rows and canvas rows this rank computes).
+    with only its rows: the encoder then runs over this rank's clean chunks (the cache holds their K/V, which the
+    layout gathers over the clean ring, once per layer for both calls), the decoder over its owned canvas blocks, and
+    ``DiffusionGemmaObjective.loss_from_hidden`` scores the held rows (``clean_index`` / ``canvas_index``).
     """
 
     clean_rows: RowMeta
@@ -384,14 +381,6 @@ class DiffusionGemmaLayout:
     @classmethod
     def local(cls, frame: CanvasFrame, backend: str = "blockwise") -> "DiffusionGemmaLayout":
         return cls(frame.clean_rows, frame.canvas_rows, diffusion_gemma_rule(frame.block_size), backend)
-
-    @property
-    def clean_index(self) -> torch.Tensor | None:
-        return None  # every frame row
-
-    @property
-    def canvas_index(self) -> torch.Tensor | None:
-        return None  # every canvas row
 
     def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
         n_clean = self.clean_rows.num_rows

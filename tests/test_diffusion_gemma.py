@@ -235,6 +235,21 @@ def test_mean_loo_scores_the_bayes_posterior_of_the_leave_one_out_prediction():
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_generate_is_unchanged_by_the_training_attention():
+    from hf_bdlm.diffusion_gemma import use_block_diffusion_attention
+
+    pristine = tiny_model()
+    routed = copy.deepcopy(pristine)
+    assert use_block_diffusion_attention(routed).startswith("bdlm_diffusion_gemma+")
+    prompt = torch.randint(9, VOCAB, (1, 13), generator=torch.Generator().manual_seed(5))  # longer than W
+    outputs = []
+    for model in (pristine, routed):
+        torch.manual_seed(0)
+        out = model.generate(prompt, max_new_tokens=3 * B, eos_token_id=None, max_denoising_steps=4)
+        outputs.append(out.sequences if hasattr(out, "sequences") else out)
+    assert torch.equal(outputs[0], outputs[1])
+
+
 # --- noise ---------------------------------------------------------------------------------------------------------
 def test_zero_noise_range_leaves_the_canvas_clean_and_defaults_corrupt_it():
     batch = batch_of(sample(23, 5, 0), sample(17, 10, 1))
@@ -355,7 +370,7 @@ def test_full_fine_tuning_keeps_the_router_frozen_and_the_checkpoint_reloads_and
         torch.testing.assert_close(p, trainer.model.state_dict()[name], msg=name)
     prompt = tiny_tokenizer().apply_chat_template([{"role": "user", "content": "w1 w2"}], add_generation_prompt=True,
                                                   return_tensors="pt", return_dict=True)["input_ids"]
-    out = reloaded.generate(prompt, max_new_tokens=2 * B, eos_token_id=None)
+    out = reloaded.generate(prompt, max_new_tokens=2 * B, eos_token_id=None, max_denoising_steps=4)
     sequences = out.sequences if hasattr(out, "sequences") else out
     assert sequences.shape == (1, prompt.shape[1] + 2 * B)
     card = (tmp_path / "saved" / "README.md").read_text()
