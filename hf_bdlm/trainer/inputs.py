@@ -171,10 +171,12 @@ def configure_diffusion_gemma(model, args: BDLMSFTConfig, tokenizer=None) -> Obj
             f"block_size={args.block_size} differs from the DiffusionGemma model's canvas_length={canvas} (the block "
             "its generate denoises); leave block_size unset."
         )
-    if args.block_parallel_size > 1:
+    if args.block_parallel_size > 1 or args.world_size > 1:
         raise NotImplementedError(
-            f"block_parallel_size={args.block_parallel_size} with objective='diffusion_gemma' is not implemented yet; "
-            "DiffusionGemma trains in one process per data-parallel replica (block_parallel_size=1) for now."
+            f"objective='diffusion_gemma' runs in one process for now (got block_parallel_size="
+            f"{args.block_parallel_size}, world size {args.world_size}): its step calls the model's encoder and decoder "
+            "directly, which DDP's forward (its gradient synchronization) and FSDP2's root unit do not see. "
+            "Multi-process training comes with its block-parallel layout."
         )
     kwargs = DiffusionGemmaObjective.config_kwargs(dg.config)
     ends = set(kwargs.pop("end_token_ids") or [])
