@@ -26,6 +26,67 @@ TOKEN_SHIFT_OBJECTIVES = ("fast_dllm_v2", "fast_dllm_v2_causal_clean")
 # The sliding-window convention an objective's model runs at inference (others: "per_query", what hf_bdlm's generate
 # has always applied).
 OBJECTIVE_WINDOW_CONVENTION = {"diffusion_gemma": "block_start"}
+# Objectives whose noise range may include 0 (uniform-state noise: t = 0 is a clean canvas, 0 / 0 no corruption).
+ZERO_NOISE_OBJECTIVES = ("diffusion_gemma",)
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_diffusion_fields(
+    *,
+    block_size=None,
+    mask_token_id=None,
+    vocab_size: int | None = None,
+    objective: str | None = None,
+    objectives: tuple = OBJECTIVES,
+    noise_eps_min=None,
+    noise_eps_max=None,
+    loss_weighting=None,
+    attention_backend=None,
+) -> None:
+    """The one validator of the block-diffusion fields: checks every argument that is not ``None``.
+
+    `BlockDiffusionConfig`, the objectives and `BDLMSFTConfig` (whose fields override the model's, so any may be
+    unset) all call it, so a value is accepted or refused with the same message wherever it is given.
+    """
+    if block_size is not None and not _is_positive_int(block_size):
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+    if mask_token_id is not None:
+        if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool) or mask_token_id < 0 or (
+            vocab_size is not None and mask_token_id >= vocab_size
+        ):
+            where = f"the backbone vocabulary of size {vocab_size}" if vocab_size is not None else "the vocabulary"
+            raise ValueError(
+                f"mask_token_id={mask_token_id!r} is outside {where}; resize the embeddings to include the mask "
+                "token first (convert_causal_lm does this)."
+            )
+    if objective is not None and objective not in objectives:
+        raise ValueError(f"objective must be one of {objectives}, got {objective!r}.")
+    zero_ok = objective in ZERO_NOISE_OBJECTIVES
+    for name, value in (("noise_eps_min", noise_eps_min), ("noise_eps_max", noise_eps_max)):
+        if value is None:
+            continue
+        if zero_ok and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1] for objective={objective!r}, got {value!r}.")
+        if not zero_ok and not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"{name} must lie in (0, 1], got {value!r} (0 is allowed with objective='diffusion_gemma')."
+            )
+    if noise_eps_min is not None and noise_eps_max is not None and noise_eps_min > noise_eps_max:
+        raise ValueError(
+            f"need noise_eps_min <= noise_eps_max, got noise_eps_min={noise_eps_min}, noise_eps_max={noise_eps_max}."
+        )
+    if loss_weighting is not None and loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
+    if objective in TOKEN_SHIFT_OBJECTIVES and loss_weighting not in (None, "unit"):
+        raise ValueError(
+            f"objective={objective!r} uses unit weights (every supervised token is masked in exactly one of two "
+            f"complementary views), got loss_weighting={loss_weighting!r}; leave it unset or use 'unit'."
+        )
+    if attention_backend is not None and attention_backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}.")
 
 
 class BlockDiffusionConfig(PreTrainedConfig):
@@ -83,7 +144,7 @@ class BlockDiffusionConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
-        self._check_diffusion_fields()
+        self.validate_diffusion_fields()
 
     @property
     def vocab_size(self) -> int:
@@ -102,17 +163,14 @@ class BlockDiffusionConfig(PreTrainedConfig):
                 "tokenizer and the model do not match (resize the embeddings, e.g. with hf_bdlm.convert_causal_lm)."
             )
 
-    def _check_diffusion_fields(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
-        vocab = self.backbone_config.vocab_size
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab:
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id} is outside the backbone vocabulary of size {vocab}; "
-                "resize the embeddings to include the mask token first (convert_causal_lm does this)."
-            )
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
+    def validate_diffusion_fields(self) -> None:
+        """Validate the diffusion fields (:func:`check_diffusion_fields`) and resolve the objective-dependent defaults."""
+        check_diffusion_fields(block_size=self.block_size, mask_token_id=self.mask_token_id,
+                               vocab_size=self.backbone_config.vocab_size, objective=self.objective,
+                               noise_eps_min=self.noise_eps_min, noise_eps_max=self.noise_eps_max,
+                               attention_backend=self.attention_backend)
+        # The config always holds a weighting (the standard objective's default), used by weighted objectives only.
+        check_diffusion_fields(loss_weighting=self.loss_weighting)
         required = OBJECTIVE_CLEAN_ATTENTION.get(self.objective)
         if self.clean_attention is None:
             self.clean_attention = required or "block_causal"
@@ -132,12 +190,3 @@ class BlockDiffusionConfig(PreTrainedConfig):
                 f"sliding_window_convention must be one of {WINDOW_CONVENTIONS}, got "
                 f"{self.sliding_window_convention!r}."
             )
-        if self.loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
-        if not 0.0 < self.noise_eps_min <= self.noise_eps_max <= 1.0:
-            raise ValueError(
-                f"need 0 < noise_eps_min <= noise_eps_max <= 1, got noise_eps_min={self.noise_eps_min}, "
-                f"noise_eps_max={self.noise_eps_max}."
-            )
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}.")

@@ -107,7 +107,7 @@ def convert_causal_lm(
         # transformers' resize: old rows kept bit for bit, the new row drawn around their mean; re-ties tied heads.
         model.resize_token_embeddings(mask_id + 1)
     model.config.mask_token_id = mask_id
-    model.config._check_diffusion_fields()
+    model.config.validate_diffusion_fields()
     _copy_special_tokens(causal, model)
     return model, tokenizer
 

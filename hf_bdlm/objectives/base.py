@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.masks import CLEAN, NOISY
+from ..configuration import check_diffusion_fields
 from ..attention.interface import LocalLayout, TrainingLayout
 from ..attention.rows import RowMeta, check_block_aligned_documents
 from ..modeling import document_positions
 from .noise import independent_block_t, stratified_block_t, token_uniform
 
-LOSS_WEIGHTINGS = ("inverse_t", "unit")
 
 
 @dataclass
@@ -146,17 +146,8 @@ class Objective:
         loss_weighting: str = "inverse_t",
         loss_chunk_size: int = 8192,
     ):
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
-        if not isinstance(mask_token_id, int) or mask_token_id < 0:
-            raise ValueError(f"mask_token_id must be a non-negative token id, got {mask_token_id!r}.")
-        if not 0.0 < noise_eps_min <= noise_eps_max <= 1.0:
-            raise ValueError(
-                f"need 0 < noise_eps_min <= noise_eps_max <= 1, got noise_eps_min={noise_eps_min}, "
-                f"noise_eps_max={noise_eps_max}."
-            )
-        if loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}.")
+        check_diffusion_fields(block_size=block_size, mask_token_id=mask_token_id, objective=self.name or None,
+                               noise_eps_min=noise_eps_min, noise_eps_max=noise_eps_max, loss_weighting=loss_weighting)
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size must be positive, got {loss_chunk_size}.")
         self.block_size = block_size

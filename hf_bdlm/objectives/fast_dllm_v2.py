@@ -54,12 +54,7 @@ class FastDLLMv2Objective(Objective):
     block_start_stream: ClassVar[int] = NOISY
 
     def __init__(self, *, loss_weighting: str = "unit", **kwargs: Any):
-        if loss_weighting != "unit":
-            raise ValueError(
-                f"{self.name} uses unit weights (every supervised token is masked in exactly one of two "
-                f"complementary views), got loss_weighting={loss_weighting!r}; drop the argument or pass 'unit'."
-            )
-        super().__init__(loss_weighting="unit", **kwargs)
+        super().__init__(loss_weighting=loss_weighting, **kwargs)  # the validator refuses any weighting but "unit"
 
     @classmethod
     def config_kwargs(cls, config: Any) -> dict[str, Any]:

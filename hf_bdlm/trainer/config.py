@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
-from ..attention.backends import BACKENDS
-from ..configuration import LOSS_WEIGHTINGS, TOKEN_SHIFT_OBJECTIVES
+from ..configuration import check_diffusion_fields
 from ..objectives import OBJECTIVE_CLASSES, PLANNED_OBJECTIVES
 from ..objectives.diffusion_gemma import MODEL_PREDICTION_TYPES
 from ..parallel.dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
@@ -190,40 +189,15 @@ class BDLMSFTConfig(SFTConfig):
 
     # --- validation ----------------------------------------------------------------------------
     def _check_diffusion_fields(self) -> None:
-        if self.block_size is not None and (
-            not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0
-        ):
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
-        if self.objective is not None:
-            if self.objective in PLANNED_OBJECTIVES:
-                raise ValueError(
-                    f"objective={self.objective!r} is planned but not implemented yet; available now: "
-                    f"{sorted(OBJECTIVE_CLASSES)}."
-                )
-            if self.objective not in OBJECTIVE_CLASSES:
-                raise ValueError(
-                    f"objective must be one of {sorted(OBJECTIVE_CLASSES)}, got {self.objective!r}."
-                )
-        lo, hi = self.noise_eps_min, self.noise_eps_max
-        gemma = self.objective == "diffusion_gemma"
-        for name, value in (("noise_eps_min", lo), ("noise_eps_max", hi)):
-            if value is not None and gemma and not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1] for objective='diffusion_gemma', got {value!r}.")
-            if value is not None and not gemma and not 0.0 < value <= 1.0:
-                raise ValueError(
-                    f"{name} must lie in (0, 1], got {value!r} (0 is allowed with objective='diffusion_gemma')."
-                )
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"need noise_eps_min <= noise_eps_max, got noise_eps_min={lo}, noise_eps_max={hi}.")
-        if self.loss_weighting is not None and self.loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
-        if self.objective in TOKEN_SHIFT_OBJECTIVES and self.loss_weighting not in (None, "unit"):
+        if self.objective in PLANNED_OBJECTIVES:
             raise ValueError(
-                f"objective={self.objective!r} uses unit weights (complementary masks), got "
-                f"loss_weighting={self.loss_weighting!r}; leave it unset or use 'unit'."
+                f"objective={self.objective!r} is planned but not implemented yet; available now: "
+                f"{sorted(OBJECTIVE_CLASSES)}."
             )
-        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}.")
+        check_diffusion_fields(block_size=self.block_size, objective=self.objective,
+                               objectives=tuple(sorted(OBJECTIVE_CLASSES)), noise_eps_min=self.noise_eps_min,
+                               noise_eps_max=self.noise_eps_max, loss_weighting=self.loss_weighting,
+                               attention_backend=self.attention_backend)
         self._check_diffusion_gemma_fields()
 
     def _check_diffusion_gemma_fields(self) -> None:

@@ -150,7 +150,7 @@ def configure_objective(model: BlockDiffusionForMaskedLM, args: BDLMSFTConfig, t
         if value is not None and getattr(cfg, name) != value:
             logger.info("model config: %s %r -> %r (from BDLMSFTConfig)", name, getattr(cfg, name), value)
             setattr(cfg, name, value)
-    cfg._check_diffusion_fields()
+    cfg.validate_diffusion_fields()
     return get_objective(cfg.objective, cfg)
 
 
