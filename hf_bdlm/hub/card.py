@@ -156,7 +156,7 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
     generation = _read_json(directory / "generation_config.json") or {}
     objective = info.get("objective", config.get("objective", "standard"))
     base_model = info.get("base_model") or hub_repo_id(backbone.get("_name_or_path"))
-    datasets = _as_list(info.get("dataset"))
+    datasets = as_list(info.get("dataset"))
     model_type = backbone.get("model_type", "unknown")
 
     card_data = ModelCardData(
@@ -164,7 +164,7 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
         base_model=base_model,
         tags=_unique(["block-diffusion", "hf-bdlm", "diffusion-language-model", model_type, objective]
                      + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
-                     + _as_list(info.get("tags"))),
+                     + as_list(info.get("tags"))),
         pipeline_tag="text-generation",
         datasets=[d for d in datasets if hub_repo_id(d)] or None,
         license=info.get("license", "unknown"),
@@ -242,7 +242,7 @@ def _read_json(path: Path) -> dict | None:
         return json.load(f)
 
 
-def _as_list(value) -> list:
+def as_list(value) -> list:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)

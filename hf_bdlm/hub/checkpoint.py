@@ -22,7 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .card import _as_list, write_model_card
+from .card import as_list, write_model_card
 
 
 def save_for_hub(model, tokenizer, output_dir: str | os.PathLike, info: dict | None = None, **save_kwargs) -> Path:
@@ -96,7 +96,7 @@ def push_to_hub(
     info.setdefault("repo_id", repo_id)
     info.setdefault("model_name", repo_id.split("/")[-1])  # not the temporary folder's name
     if tags:
-        info["tags"] = _as_list(info.get("tags")) + list(tags)
+        info["tags"] = as_list(info.get("tags")) + list(tags)
     with tempfile.TemporaryDirectory() as folder:
         save_for_hub(model, tokenizer, folder, info, max_shard_size=max_shard_size)
         return _commit_folder(api, folder, repo_id, commit_message, commit_description, token, revision, create_pr)

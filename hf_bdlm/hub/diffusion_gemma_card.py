@@ -16,7 +16,7 @@ from pathlib import Path
 from .card import (
     METRIC_LABELS,
     OBJECTIVES,
-    _as_list,
+    as_list,
     _base_model_text,
     _check_info,
     _dataset_link,
@@ -52,7 +52,7 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
     info = _check_info(info)
     text = config.get("text_config") or {}
     base_model = info.get("base_model") or hub_repo_id(config.get("_name_or_path"))
-    datasets = _as_list(info.get("dataset"))
+    datasets = as_list(info.get("dataset"))
     training = dict(info.get("training") or {})
     prediction = training.get("model_prediction_type", "mean")
     card_data = ModelCardData(
@@ -60,7 +60,7 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
         base_model=base_model,
         tags=_unique(["diffusion_gemma", "block-diffusion", "hf-bdlm", "diffusion-language-model"]
                      + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
-                     + _as_list(info.get("tags"))),
+                     + as_list(info.get("tags"))),
         pipeline_tag="text-generation",
         datasets=[d for d in datasets if hub_repo_id(d)] or None,
         license=info.get("license", "unknown"),
