@@ -136,8 +136,8 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
     from ..version import __version__
 
     directory = Path(output_dir)
-    info = _check_info(info)
-    config = _read_json(directory / "config.json")
+    info = check_info(info)
+    config = read_json(directory / "config.json")
     if config is None:
         raise FileNotFoundError(
             f"{directory} has no config.json: save the model first (model.save_pretrained(output_dir), or "
@@ -153,7 +153,7 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
             "(model_type 'block_diffusion'); convert it with hf_bdlm.convert_causal_lm first."
         )
     backbone = config.get("backbone_config") or {}
-    generation = _read_json(directory / "generation_config.json") or {}
+    generation = read_json(directory / "generation_config.json") or {}
     objective = info.get("objective", config.get("objective", "standard"))
     base_model = info.get("base_model") or hub_repo_id(backbone.get("_name_or_path"))
     datasets = as_list(info.get("dataset"))
@@ -162,14 +162,14 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
     card_data = ModelCardData(
         library_name="hf-bdlm",
         base_model=base_model,
-        tags=_unique(["block-diffusion", "hf-bdlm", "diffusion-language-model", model_type, objective]
+        tags=unique(["block-diffusion", "hf-bdlm", "diffusion-language-model", model_type, objective]
                      + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
                      + as_list(info.get("tags"))),
         pipeline_tag="text-generation",
         datasets=[d for d in datasets if hub_repo_id(d)] or None,
         license=info.get("license", "unknown"),
     )
-    tokenizer_config = _read_json(directory / "tokenizer_config.json")
+    tokenizer_config = read_json(directory / "tokenizer_config.json")
     values = dict(
         card_data=card_data.to_yaml(),
         model_name=info.get("model_name") or directory.resolve().name,
@@ -180,24 +180,24 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
         mask_token_id=config.get("mask_token_id"),
         attention_backend=config.get("attention_backend"),
         dtype=config.get("dtype") or "float32",
-        base_model_text=_base_model_text(base_model, backbone.get("_name_or_path")),
+        base_model_text=base_model_text(base_model, backbone.get("_name_or_path")),
         backbone_text=_backbone_text(backbone),
-        parameters_text=_parameters_text(directory),
+        parameters_text=parameters_text(directory),
         objective_text=_objective_text(objective, config.get("loss_weighting")),
         clean_attention_text=f"`{config.get('clean_attention')}` — "
         + CLEAN_ATTENTION.get(config.get("clean_attention"), "see hf_bdlm.attention.masks"),
-        layout_text=_layout_text(info.get("parallel")),
-        layout_rows=_layout_rows(info.get("parallel")),
-        dataset_text=", ".join(_dataset_link(d) for d in datasets) + "." if datasets else "Not recorded.",
-        training_rows=[(k, _format_value(v)) for k, v in (info.get("training") or {}).items()],
-        metric_rows=[(METRIC_LABELS.get(k, k), _format_value(v)) for k, v in (info.get("metrics") or {}).items()],
+        layout_text=layout_text(info.get("parallel")),
+        layout_rows=layout_rows(info.get("parallel")),
+        dataset_text=", ".join(dataset_link(d) for d in datasets) + "." if datasets else "Not recorded.",
+        training_rows=[(k, format_value(v)) for k, v in (info.get("training") or {}).items()],
+        metric_rows=[(METRIC_LABELS.get(k, k), format_value(v)) for k, v in (info.get("metrics") or {}).items()],
         has_tokenizer=tokenizer_config is not None or (directory / "tokenizer.json").is_file(),
         has_chat_template=(directory / "chat_template.jinja").is_file()
         or bool((tokenizer_config or {}).get("chat_template")),
         example_max_new_tokens=generation.get("max_new_tokens") or 2 * int(config.get("block_size") or 32),
         example_threshold=generation.get("confidence_threshold") or 0.9,
         generation_rows=[
-            (k, _format_value(generation[k]) if k in generation else "default", meaning)
+            (k, format_value(generation[k]) if k in generation else "default", meaning)
             for k, meaning in GENERATION_KNOBS.items()
         ],
     )
@@ -208,7 +208,7 @@ def render_model_card(output_dir: str | os.PathLike, info: dict | None = None) -
 # --- pieces ------------------------------------------------------------------------------------------
 
 
-def _check_info(info: dict | None) -> dict:
+def check_info(info: dict | None) -> dict:
     info = dict(info or {})
     unknown = sorted(set(info) - set(CARD_INFO_KEYS))
     if unknown:
@@ -235,7 +235,7 @@ def _check_info(info: dict | None) -> dict:
     return info
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
     with open(path, encoding="utf-8") as f:
@@ -248,7 +248,7 @@ def as_list(value) -> list:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _unique(items: list) -> list:
+def unique(items: list) -> list:
     return list(dict.fromkeys(i for i in items if i))
 
 
@@ -259,7 +259,7 @@ def hub_repo_id(name: str | None) -> str | None:
     return name
 
 
-def _base_model_text(base_model: str | None, name_or_path: str | None) -> str:
+def base_model_text(base_model: str | None, name_or_path: str | None) -> str:
     if base_model:
         return f"[{base_model}](https://huggingface.co/{base_model})"
     if name_or_path:
@@ -277,7 +277,7 @@ def _backbone_text(backbone: dict) -> str:
     return ", ".join(parts)
 
 
-def _parameters_text(directory: Path) -> str:
+def parameters_text(directory: Path) -> str:
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -304,7 +304,7 @@ def _objective_text(objective: str, weighting: str | None) -> str:
     return text
 
 
-def _layout_text(parallel: dict | None) -> str:
+def layout_text(parallel: dict | None) -> str:
     if not parallel:
         return "Not recorded (a single process, or a run that did not report its layout)."
     mode = parallel.get("mode")
@@ -312,7 +312,7 @@ def _layout_text(parallel: dict | None) -> str:
     return text + ". The loss and gradients equal the single-device reference for every layout."
 
 
-def _layout_rows(parallel: dict | None) -> list[tuple[str, str]]:
+def layout_rows(parallel: dict | None) -> list[tuple[str, str]]:
     if not parallel:
         return []
     rows = []
@@ -327,11 +327,11 @@ def _layout_rows(parallel: dict | None) -> list[tuple[str, str]]:
     return rows
 
 
-def _dataset_link(name: str) -> str:
+def dataset_link(name: str) -> str:
     return f"[{name}](https://huggingface.co/datasets/{name})" if hub_repo_id(name) else f"`{name}`"
 
 
-def _format_value(value) -> str:
+def format_value(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):

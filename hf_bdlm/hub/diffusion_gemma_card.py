@@ -17,16 +17,16 @@ from .card import (
     METRIC_LABELS,
     OBJECTIVES,
     as_list,
-    _base_model_text,
-    _check_info,
-    _dataset_link,
-    _format_value,
-    _layout_rows,
-    _layout_text,
-    _parameters_text,
-    _read_json,
-    _unique,
+    base_model_text,
+    check_info,
+    dataset_link,
+    format_value,
     hub_repo_id,
+    layout_rows,
+    layout_text,
+    parameters_text,
+    read_json,
+    unique,
 )
 
 TEMPLATE_FILE = "diffusion_gemma_model_card.md"
@@ -49,7 +49,7 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
     import jinja2
     from huggingface_hub import ModelCardData
 
-    info = _check_info(info)
+    info = check_info(info)
     text = config.get("text_config") or {}
     base_model = info.get("base_model") or hub_repo_id(config.get("_name_or_path"))
     datasets = as_list(info.get("dataset"))
@@ -58,15 +58,15 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
     card_data = ModelCardData(
         library_name="transformers",
         base_model=base_model,
-        tags=_unique(["diffusion_gemma", "block-diffusion", "hf-bdlm", "diffusion-language-model"]
+        tags=unique(["diffusion_gemma", "block-diffusion", "hf-bdlm", "diffusion-language-model"]
                      + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
                      + as_list(info.get("tags"))),
         pipeline_tag="text-generation",
         datasets=[d for d in datasets if hub_repo_id(d)] or None,
         license=info.get("license", "unknown"),
     )
-    tokenizer_config = _read_json(directory / "tokenizer_config.json")
-    generation = _read_json(directory / "generation_config.json") or {}
+    tokenizer_config = read_json(directory / "tokenizer_config.json")
+    generation = read_json(directory / "generation_config.json") or {}
     canvas = config.get("canvas_length")
     window = text.get("sliding_window")
     values = dict(
@@ -76,18 +76,18 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
         model_id=info.get("repo_id") or directory.resolve().name,
         canvas_length=canvas,
         window_reach=f"W - 1 = {window - 1}" if window else "W - 1",
-        base_model_text=_base_model_text(base_model, config.get("_name_or_path")),
+        base_model_text=base_model_text(base_model, config.get("_name_or_path")),
         architecture_text=_architecture_text(config, text),
-        parameters_text=_parameters_text(directory),
+        parameters_text=parameters_text(directory),
         attention_text=_attention_text(text),
         dtype=config.get("dtype") or text.get("dtype") or "float32",
         objective_text="`diffusion_gemma` — " + OBJECTIVES["diffusion_gemma"] + ".",
-        settings_rows=[(SETTING_LABELS.get(k, k), _format_value(v)) for k, v in training.items()],
+        settings_rows=[(SETTING_LABELS.get(k, k), format_value(v)) for k, v in training.items()],
         loo=prediction == "mean_loo",
-        layout_text=_layout_text(info.get("parallel")),
-        layout_rows=_layout_rows(info.get("parallel")),
-        dataset_text=", ".join(_dataset_link(d) for d in datasets) + "." if datasets else "Not recorded.",
-        metric_rows=[(METRIC_LABELS.get(k, k), _format_value(v)) for k, v in (info.get("metrics") or {}).items()],
+        layout_text=layout_text(info.get("parallel")),
+        layout_rows=layout_rows(info.get("parallel")),
+        dataset_text=", ".join(dataset_link(d) for d in datasets) + "." if datasets else "Not recorded.",
+        metric_rows=[(METRIC_LABELS.get(k, k), format_value(v)) for k, v in (info.get("metrics") or {}).items()],
         has_chat_template=(directory / "chat_template.jinja").is_file()
         or bool((tokenizer_config or {}).get("chat_template")),
         example_max_new_tokens=generation.get("max_new_tokens") or 2 * int(canvas or 32),
