@@ -1,5 +1,8 @@
 """The `hf-bdlm` command: one subparser per command, each in its own `add_*_parser` function.
 
+    hf-bdlm train --config recipes/configs/smollm2_cpu_csbp.yaml --nproc 2        # the SFT recipe (accelerate launch)
+    hf-bdlm convert path/to/causal-lm out/bdlm --block-size 32                  # causal LM folder -> BDLM folder
+    hf-bdlm generate out/bdlm "What is 2 + 3?" --max-new-tokens 32              # prompt -> text
     hf-bdlm serve path/to/bdlm --port 8000 --api-key secret
     hf-bdlm eval swebench --model-dir path/to/bdlm --output-dir out/swe        # shipped offline set, no Docker
     hf-bdlm eval swebench --sanity                                             # grader check: gold 100 %, empty 0 %
@@ -183,19 +186,162 @@ def _report(run) -> int:
     return 0 if run.results or not run.message else 2
 
 
+def add_train_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="fine-tune with the SFT recipe (hf_bdlm.train)",
+        description="Run the SFT recipe (hf_bdlm.train: BDLMSFTTrainer with block parallelism). Every argument not "
+                    "listed here goes to the recipe (its YAML --config and any field of ScriptArguments, "
+                    "BDLMSFTConfig or ModelConfig, e.g. --max_steps 20). With --nproc > 1 or --accelerate-config "
+                    "the recipe runs under `accelerate launch`.",
+        epilog="example: hf-bdlm train --nproc 2 --config recipes/configs/smollm2_cpu_csbp.yaml --max_steps 20",
+        allow_abbrev=False)  # recipe options must not be taken for abbreviations of these
+    p.add_argument("--nproc", type=int, default=1, help="processes to launch on this machine (default: 1, in-process)")
+    p.add_argument("--accelerate-config", default=None, help="an accelerate config file (overrides --nproc)")
+    p.set_defaults(func=run_train, accepts_extra=True)
+
+
+def accelerate_command(nproc: int, config_file: str | None, recipe_args: list[str]) -> list[str]:
+    """The `accelerate launch` command line that runs the recipe module on ``nproc`` local processes."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config_file:
+        cmd += ["--config_file", config_file]
+    else:
+        # Several local processes are spawned with torchrun only in accelerate's multi-GPU mode; on a CPU machine the
+        # trainer then sees no CUDA device and sets up a gloo world (recipes/accelerate/cpu_2proc.yaml does the same).
+        cmd += ["--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no"]
+    return cmd + ["-m", "hf_bdlm.train", *recipe_args]
+
+
+def run_train(args, recipe_args: list[str]) -> int:
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {args.nproc}.")
+    if args.accelerate_config and not Path(args.accelerate_config).is_file():
+        raise FileNotFoundError(f"--accelerate-config {args.accelerate_config!r} is not a file.")
+    if args.nproc == 1 and not args.accelerate_config:
+        from .train import run
+
+        run(recipe_args)
+        return 0
+    import subprocess
+
+    return subprocess.call(accelerate_command(args.nproc, args.accelerate_config, recipe_args))
+
+
+def add_convert_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert a causal LM folder into a block diffusion LM folder",
+        description="Convert a local *ForCausalLM checkpoint (weights kept, a [MASK] token added) into a "
+                    "BlockDiffusionForMaskedLM folder that AutoModel.from_pretrained loads (with hf_bdlm installed, or "
+                    "with trust_remote_code=True).")
+    p.add_argument("source", help="causal-LM folder (config.json + weights + tokenizer), or 'embedded:smollm2'")
+    p.add_argument("output", help="folder to write the BDLM to")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--objective", default="fast_dllm_v2", choices=["fast_dllm_v2", "fast_dllm_v2_causal_clean"],
+                   help="default training objective of the converted model")
+    p.add_argument("--mask-token", default="<|mask|>", help="mask token text (added when the tokenizer lacks it)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="use this existing token id as [MASK] instead")
+    p.set_defaults(func=run_convert)
+
+
+def _model_path(name: str) -> str:
+    """A local model folder, or the embedded default (``embedded:smollm2``, exported on first use)."""
+    if name == "embedded:smollm2":
+        from .embedded import default_model_dir
+
+        return str(default_model_dir())
+    path = name
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model folder {name!r} does not exist (expected a local checkpoint folder).")
+    return path
+
+
+def run_convert(args) -> int:
+    from .conversion import convert_causal_lm
+
+    source = _model_path(args.source)
+    output = Path(args.output)
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"output folder {str(output)!r} is not empty; choose a new folder.")
+    model, tokenizer = convert_causal_lm(source, block_size=args.block_size, objective=args.objective,
+                                         mask_token=args.mask_token, mask_token_id=args.mask_token_id)
+    model.save_pretrained(output)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output)
+    print(f"converted {source} -> {output} (block size {model.config.block_size}, objective {model.config.objective}, "
+          f"mask token id {model.config.mask_token_id})")
+    return 0
+
+
+def add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a prompt with block-wise decoding",
+        description="Load a BDLM folder with AutoModel.from_pretrained and decode block by block. The prompt goes "
+                    "through the tokenizer's chat template when it has one (--raw to skip it).")
+    p.add_argument("model_dir", help="BDLM checkpoint folder")
+    p.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: one block")
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="unmask every position above this confidence per step (default: the checkpoint's)")
+    p.add_argument("--steps-per-block", type=int, default=None, help="fixed denoising steps per block instead")
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from . import BlockDiffusionForMaskedLM
+
+    path = _model_path(args.model_dir)
+    model = AutoModel.from_pretrained(path)
+    if not isinstance(model, BlockDiffusionForMaskedLM):
+        raise ValueError(f"{path!r} holds a {type(model).__name__}, not a block diffusion LM; convert it first "
+                         "(hf-bdlm convert).")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if tokenizer.chat_template and not args.raw:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    knobs = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
+                               ("confidence_threshold", args.confidence_threshold),
+                               ("steps_per_block", args.steps_per_block)) if v is not None}
+    if args.steps_per_block is not None and args.confidence_threshold is None:
+        knobs["confidence_threshold"] = None  # fixed-step decoding
+    if args.temperature:
+        knobs.update(do_sample=True, temperature=args.temperature)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(ids)]), **knobs)
+    print(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-bdlm", description="Block diffusion LMs on the Hugging Face stack.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_train_parser(subparsers)
+    add_convert_parser(subparsers)
+    add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     add_eval_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        return args.func(args, extra) if getattr(args, "accepts_extra", False) else args.func(args)
     except ImportError as err:
+        if args.command not in ("serve", "eval"):
+            raise
         extra = "serve" if args.command == "serve" else "eval"
         print(f"error: {err} (install the extra: pip install \"hf-bdlm[{extra}]\")", file=sys.stderr)
         return 2
