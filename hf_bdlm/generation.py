@@ -262,7 +262,12 @@ def _run_rows(model, ids, q_rows, k_rows, settings, cache=None, padding: LeftPad
         positions = q_rows.pos[None].expand(ids.shape[0], -1)
     else:
         positions = padding.position_ids(q_rows.pos)
-    layout = LocalLayout(q_rows, k_rows, settings.rule, settings.backend)
+    backend = settings.backend
+    if padding is not None and backend == "blockwise" and ids.shape[1] <= settings.block_size:
+        # A ragged batch's block step: rows differ in padding, so the block-sparse planner would plan (and run)
+        # every row apart; the rule's dense mask over one block of queries is small and serves the batch at once.
+        backend = "dense"
+    layout = LocalLayout(q_rows, k_rows, settings.rule, backend)
     out = model(
         input_ids=ids,
         position_ids=positions,
