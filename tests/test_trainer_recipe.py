@@ -27,10 +27,11 @@ def parse(*argv):
     return sft.make_parser().parse_args_and_config(args=list(argv))[:3]
 
 
-def test_there_are_the_three_configs_and_three_launch_files():
+def test_there_are_the_three_configs_and_four_launch_files():
     assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "qwen3_conversion_256k_16gpu.yaml",
                                          "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
-    assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "fsdp2_8gpu.yaml", "multinode_2x8gpu.yaml"}
+    assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "cpu_2proc_fsdp2.yaml", "fsdp2_8gpu.yaml",
+                                            "multinode_2x8gpu.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -44,7 +45,8 @@ def test_every_config_names_only_real_fields(path):
 @pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.stem)
 def test_accelerate_configs_launch_the_right_world(path):
     config = yaml.safe_load(path.read_text())
-    assert config["num_processes"] == {"cpu_2proc": 2, "fsdp2_8gpu": 8, "multinode_2x8gpu": 16}[path.stem]
+    assert config["num_processes"] == {"cpu_2proc": 2, "cpu_2proc_fsdp2": 2, "fsdp2_8gpu": 8,
+                                       "multinode_2x8gpu": 16}[path.stem]
     if path.stem != "cpu_2proc":
         assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
 

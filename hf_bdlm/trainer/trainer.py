@@ -25,6 +25,7 @@ transformers' own. One optimizer step:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -36,6 +37,7 @@ import torch
 from accelerate.utils import is_peft_model
 from torch.utils.data import DataLoader
 from transformers import ProcessorMixin, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import has_length
 from trl import SFTTrainer
 
@@ -45,6 +47,22 @@ from ..objectives import DiffusionGemmaObjective, Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
 from .config import BDLMSFTConfig
+from .fsdp import (
+    fsdp_request,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    hidden_from_accelerate,
+    is_sharded_checkpoint,
+    load_full_checkpoint,
+    load_full_optimizer_state_dict,
+    load_sharded_model,
+    load_sharded_optimizer,
+    save_sharded_model,
+    save_sharded_optimizer,
+    shard_model,
+    state_dict_type,
+    unit_classes,
+)
 from .inputs import (
     add_sample_ids,
     check_dataset_format,
@@ -178,11 +196,111 @@ class BDLMSFTTrainer(SFTTrainer):
         # Sums over the logging window of [loss_sum, correct, masked tokens, tokens], whole global batch.
         self._window = {"train": torch.zeros(4, dtype=torch.float64), "eval": torch.zeros(4, dtype=torch.float64)}
         self._tokens_seen = 0.0
-        if self.is_fsdp_enabled:
-            logger.warning(
-                "FSDP with BDLMSFTTrainer is written for FSDP2 (parameters sharded over dp x bp, the whole world) but "
-                "has not been tested yet; compare the first losses with a DDP run."
+        if self.fsdp2 is not None:
+            self._shard_with_fsdp2()
+
+    # --- FSDP2 -----------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        # A requested FSDP is applied by the trainer itself (hf_bdlm.trainer.fsdp): Accelerate would train plain DDP
+        # on a CPU world, and shard over a mesh of its own on GPUs.
+        self.fsdp2 = fsdp_request(self.args)
+        if self.fsdp2 is None:
+            return super().create_accelerator_and_postprocess()
+        with hidden_from_accelerate(self.args):
+            return super().create_accelerator_and_postprocess()
+
+    def _shard_with_fsdp2(self) -> None:
+        plugin = self.plugin
+        if plugin.world_size < 2:
+            raise ValueError(
+                "FSDP2 was requested (fsdp / fsdp_config, or an accelerate FSDP config) but this is a single process: "
+                "launch at least 2 processes with torchrun or accelerate launch, or remove the FSDP setting."
             )
+        units = shard_model(self.model, plugin.groups.world_mesh, self.fsdp2)
+        self.model_wrapped = self.model
+        # transformers' own path for a model that owns its sharding and gradient reduction: Accelerate prepares mixed
+        # precision only (no DDP wrapper), the optimizer is built from the sharded parameters.
+        self.is_distributed_loading_by_transformers = True
+        if self.fsdp2.activation_checkpointing:
+            self.args.activation_checkpointing = True  # the model's own per-layer checkpointing: the same units
+        if self.is_world_process_zero():
+            logger.warning(
+                f"FSDP2: BDLMSFTTrainer shards the model itself with torch.distributed.fsdp.fully_shard over the dp x bp "
+                f"world ({plugin.world_size} ranks: {plugin.data_parallel_size} data-parallel x {plugin.block_parallel_size}"
+                f" block-parallel): {len(units)} units ({', '.join(sorted(unit_classes(self.model, self.fsdp2)))}) and "
+                f"the root; Accelerate prepares mixed precision only. Checkpoints: {state_dict_type(self.fsdp2)}."
+            )
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        # Gradient accumulation: the micro-batches before the last keep their gradients unsharded, one reduce-scatter
+        # follows the last. (transformers' version reads the DistributedConfig of a model sharded at load time.)
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def _save_checkpoint(self, model, trial):
+        self._saving_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_checkpoint = False
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.fsdp2 is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if getattr(self, "_saving_checkpoint", False) and state_dict_type(self.fsdp2) == "SHARDED_STATE_DICT":
+            save_sharded_model(self.model, output_dir)
+        else:
+            # Gathered on rank 0 and written as an ordinary transformers checkpoint (a PEFT model: its adapter).
+            state = full_model_state_dict(self.model, trainable_only=is_peft_model(self.model))
+            if self.args.should_save:
+                self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.fsdp2 is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        optimizer = _torch_optimizer(self.optimizer)
+        if state_dict_type(self.fsdp2) == "SHARDED_STATE_DICT":
+            save_sharded_optimizer(self.model, optimizer, output_dir)
+        else:
+            state = full_optimizer_state_dict(self.model, optimizer)
+            if self.args.should_save:
+                torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # A sharded (DCP) checkpoint loads into any run, FSDP2 or not, on any world size: DCP reshards.
+        if is_sharded_checkpoint(resume_from_checkpoint):
+            load_sharded_model(model or self.model, resume_from_checkpoint)
+        elif self.fsdp2 is not None:
+            load_full_checkpoint(model or self.model, resume_from_checkpoint)
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or (self.fsdp2 is None and not is_sharded_checkpoint(checkpoint)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = _torch_optimizer(self.optimizer)
+        if not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+            return  # a checkpoint without optimizer state (save_only_model): as transformers, start a fresh one
+        if is_sharded_checkpoint(checkpoint):
+            load_sharded_optimizer(self.model, optimizer, checkpoint)
+        else:  # an ordinary checkpoint (FSDP2 FULL_STATE_DICT, DDP, one process): torch.optim's own format
+            state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+            load_full_optimizer_state_dict(self.model, optimizer, state)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self) -> None:
+        if self.fsdp2 is None:
+            return super()._load_best_model()
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
     # --- data ------------------------------------------------------------------------------------
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
@@ -433,6 +551,11 @@ def _as_bdlm_config(args, model) -> BDLMSFTConfig:
         values["hub_token"] = args.hub_token  # to_dict hides it
         return BDLMSFTConfig(**values)
     raise TypeError(f"args must be a BDLMSFTConfig (or SFTConfig / TrainingArguments), got {type(args).__name__}.")
+
+
+def _torch_optimizer(optimizer):
+    """The ``torch.optim`` optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _diffusion_model(model) -> BlockDiffusionForMaskedLM:

@@ -77,12 +77,16 @@ def run(setup: str, out: Path, P: int, mode: str = "csbp", resume: str | None = 
         "losses": [h["loss"] for h in history],
         "accuracy": [h.get("mean_token_accuracy") for h in history],
         "weights": None,
+        # FSDP2 leaves the parameters sharded (DTensors); DDP leaves them whole.
+        "sharded": any(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
     }
     if setup == "plain":
         # Held-out loss after training: every group rank holds part of it; the trainer sums it over the group.
         result["eval_loss"] = trainer.evaluate(eval_dataset=prompt_completion(5))["eval_loss"]
+    # Under FSDP2 the parameters are sharded DTensors: every rank takes part in gathering them.
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for n, p in trainer.model.named_parameters() if p.requires_grad}
     if trainer.is_world_process_zero():
-        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
         path = out / "final_weights.pt"
         torch.save(weights, path)
         result["weights"] = str(path)
