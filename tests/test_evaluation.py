@@ -274,7 +274,7 @@ def test_embedded_smollm2_runs_through_server_agent_and_grader(tmp_path):
     from hf_bdlm.evaluation.endpoint import model_endpoint
 
     with model_endpoint(model_dir="embedded:smollm2") as endpoint:
-        settings = AgentSettings(endpoint.base_url, endpoint.model, step_limit=2, max_tokens=64)
+        settings = AgentSettings(endpoint.base_url, endpoint.model, step_limit=1, max_tokens=16)
         run = terminal_runner.run_terminal_bench(endpoint, tmp_path, settings, names=["create-greeting"],
                                                  progress=False)
     result = run.results[0]
