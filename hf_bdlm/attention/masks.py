@@ -109,25 +109,53 @@ def window_key_range(q_stream, q_pos, rule: MaskRule):
     )
 
 
-def keys_in_window(q_stream, q_pos, k_pos, rule: MaskRule) -> torch.Tensor:
+def keys_in_window(q_stream, q_pos, k_pos, rule: MaskRule, k_stream=None) -> torch.Tensor:
     """Whether each key position (``k_pos [n]``) lies in the window of at least one query (``[m]`` rows).
 
     What a rank holding these queries must fetch on a sliding-window layer: the window, cut at the last position
-    the stream table lets the query see (its block's end, or itself in a token-causal clean stream). Memory
-    O(span of the positions).
+    the stream table lets the query see (its block's end, or itself in a token-causal clean stream). With the keys'
+    streams (``k_stream [n]``) the stream table cuts each reach per key stream: a noisy query reaches clean keys
+    before its block and noisy keys of its own block only, a clean query no noisy key; a noisy block then fetches
+    exactly the ``W - 1`` clean positions of its halo. Memory O(span of the positions).
     """
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return torch.zeros(k_pos.shape, dtype=torch.bool, device=k_pos.device)
+    if k_stream is None:
+        return _covered(*_reach(q_stream, q_pos, rule, None), k_pos)
+    out = torch.zeros(k_pos.shape, dtype=torch.bool, device=k_pos.device)
+    for stream in (CLEAN, NOISY):
+        sel = k_stream == stream
+        if bool(sel.any()):
+            out[sel] = _covered(*_reach(q_stream, q_pos, rule, stream), k_pos[sel])
+    return out
+
+
+def _reach(q_stream, q_pos, rule: MaskRule, k_stream: int | None):
+    """Per query, the inclusive key-position range ``(lo, hi)`` its window and stream table allow (keys of
+    ``k_stream``; ``None``: either stream); an empty range has ``lo > hi``."""
     lo, hi = window_key_range(q_stream, q_pos, rule)
-    block_end = torch.div(q_pos, rule.block_size, rounding_mode="floor") * rule.block_size + (rule.block_size - 1)
-    if rule.clean_attention == "causal":
-        block_end = torch.where(q_stream == NOISY, block_end, q_pos)
-    hi = torch.minimum(hi, block_end)
-    lo, hi = torch.broadcast_to(lo, q_pos.shape), torch.broadcast_to(hi, q_pos.shape)
+    start = torch.div(q_pos, rule.block_size, rounding_mode="floor") * rule.block_size
+    block_end = start + (rule.block_size - 1)
+    noisy = q_stream == NOISY
+    clean_end = q_pos if rule.clean_attention == "causal" else block_end
+    if k_stream is None:
+        hi = torch.minimum(hi, torch.where(noisy, block_end, clean_end))
+    elif k_stream == CLEAN:
+        hi = torch.minimum(hi, torch.where(noisy, start - 1, clean_end))
+    else:  # noisy keys: the query's own block, and never for a clean query
+        lo = torch.maximum(lo, start)
+        hi = torch.where(noisy, torch.minimum(hi, block_end), lo - 1)
+    return torch.broadcast_to(lo, q_pos.shape), torch.broadcast_to(hi, q_pos.shape)
+
+
+def _covered(lo: torch.Tensor, hi: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Whether each key position lies in at least one of the ranges ``[lo, hi]``."""
+    keep = lo <= hi
+    lo, hi = lo[keep], hi[keep]
+    if lo.numel() == 0 or k_pos.numel() == 0:
+        return torch.zeros(k_pos.shape, dtype=torch.bool, device=k_pos.device)
     base = int(torch.minimum(lo.min(), k_pos.min()))
     size = int(torch.maximum(hi.max(), k_pos.max())) - base + 2
     # +1 where a window opens, -1 one past where it closes: positive prefix sums are covered positions.
-    delta = torch.zeros(size, dtype=torch.long, device=q_pos.device)
+    delta = torch.zeros(size, dtype=torch.long, device=lo.device)
     delta.index_add_(0, (lo - base).long(), torch.ones_like(lo, dtype=torch.long))
     delta.index_add_(0, (hi - base + 1).long(), -torch.ones_like(hi, dtype=torch.long))
     return (delta.cumsum(0) > 0)[(k_pos - base).long()]
