@@ -31,11 +31,12 @@ def cached_plan(config: PlanConfig) -> GroupPlan:
 
 def verify_plan_agreement(config: PlanConfig, comm: CommContext) -> None:
     """Every rank of the group must run the same plan; raise the same error on all ranks if not."""
-    mine = (config.seq_len, config.block_size, config.group_size, config.clean_ring_size, config.mode, config.schedule)
+    mine = (config.seq_len, config.block_size, config.group_size, config.clean_ring_size, config.mode, config.schedule,
+            config.noisy_blocks)
     everyone: list = [None] * comm.size
     dist.all_gather_object(everyone, mine, group=comm.group)
     if any(other != everyone[0] for other in everyone):
-        fields = "(seq_len, block_size, group_size, clean_ring_size, mode, schedule)"
+        fields = "(seq_len, block_size, group_size, clean_ring_size, mode, schedule, noisy_blocks)"
         listing = "; ".join(f"rank {i}: {p}" for i, p in enumerate(everyone))
         raise ValueError(
             f"ranks of process group '{comm.name}' disagree on the block-parallel plan {fields}: {listing}. "
@@ -108,6 +109,8 @@ class BlockParallelGroups:
         """The (cached) plan of ``config``; the group checks agreement the first time it meets a config."""
         if self.verify and config not in self._verified:
             verify_plan_agreement(config, self.group)
+            if len(self._verified) >= 4096:  # configs with noisy_blocks vary per batch: bound the memory, re-verify
+                self._verified.clear()
             self._verified.add(config)
         return cached_plan(config)
 

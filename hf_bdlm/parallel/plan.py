@@ -44,6 +44,18 @@ Every row's loss must count once per group, but ``bp`` and hybrid ``csbp`` compu
 rows on several ranks. :attr:`RankPlan.loss_clean_positions` names the clean positions whose
 loss a rank counts: the positions of its own noisy blocks (``cp``: its own clean chunk).
 
+**Noisy rows on a subset of the blocks** (``PlanConfig.noisy_blocks``; DiffusionGemma, whose
+decoder denoises only the response blocks of a frame: :mod:`hf_bdlm.parallel.diffusion_gemma`).
+The clean stream is laid out as above over all ``N`` blocks (``cp`` as ``csbp`` with ``C = P``:
+an encoder-decoder has two passes, each balanced on its own, so both are cut head-tail). The
+subset is dealt as if it were a sequence of its own: the plan of ``len(noisy_blocks)`` blocks in
+the same mode, its block ``j`` mapped to ``noisy_blocks[j]``. Its dual-end pairs ``(j, n-1-j)``
+cost the same when the subset is a contiguous run (one response) and about the same otherwise, and
+every rank gets the same number of noisy rows (the subset is padded to a multiple of ``2P``
+blocks). With ``bp`` the rank owning the last noisy block holds the whole clean stream (as block
+``N-1``'s owner does without a subset), the others the prefix up to their last owned block.
+Each clean block is counted by one of the ranks holding it, dealt round robin by block index.
+
 Example (CPU, instant)::
 
     python -c "from hf_bdlm.parallel.plan import PlanConfig, make_plan; \\
@@ -89,6 +101,9 @@ class PlanConfig:
         schedule (`str`, defaults to ``"dual_end"``): noisy-block schedule, ``"dual_end"``
             (balanced) or ``"contiguous"``; for ``csbp`` it also picks head-tail or contiguous
             clean shards. ``cp`` is always zigzag and accepts only ``"dual_end"``.
+        noisy_blocks (`tuple[int, ...]`, *optional*): the blocks that have noisy rows, ascending
+            (DiffusionGemma's canvas blocks); ``None``: every block. Their number must be a
+            multiple of :func:`noisy_subset_multiple`.
 
     Invalid combinations raise ``ValueError`` at construction, naming the values and the fix.
     """
@@ -99,6 +114,7 @@ class PlanConfig:
     clean_ring_size: int | None = None
     mode: str = "csbp"
     schedule: str = "dual_end"
+    noisy_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in ("seq_len", "block_size"):
@@ -114,6 +130,9 @@ class PlanConfig:
             raise ValueError(
                 f"seq_len={L} is not a multiple of block_size={B}; pad the sequence to a multiple of {B}."
             )
+        if self.noisy_blocks is not None:
+            object.__setattr__(self, "noisy_blocks", tuple(int(b) for b in self.noisy_blocks))
+            dims = _subset_rows_dims(dims)  # how the clean stream is cut when noisy rows cover a subset
         blocks, why = dims.block_multiple()
         multiple = blocks * B
         layout = f"mode={mode!r}" if mode == "cp" else f"mode={mode!r} with schedule={schedule!r}"
@@ -128,15 +147,52 @@ class PlanConfig:
                 f"seq_len={L} is not a multiple of {multiple} ({blocks} blocks of block_size={B}), which "
                 f"{layout} needs ({why}); pad the sequence to a multiple of {multiple}."
             )
+        if self.noisy_blocks is not None:
+            _check_noisy_blocks(self.noisy_blocks, L // B, noisy_subset_multiple(dims))
 
     @classmethod
-    def from_dims(cls, dims: ParallelDims, seq_len: int, block_size: int) -> "PlanConfig":
-        """The plan of one batch of sequences of length ``seq_len`` under a declared layout."""
-        return cls(seq_len, block_size, dims.block_parallel_size, dims.clean_ring_size, dims.mode, dims.schedule)
+    def from_dims(cls, dims: ParallelDims, seq_len: int, block_size: int,
+                  noisy_blocks: tuple[int, ...] | None = None) -> "PlanConfig":
+        """The plan of one batch of sequences of length ``seq_len`` under a declared layout (noisy rows on
+        ``noisy_blocks`` only, when given)."""
+        return cls(seq_len, block_size, dims.block_parallel_size, dims.clean_ring_size, dims.mode, dims.schedule,
+                   noisy_blocks)
 
     @property
     def num_blocks(self) -> int:
         return self.seq_len // self.block_size
+
+
+def _subset_rows_dims(dims: ParallelDims) -> ParallelDims:
+    """The layout whose clean shards and dealing a plan with ``noisy_blocks`` uses: ``cp`` as ``csbp`` with ``C = P``
+    (both passes of an encoder-decoder cut head-tail), the others as declared."""
+    if dims.mode != "cp":
+        return dims
+    return ParallelDims(dims.block_parallel_size, dims.block_parallel_size, "csbp", "dual_end")
+
+
+def noisy_subset_multiple(dims: ParallelDims) -> int:
+    """How many blocks a ``noisy_blocks`` subset must be a multiple of: ``2P`` (``dual_end``; ``cp``), ``P``
+    (``contiguous``), ``1`` without sharding. Pad it with blocks nobody scores to reach it."""
+    return _subset_rows_dims(dims).block_multiple()[0] if dims.is_sharded else 1
+
+
+def subset_sequence_multiple(dims: ParallelDims, block_size: int) -> int:
+    """The multiple a sequence (DiffusionGemma's frame) is padded to when its noisy rows cover a subset of blocks."""
+    return _subset_rows_dims(dims).required_multiple(block_size)
+
+
+def _check_noisy_blocks(blocks: tuple[int, ...], num_blocks: int, multiple: int) -> None:
+    if any(b < 0 or b >= num_blocks for b in blocks) or any(a >= b for a, b in zip(blocks, blocks[1:])):
+        raise ValueError(
+            f"noisy_blocks must be ascending, distinct block indices in [0, {num_blocks}), got {list(blocks)[:16]}"
+            f"{'...' if len(blocks) > 16 else ''}."
+        )
+    if not blocks or len(blocks) % multiple:
+        raise ValueError(
+            f"noisy_blocks has {len(blocks)} blocks; this layout deals them in equal shares and needs a positive "
+            f"multiple of {multiple}: pad the subset with blocks whose rows nobody scores."
+        )
 
 
 def _block_ranges(blocks: tuple[int, ...], block_size: int) -> tuple[Range, ...]:
@@ -343,7 +399,36 @@ def _csbp_ranks(cfg: PlanConfig) -> list[RankPlan]:
     return ranks
 
 
+def _subset_ranks(cfg: PlanConfig) -> list[RankPlan]:
+    """Noisy rows on ``cfg.noisy_blocks`` only (see the module docstring)."""
+    P, B, L = cfg.group_size, cfg.block_size, cfg.seq_len
+    rows = _subset_rows_dims(ParallelDims(P, cfg.clean_ring_size, cfg.mode, cfg.schedule))
+    C, mode = rows.clean_ring_size, rows.mode
+    subset = cfg.noisy_blocks
+    dealt = make_plan(PlanConfig(len(subset) * B, B, P, C, mode, cfg.schedule))
+    owned = [tuple(subset[j] for j in r.noisy_blocks) for r in dealt.ranks]
+    if mode == "bp":
+        last = max(range(P), key=lambda r: owned[r][-1])
+        clean = [((0, L if r == last else (owned[r][-1] + 1) * B),) for r in range(P)]
+    else:
+        clean = [r.clean_positions for r in make_plan(PlanConfig(L, B, P, C, mode, cfg.schedule)).ranks]
+    held = torch.zeros(P, L // B, dtype=torch.bool)
+    for r in range(P):
+        for s, e in clean[r]:
+            held[r, s // B : e // B] = True
+    # Block b is counted by its (b mod holders)-th holder: the holder whose running count of holders reaches it.
+    choice = torch.arange(L // B) % held.sum(0) + 1
+    counted = held & (held.long().cumsum(0) == choice)
+    return [
+        RankPlan(r, dealt.ranks[r].ring, dealt.ranks[r].ring_rank, owned[r], clean[r],
+                 _block_ranges(tuple(counted[r].nonzero().flatten().tolist()), B), L, B)
+        for r in range(P)
+    ]
+
+
 def make_plan(cfg: PlanConfig) -> GroupPlan:
     """Build the layout of every rank of a group. ``cfg`` is validated when constructed."""
+    if cfg.noisy_blocks is not None:
+        return GroupPlan(cfg, tuple(_subset_ranks(cfg)))
     build = {"cp": _cp_ranks, "bp": _bp_ranks, "csbp": _csbp_ranks}[cfg.mode]
     return GroupPlan(cfg, tuple(build(cfg)))
