@@ -73,8 +73,10 @@ def diffusion_gemma_class():
 
 
 def unwrap_diffusion_gemma(model):
-    """The ``DiffusionGemmaForBlockDiffusion`` inside PEFT / DDP wrappers, or ``None``."""
-    inner = getattr(model, "module", model)  # DDP
+    """The ``DiffusionGemmaForBlockDiffusion`` inside PEFT / DDP / training-step wrappers, or ``None``."""
+    inner = model
+    while hasattr(inner, "module"):  # DDP, and the training step DDP wraps (hf_bdlm.trainer.diffusion_gemma_step)
+        inner = inner.module
     if hasattr(inner, "get_base_model"):
         inner = inner.get_base_model()
     return inner if isinstance(inner, diffusion_gemma_class()) else None
@@ -136,7 +138,8 @@ def _dispatching_attention(fallback: str):
     return forward
 
 
-def _is_decoder_attention(module: nn.Module) -> bool:
+def is_decoder_attention(module: nn.Module) -> bool:
+    """Whether an attention module is the decoder's (its keys: the encoder's cached clean rows, then the canvas)."""
     from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaDecoderTextAttention
 
     return isinstance(module, DiffusionGemmaDecoderTextAttention)
@@ -151,7 +154,7 @@ class CanvasFrame:
     collated row, -1 on pad rows), ``ar_pairs`` (row ``f`` predicts ``clean_ids[f + 1]``: both real, same document).
     Canvas (decoder), ``[b, Nc]`` with ``Nc = len(canvas_blocks) * B``: ``canvas_positions`` (RoPE),
     ``canvas_source`` (collated-row position of the canvas token, past the row's end for the EOS fill; -1 on dummy
-    rows: a block some other row of the batch needs), ``canvas_block_source`` (position of its block's first token),
+    rows: a block some other row of the batch needs, or a padding block of a parallel layout), ``canvas_block_source`` (position of its block's first token),
     ``canvas_target`` (the clean canvas: response tokens, then the fill token), ``canvas_supervised``.
     ``clean_rows`` / ``canvas_rows`` are the attention rows (:class:`~hf_bdlm.attention.rows.RowMeta`, frame
     positions, per-row document ids).
@@ -244,6 +247,7 @@ def build_canvas_frame(
     truncated: torch.Tensor | None = None,
     end_token_ids: set[int] | None = None,
     pad_to_multiple_of: int | None = None,
+    canvas_blocks_multiple_of: int | None = None,
 ) -> CanvasFrame:
     """Lay out a collated batch for the all-blocks pass.
 
@@ -260,6 +264,9 @@ def build_canvas_frame(
         position_ids (`torch.LongTensor` of shape `[b, L]`, *optional*): RoPE positions (default: restart at 0 at
             each document).
         pad_to_multiple_of (`int`, *optional*): frame length multiple (default `B`; parallel layouts need more).
+        canvas_blocks_multiple_of (`int`, *optional*): pad the canvas blocks to a multiple of this count with dummy
+            blocks (the lowest frame blocks that are no canvas; rows of their own document, never scored), so that
+            block-parallel ranks get equal shares.
     """
     B = block_size
     b, length = input_ids.shape
@@ -314,7 +321,17 @@ def build_canvas_frame(
                 rope0 = int(r0 - doc.start if pos_cpu is None else pos_cpu[i, r0])
                 for j in range(blocks):
                     canvas[(i, first_block + j)] = (d, r0 + j * B, r1, rope0 + j * B, doc.cut)
-    blocks = torch.tensor(sorted({blk for _, blk in canvas}), dtype=torch.long)
+    used = sorted({blk for _, blk in canvas})
+    if canvas_blocks_multiple_of and len(used) % canvas_blocks_multiple_of:
+        wanted = -(-len(used) // canvas_blocks_multiple_of) * canvas_blocks_multiple_of
+        free = sorted(set(range(F // B)) - set(used))[: wanted - len(used)]
+        if len(used) + len(free) < wanted:
+            raise ValueError(
+                f"the frame has {F // B} blocks, too few to pad its {len(used)} canvas blocks to a multiple of "
+                f"{canvas_blocks_multiple_of}; pad the frame to a multiple of {canvas_blocks_multiple_of} blocks too."
+            )
+        used = sorted(used + free)
+    blocks = torch.tensor(used, dtype=torch.long)
     nc = int(blocks.numel()) * B
     offsets = torch.arange(B)
     canvas_positions = torch.zeros((b, nc), dtype=torch.long)
@@ -365,10 +382,11 @@ class DiffusionGemmaLayout:
 
     ``attend`` is called by every attention module of the model (through the registered attention function): an
     encoder module attends its clean queries over the clean keys; a decoder module receives ``[clean ; canvas]`` keys
-    (the cache, then its own) and attends its canvas queries over both sources. A sharded layout keeps this interface
-    with only its rows: the encoder then runs over this rank's clean chunks (the cache holds their K/V, which the
-    layout gathers over the clean ring, once per layer for both calls), the decoder over its owned canvas blocks, and
-    ``DiffusionGemmaObjective.loss_from_hidden`` scores the held rows (``clean_index`` / ``canvas_index``).
+    (the cache, then its own) and attends its canvas queries over both sources. A block-parallel rank's layout
+    (:class:`hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`) keeps this interface with only its rows:
+    the encoder runs over its clean rows (the cache holds their K/V, which its layout gathers over the clean ring),
+    the decoder over its canvas blocks, and ``DiffusionGemmaObjective.loss`` scores what it counts
+    (``clean_index`` / ``canvas_index`` / ``clean_loss_index``).
     """
 
     clean_rows: RowMeta
@@ -377,6 +395,12 @@ class DiffusionGemmaLayout:
     backend: str = "blockwise"
     encoder_cache: dict = field(default_factory=dict)
     decoder_cache: dict = field(default_factory=dict)
+    # Rows this device runs (``None``: all of them, in frame order). A sharded layout sets: ``clean_index`` (frame
+    # positions of its encoder rows), ``canvas_index`` (canvas slots of its decoder rows), ``clean_loss_index``
+    # (which of its encoder rows it counts the next-token loss of: rows held on several ranks count on one).
+    clean_index = None
+    canvas_index = None
+    clean_loss_index = None
 
     @classmethod
     def local(cls, frame: CanvasFrame, backend: str = "blockwise") -> "DiffusionGemmaLayout":
@@ -384,7 +408,7 @@ class DiffusionGemmaLayout:
 
     def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
         n_clean = self.clean_rows.num_rows
-        if not _is_decoder_attention(module):
+        if not is_decoder_attention(module):
             if not getattr(module, "is_causal", True):
                 raise ValueError("the DiffusionGemma encoder must be causal for the diffusion_gemma objective.")
             return attend(self.backend, query, [(key, value)], self.clean_rows, [self.clean_rows], rule, scale,
@@ -408,24 +432,34 @@ def encode(model, frame: CanvasFrame, layout: DiffusionGemmaLayout):
     dg = unwrap_diffusion_gemma(model)
     use_block_diffusion_attention(dg)
     cache = DynamicCache()  # no config: every layer keeps all its keys (the decoder's rule picks the window)
-    out = dg.model.encoder(input_ids=frame.clean_ids, position_ids=frame.clean_positions, attention_mask=NO_MASKS,
-                           cache=cache, bdlm_layout=layout)
+    ids, positions = _held(layout.clean_index, frame.clean_ids, frame.clean_positions)
+    out = dg.model.encoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, cache=cache,
+                           bdlm_layout=layout)
     return out.last_hidden_state, cache
 
 
 def decode(model, frame: CanvasFrame, layout: DiffusionGemmaLayout, canvas_ids: torch.Tensor, cache,
            self_conditioning: torch.Tensor | None = None) -> torch.Tensor:
-    """The decoder over all canvas rows: last hidden state ``[b, Nc, h]``.
+    """The decoder over the canvas rows the layout holds: last hidden state ``[b, n, h]``.
 
-    ``self_conditioning`` (``[b, Nc, h]``, from :func:`self_conditioning_embeddings`) is the soft-embedding signal
-    of a previous pass; ``None`` is the model's first denoising step (a zero signal).
+    ``canvas_ids`` (``[b, Nc]``) is the whole canvas; ``self_conditioning`` (``[b, n, h]``, from
+    :func:`self_conditioning_embeddings`) is the soft-embedding signal of a previous pass over the same rows;
+    ``None`` is the model's first denoising step (a zero signal).
     """
     dg = unwrap_diffusion_gemma(model)
     decoder = dg.model.decoder
+    ids, positions = _held(layout.canvas_index, canvas_ids, frame.canvas_positions)
     with _self_conditioning_signal(decoder, self_conditioning):
-        out = decoder(decoder_input_ids=canvas_ids, cache=cache, decoder_attention_mask=NO_MASKS,
-                      decoder_position_ids=frame.canvas_positions, bdlm_layout=layout)
+        out = decoder(decoder_input_ids=ids, cache=cache, decoder_attention_mask=NO_MASKS,
+                      decoder_position_ids=positions, bdlm_layout=layout)
     return out.last_hidden_state
+
+
+def _held(index, *tensors):
+    """The columns ``index`` of ``[b, T]`` tensors (all of them for ``None``)."""
+    if index is None:
+        return tensors
+    return tuple(t[:, index.to(t.device)] for t in tensors)
 
 
 @contextmanager
@@ -446,9 +480,10 @@ def _self_conditioning_signal(decoder, signal):
 
 
 def softcapped_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """``lm_head`` then the final soft cap, in float32 (as the model's forward computes its logits)."""
+    """``lm_head`` then the final soft cap, in float32 (as the model's forward computes its logits; float64 stays)."""
     dg = unwrap_diffusion_gemma(model)
-    logits = dg.lm_head(hidden).to(torch.float32)
+    logits = dg.lm_head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     cap = dg.final_logit_softcapping
     if cap is None:
         return logits
@@ -470,7 +505,7 @@ def self_conditioning_embeddings(model, hidden: torch.Tensor, enabled: torch.Ten
     out = torch.empty(flat.shape[0], weight.shape[1], dtype=weight.dtype, device=hidden.device)
     for start in range(0, flat.shape[0], chunk):
         logits = softcapped_logits(dg, flat[start : start + chunk])
-        probs = logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
+        probs = logits.softmax(dim=-1).to(weight.dtype)  # logits are float32 (float64 models: float64)
         out[start : start + chunk] = torch.matmul(probs, weight) * scale
     out = out.view(*hidden.shape[:-1], weight.shape[1])
     return out * enabled.to(out.dtype)[:, None, None]
@@ -486,6 +521,7 @@ __all__ = [
     "decode",
     "diffusion_gemma_rule",
     "encode",
+    "is_decoder_attention",
     "is_diffusion_gemma",
     "self_conditioning_embeddings",
     "softcapped_logits",

@@ -120,6 +120,8 @@ class DiffusionGemmaObjective(Objective):
         attention_backend (`str`, defaults to `"blockwise"`): see `hf_bdlm.attention.backends`.
         loss_chunk_size (`int`, defaults to 8192): rows per LM-head call (chunks recomputed in backward).
         pad_to_multiple_of (`int`, *optional*): frame length multiple (parallel layouts).
+        canvas_blocks_multiple_of (`int`, *optional*): canvas blocks padded to a multiple of this count (parallel
+            layouts deal them in equal shares; see `hf_bdlm.parallel.diffusion_gemma.frame_padding`).
     """
 
     name = "diffusion_gemma"
@@ -141,6 +143,7 @@ class DiffusionGemmaObjective(Objective):
         attention_backend: str = "blockwise",
         loss_chunk_size: int = 8192,
         pad_to_multiple_of: int | None = None,
+        canvas_blocks_multiple_of: int | None = None,
     ):
         for name, value in (("block_size", block_size), ("vocab_size", vocab_size), ("loss_chunk_size", loss_chunk_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -173,6 +176,7 @@ class DiffusionGemmaObjective(Objective):
         self.attention_backend = attention_backend
         self.loss_chunk_size = loss_chunk_size
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.canvas_blocks_multiple_of = canvas_blocks_multiple_of
 
     @classmethod
     def config_kwargs(cls, config: Any) -> dict[str, Any]:
@@ -222,6 +226,7 @@ class DiffusionGemmaObjective(Objective):
             pad_token_id=self.pad_token_id, document_ids=batch.get("document_ids"),
             position_ids=batch.get("position_ids"), truncated=batch.get("truncated"),
             end_token_ids=self.end_token_ids, pad_to_multiple_of=self.pad_to_multiple_of,
+            canvas_blocks_multiple_of=self.canvas_blocks_multiple_of,
         )
         if not bool(frame.canvas_supervised.any()):
             raise ValueError(
@@ -248,9 +253,13 @@ class DiffusionGemmaObjective(Objective):
 
     # --- loss -----------------------------------------------------------------------------------------------------
     def loss(self, model: torch.nn.Module, corrupted: DiffusionGemmaBatch, layout: DiffusionGemmaLayout | None = None):
-        """One training step's loss on one device: the encoder once, the decoder over all canvases (twice for the
-        samples that self-condition), the LM head only on scored rows. Returns ``(loss, metrics)`` as
-        :meth:`loss_from_hidden`."""
+        """One training step's loss over the rows ``layout`` holds: the encoder once, the decoder over the canvases
+        (twice for the samples that self-condition), the LM head only on scored rows.
+
+        ``layout`` defaults to every row on this device (:meth:`DiffusionGemmaLayout.local`); a rank of a
+        block-parallel group passes its :class:`~hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`, and
+        the ranks' losses add up to the single-device loss. Returns ``(loss, metrics)`` as :meth:`loss_from_hidden`.
+        """
         dg = self._model(model)
         frame = corrupted.frame
         layout = layout or DiffusionGemmaLayout.local(frame, self.attention_backend)
@@ -261,7 +270,15 @@ class DiffusionGemmaObjective(Objective):
                 first = decode(dg, frame, layout, corrupted.noisy_ids, cache)
                 signal = self_conditioning_embeddings(dg, first, corrupted.self_conditioning, self.loss_chunk_size)
         canvas_hidden = decode(dg, frame, layout, corrupted.noisy_ids, cache, signal)
-        return self.loss_from_hidden(dg, corrupted, encoder_hidden, canvas_hidden)
+        clean_index, counted = layout.clean_index, layout.clean_loss_index
+        scored = encoder_hidden
+        if counted is not None:
+            counted = counted.to(encoder_hidden.device)
+            scored, clean_index = encoder_hidden[:, counted], clean_index.to(counted.device)[counted]
+        loss, metrics = self.loss_from_hidden(dg, corrupted, scored, canvas_hidden, clean_index, layout.canvas_index)
+        # Backward must traverse every layer on every rank, targets or not: a sharded layout's attention sends
+        # gradients to its peers from there (an exact zero that keeps the whole graph).
+        return loss + (encoder_hidden.sum() + canvas_hidden.sum()) * 0.0, metrics
 
     def loss_from_hidden(self, model, corrupted: DiffusionGemmaBatch, encoder_hidden: torch.Tensor,
                          canvas_hidden: torch.Tensor, clean_index: torch.Tensor | None = None,
