@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ..attention.interface import LocalLayout
+from .diffusion_gemma import diffusion_gemma_layout
 from .dims import ParallelDims
 from .groups import BlockParallelGroups
 from .plan import PlanConfig
@@ -243,6 +244,12 @@ class BlockParallelPlugin:
             if document_ids is None:
                 self._layouts[key] = found
         return found
+
+    def diffusion_gemma_layout(self, frame, backend: str):
+        """DiffusionGemma's rows of this rank for one batch (its canvas frame): a
+        :class:`~.diffusion_gemma.ShardedDiffusionGemmaLayout`, or with ``P = 1`` the whole frame."""
+        self._check_ready()
+        return diffusion_gemma_layout(frame, self.groups if self.is_active else None, backend)
 
     # --- reductions ----------------------------------------------------------------------------
     def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:

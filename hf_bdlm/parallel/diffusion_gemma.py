@@ -1,0 +1,265 @@
+"""DiffusionGemma under block parallelism: the rows each rank runs, and its attention (``cp`` / ``bp`` / ``csbp``).
+
+DiffusionGemma trains in two passes over a *frame* (:mod:`hf_bdlm.diffusion_gemma`): the causal encoder over the
+``F`` clean rows, then the decoder over the canvas blocks, a subset of the frame's ``F / B`` blocks (the response
+blocks). Both passes call the attention interface, and a rank runs both over its own rows only:
+
+- **plan** (:func:`~.plan.make_plan` with ``noisy_blocks`` = the canvas blocks): the clean rows are cut as the mode
+  cuts a clean stream (``csbp``: head-tail chunks over the clean ring; ``cp``: the same over the whole group; ``bp``:
+  the prefix a rank's blocks need); the canvas blocks are dealt as a sequence of their own (dual-end pairs), so the
+  decoder's work and rows balance whatever the prompt length. The frame is padded to ``2P`` blocks and the canvas to
+  a multiple of ``2P`` blocks with dummy blocks nobody scores (:func:`frame_padding`);
+- **encoder** (per layer): queries = the rank's clean rows, keys = the clean rows of its ring (``cp``: group),
+  all-gathered (``csbp``, ``cp``) or held (``bp``);
+- **decoder** (per layer): queries = the rank's canvas blocks; keys = the encoder's cached clean K/V of the ring
+  gathered again, plus its own canvas K/V, local (``csbp``, ``bp``); ``cp`` gathers the canvas K/V of the whole group
+  too, as context parallelism of an encoder-decoder does (only their own block uses them);
+- **sliding layers** fetch exactly the keys in their queries' reach (all-to-all, :func:`~hf_bdlm.attention.masks.keys_in_window`
+  with the key streams): a clean range needs the ``W - 1`` positions before it, a canvas block the ``W - 1`` clean
+  positions before its start (``block_start`` convention); no canvas K/V travel on sliding layers in any mode;
+- **loss**: each rank scores its canvas blocks and the next-token pairs of the clean rows it counts (each clean block
+  counts on one of its holders); normalizers are the whole batch's, so the ranks' losses add up to the single-device
+  loss (:meth:`~hf_bdlm.objectives.diffusion_gemma.DiffusionGemmaObjective.loss`).
+
+K/V bytes received per full-attention layer per rank (all-gather transport; ``b`` sequences, ``H_kv`` K/V heads of
+dimension ``d``, ``s`` bytes per element, ``Nc`` canvas rows); backward returns the same bytes (reduce-scatter) for the
+encoder and the scored decoder pass, and the self-conditioning pass (when a sample of the batch self-conditions) is
+one more decoder forward:
+
+| mode | encoder | decoder (each pass) |
+|------|---------|---------------------|
+| ``cp`` | ``(P-1)/P · 2·F·H_kv·d·s·b`` | ``(P-1)/P · 2·(F + Nc)·H_kv·d·s·b`` |
+| ``csbp`` | ``(C-1)/C · 2·F·H_kv·d·s·b`` | ``(C-1)/C · 2·F·H_kv·d·s·b`` |
+| ``bp`` | 0 | 0 |
+
+The decoder gathers the clean K/V again instead of keeping the encoder's gathered copy: the encoder runs all its
+layers before the decoder starts, so keeping them would hold the full ``F``-row K/V of every layer on every rank, the
+memory ``csbp`` exists to avoid; a second all-gather per layer is overlapped with the canvas attention instead.
+
+    torchrun --nproc_per_node 2 tests/distributed/diffusion_gemma_worker.py --out /tmp/dg.json   # the exactness matrix
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.backends import attend, common_dtype
+from ..attention.masks import MaskRule, keys_in_window
+from ..attention.rows import RowMeta
+from ..attention.tiles import plan_attention
+from ..diffusion_gemma import CanvasFrame, DiffusionGemmaLayout, is_decoder_attention
+from .collectives import GatheredKV, exchange_rows
+from .dims import ParallelDims
+from .groups import BlockParallelGroups
+from .plan import GroupPlan, PlanConfig, noisy_subset_multiple, subset_sequence_multiple
+from .ring import ring_attention
+
+
+def frame_padding(dims: ParallelDims, block_size: int) -> tuple[int | None, int | None]:
+    """``(frame length multiple, canvas block count multiple)`` a layout needs (``None, None`` without sharding).
+
+    The frame holds whole head-tail chunks of blocks (``2P`` blocks; ``2C`` for the clean ring, dealt over ``P/C``
+    rings), the canvas whole dual-end pairs for every rank (``2P`` blocks; ``P`` with the ``contiguous`` schedule).
+    """
+    if not dims.is_sharded:
+        return None, None
+    return subset_sequence_multiple(dims, block_size), noisy_subset_multiple(dims)
+
+
+def canvas_slots(frame: CanvasFrame, blocks) -> torch.Tensor:
+    """Canvas rows (columns of ``frame.canvas_target``) of the given frame blocks, ascending."""
+    blocks = torch.as_tensor(blocks, dtype=torch.long)
+    slots = torch.searchsorted(frame.canvas_blocks.cpu(), blocks)
+    B = frame.block_size
+    return (slots[:, None] * B + torch.arange(B)).flatten()
+
+
+@dataclass
+class _Pass:
+    """One pass (encoder or decoder) as this rank runs it.
+
+    ``queries``: its query rows; ``local_rows``: key sources it holds and never sends (the decoder's canvas);
+    ``member_queries`` / ``member_sent``: per member of the communicator (in its rank order), the query rows and the
+    key rows that member contributes (in the order of its key tensor); ``gathered``: ``member_sent`` concatenated.
+    """
+
+    name: str
+    queries: RowMeta
+    local_rows: list[RowMeta]
+    member_queries: list[RowMeta]
+    member_sent: list[RowMeta]
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def gathered(self) -> RowMeta:
+        found = self.cache.get("gathered")
+        if found is None:
+            found = self.cache["gathered"] = RowMeta.cat(self.member_sent)
+        return found
+
+
+class ShardedDiffusionGemmaLayout:
+    """One rank's rows and attention for one DiffusionGemma batch (see the module docstring).
+
+    The same interface as :class:`~hf_bdlm.diffusion_gemma.DiffusionGemmaLayout`: ``attend`` for every attention call
+    of the model, ``clean_index`` / ``canvas_index`` / ``clean_loss_index`` for the rows the step runs and scores.
+    Build it with :meth:`build`.
+    """
+
+    def __init__(self, plan: GroupPlan, groups: BlockParallelGroups, frame: CanvasFrame, base_rule: MaskRule,
+                 backend: str = "blockwise", transport: str | None = None):
+        self.plan, self.groups, self.base_rule, self.backend = plan, groups, base_rule, backend
+        self.transport = transport or groups.dims.transport
+        if self.transport == "ring" and backend != "blockwise":
+            raise ValueError(
+                f"the ring transport runs the block-sparse kernels of attention_backend='blockwise'; got "
+                f"attention_backend={backend!r}. Use 'blockwise' or block_parallel_transport='allgather'."
+            )
+        if tuple(frame.canvas_blocks.tolist()) != plan.config.noisy_blocks:
+            raise ValueError("the plan was made for other canvas blocks than this frame's; build it from the frame.")
+        self.mode = plan.config.mode
+        me = groups.group_rank
+        self.comm = groups.group if self.mode == "cp" else groups.ring
+        members = list(range(len(plan.ranks))) if self.mode == "cp" else list(plan.ring_members(me))
+
+        def clean(r: int) -> torch.Tensor:
+            return plan.ranks[r].clean_position_index()
+
+        def canvas(r: int) -> torch.Tensor:
+            return canvas_slots(frame, plan.ranks[r].noisy_blocks)
+
+        def clean_rows(r: int) -> RowMeta:
+            return frame.clean_rows.select(clean(r).to(frame.clean_rows.pos.device))
+
+        def canvas_rows(r: int) -> RowMeta:
+            return frame.canvas_rows.select(canvas(r).to(frame.canvas_rows.pos.device))
+
+        device = frame.clean_ids.device
+        self.clean_index = clean(me).to(device)
+        self.canvas_index = canvas(me).to(device)
+        counted = torch.zeros(frame.frame_length, dtype=torch.bool)
+        for s, e in plan.ranks[me].loss_clean_positions:
+            counted[s:e] = True
+        self.clean_loss_index = counted[clean(me)].nonzero().flatten().to(device)
+        self.num_clean = int(self.clean_index.numel())
+        self.encoder = _Pass("encoder", clean_rows(me), [], [clean_rows(m) for m in members],
+                             [clean_rows(m) for m in members])
+        if self.mode == "cp":  # the decoder's keys are [cache ; canvas]: every member sends both, in that order
+            sent = [RowMeta.cat([clean_rows(m), canvas_rows(m)]) for m in members]
+            local = []
+        else:
+            sent = [clean_rows(m) for m in members]
+            local = [canvas_rows(me)]
+        self.decoder = _Pass("decoder", canvas_rows(me), local, [canvas_rows(m) for m in members], sent)
+        self.member_index = members.index(me)
+
+    @classmethod
+    def build(cls, frame: CanvasFrame, groups: BlockParallelGroups, base_rule: MaskRule, backend: str = "blockwise",
+              transport: str | None = None) -> "ShardedDiffusionGemmaLayout":
+        """The layout of ``frame`` on this rank: the group's (cached, agreed) plan of its canvas blocks."""
+        config = PlanConfig.from_dims(groups.dims, frame.frame_length, frame.block_size,
+                                      tuple(frame.canvas_blocks.tolist()))
+        return cls(groups.plan(config), groups, frame, base_rule, backend, transport)
+
+    # --- attention -------------------------------------------------------------------------------------------
+    def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
+        if is_decoder_attention(module):
+            p, n = self.decoder, self.num_clean
+            if key.shape[2] != n + p.queries.num_rows:
+                raise ValueError(
+                    f"the decoder got {key.shape[2]} key rows, expected {n} cached clean rows of this rank + "
+                    f"{p.queries.num_rows} canvas rows: run the encoder with this layout and a DynamicCache() first."
+                )
+            if self.mode == "cp":
+                return self._attend(p, query, [], (key, value), rule, scale)
+            return self._attend(p, query, [(key[:, :, n:], value[:, :, n:])], (key[:, :, :n], value[:, :, :n]),
+                                rule, scale)
+        if not getattr(module, "is_causal", True):
+            raise ValueError("the DiffusionGemma encoder must be causal for the diffusion_gemma objective.")
+        if key.shape[2] != self.num_clean:
+            raise ValueError(f"the encoder got {key.shape[2]} key rows for this rank's {self.num_clean} clean rows.")
+        return self._attend(self.encoder, query, [], (key, value), rule, scale)
+
+    def _attend(self, p: _Pass, query, local: list, sent: tuple, rule: MaskRule, scale: float) -> torch.Tensor:
+        k_send, v_send = sent
+        if self.comm.size == 1:  # bp, or csbp with C = 1: every key is held here
+            return attend(self.backend, query, local + [sent], p.queries, p.local_rows + [p.member_sent[0]], rule,
+                          scale, p.cache)
+        if rule.sliding_window is not None:
+            send_index, send_counts, recv_counts, recv_rows = self._window_exchange(p, rule)
+            send_index = send_index.to(k_send.device)
+            k_recv = exchange_rows(k_send, self.comm, f"{p.name}_k_window", send_index, send_counts, recv_counts)
+            v_recv = exchange_rows(v_send, self.comm, f"{p.name}_v_window", send_index, send_counts, recv_counts)
+            return attend(self.backend, query, local + [(k_recv, v_recv)], p.queries, p.local_rows + [recv_rows],
+                          rule, scale, p.cache)
+        if self.transport == "ring":
+            return self._attend_ring(p, query, local, sent, rule, scale)
+        # The ring's rows arrive by an all-gather the block-sparse kernel overlaps with the local source.
+        gathered = GatheredKV(k_send, v_send, self.comm, (f"{p.name}_k", f"{p.name}_v"))
+        return attend(self.backend, query, local + [gathered], p.queries, p.local_rows + [p.gathered], rule, scale,
+                      p.cache)
+
+    def _window_exchange(self, p: _Pass, rule: MaskRule):
+        """Rows each member needs from each other under a window, as all-to-all send/recv lists (cached per rule)."""
+        key = ("window_exchange", rule)
+        found = p.cache.get(key)
+        if found is not None:
+            return found
+        me = self.member_index
+
+        def needed(requester: int, owner: int) -> torch.Tensor:
+            q, k = p.member_queries[requester], p.member_sent[owner]
+            if q.num_rows == 0 or k.num_rows == 0:
+                return torch.empty(0, dtype=torch.long)
+            reach = keys_in_window(q.stream.cpu(), q.pos.cpu(), k.pos.cpu(), rule, k_stream=k.stream.cpu())
+            return reach.nonzero().flatten()
+
+        send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
+        for peer in range(len(p.member_sent)):
+            sent = needed(peer, me)
+            send_parts.append(sent)
+            send_counts.append(int(sent.numel()))
+            received = needed(me, peer)
+            recv_counts.append(int(received.numel()))
+            recv_rows.append(p.member_sent[peer].select(received.to(p.member_sent[peer].pos.device)))
+        found = (torch.cat(send_parts), send_counts, recv_counts, RowMeta.cat(recv_rows))
+        p.cache[key] = found
+        return found
+
+    def _attend_ring(self, p: _Pass, query, local: list, sent: tuple, rule: MaskRule, scale: float):
+        rows = [p.queries, *p.local_rows, *p.member_sent]
+        same = all(bool((r.doc == r.doc[:1]).all()) for r in rows if r.doc is not None)
+        items = [None] if same else list(range(query.shape[0]))
+        outs = []
+        for item in items:
+            sl = slice(None) if item is None else slice(item, item + 1)
+            local_plans, shard_plans = self._ring_plans(p, rule, item or 0)
+            q, converted = common_dtype(query[sl], [(k[sl], v[sl]) for k, v in local + [sent]])
+            outs.append(ring_attention(self.comm, q, converted[-1], converted[:-1], local_plans, shard_plans, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _ring_plans(self, p: _Pass, rule: MaskRule, item: int):
+        key = ("ring_plans", rule, item)
+        found = p.cache.get(key)
+        if found is None:
+            q = p.queries.batch_item(item)
+            local = [plan_attention(q, [rows.batch_item(item)], rule) for rows in p.local_rows]
+            shards = [plan_attention(q, [rows.batch_item(item)], rule) for rows in p.member_sent]
+            found = p.cache[key] = (local, shards)
+        return found
+
+
+def diffusion_gemma_layout(frame: CanvasFrame, groups: BlockParallelGroups | None, backend: str = "blockwise",
+                           transport: str | None = None):
+    """The rows this rank runs for ``frame``: its :class:`ShardedDiffusionGemmaLayout`, or without a block-parallel
+    group (``groups`` ``None`` or ``P = 1``) every row (:meth:`DiffusionGemmaLayout.local`)."""
+    if groups is None or not groups.dims.is_sharded:
+        return DiffusionGemmaLayout.local(frame, backend)
+    from ..diffusion_gemma import diffusion_gemma_rule
+
+    return ShardedDiffusionGemmaLayout.build(frame, groups, diffusion_gemma_rule(frame.block_size), backend, transport)
+
+
+__all__ = ["ShardedDiffusionGemmaLayout", "canvas_slots", "diffusion_gemma_layout", "frame_padding"]
