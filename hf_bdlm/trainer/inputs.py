@@ -171,13 +171,7 @@ def configure_diffusion_gemma(model, args: BDLMSFTConfig, tokenizer=None) -> Obj
             f"block_size={args.block_size} differs from the DiffusionGemma model's canvas_length={canvas} (the block "
             "its generate denoises); leave block_size unset."
         )
-    if args.block_parallel_size > 1 or args.world_size > 1:
-        raise NotImplementedError(
-            f"objective='diffusion_gemma' runs in one process for now (got block_parallel_size="
-            f"{args.block_parallel_size}, world size {args.world_size}): its step calls the model's encoder and decoder "
-            "directly, which DDP's forward (its gradient synchronization) and FSDP2's root unit do not see. "
-            "Multi-process training comes with its block-parallel layout."
-        )
+    _check_diffusion_gemma_distribution(args)
     kwargs = DiffusionGemmaObjective.config_kwargs(dg.config)
     ends = set(kwargs.pop("end_token_ids") or [])
     generation_eos = getattr(getattr(dg, "generation_config", None), "eos_token_id", None)
@@ -195,13 +189,34 @@ def configure_diffusion_gemma(model, args: BDLMSFTConfig, tokenizer=None) -> Obj
     for name, default in defaults.items():
         value = getattr(args, name)
         kwargs[name] = default if value is None else value
-    objective = DiffusionGemmaObjective(end_token_ids=ends or None, **kwargs)
-    if args.freeze_router is None or args.freeze_router:
-        for name, param in dg.named_parameters():
-            if ".router." in name:
-                param.requires_grad_(False)
+    from ..parallel.diffusion_gemma import frame_padding
+
+    frame_multiple, canvas_multiple = frame_padding(args.parallel_dims, canvas)
+    objective = DiffusionGemmaObjective(end_token_ids=ends or None, pad_to_multiple_of=frame_multiple,
+                                        canvas_blocks_multiple_of=canvas_multiple, **kwargs)
+    freeze_router = args.freeze_router is None or args.freeze_router
+    for name, param in dg.named_parameters():
+        # The objective feeds text only: the vision tower never gets a gradient (frozen, so that DDP expects none).
+        if (freeze_router and ".router." in name) or name.startswith(VISION_PARAMETER_PREFIXES):
+            param.requires_grad_(False)
     use_block_diffusion_attention(dg)
     return objective
+
+
+VISION_PARAMETER_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+
+
+def _check_diffusion_gemma_distribution(args: BDLMSFTConfig) -> None:
+    """DDP and block parallelism are supported for DiffusionGemma; FSDP and DeepSpeed are not (yet): refuse them."""
+    fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    deepspeed = bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+    if fsdp or deepspeed:
+        raise NotImplementedError(
+            f"objective='diffusion_gemma' trains with DDP (any world size, with block parallelism), not with "
+            f"{'FSDP' if fsdp else 'DeepSpeed'}: FSDP2 units would have to pair the tied encoder and decoder layers, "
+            "which is not built yet. Launch without the FSDP / DeepSpeed setting (plain torchrun, or accelerate with "
+            "recipes/accelerate/cpu_2proc.yaml or a MULTI_GPU config)."
+        )
 
 
 def add_sample_ids(dataset, name: str = "train"):

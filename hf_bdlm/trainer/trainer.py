@@ -10,8 +10,11 @@ transformers' own. One optimizer step:
    accumulation micro-batches. The supervised-token count of the whole optimizer step becomes the loss
    normalizer (as TRL does with ``num_items_in_batch``): the step's gradient is that of one big batch.
 2. ``compute_loss``: with ``block_parallel_size > 1`` the rank runs only its rows of the layout
-   (:class:`~hf_bdlm.parallel.ShardedLayout`) and scores the targets it owns; the loss is scaled by
-   the world size so that DDP's / FSDP2's mean over ranks is the single-device gradient.
+   (:class:`~hf_bdlm.parallel.ShardedLayout`; DiffusionGemma:
+   :class:`~hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`) and scores the targets it owns; the loss
+   is scaled by the world size so that DDP's / FSDP2's mean over ranks is the single-device gradient. DiffusionGemma's
+   step runs the encoder and decoder itself, so it runs as the forward of a :class:`~.step.TrainingStep`, which is
+   what Accelerate prepares (DDP, autocast) in its place.
 3. Logged ``loss`` and ``mean_token_accuracy`` are those of the whole global batch: the same numbers
    whatever the parallel layout.
 
@@ -72,6 +75,7 @@ from .inputs import (
     dataset_name,
     load_diffusion_model,
 )
+from .step import TrainingStep, run_step
 
 logger = logging.getLogger(__name__)
 
@@ -406,7 +410,9 @@ class BDLMSFTTrainer(SFTTrainer):
         if mode == "train" and num_items_in_batch is not None:
             corrupted = replace(corrupted, normalizer=max(float(num_items_in_batch), 1.0))
         if isinstance(self.objective, DiffusionGemmaObjective):  # runs transformers' encoder-decoder itself
-            loss, metrics = self.objective.loss(model, corrupted)
+            # The same step on every rank, P = 1 included; in training through the TrainingStep DDP wraps.
+            layout = self.plugin.diffusion_gemma_layout(corrupted.frame, self.objective.attention_backend)
+            loss, metrics = run_step(model, self.objective.loss, corrupted, layout)
         else:
             # The same step on every rank, P = 1 included: the rows of this rank's layout, the targets it owns.
             diffusion = _diffusion_model(self.model)
@@ -421,10 +427,19 @@ class BDLMSFTTrainer(SFTTrainer):
             loss = self.plugin.sum_over_group(loss.detach().clone())
         return (loss, None) if return_outputs else loss
 
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # DiffusionGemma's step is not the model's forward: the forward Accelerate prepares (DDP, autocast) is a
+        # TrainingStep around the model (hf_bdlm/trainer/step.py); the model itself is still what is saved.
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        if training and isinstance(self.objective, DiffusionGemmaObjective) and unwrapped is model:
+            if not isinstance(model, TrainingStep):
+                return self.accelerator.prepare_model(TrainingStep(model))
+        return super()._wrap_model(model, training, dataloader)
+
     def _zero_loss(self, model, inputs):
         """A zero reaching every parameter: DDP's hooks fire as on ranks with targets."""
         if isinstance(self.objective, DiffusionGemmaObjective):
-            return self.objective.zero_loss(model, inputs)
+            return run_step(model, self.objective.zero_loss, inputs)
         ids = inputs["input_ids"]
         hidden = model(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
         return (hidden.sum() + _diffusion_model(self.model).lm_logits(hidden[:, :1]).sum()) * 0.0

@@ -1,0 +1,43 @@
+"""`TrainingStep`: a training step that is not the model's forward, as a module forward DDP and Accelerate see.
+
+DiffusionGemma's step (`hf_bdlm.objectives.diffusion_gemma`) calls the model's encoder and decoder itself (twice
+when it self-conditions) and its LM head on the scored rows only; it never calls the model's top-level forward. A
+`DistributedDataParallel` wrapper synchronizes gradients only for a forward that went through it (its reducer
+expects the parameters' gradient hooks after its own forward), and Accelerate's mixed precision is an autocast
+around the model's forward, so both would miss such a step: silently unsynchronized gradients, silently float32.
+
+`TrainingStep` owns the model as its only submodule (`module`, so the same parameters) and its forward runs
+whatever step function it is given: ``step(fn, *args) == fn(model, *args)``. The trainer prepares it with
+``accelerator.prepare_model`` in place of the model (DDP around it when the world has several processes, autocast
+under ``bf16``), and ``compute_loss`` calls ``model(objective.loss, corrupted, layout)``: DDP's forward runs, its
+reducer sees the step's graph, its ``no_sync`` covers gradient accumulation, and the loss each rank returns (scaled
+by the world size) averages to the single-device gradient. Saving, PEFT and generation keep using the model itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+
+class TrainingStep(nn.Module):
+    """``forward(fn, *args, **kwargs)`` returns ``fn(self.module, *args, **kwargs)`` (see the module docstring)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, fn: Callable[..., Any], *args, **kwargs):
+        return fn(self.module, *args, **kwargs)
+
+
+def run_step(model: nn.Module, fn: Callable[..., Any], *args, **kwargs):
+    """Run ``fn(model, ...)`` through ``model``'s forward when it is a (DDP-wrapped) :class:`TrainingStep`, else
+    directly (evaluation, where the trainer passes the model itself)."""
+    if isinstance(getattr(model, "module", model), TrainingStep) or isinstance(model, TrainingStep):
+        return model(fn, *args, **kwargs)
+    return fn(model, *args, **kwargs)
+
+
+__all__ = ["TrainingStep", "run_step"]
