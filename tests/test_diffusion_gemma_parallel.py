@@ -214,7 +214,8 @@ def test_csbp_leaves_the_canvas_keys_home(results):
 
 # --- training: accelerate launch, 2 CPU processes, CSBP -----------------------------------------------------------
 # The 26B recipe scaled down to the tiny model (one CSBP group of P = C = 2, packing, activation checkpointing,
-# gradient accumulation 2, SGD). Measured: losses and weights equal the single process's to 2e-7 / 4e-7.
+# gradient accumulation 2, SGD at lr 0.2, 3 steps). Measured: losses equal the single process's to 1.2e-7 relative,
+# final weights to 3.9e-6 (relative to each tensor's largest element; float32 gradients accumulate 2e-6 per step).
 TRAJECTORY_TOL = 1e-5
 
 
