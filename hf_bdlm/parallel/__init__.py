@@ -6,10 +6,12 @@
 - :mod:`.groups`: the process groups of a rank and the cached, agreed plan of each batch;
 - :mod:`.collectives`, :mod:`.ring`: communication whose results exist only after their wait;
 - :mod:`.sharded`: the ``cp`` / ``bp`` / ``csbp`` attention of one rank;
+- :mod:`.diffusion_gemma`: the same for DiffusionGemma's encoder-decoder (clean rows, canvas blocks);
 - :mod:`.plugin`: the trainer's side (data sharding, reductions).
 """
 
 from .collectives import ByteMeter, CollectiveTimeout, CommContext
+from .diffusion_gemma import ShardedDiffusionGemmaLayout
 from .dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
 from .groups import BlockParallelGroups, verify_plan_agreement
 from .plan import GroupPlan, PlanConfig, RankPlan, make_plan, required_multiple
@@ -29,6 +31,7 @@ __all__ = [
     "ParallelDims",
     "PlanConfig",
     "RankPlan",
+    "ShardedDiffusionGemmaLayout",
     "ShardedLayout",
     "make_plan",
     "required_multiple",

@@ -49,7 +49,7 @@ from ..attention.backends import attend, common_dtype
 from ..attention.masks import MaskRule, keys_in_window
 from ..attention.rows import RowMeta
 from ..attention.tiles import plan_attention
-from ..diffusion_gemma import CanvasFrame, DiffusionGemmaLayout, is_decoder_attention
+from ..diffusion_gemma import CanvasFrame, DiffusionGemmaLayout, diffusion_gemma_rule, is_decoder_attention
 from .collectives import GatheredKV, exchange_rows
 from .dims import ParallelDims
 from .groups import BlockParallelGroups
@@ -257,8 +257,6 @@ def diffusion_gemma_layout(frame: CanvasFrame, groups: BlockParallelGroups | Non
     group (``groups`` ``None`` or ``P = 1``) every row (:meth:`DiffusionGemmaLayout.local`)."""
     if groups is None or not groups.dims.is_sharded:
         return DiffusionGemmaLayout.local(frame, backend)
-    from ..diffusion_gemma import diffusion_gemma_rule
-
     return ShardedDiffusionGemmaLayout.build(frame, groups, diffusion_gemma_rule(frame.block_size), backend, transport)
 
 
