@@ -13,8 +13,9 @@ its result. Overlap comes from starting early and waiting late, never from early
   local sources meanwhile, and takes the gathered rows from the handle; its backward starts the
   reduce-scatter of dK/dV and finishes the local gradients before waiting. Other backends call
   :meth:`GatheredKV.materialize`, a synchronous autograd gather.
-- :func:`exchange_rows`: all-to-all of selected rows (uneven splits), synchronous; backward
-  sends the gradients back and adds them into the owners' rows (sliding-window layers).
+- :class:`ExchangedKV`: selected rows of the other ranks (all-to-all, uneven splits) as a deferred key
+  source, overlapped like :class:`GatheredKV` (sliding-window halos); :func:`exchange_rows` is its
+  synchronous autograd form: backward sends the gradients back and adds them into the owners' rows.
 - :class:`ByteMeter`: bytes *received* by this rank per collective and per step.
 
 To gather along ``T`` with ``all_gather_single`` (which concatenates along dim 0) the local shard
@@ -131,24 +132,46 @@ _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def start_gather(x: torch.Tensor, comm: CommContext, name: str) -> InFlight:
+def _without_own_slot(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``rows [world*T, ...]`` (rank order) without this rank's ``T`` rows: a view for the first and last rank."""
+    t = rows.shape[0] // world
+    if rank == 0 or rank == world - 1:
+        return rows[t:] if rank == 0 else rows[: (world - 1) * t]
+    return torch.cat([rows[: rank * t], rows[(rank + 1) * t :]])
+
+
+def start_gather(x: torch.Tensor, comm: CommContext, name: str, peers_only: bool = False) -> InFlight:
     """Start an all-gather of ``x [b, H, T, d]`` along ``T`` over ``comm`` (rank order).
 
-    ``wait()`` returns ``[b, H, world*T, d]``. Records ``(world-1)/world`` of the result's bytes.
+    ``wait()`` returns ``[b, H, world*T, d]``, or with ``peers_only`` the ``(world-1)*T`` rows of the other
+    ranks (this rank holds its own). Records ``(world-1)/world`` of the gathered bytes (what this rank receives).
     """
-    world = comm.size
+    world, rank = comm.size, comm.rank
     shard = x.detach().permute(2, 0, 1, 3).contiguous()  # [T, b, H, d]
     buffer = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
     work = _all_gather_single(buffer, shard, group=comm.group, async_op=True)
     comm.meter.record(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size())
-    return InFlight(comm, [work], f"all_gather({name})", lambda: buffer.permute(1, 2, 0, 3), keep=(shard,))
+
+    def finish():
+        rows = _without_own_slot(buffer, rank, world) if peers_only else buffer
+        return rows.permute(1, 2, 0, 3)
+
+    return InFlight(comm, [work], f"all_gather({name})", finish, keep=(shard,))
 
 
-def start_reduce_scatter(full: torch.Tensor, comm: CommContext, name: str) -> InFlight:
+def start_reduce_scatter(full: torch.Tensor, comm: CommContext, name: str, peers_only: bool = False) -> InFlight:
     """Start the adjoint of :func:`start_gather`: sum ``full [b, H, world*T, d]`` over ``comm`` and keep
-    this rank's ``T`` rows. ``wait()`` returns ``[b, H, T, d]``."""
+    this rank's ``T`` rows. ``wait()`` returns ``[b, H, T, d]``. With ``peers_only``, ``full`` holds the
+    ``(world-1)*T`` rows of the other ranks (this rank contributes nothing to its own rows here)."""
     world = comm.size
-    rows = full.detach().permute(2, 0, 1, 3).contiguous()  # [C*T, b, H, d]
+    if peers_only:
+        b, h, r, d = full.shape
+        t, rank = r // (world - 1), comm.rank
+        rows = full.new_zeros((world * t, b, h, d))
+        rows[: rank * t] = full[:, :, : rank * t].permute(2, 0, 1, 3)
+        rows[(rank + 1) * t :] = full[:, :, rank * t :].permute(2, 0, 1, 3)
+    else:
+        rows = full.detach().permute(2, 0, 1, 3).contiguous()  # [C*T, b, H, d]
     shard = rows.new_empty((rows.shape[0] // world, *rows.shape[1:]))
     work = _reduce_scatter_single(shard, rows, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
     comm.meter.record(f"{name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size())
@@ -180,6 +203,10 @@ def gather_rows(x: torch.Tensor, comm: CommContext, name: str) -> torch.Tensor:
 class GatheredKV:
     """Key source: the K/V rows of every rank of ``comm``, this rank contributing ``k``/``v`` (``[b, H_kv, T, d]``).
 
+    With ``peers_only`` the source is the other ranks' rows only, in rank order: the caller attends to its
+    own rows as a local source, computed while the peers' rows are in flight (and their gradients, in backward,
+    while the peers' gradients travel back). The bytes that travel are the same.
+
     The block-sparse kernel starts :meth:`start_forward` itself and reads the result after its
     wait; gradients of the gathered rows go back through :meth:`start_backward`.
     """
@@ -188,28 +215,91 @@ class GatheredKV:
     v: torch.Tensor
     comm: CommContext
     names: tuple[str, str] = ("k", "v")
+    peers_only: bool = False
 
     @property
     def num_rows(self) -> int:
-        return self.k.shape[2] * self.comm.size
+        return self.k.shape[2] * (self.comm.size - self.peers_only)
 
     def with_kv(self, k: torch.Tensor, v: torch.Tensor) -> "GatheredKV":
         return replace(self, k=k, v=v)
 
     def start_forward(self, k: torch.Tensor, v: torch.Tensor) -> InFlight:
         """Gather ``k`` and ``v``; ``wait()`` returns ``(k_all, v_all)``."""
-        pk, pv = start_gather(k, self.comm, self.names[0]), start_gather(v, self.comm, self.names[1])
+        pk = start_gather(k, self.comm, self.names[0], self.peers_only)
+        pv = start_gather(v, self.comm, self.names[1], self.peers_only)
         return InFlight(self.comm, [], "gathered_kv", lambda: (pk.wait(), pv.wait()))
 
     def start_backward(self, dk_all: torch.Tensor, dv_all: torch.Tensor) -> InFlight:
         """Return gathered-row gradients to their owners; ``wait()`` returns this rank's ``(dk, dv)``."""
-        pk = start_reduce_scatter(dk_all, self.comm, self.names[0])
-        pv = start_reduce_scatter(dv_all, self.comm, self.names[1])
+        pk = start_reduce_scatter(dk_all, self.comm, self.names[0], self.peers_only)
+        pv = start_reduce_scatter(dv_all, self.comm, self.names[1], self.peers_only)
         return InFlight(self.comm, [], "gathered_kv_grad", lambda: (pk.wait(), pv.wait()))
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Synchronous autograd gather: ``(k_all, v_all)``, complete on return."""
-        return gather_rows(self.k, self.comm, self.names[0]), gather_rows(self.v, self.comm, self.names[1])
+        k_all, v_all = gather_rows(self.k, self.comm, self.names[0]), gather_rows(self.v, self.comm, self.names[1])
+        if self.peers_only:
+            rank, world = self.comm.rank, self.comm.size
+            k_all, v_all = (_without_own_slot(t.transpose(0, 2), rank, world).transpose(0, 2) for t in (k_all, v_all))
+        return k_all, v_all
+
+
+@dataclass(frozen=True)
+class ExchangedKV:
+    """Key source: selected K/V rows of the other ranks of ``comm`` (all-to-all), e.g. a sliding window's halo.
+
+    This rank sends the rows ``send_index`` of ``k``/``v`` (``send_counts[p]`` of them to peer ``p``, in peer order)
+    and receives ``recv_counts[p]`` rows from each peer ``p``; the source is the received rows, in peer order.
+    Deferred like :class:`GatheredKV`: the block-sparse kernel starts the exchange, computes its local sources
+    meanwhile and reads the rows after the wait; in backward the gradients travel back while the local ones compute.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    comm: CommContext
+    send_index: torch.Tensor
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    names: tuple[str, str] = ("k_window", "v_window")
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.recv_counts)
+
+    def with_kv(self, k: torch.Tensor, v: torch.Tensor) -> "ExchangedKV":
+        return replace(self, k=k, v=v)
+
+    def _send(self, x: torch.Tensor, name: str) -> InFlight:
+        rows = x.detach().index_select(2, self.send_index).permute(2, 0, 1, 3).contiguous()  # [S, b, H, d]
+        return _start_all_to_all(rows, self.comm, f"{name}.all_to_all", list(self.recv_counts), list(self.send_counts))
+
+    def _return(self, grad: torch.Tensor, x: torch.Tensor, name: str) -> InFlight:
+        g = grad.permute(2, 0, 1, 3).contiguous()
+        back = _start_all_to_all(g, self.comm, f"{name}.all_to_all_backward", list(self.send_counts),
+                                 list(self.recv_counts))
+        b, h, _, d = grad.shape
+
+        def finish():
+            dx = grad.new_zeros((b, h, x.shape[2], d))
+            return dx.index_add_(2, self.send_index, back.wait())
+
+        return InFlight(self.comm, [], f"all_to_all_backward({name})", finish)
+
+    def start_forward(self, k: torch.Tensor, v: torch.Tensor) -> InFlight:
+        """Send ``k``/``v``'s selected rows; ``wait()`` returns the received ``(k_rows, v_rows)``."""
+        pk, pv = self._send(k, self.names[0]), self._send(v, self.names[1])
+        return InFlight(self.comm, [], "exchanged_kv", lambda: (pk.wait(), pv.wait()))
+
+    def start_backward(self, dk: torch.Tensor, dv: torch.Tensor) -> InFlight:
+        """Return the received rows' gradients to their senders; ``wait()`` returns this rank's ``(dk, dv)``."""
+        pk, pv = self._return(dk, self.k, self.names[0]), self._return(dv, self.v, self.names[1])
+        return InFlight(self.comm, [], "exchanged_kv_grad", lambda: (pk.wait(), pv.wait()))
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Synchronous autograd exchange: the received ``(k_rows, v_rows)``, complete on return."""
+        return tuple(exchange_rows(x, self.comm, name, self.send_index, self.send_counts, self.recv_counts)
+                     for x, name in ((self.k, self.names[0]), (self.v, self.names[1])))
 
 
 class _ExchangeRows(torch.autograd.Function):

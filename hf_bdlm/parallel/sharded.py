@@ -8,14 +8,19 @@ attention backends of :mod:`hf_bdlm.attention` with several key sources:
 - ``cp``: all local K/V are all-gathered over the group (noisy ones too) and attended with
   the rule; gradients are reduce-scattered back.
 - ``bp``: no communication; the rank holds its noisy blocks and the clean prefix they need.
-- ``csbp``: only the local *clean* K/V are all-gathered over the clean ring, asynchronously;
-  meanwhile the local noisy queries attend to their own block's noisy K/V (source 0); then
-  all local queries attend to the gathered clean K/V (source 1); the two partial results are
-  merged by log-sum-exp inside the block-sparse kernel. Noisy K/V and their gradients never
-  travel.
+- ``csbp``: only the local *clean* K/V are all-gathered over the clean ring; noisy K/V and their
+  gradients never travel.
 
-On sliding-window layers a rank needs only the clean keys within the window of its queries:
-instead of the all-gather it fetches exactly those rows from their owners (all-to-all).
+In ``cp`` and ``csbp`` the rank's own rows are a local key source (source 0) and the peers' rows a
+deferred one (source 1): the all-gather starts first, the local queries attend to their own rows
+meanwhile (csbp: their block's noisy K/V and their own clean chunk; cp: their own zigzag chunks),
+then to the peers' rows after the wait; the partial results are merged by log-sum-exp inside the
+block-sparse kernel. Backward starts the reduce-scatter of the peers' dK/dV first and computes the
+local gradients while it travels.
+
+On sliding-window layers a rank needs only the peers' rows within the window of its queries (the
+halo): instead of the all-gather it fetches exactly those rows from their owners (all-to-all),
+deferred and overlapped the same way.
 
 The layout does not care where clean K/V come from: a source is a tensor plus its
 :class:`~hf_bdlm.attention.rows.RowMeta`.
@@ -31,7 +36,7 @@ from ..attention.backends import common_dtype, attend
 from ..attention.tiles import plan_attention
 from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
-from .collectives import GatheredKV, exchange_rows
+from .collectives import ExchangedKV, GatheredKV
 from .groups import BlockParallelGroups
 from .plan import GroupPlan, PlanConfig
 from .ring import ring_attention
@@ -98,16 +103,26 @@ class ShardedLayout:
             return self._attend_window(query, key, value, rule, scale, n)
         if self.transport == "ring" and self.comm.size > 1:
             return self._attend_ring(query, key, value, rule, scale, n)
-        k_send, v_send = key[:, :, n:], value[:, :, n:]
-        sources, rows = [], []
-        if n:
-            sources.append((key[:, :, :n], value[:, :, :n]))
-            rows.append(self.q_rows.slice(0, n))
-        # The clean rows of the ring (cp: all rows of the group) arrive by an all-gather that the
-        # block-sparse kernel overlaps with the local source; they are reachable only after its wait.
-        sources.append((k_send, v_send) if self.comm.size == 1 else GatheredKV(k_send, v_send, self.comm))
-        rows.append(self.gathered_rows)
+        # The rank's own rows (its noisy rows and the rows it sends) are a local source. The peers' rows (csbp: the
+        # ring's other clean rows; cp: the group's other rows) arrive by an all-gather that the block-sparse kernel
+        # starts first and overlaps with the local source; they are reachable only after its wait. In backward their
+        # dK/dV travel home while the local source's gradients compute.
+        sources, rows = [(key, value)], [self.q_rows]
+        if self.comm.size > 1:
+            sources.append(GatheredKV(key[:, :, n:], value[:, :, n:], self.comm, peers_only=True))
+            rows.append(self.peer_rows)
         return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache)
+
+    @property
+    def peer_rows(self) -> RowMeta:
+        """The rows this rank receives by communication, in the gathered order: the other comm members' sent rows."""
+        found = self.cache.get("peer_rows")
+        if found is None:
+            me = self.groups.group_rank
+            members = self.plan.ring_members(me) if self.mode == "csbp" else range(len(self.plan.ranks))
+            found = RowMeta.cat([self._sent_rows(m, self.doc) for m in members if m != me])
+            self.cache["peer_rows"] = found
+        return found
 
     def _sent_rows(self, owner: int, doc=None) -> RowMeta:
         """Rows a group rank communicates: ``csbp`` its clean rows, ``cp`` all its rows."""
@@ -166,6 +181,11 @@ class ShardedLayout:
 
         send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
         for peer in members:
+            if peer == me:  # the rank's own rows are a local source
+                send_parts.append(torch.empty(0, dtype=torch.long))
+                send_counts.append(0)
+                recv_counts.append(0)
+                continue
             s = needed(peer, me)
             send_parts.append(s)
             send_counts.append(int(s.numel()))
@@ -180,19 +200,12 @@ class ShardedLayout:
         return found
 
     def _attend_window(self, query, key, value, rule, scale, n):
-        send_index, send_counts, recv_counts, recv_rows = self._window_exchange(rule, n)
-        k_send, v_send = key[:, :, n:], value[:, :, n:]
-        comm = self.comm
-        if comm.size == 1:
-            k_recv, v_recv = k_send.index_select(2, send_index), v_send.index_select(2, send_index)
-        else:
-            send_index = send_index.to(key.device)
-            k_recv = exchange_rows(k_send, comm, "k_window", send_index, send_counts, recv_counts)
-            v_recv = exchange_rows(v_send, comm, "v_window", send_index, send_counts, recv_counts)
-        sources, rows = [], []
-        if n:
-            sources.append((key[:, :, :n], value[:, :, :n]))
-            rows.append(self.q_rows.slice(0, n))
-        sources.append((k_recv, v_recv))
-        rows.append(recv_rows)
+        # As attend(): the rank's own rows are local, the peers' rows within the window (the halo) arrive by an
+        # all-to-all the block-sparse kernel overlaps with the local source, forward and backward.
+        sources, rows = [(key, value)], [self.q_rows]
+        if self.comm.size > 1:
+            send_index, send_counts, recv_counts, recv_rows = self._window_exchange(rule, n)
+            sources.append(ExchangedKV(key[:, :, n:], value[:, :, n:], self.comm, send_index.to(key.device),
+                                       tuple(send_counts), tuple(recv_counts)))
+            rows.append(recv_rows)
         return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache)
