@@ -9,8 +9,10 @@ block of new tokens, EOS honoured: the quickstart's metric).
 - `bdlm threshold`: block-wise decoding, positions with confidence >= `--threshold` unmasked in parallel;
 - `bdlm fixed-S`: `S` denoising steps per block (`B / S` tokens per step).
 
-    python -m benchmarks.decoding --quick                               # SmolLM2 converted on the fly, ~2 min
+    python -m benchmarks.decoding --quick                               # SmolLM2 converted on the fly
     python -m benchmarks.decoding --bdlm outputs/smollm2-135m-bdlm-csbp --out decoding.json   # the quickstart model
+
+On a shared machine set OMP_WAIT_POLICY=PASSIVE: OpenMP's spin-waiting otherwise inflates CPU time under contention.
 """
 
 from __future__ import annotations
