@@ -14,6 +14,10 @@ blocks). Both passes call the attention interface, and a rank runs both over its
 - **decoder** (per layer): queries = the rank's canvas blocks; keys = the encoder's cached clean K/V of the ring
   gathered again, plus its own canvas K/V, local (``csbp``, ``bp``); ``cp`` gathers the canvas K/V of the whole group
   too, as context parallelism of an encoder-decoder does (only their own block uses them);
+- **overlap** (as :mod:`.sharded`): the rank's own rows (its clean rows, and in the decoder its canvas) are a local
+  source, computed while the peers' rows are in flight; only the peers' rows are a deferred source (an all-gather
+  without the own slot, or the halo's all-to-all), whose gradients travel home in backward while the local ones
+  compute;
 - **sliding layers** fetch exactly the keys in their queries' reach (all-to-all, :func:`~hf_bdlm.attention.masks.keys_in_window`
   with the key streams): a clean range needs the ``W - 1`` positions before it, a canvas block the ``W - 1`` clean
   positions before its start (``block_start`` convention); no canvas K/V travel on sliding layers in any mode;
@@ -50,7 +54,7 @@ from ..attention.masks import MaskRule, keys_in_window
 from ..attention.rows import RowMeta
 from ..attention.tiles import plan_attention
 from ..diffusion_gemma import CanvasFrame, DiffusionGemmaLayout, diffusion_gemma_rule, is_decoder_attention
-from .collectives import GatheredKV, exchange_rows
+from .collectives import ExchangedKV, GatheredKV
 from .dims import ParallelDims
 from .groups import BlockParallelGroups
 from .plan import GroupPlan, PlanConfig, noisy_subset_multiple, subset_sequence_multiple
@@ -80,23 +84,27 @@ def canvas_slots(frame: CanvasFrame, blocks) -> torch.Tensor:
 class _Pass:
     """One pass (encoder or decoder) as this rank runs it.
 
-    ``queries``: its query rows; ``local_rows``: key sources it holds and never sends (the decoder's canvas);
-    ``member_queries`` / ``member_sent``: per member of the communicator (in its rank order), the query rows and the
-    key rows that member contributes (in the order of its key tensor); ``gathered``: ``member_sent`` concatenated.
+    ``queries``: its query rows; ``keys``: the rows of its key tensor (the encoder: its clean rows; the decoder: its
+    cached clean rows, then its canvas); ``unsent``: the key sources it never sends (the decoder's canvas, except in
+    ``cp``), for the ring transport; ``member_queries`` / ``member_sent``: per member of the communicator (in its
+    rank order), the query rows and the key rows that member contributes; ``me``: this rank's index among them.
     """
 
     name: str
     queries: RowMeta
-    local_rows: list[RowMeta]
+    keys: RowMeta
+    unsent: list[RowMeta]
     member_queries: list[RowMeta]
     member_sent: list[RowMeta]
+    me: int
     cache: dict = field(default_factory=dict)
 
     @property
-    def gathered(self) -> RowMeta:
-        found = self.cache.get("gathered")
+    def peer_rows(self) -> RowMeta:
+        """The rows gathered from the other members, in their rank order."""
+        found = self.cache.get("peer_rows")
         if found is None:
-            found = self.cache["gathered"] = RowMeta.cat(self.member_sent)
+            found = self.cache["peer_rows"] = RowMeta.cat([r for i, r in enumerate(self.member_sent) if i != self.me])
         return found
 
 
@@ -144,16 +152,16 @@ class ShardedDiffusionGemmaLayout:
             counted[s:e] = True
         self.clean_loss_index = counted[clean(me)].nonzero().flatten().to(device)
         self.num_clean = int(self.clean_index.numel())
-        self.encoder = _Pass("encoder", clean_rows(me), [], [clean_rows(m) for m in members],
-                             [clean_rows(m) for m in members])
-        if self.mode == "cp":  # the decoder's keys are [cache ; canvas]: every member sends both, in that order
-            sent = [RowMeta.cat([clean_rows(m), canvas_rows(m)]) for m in members]
-            local = []
+        at = members.index(me)
+        clean_of = [clean_rows(m) for m in members]
+        self.encoder = _Pass("encoder", clean_of[at], clean_of[at], [], clean_of, clean_of, at)
+        decoder_keys = RowMeta.cat([clean_of[at], canvas_rows(me)])  # the decoder's keys: [cache ; canvas]
+        if self.mode == "cp":  # every member sends both, in that order
+            sent, unsent = [RowMeta.cat([clean_of[i], canvas_rows(m)]) for i, m in enumerate(members)], []
         else:
-            sent = [clean_rows(m) for m in members]
-            local = [canvas_rows(me)]
-        self.decoder = _Pass("decoder", canvas_rows(me), local, [canvas_rows(m) for m in members], sent)
-        self.member_index = members.index(me)
+            sent, unsent = clean_of, [canvas_rows(me)]
+        self.decoder = _Pass("decoder", canvas_rows(me), decoder_keys, unsent, [canvas_rows(m) for m in members],
+                             sent, at)
 
     @classmethod
     def build(cls, frame: CanvasFrame, groups: BlockParallelGroups, base_rule: MaskRule, backend: str = "blockwise",
@@ -172,34 +180,30 @@ class ShardedDiffusionGemmaLayout:
                     f"the decoder got {key.shape[2]} key rows, expected {n} cached clean rows of this rank + "
                     f"{p.queries.num_rows} canvas rows: run the encoder with this layout and a DynamicCache() first."
                 )
-            if self.mode == "cp":
-                return self._attend(p, query, [], (key, value), rule, scale)
-            return self._attend(p, query, [(key[:, :, n:], value[:, :, n:])], (key[:, :, :n], value[:, :, :n]),
-                                rule, scale)
+            sent = (key, value) if self.mode == "cp" else (key[:, :, :n], value[:, :, :n])
+            return self._attend(p, query, key, value, sent, rule, scale)
         if not getattr(module, "is_causal", True):
             raise ValueError("the DiffusionGemma encoder must be causal for the diffusion_gemma objective.")
         if key.shape[2] != self.num_clean:
             raise ValueError(f"the encoder got {key.shape[2]} key rows for this rank's {self.num_clean} clean rows.")
-        return self._attend(self.encoder, query, [], (key, value), rule, scale)
+        return self._attend(self.encoder, query, key, value, (key, value), rule, scale)
 
-    def _attend(self, p: _Pass, query, local: list, sent: tuple, rule: MaskRule, scale: float) -> torch.Tensor:
-        k_send, v_send = sent
-        if self.comm.size == 1:  # bp, or csbp with C = 1: every key is held here
-            return attend(self.backend, query, local + [sent], p.queries, p.local_rows + [p.member_sent[0]], rule,
-                          scale, p.cache)
-        if rule.sliding_window is not None:
+    def _attend(self, p: _Pass, query, key, value, sent: tuple, rule: MaskRule, scale: float) -> torch.Tensor:
+        """``query`` over this rank's own keys (local) and the peers' rows of ``sent`` (deferred)."""
+        if self.comm.size > 1 and rule.sliding_window is None and self.transport == "ring":
+            return self._attend_ring(p, query, key, value, sent, rule, scale)
+        sources, rows = [(key, value)], [p.keys]
+        if self.comm.size > 1 and rule.sliding_window is not None:
+            # The peers' rows within the window (the halo) arrive by an all-to-all the kernel overlaps.
             send_index, send_counts, recv_counts, recv_rows = self._window_exchange(p, rule)
-            send_index = send_index.to(k_send.device)
-            k_recv = exchange_rows(k_send, self.comm, f"{p.name}_k_window", send_index, send_counts, recv_counts)
-            v_recv = exchange_rows(v_send, self.comm, f"{p.name}_v_window", send_index, send_counts, recv_counts)
-            return attend(self.backend, query, local + [(k_recv, v_recv)], p.queries, p.local_rows + [recv_rows],
-                          rule, scale, p.cache)
-        if self.transport == "ring":
-            return self._attend_ring(p, query, local, sent, rule, scale)
-        # The ring's rows arrive by an all-gather the block-sparse kernel overlaps with the local source.
-        gathered = GatheredKV(k_send, v_send, self.comm, (f"{p.name}_k", f"{p.name}_v"))
-        return attend(self.backend, query, local + [gathered], p.queries, p.local_rows + [p.gathered], rule, scale,
-                      p.cache)
+            sources.append(ExchangedKV(*sent, self.comm, send_index.to(key.device), tuple(send_counts),
+                                       tuple(recv_counts), (f"{p.name}_k_window", f"{p.name}_v_window")))
+            rows.append(recv_rows)
+        elif self.comm.size > 1:
+            # The peers' rows arrive by an all-gather the kernel starts first and overlaps with the local source.
+            sources.append(GatheredKV(*sent, self.comm, (f"{p.name}_k", f"{p.name}_v"), peers_only=True))
+            rows.append(p.peer_rows)
+        return attend(self.backend, query, sources, p.queries, rows, rule, scale, p.cache)
 
     def _window_exchange(self, p: _Pass, rule: MaskRule):
         """Rows each member needs from each other under a window, as all-to-all send/recv lists (cached per rule)."""
@@ -207,7 +211,7 @@ class ShardedDiffusionGemmaLayout:
         found = p.cache.get(key)
         if found is not None:
             return found
-        me = self.member_index
+        me = p.me
 
         def needed(requester: int, owner: int) -> torch.Tensor:
             q, k = p.member_queries[requester], p.member_sent[owner]
@@ -218,6 +222,11 @@ class ShardedDiffusionGemmaLayout:
 
         send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
         for peer in range(len(p.member_sent)):
+            if peer == me:  # the rank's own rows are a local source
+                send_parts.append(torch.empty(0, dtype=torch.long))
+                send_counts.append(0)
+                recv_counts.append(0)
+                continue
             sent = needed(peer, me)
             send_parts.append(sent)
             send_counts.append(int(sent.numel()))
@@ -228,15 +237,18 @@ class ShardedDiffusionGemmaLayout:
         p.cache[key] = found
         return found
 
-    def _attend_ring(self, p: _Pass, query, local: list, sent: tuple, rule: MaskRule, scale: float):
-        rows = [p.queries, *p.local_rows, *p.member_sent]
+    def _attend_ring(self, p: _Pass, query, key, value, sent: tuple, rule: MaskRule, scale: float):
+        """The ring transport: every member's sent rows rotate through (the own shard first); the unsent canvas is
+        the only local source."""
+        unsent = [(key[:, :, self.num_clean :], value[:, :, self.num_clean :])] if p.unsent else []
+        rows = [p.queries, *p.unsent, *p.member_sent]
         same = all(bool((r.doc == r.doc[:1]).all()) for r in rows if r.doc is not None)
         items = [None] if same else list(range(query.shape[0]))
         outs = []
         for item in items:
             sl = slice(None) if item is None else slice(item, item + 1)
             local_plans, shard_plans = self._ring_plans(p, rule, item or 0)
-            q, converted = common_dtype(query[sl], [(k[sl], v[sl]) for k, v in local + [sent]])
+            q, converted = common_dtype(query[sl], [(k[sl], v[sl]) for k, v in unsent + [sent]])
             outs.append(ring_attention(self.comm, q, converted[-1], converted[:-1], local_plans, shard_plans, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
@@ -245,7 +257,7 @@ class ShardedDiffusionGemmaLayout:
         found = p.cache.get(key)
         if found is None:
             q = p.queries.batch_item(item)
-            local = [plan_attention(q, [rows.batch_item(item)], rule) for rows in p.local_rows]
+            local = [plan_attention(q, [rows.batch_item(item)], rule) for rows in p.unsent]
             shards = [plan_attention(q, [rows.batch_item(item)], rule) for rows in p.member_sent]
             found = p.cache[key] = (local, shards)
         return found
