@@ -34,14 +34,10 @@ world, as DDP's all-reduce does, so losses and weights equal the DDP run of the 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 MODEL_SHARDED_DIR = "model_sharded"
 OPTIMIZER_SHARDED_DIR = "optimizer_sharded"
@@ -332,7 +328,3 @@ def adapter_state_to_model_keys(saved: dict[str, torch.Tensor], model: nn.Module
     if missing:
         raise ValueError(f"adapter weights {sorted(missing)[:4]} match no parameter of the model (adapter {adapter!r}).")
     return renamed
-
-
-def is_initialized_world() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
