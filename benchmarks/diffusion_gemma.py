@@ -16,8 +16,15 @@ Reported per (method, L): step time (median of ``--steps`` after one warm-up), s
 quantity a fixed training budget buys), all tokens per second, and peak memory (``ru_maxrss`` high-water mark minus
 the RSS once model and batch are built; each configuration runs in a fresh process). One thread per process.
 
+``--parallel P``: the same step on a block-parallel group of ``P`` ranks (``torchrun``, gloo) in each mode of
+``hf_bdlm.parallel.diffusion_gemma`` (``csbp``, ``cp``, ``bp``; all-gather transport), against ``ours`` at P = 1. Per
+rank: its rows of the frame, the loss of its targets, backward (the gradient all-reduce every data-parallel run adds
+is left out, the same in every mode). Reported: the group's step time (slowest rank), supervised tokens per second,
+peak memory per rank (max over ranks) and K/V bytes received per rank per step (ByteMeter, max over ranks).
+
     python -m benchmarks.diffusion_gemma --lengths 512 1024 --steps 2          # ~1 minute
     python -m benchmarks.diffusion_gemma --lengths 512 1024 2048 4096 --out dg.json
+    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 2048 4096 --steps 2 --out dg_p2.json   # ~6 minutes
 """
 
 from __future__ import annotations
@@ -131,10 +138,10 @@ def worker(method: str, length: int, steps: int) -> dict:
                                                       end_token_ids={EOS, TURN_END}, self_conditioning_prob=1.0))
     generator = torch.Generator().manual_seed(0)
     base_rss = _current_rss()
-    times, supervised = [], 0
+    times, cpu_times, supervised = [], [], 0
     for step in range(steps + 1):
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if method == "ours":
             corrupted = objective.corrupt(batch, seed=0, step=step)
             loss, _ = objective.loss(model, corrupted)
@@ -144,18 +151,118 @@ def worker(method: str, length: int, steps: int) -> dict:
         loss.backward()
         if step:
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
     step_s = statistics.median(times)
-    return {"method": method, "length": length, "step_s": step_s, "supervised_tokens": supervised,
+    return {"method": method, "length": length, "step_s": step_s, "cpu_s": statistics.median(cpu_times),
+            "supervised_tokens": supervised,
             "supervised_tokens_per_s": supervised / step_s, "tokens_per_s": length / step_s,
             "peak_mem_bytes": _peak_rss() - base_rss, "loss": float(loss)}
 
 
+def parallel_worker(mode: str, length: int, steps: int, out: str) -> None:
+    """One rank of a block-parallel group (under torchrun): its rows of the step, timed; rank 0 writes the record."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from hf_bdlm.objectives import get_objective
+    from hf_bdlm.parallel import BlockParallelGroups, ParallelDims
+    from hf_bdlm.parallel.diffusion_gemma import diffusion_gemma_layout, frame_padding
+
+    dist.init_process_group("gloo")
+    P = dist.get_world_size()
+    groups = BlockParallelGroups.build(ParallelDims(P, None, mode))
+    model = build_model()  # same seed on every rank: the group shares weights and batch
+    batch = build_batch(length)
+    frame_multiple, canvas_multiple = frame_padding(groups.dims, CANVAS)
+    objective = get_objective("diffusion_gemma", dict(
+        block_size=CANVAS, vocab_size=VOCAB, fill_token_id=EOS, end_token_ids={EOS, TURN_END},
+        self_conditioning_prob=1.0, pad_to_multiple_of=frame_multiple, canvas_blocks_multiple_of=canvas_multiple))
+    meter = groups.meter
+    base_rss = _current_rss()
+    times, cpu_times, received, supervised = [], [], [], 0
+    for step in range(steps + 1):
+        meter.next_step()
+        model.zero_grad(set_to_none=True)
+        dist.barrier()  # start together: the slowest rank's time is the group's
+        start, cpu_start = time.perf_counter(), time.process_time()
+        corrupted = objective.corrupt(batch, seed=0, step=step)
+        layout = diffusion_gemma_layout(corrupted.frame, groups, "blockwise")  # per batch, as the trainer does
+        loss, _ = objective.loss(model, corrupted, layout)
+        (loss * P).backward()
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        supervised = int(corrupted.normalizer)
+        if step:
+            times.append(elapsed)
+            cpu_times.append(cpu)
+            received.append(meter.total())
+    mine = [statistics.median(times), _peak_rss() - base_rss, max(received), statistics.median(cpu_times),
+            float(loss)]
+    everyone = [None] * P
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        step_s = max(r[0] for r in everyone)
+        record = {"method": f"{mode} P={P}", "mode": mode, "P": P, "length": length, "step_s": step_s,
+                  "cpu_s": max(r[3] for r in everyone),
+                  "supervised_tokens": supervised, "supervised_tokens_per_s": supervised / step_s,
+                  "tokens_per_s": length / step_s, "peak_mem_bytes": max(r[1] for r in everyone),
+                  "kv_bytes_per_step": max(r[2] for r in everyone),
+                  "loss": sum(r[4] for r in everyone)}  # the ranks' losses add up to the single-device loss
+        with open(out, "w") as f:
+            json.dump(record, f)
+    dist.destroy_process_group()
+
+
 # --- driver -----------------------------------------------------------------------------------------------------
-def run(lengths, steps: int) -> list[dict]:
+def run_parallel(lengths, steps: int, P: int) -> list[dict]:
+    """``ours`` at P = 1 and the three modes at P (a fresh process or torchrun launch each)."""
+    import tempfile
+
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for length in lengths:
-        for method in ("trl", "ours"):
+        results += run([length], steps, methods=("ours",))
+        for mode in ("csbp", "cp", "bp"):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "result.json")
+                subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                str(P), "-m", "benchmarks.diffusion_gemma", "--parallel-worker", mode, "--lengths",
+                                str(length), "--steps", str(steps), "--out", out], env=env, check=True,
+                               capture_output=True, text=True)
+                with open(out) as f:
+                    result = json.load(f)
+            results.append(result)
+            print(f"  {result['method']:9s} L={length:6d}: {result['step_s']:.2f} s/step, "
+                  f"{result['supervised_tokens_per_s']:.0f} supervised tok/s, "
+                  f"{result['peak_mem_bytes'] / 2**20:.0f} MiB/rank, {result['kv_bytes_per_step'] / 2**20:.1f} MiB K/V",
+                  file=sys.stderr)
+    return results
+
+
+def parallel_table(results: list[dict]) -> str:
+    """Per length: P = 1 and each mode. Throughput is also given per CPU second of the slowest rank (``cpu``), which a
+    machine shared with other jobs distorts less than wall time."""
+    rows = ["| L | layout | step (s) | step, slowest rank CPU (s) | supervised tok/s | supervised tok / CPU-s | "
+            "vs P = 1 (CPU) | peak memory per rank (MiB) | K/V received per rank per step (MiB) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for length in sorted({r["length"] for r in results}):
+        here = [r for r in results if r["length"] == length]
+        single = next((r for r in here if r["method"] == "ours"), None)
+        for r in sorted(here, key=lambda r: (r["method"] != "ours", r["method"])):
+            name = "P = 1" if r["method"] == "ours" else r["method"]
+            per_cpu = r["supervised_tokens"] / r["cpu_s"]
+            speedup = f"{per_cpu / (single['supervised_tokens'] / single['cpu_s']):.2f}x" if single else ""
+            rows.append(f"| {length} | {name} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | "
+                        f"{r['supervised_tokens_per_s']:.0f} | {per_cpu:.0f} | {speedup} | "
+                        f"{r['peak_mem_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_step', 0) / 2**20:.1f} |")
+    return "\n".join(rows)
+
+
+def run(lengths, steps: int, methods=("trl", "ours")) -> list[dict]:
+    results = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for length in lengths:
+        for method in methods:
             out = subprocess.run([sys.executable, "-m", "benchmarks.diffusion_gemma", "--worker", method,
                                   "--lengths", str(length), "--steps", str(steps)],
                                  capture_output=True, text=True, env=env, check=True)
@@ -192,13 +299,22 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", help="write the results as JSON")
+    parser.add_argument("--parallel", type=int, metavar="P", help="compare csbp / cp / bp on P ranks with P = 1")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--parallel-worker", choices=("csbp", "cp", "bp"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.lengths[0], args.steps)))
         return
-    results = run(args.lengths, args.steps)
-    print(table(results))
+    if args.parallel_worker:
+        parallel_worker(args.parallel_worker, args.lengths[0], args.steps, args.out)
+        return
+    if args.parallel:
+        results = run_parallel(args.lengths, args.steps, args.parallel)
+        print(parallel_table(results))
+    else:
+        results = run(args.lengths, args.steps)
+        print(table(results))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
