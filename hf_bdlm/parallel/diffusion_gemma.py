@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.backends import attend, common_dtype
-from ..attention.masks import MaskRule, keys_in_window
+from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
 from ..attention.tiles import plan_attention
 from ..diffusion_gemma import CanvasFrame, DiffusionGemmaLayout, diffusion_gemma_rule, is_decoder_attention
 from .collectives import ExchangedKV, GatheredKV
 from .dims import ParallelDims
 from .groups import BlockParallelGroups
-from .plan import GroupPlan, PlanConfig, noisy_subset_multiple, subset_sequence_multiple
+from .plan import GroupPlan, PlanConfig, noisy_subset_multiple, subset_sequence_multiple, window_exchange
 from .ring import ring_attention
 
 
@@ -211,29 +211,7 @@ class ShardedDiffusionGemmaLayout:
         found = p.cache.get(key)
         if found is not None:
             return found
-        me = p.me
-
-        def needed(requester: int, owner: int) -> torch.Tensor:
-            q, k = p.member_queries[requester], p.member_sent[owner]
-            if q.num_rows == 0 or k.num_rows == 0:
-                return torch.empty(0, dtype=torch.long)
-            reach = keys_in_window(q.stream.cpu(), q.pos.cpu(), k.pos.cpu(), rule, k_stream=k.stream.cpu())
-            return reach.nonzero().flatten()
-
-        send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
-        for peer in range(len(p.member_sent)):
-            if peer == me:  # the rank's own rows are a local source
-                send_parts.append(torch.empty(0, dtype=torch.long))
-                send_counts.append(0)
-                recv_counts.append(0)
-                continue
-            sent = needed(peer, me)
-            send_parts.append(sent)
-            send_counts.append(int(sent.numel()))
-            received = needed(me, peer)
-            recv_counts.append(int(received.numel()))
-            recv_rows.append(p.member_sent[peer].select(received.to(p.member_sent[peer].pos.device)))
-        found = (torch.cat(send_parts), send_counts, recv_counts, RowMeta.cat(recv_rows))
+        found = window_exchange(p.me, p.member_queries, p.member_sent, rule, key_streams=True)
         p.cache[key] = found
         return found
 

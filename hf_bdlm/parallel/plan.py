@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.masks import CLEAN, NOISY
+from ..attention.masks import CLEAN, NOISY, MaskRule, keys_in_window
 from ..attention.rows import RowMeta
 from .dims import MODES, SCHEDULES, ParallelDims  # noqa: F401  (re-exported)
 
@@ -432,3 +432,39 @@ def make_plan(cfg: PlanConfig) -> GroupPlan:
         return GroupPlan(cfg, tuple(_subset_ranks(cfg)))
     build = {"cp": _cp_ranks, "bp": _bp_ranks, "csbp": _csbp_ranks}[cfg.mode]
     return GroupPlan(cfg, tuple(build(cfg)))
+
+
+def window_exchange(me: int, queries: list[RowMeta], sent: list[RowMeta], rule: MaskRule,
+                    key_streams: bool = False) -> tuple[torch.Tensor, list[int], list[int], RowMeta]:
+    """All-to-all lists of a sliding-window layer: which sent rows each member needs from each other member.
+
+    ``queries[m]`` are the query rows member ``m`` runs, ``sent[m]`` the rows it offers; ``me`` is this rank's
+    index among the members. A row is needed when its position lies in some query's window as ``rule`` defines
+    it (``keys_in_window``; ``key_streams`` also passes the keys' streams, for rules that depend on them). The
+    rank's own rows are a local source: nothing is exchanged with itself.
+
+    Returns ``(send_index, send_counts, recv_counts, recv_rows)``: indices into ``sent[me]`` for peer 0, then
+    peer 1, ...; the rows sent to and received from each member; the received rows, in member order.
+    """
+
+    def needed(requester: int, owner: int) -> torch.Tensor:
+        q, k = queries[requester], sent[owner]
+        if q.num_rows == 0 or k.num_rows == 0:
+            return torch.empty(0, dtype=torch.long)
+        k_stream = k.stream.cpu() if key_streams else None
+        return keys_in_window(q.stream.cpu(), q.pos.cpu(), k.pos.cpu(), rule, k_stream=k_stream).nonzero().flatten()
+
+    send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
+    for peer in range(len(sent)):
+        if peer == me:
+            send_parts.append(torch.empty(0, dtype=torch.long))
+            send_counts.append(0)
+            recv_counts.append(0)
+            continue
+        out = needed(peer, me)
+        send_parts.append(out)
+        send_counts.append(int(out.numel()))
+        received = needed(me, peer)
+        recv_counts.append(int(received.numel()))
+        recv_rows.append(sent[peer].select(received.to(sent[peer].pos.device)))
+    return torch.cat(send_parts), send_counts, recv_counts, RowMeta.cat(recv_rows)

@@ -38,7 +38,7 @@ from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
 from .collectives import ExchangedKV, GatheredKV
 from .groups import BlockParallelGroups
-from .plan import GroupPlan, PlanConfig
+from .plan import GroupPlan, PlanConfig, window_exchange
 from .ring import ring_attention
 
 
@@ -158,8 +158,6 @@ class ShardedLayout:
 
     def _window_exchange(self, rule: MaskRule, n: int):
         """Which gathered rows each rank needs under a window, as all-to-all send/recv lists (cached)."""
-        from ..attention.masks import keys_in_window
-
         key = ("window_exchange", rule)  # the whole rule: the window's reach depends on its convention
         found = self.cache.get(key)
         if found is not None:
@@ -167,35 +165,12 @@ class ShardedLayout:
         me = self.groups.group_rank
         members = self.plan.ring_members(me) if self.mode == "csbp" else tuple(range(len(self.plan.ranks)))
 
-        sent_rows = self._sent_rows
-
-        def needed(requester: int, owner: int) -> torch.Tensor:
-            """Indices (into owner's sent rows) of rows within the window of requester's queries."""
-            q = self.plan.ranks[requester].rows()
-            k = sent_rows(owner)
-            if q.num_rows == 0 or k.num_rows == 0:
-                return torch.empty(0, dtype=torch.long)
-            # Row k is needed when its position lies in some query's window, as the rule defines it (per query,
-            # or from the query's block start): masks.window_key_range.
-            return keys_in_window(q.stream, q.pos, k.pos, rule).nonzero().flatten()
-
-        send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
-        for peer in members:
-            if peer == me:  # the rank's own rows are a local source
-                send_parts.append(torch.empty(0, dtype=torch.long))
-                send_counts.append(0)
-                recv_counts.append(0)
-                continue
-            s = needed(peer, me)
-            send_parts.append(s)
-            send_counts.append(int(s.numel()))
-            r = needed(me, peer)
-            recv_counts.append(int(r.numel()))
-            recv_rows.append(sent_rows(peer).select(r))
-        doc_rows = RowMeta.cat(recv_rows)
+        send_index, send_counts, recv_counts, doc_rows = window_exchange(
+            members.index(me), [self.plan.ranks[m].rows() for m in members], [self._sent_rows(m) for m in members],
+            rule)
         if self.doc is not None:
             doc_rows = RowMeta(doc_rows.stream, doc_rows.pos, self.doc[:, doc_rows.pos])
-        found = (torch.cat(send_parts), send_counts, recv_counts, doc_rows)
+        found = (send_index, send_counts, recv_counts, doc_rows)
         self.cache[key] = found
         return found
 
