@@ -216,8 +216,6 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
                 raise ValueError("The rows form (bdlm_layout=...) needs the global `position_ids` of the rows.")
             if "past_key_values" in kwargs:  # the pre-5.23 name of `cache`
                 cache = kwargs.pop("past_key_values")
-            if input_ids is not None:
-                self.config.check_token_ids(input_ids, "input_ids")
             out = self.run_rows(input_ids, position_ids, bdlm_layout, cache=cache, use_cache=use_cache, **kwargs)
             hidden = out.last_hidden_state
             logits = None

@@ -340,6 +340,8 @@ class Objective:
         """
         scorer = model if scorer is None else scorer
         self._check_model(scorer)
+        # Once per step, not per forward: the rows form runs unchecked (generate checks its prompt once).
+        scorer.config.check_token_ids(corrupted.clean_ids, "clean_input_ids")
         if layout is None:
             layout = LocalLayout.vectorized(corrupted.seq_len, scorer.mask_rule(), scorer.config.attention_backend,
                                             corrupted.document_ids)
