@@ -16,7 +16,10 @@ max over ranks), split into forward (``fwd``, up to the loss) and backward (``bw
 ``csbp`` run with both transports (``--transports allgather ring``); ``bp`` has no communication
 and runs with both noisy-block schedules (``--bp-schedules``): the ratios compare against the faster
 one at each length. ``--window W`` makes every layer a sliding-window layer (a Qwen3 backbone of the
-same sizes), whose halo rows travel by all-to-all.
+same sizes), whose halo rows travel by all-to-all. ``--device cuda`` runs one rank per GPU with NCCL (peak
+memory from the CUDA allocator, times after a device synchronize; ``wait_s`` then counts host-side waits
+only, which NCCL's stream-ordered collectives make near zero), ``--dtype bfloat16`` the step under bf16
+autocast, ``--attention-backend`` another backend (``benchmarks/gpu/`` uses these).
 
     python -m benchmarks.parallel_modes --quick --out /tmp/pm.json          # < 3 min
     python -m benchmarks.parallel_modes --lengths 4096 8192 16384 --nprocs 2 4 --out results.json
@@ -53,7 +56,9 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _build(L: int, layers: int, window: int | None = None):
+def _build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise"):
+    import dataclasses
+
     import torch
     from transformers import LlamaConfig, Qwen3Config
 
@@ -69,8 +74,8 @@ def _build(L: int, layers: int, window: int | None = None):
     else:
         backbone = LlamaConfig(**dims)
     cfg = BlockDiffusionConfig(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK,
-                               attention_backend="blockwise")
-    model = BlockDiffusionForMaskedLM(cfg).float()
+                               attention_backend=backend)
+    model = BlockDiffusionForMaskedLM(cfg).float().to(device)
     objective = get_objective("standard", cfg)
     g = torch.Generator().manual_seed(1)
     batch = {"input_ids": torch.randint(2, MASK, (1, L), generator=g),
@@ -78,7 +83,58 @@ def _build(L: int, layers: int, window: int | None = None):
              "attention_mask": torch.ones(1, L, dtype=torch.long),
              "sample_ids": torch.arange(1)}
     corrupted = objective.corrupt(batch, seed=7, step=0)
-    return model, objective, corrupted
+    moved = {f.name: getattr(corrupted, f.name) for f in dataclasses.fields(corrupted)}
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+    return model, objective, dataclasses.replace(corrupted, **moved)
+
+
+class _Device:
+    """Where a worker runs: the CPU (gloo, RSS high-water marks) or one CUDA device per rank (NCCL, allocator peaks).
+
+    On CUDA every timestamp is taken after a device synchronize, and the step runs under bf16 autocast with
+    ``--dtype bfloat16`` (float32 weights, as the trainer's ``bf16=True``)."""
+
+    def __init__(self, kind: str, dtype: str):
+        import torch
+
+        self.kind, self.torch = kind, torch
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                raise SystemExit("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu.")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.name = f"cuda:{torch.cuda.current_device()}"
+        else:
+            self.name = "cpu"
+        self.dtype = getattr(torch, dtype)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.kind == "cuda" else "gloo"
+
+    def now(self) -> float:
+        if self.kind == "cuda":
+            self.torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def autocast(self):
+        import contextlib
+
+        if self.dtype == self.torch.float32:
+            return contextlib.nullcontext()
+        return self.torch.autocast(self.kind, dtype=self.dtype)
+
+    def mark(self) -> int:
+        """The memory in use once model and batch are built; peaks are measured above it."""
+        if self.kind == "cuda":
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+            return self.torch.cuda.memory_allocated()
+        return _current_rss()
+
+    def peak(self) -> int:
+        if self.kind == "cuda":
+            return self.torch.cuda.max_memory_allocated()
+        return _peak_rss()
 
 
 def worker(args) -> None:
@@ -86,21 +142,23 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     L, mode = args.lengths[0], args.mode
-    model, objective, corrupted = _build(L, args.layers, args.window)
-    base_rss = _current_rss()
+    dev = _Device(args.device, args.dtype)
+    model, objective, corrupted = _build(L, args.layers, args.window, dev.name, args.attention_backend)
+    base_rss = dev.mark()
     times, bytes_steps, waits, fwd_waits = [], [], [], []
 
     if mode == "single":
         for step in range(1 + args.steps):
             model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            loss, _ = objective.loss(model, corrupted)
+            t0 = dev.now()
+            with dev.autocast():
+                loss, _ = objective.loss(model, corrupted)
             loss.backward()
-            dt = time.perf_counter() - t0
+            dt = dev.now() - t0
             if step:  # step 0 is the warm-up
                 times.append(dt)
-        peak, peak_abs = _peak_rss() - base_rss, _peak_rss()
-        rec = dict(mode="single", transport=None, schedule=None, P=1, C=1, L=L, layers=args.layers,
+        peak, peak_abs = dev.peak() - base_rss, dev.peak()
+        rec = dict(mode="single", device=args.device, dtype=args.dtype, transport=None, schedule=None, P=1, C=1, L=L, layers=args.layers,
                    window=args.window, steps=args.steps,
                    step_s=statistics.median(times), step_times=times, tokens_per_s=L / statistics.median(times),
                    peak_mem_bytes=peak, peak_rss_bytes=peak_abs, bytes_per_step=0, bytes_by_name={},
@@ -115,11 +173,11 @@ def worker(args) -> None:
     from hf_bdlm.parallel.groups import BlockParallelGroups
     from hf_bdlm.parallel.sharded import ShardedLayout
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(dev.backend)
     P, rank = dist.get_world_size(), dist.get_rank()
     C = 1 if mode == "bp" else P
     meter = ByteMeter()
-    groups = BlockParallelGroups.create(P, C, meter)
+    groups = BlockParallelGroups.create(P, C, meter, device_type=args.device)
     plan_cfg = PlanConfig(seq_len=L, block_size=BLOCK, group_size=P, clean_ring_size=C, mode=mode,
                           schedule=args.schedule)
     # ``cp`` talks on the group, ``csbp`` on the ring (same ranks when C = P, but distinct
@@ -130,21 +188,22 @@ def worker(args) -> None:
         model.zero_grad(set_to_none=True)
         wait0 = sum(c.wait_seconds for c in comms)
         dist.barrier()  # start together, so the slowest rank's time is the group's step time
-        t0 = time.perf_counter()
+        t0 = dev.now()
         # The layout is rebuilt every step as a trainer would (its plan depends on the batch).
-        layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), "blockwise", corrupted.document_ids,
-                                     transport=args.transport)
-        loss, _ = objective.loss(model, corrupted, layout)  # the trainer's step, on this rank's rows
+        layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), args.attention_backend,
+                                     corrupted.document_ids, transport=args.transport)
+        with dev.autocast():
+            loss, _ = objective.loss(model, corrupted, layout)  # the trainer's step, on this rank's rows
         wait_fwd = sum(c.wait_seconds for c in comms) - wait0
         loss.backward()
-        dt = time.perf_counter() - t0
+        dt = dev.now() - t0
         if step:
             times.append(dt)
             bytes_steps.append(meter.by_name())
             waits.append(sum(c.wait_seconds for c in comms) - wait0)
             fwd_waits.append(wait_fwd)
         del loss, layout
-    peak, peak_abs = _peak_rss() - base_rss, _peak_rss()
+    peak, peak_abs = dev.peak() - base_rss, dev.peak()
     mine = dict(times=times, bytes=bytes_steps, waits=waits, fwd_waits=fwd_waits, peak=peak, peak_abs=peak_abs)
     everyone: list = [None] * P
     dist.all_gather_object(everyone, mine)
@@ -159,7 +218,7 @@ def worker(args) -> None:
         # Exposed communication: time blocked in waits, max over ranks (median over steps), split at the loss.
         fwd = max(statistics.median(r["fwd_waits"]) for r in everyone)
         bwd = max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])]) for r in everyone)
-        rec = dict(mode=mode, transport=args.transport, schedule=args.schedule, P=P, C=C, L=L, layers=args.layers,
+        rec = dict(mode=mode, device=args.device, dtype=args.dtype, transport=args.transport, schedule=args.schedule, P=P, C=C, L=L, layers=args.layers,
                    window=args.window, steps=args.steps, comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
                    step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
                    peak_mem_bytes=max(r["peak"] for r in everyone),
@@ -180,7 +239,8 @@ def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str =
             schedule: str = "dual_end") -> dict:
     out = tmp / f"{mode}_{transport}_{schedule}_P{P}_L{L}.json"
     common = [str(HERE), "--worker", "--mode", mode, "--transport", transport, "--schedule", schedule,
-              "--lengths", str(L), "--steps", str(args.steps), "--layers", str(args.layers), "--out", str(out)]
+              "--lengths", str(L), "--steps", str(args.steps), "--layers", str(args.layers), "--out", str(out),
+              "--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend]
     if args.window:
         common += ["--window", str(args.window)]
     if mode == "single":
@@ -273,6 +333,11 @@ def main(argv=None) -> None:
                         "is bp in the ratios)")
     parser.add_argument("--window", type=int, default=None,
                         help="make every layer a sliding-window layer of this width (Qwen3 backbone, same sizes)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one GPU per rank, NCCL, peaks from the CUDA allocator (benchmarks/gpu/)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="bfloat16: the step under bf16 autocast over float32 weights")
+    parser.add_argument("--attention-backend", default="blockwise", choices=["blockwise", "flex", "flash", "dense"])
     parser.add_argument("--transport", default="allgather", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="dual_end", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -283,6 +348,15 @@ def main(argv=None) -> None:
         return
     if args.quick:
         args.lengths, args.nprocs, args.steps = [2048], [2], 1
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if not gpus:
+            parser.error("--device cuda: no GPU is visible; run on a GPU machine or use --device cpu.")
+        if max(args.nprocs) > gpus:
+            parser.error(f"--device cuda runs one rank per GPU: --nprocs {max(args.nprocs)} needs "
+                         f"{max(args.nprocs)} GPUs, {gpus} visible; pass --nprocs values up to {gpus}.")
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for L in args.lengths:
