@@ -56,25 +56,33 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise"):
-    import dataclasses
-
-    import torch
+def model_config(layers: int, window: int | None = None, backend: str = "blockwise"):
+    """The benchmarked model's ``BlockDiffusionConfig`` (also what ``hf-bdlm plan --validate`` predicts)."""
     from transformers import LlamaConfig, Qwen3Config
 
-    from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
-    from hf_bdlm.objectives import get_objective
+    from hf_bdlm import BlockDiffusionConfig
 
-    # Same seed on every rank: identical weights and batch, as the group shares one batch.
-    torch.manual_seed(0)
     dims = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, intermediate_size=512, pad_token_id=PAD)
     if window:  # every layer a sliding-window layer (Qwen3 with max_window_layers=0)
         backbone = Qwen3Config(**dims, use_sliding_window=True, sliding_window=window, max_window_layers=0)
     else:
         backbone = LlamaConfig(**dims)
-    cfg = BlockDiffusionConfig(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK,
-                               attention_backend=backend)
+    return BlockDiffusionConfig(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK,
+                                attention_backend=backend)
+
+
+def _build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise"):
+    import dataclasses
+
+    import torch
+
+    from hf_bdlm import BlockDiffusionForMaskedLM
+    from hf_bdlm.objectives import get_objective
+
+    # Same seed on every rank: identical weights and batch, as the group shares one batch.
+    torch.manual_seed(0)
+    cfg = model_config(layers, window, backend)
     model = BlockDiffusionForMaskedLM(cfg).float().to(device)
     objective = get_objective("standard", cfg)
     g = torch.Generator().manual_seed(1)
