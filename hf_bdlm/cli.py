@@ -7,6 +7,7 @@
     hf-bdlm eval swebench --model-dir path/to/bdlm --output-dir out/swe        # shipped offline set, no Docker
     hf-bdlm eval swebench --sanity                                             # grader check: gold 100 %, empty 0 %
     hf-bdlm eval terminal-bench --base-url http://127.0.0.1:8000/v1 --output-dir out/tb
+    hf-bdlm bench --quick --out bench_quick                                    # benchmarks: JSON, plots, tables
 
 Adding a command: write `add_<name>_parser(subparsers)` that registers its arguments and sets `func` (called with
 the parsed namespace, returns the exit code), and call it in `build_parser`.
@@ -18,6 +19,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+from .bench import add_bench_parser
 
 
 def add_serve_parser(subparsers) -> None:
@@ -329,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     add_eval_parser(subparsers)
+    add_bench_parser(subparsers)
+    from .planner.cli import add_plan_parser
+    add_plan_parser(subparsers)
     return parser
 
 

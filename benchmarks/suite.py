@@ -1,0 +1,329 @@
+"""The ``hf-bdlm bench`` suite: parallel modes, attention, cost growth, longest context; JSON, PNG and tables.
+
+Studies (``--only`` picks some; all by default), each measured in fresh processes, one thread per rank:
+
+- ``modes``: ``benchmarks/parallel_modes.py`` for cp and csbp with both transports (allgather, ring), bp with both
+  noisy-block schedules (dual_end, contiguous) and the single process, at every (P, L). Records, unchanged, in
+  ``parallel_modes.json`` (a JSON list); plots ``modes_*.png``.
+- ``attention``: ``benchmarks/attention.py`` (backends, AR vs BDLM step) into ``attention.json``, ``attention.png``.
+- ``growth``: per-rank step time against L for the single process, cp (allgather), bp (dual_end), csbp (allgather)
+  at each P, with the least-squares exponent of log time on log L. Lengths the modes study measured with the same
+  model are reused; the others run. ``growth.json``, ``growth.png``.
+- ``max-context``: the longest L under ``--mem-cap`` per rank for P = 1 and csbp / cp / bp at each P, by real steps
+  (``benchmarks/max_context.py``). ``max_context.json``, ``max_context.png``.
+
+``summary.json`` holds the run (command, machine, load average, wall time per study, files); ``summary.md`` the
+markdown tables (``--markdown`` prints them). ``--report-only`` re-draws everything from the JSON in ``--out``.
+
+    python -m benchmarks.suite --quick --out /tmp/bench        # same as: hf-bdlm bench --quick --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from benchmarks import max_context, parallel_modes, report
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STUDIES = ("modes", "attention", "growth", "max-context")
+
+# The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
+FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"), layers=2, steps=2,
+            growth_lengths=(2048, 4096, 8192, 16384, 32768), growth_nprocs=(2, 4), mem_cap=256 * 2**20,
+            max_context_nprocs=(2, 4), max_context_layers=1, max_context_limit=65536,
+            attention=["--lengths", "1024", "2048", "4096", "8192", "16384", "--step-lengths", "1024", "2048", "4096",
+                       "8192"])
+QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), layers=1, steps=1,
+             growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=48 * 2**20,
+             max_context_nprocs=(2,), max_context_layers=1, max_context_limit=8192,
+             attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
+                        "dense", "--repeats", "0"])
+
+
+@dataclass
+class BenchConfig:
+    """One bench run: the options, after the preset filled those left unset and every value was checked."""
+
+    out: pathlib.Path
+    studies: tuple[str, ...]
+    quick: bool
+    lengths: tuple[int, ...]
+    nprocs: tuple[int, ...]
+    modes: tuple[str, ...]
+    layers: int
+    steps: int
+    timeout: float
+    growth_lengths: tuple[int, ...]
+    growth_nprocs: tuple[int, ...]
+    mem_cap: int
+    max_context_nprocs: tuple[int, ...]
+    max_context_layers: int
+    max_context_limit: int
+    attention: tuple[str, ...]
+
+
+def _check_lengths(option: str, lengths, nprocs) -> None:
+    multiple = 2 * max([1, *nprocs]) * parallel_modes.BLOCK
+    bad = [L for L in lengths if L % multiple]
+    if bad:
+        raise ValueError(
+            f"{option} {' '.join(map(str, bad))}: every length must be a multiple of {multiple} (2 * max P * block "
+            f"size {parallel_modes.BLOCK}), which every layout at P = {max(nprocs, default=1)} accepts; "
+            f"e.g. {' '.join(str(max(multiple, round(L / multiple) * multiple)) for L in bad)}")
+
+
+def _check_nprocs(option: str, nprocs) -> None:
+    bad = [P for P in nprocs if P < 2]
+    if bad:
+        raise ValueError(f"{option} {' '.join(map(str, bad))}: group sizes are at least 2 (the single process, "
+                         f"P = 1, always runs as the baseline)")
+
+
+def resolve(args: argparse.Namespace) -> BenchConfig:
+    """The run's configuration from the parsed arguments (``ValueError`` naming the option on a bad value)."""
+    preset = QUICK if args.quick else FULL
+    pick = lambda name: tuple(v) if isinstance(v := getattr(args, name) or preset[name], (list, tuple)) else v  # noqa: E731
+    cfg = BenchConfig(
+        out=pathlib.Path(args.out), studies=tuple(args.only or STUDIES), quick=args.quick,
+        lengths=pick("lengths"), nprocs=pick("nprocs"), modes=pick("modes"), layers=pick("layers"),
+        steps=pick("steps"), timeout=args.timeout, growth_lengths=pick("growth_lengths"),
+        growth_nprocs=pick("growth_nprocs"), mem_cap=pick("mem_cap"), max_context_nprocs=pick("max_context_nprocs"),
+        max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
+        attention=tuple(preset["attention"]))
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout {args.timeout}: must be a positive number of seconds")
+    _check_nprocs("--nprocs", cfg.nprocs)
+    _check_nprocs("--growth-nprocs", cfg.growth_nprocs)
+    _check_nprocs("--max-context-nprocs", cfg.max_context_nprocs)
+    _check_lengths("--lengths", cfg.lengths, cfg.nprocs)
+    _check_lengths("--growth-lengths", cfg.growth_lengths, cfg.growth_nprocs)
+    grid = 2 * max(cfg.max_context_nprocs) * parallel_modes.BLOCK
+    if cfg.max_context_limit < grid:
+        raise ValueError(f"--max-context-limit {cfg.max_context_limit}: must be at least the search grid {grid} "
+                         f"(2 * max P * block size)")
+    if "growth" in cfg.studies and len(set(cfg.growth_lengths)) < 2:
+        raise ValueError(f"--growth-lengths {' '.join(map(str, cfg.growth_lengths))}: the exponent fit needs at "
+                         f"least two distinct lengths")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# studies
+# ----------------------------------------------------------------------------------------------
+def _progress(text: str) -> None:
+    print(text, flush=True)
+
+
+def _mode_configs(modes, nprocs, L) -> list[tuple[str, int, str, str]]:
+    configs = [("single", 1, "allgather", "dual_end")]
+    for P in nprocs:
+        for mode in modes:
+            if mode == "bp":
+                configs += [(mode, P, "allgather", s) for s in ("dual_end", "contiguous")]
+            else:
+                configs += [(mode, P, t, "dual_end") for t in ("allgather", "ring")]
+    return configs
+
+
+def _line(rec: dict) -> str:
+    name = f"{report.variant(rec):15} P={rec['P']} L={rec['L']:>6}"
+    if "error" in rec:
+        return f"{name}: ERROR {(rec['error'].strip().splitlines() or ['?'])[-1][:100]}"
+    return (f"{name}: step {rec['step_s']:7.3f} s  {rec['tokens_per_s']:8.0f} tok/s  peak "
+            f"{rec['peak_mem_bytes'] / 2**20:7.1f} MiB/rank  {rec['bytes_per_step'] / 2**20:6.1f} MiB/step  "
+            f"wait {rec['comm_wait_s']:.3f} s  (run {rec.get('wall_s', 0):.0f} s)")
+
+
+def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list, path: pathlib.Path | None) -> None:
+    args = max_context.probe_args(layers, cfg.steps, cfg.timeout)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (mode, P, L, transport, schedule) in enumerate(configs, 1):
+            rec = max_context.launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
+            rec.setdefault("layers", layers)
+            sink.append(rec)
+            _progress(f"  [{label} {i}/{len(configs)}, {time.perf_counter() - started:5.0f} s] {_line(rec)}")
+            if path is not None:  # written as it goes: an interrupted run keeps its measurements
+                path.write_text(json.dumps(sink, indent=1))
+
+
+def run_modes(cfg: BenchConfig) -> list[dict]:
+    configs = [(m, P, L, t, s) for L in cfg.lengths for (m, P, t, s) in _mode_configs(cfg.modes, cfg.nprocs, L)]
+    _progress(f"modes: {len(configs)} runs (L {', '.join(map(str, cfg.lengths))}; P {', '.join(map(str, cfg.nprocs))}; "
+              f"{cfg.layers} layer(s), {cfg.steps} timed step(s) after a warm-up)")
+    records: list[dict] = []
+    _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json")
+    return records
+
+
+def _growth_key(mode, P, L, transport, schedule, layers):
+    return (mode, P, L, None if mode == "single" else transport, None if mode == "single" else schedule, layers)
+
+
+def run_growth(cfg: BenchConfig, modes_records: list[dict]) -> dict:
+    configs = []
+    for L in cfg.growth_lengths:
+        configs.append(("single", 1, L, "allgather", "dual_end"))
+        for P in cfg.growth_nprocs:
+            configs += [("cp", P, L, "allgather", "dual_end"), ("bp", P, L, "allgather", "dual_end"),
+                        ("csbp", P, L, "allgather", "dual_end")]
+    have = {_growth_key(r["mode"], r["P"], r["L"], r.get("transport"), r.get("schedule"), r["layers"]): r
+            for r in modes_records if "error" not in r}
+    reused = [have[k] for c in configs if (k := _growth_key(*c, cfg.layers)) in have]
+    missing = [c for c in configs if _growth_key(*c, cfg.layers) not in have]
+    _progress(f"growth: {len(configs)} points (L {', '.join(map(str, cfg.growth_lengths))}), {len(reused)} from the "
+              f"modes study, {len(missing)} to run")
+    ran: list[dict] = []
+    _run_configs(missing, cfg, cfg.layers, "growth", ran, None)
+    records = reused + ran
+    failed = [r for r in records if "error" in r]
+    return dict(layers=cfg.layers, steps=cfg.steps, records=records, fits=report.growth_fits(records),
+                failed=len(failed), time="step_s: wall time of a step, slowest rank, median of the timed steps")
+
+
+def run_attention(cfg: BenchConfig) -> list[dict]:
+    path = cfg.out / "attention.json"
+    cmd = [sys.executable, "-m", "benchmarks.attention", *cfg.attention, "--out", str(path)]
+    _progress(f"attention: {' '.join(cmd[2:])}")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            _progress("  " + line.rstrip())
+    if proc.returncode:
+        raise RuntimeError(f"benchmarks.attention exited with {proc.returncode} (its output is above)")
+    return json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def _read(path: pathlib.Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path]:
+    """Plots, plain tables (printed) and ``summary.md`` from whatever study JSON is in ``out``."""
+    modes, attention = _read(out / "parallel_modes.json"), _read(out / "attention.json")
+    growth, mc = _read(out / "growth.json"), _read(out / "max_context.json")
+    if not any(x is not None for x in (modes, attention, growth, mc)):
+        raise FileNotFoundError(f"{out} holds none of parallel_modes.json, attention.json, growth.json, "
+                                f"max_context.json: run hf-bdlm bench --out {out} first")
+    summary = _read(out / "summary.json") or {}
+    plots, sections = [], []
+    machine = summary.get("machine")
+    if machine:
+        sections.append(f"Machine: {machine['cpus']} CPU cores, {machine['platform']}, torch {machine['torch']}, "
+                        f"gloo, one thread per rank; load average {summary.get('load_average_start')} at the start, "
+                        f"{summary.get('load_average_end')} at the end. Command: `{summary.get('command')}`")
+    if modes is not None:
+        plots += report.plot_modes(modes, out)
+        sections.append(("Parallel modes (step = forward + backward of one sequence; peak memory per rank above "
+                         "model and batch; MiB received per step per rank)", report.modes_table(modes, True),
+                         report.modes_table(modes)))
+    if growth is not None:
+        plots.append(report.plot_growth(growth["records"], growth["fits"], out))
+        sections.append((f"Cost growth: step time (s) per L and the fitted exponent ({growth['layers']} layer(s))",
+                         report.growth_table(growth["fits"], True), report.growth_table(growth["fits"])))
+    if mc is not None:
+        if any(not r.get("error") for r in mc["results"]):
+            plots.append(report.plot_max_context(mc["results"], mc["cap_bytes"], out))
+        sections.append((f"Longest trainable context under {mc['cap_bytes'] / 2**20:.0f} MiB per rank "
+                         f"({mc['layers']} layer(s); grid {mc['grid']} tokens; {mc['memory']})",
+                         report.max_context_table(mc["results"], True), report.max_context_table(mc["results"])))
+    if attention is not None:
+        plots.append(report.plot_attention(attention, out))
+        sections.append(("Attention backends and training step (benchmarks/attention.py)",
+                         report.attention_table(attention, True), report.attention_table(attention)))
+    md = []
+    for s in sections:
+        if isinstance(s, str):
+            md.append(s)
+            print(s)
+        else:
+            title, table_md, table = s
+            md.append(f"**{title}**\n\n{table_md}")
+            print(f"\n{title}\n{table}")
+    (out / "summary.md").write_text("\n\n".join(md) + "\n")
+    if markdown:
+        print("\n--- summary.md ---\n" + "\n\n".join(md))
+    print(f"\nplots: {', '.join(p.name for p in plots)}; tables: {out / 'summary.md'}")
+    return plots
+
+
+def _machine() -> dict:
+    import torch
+
+    return dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
+                torch=torch.__version__, processor=platform.processor() or platform.machine())
+
+
+def run(args: argparse.Namespace) -> int:
+    out = pathlib.Path(args.out)
+    if args.report_only:
+        write_report(out, args.markdown)
+        return 0
+    cfg = resolve(args)
+    report.pyplot()  # fail now, not after an hour of measurements, when matplotlib is missing
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    summary = dict(command="hf-bdlm bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+                   config={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in asdict(cfg).items()},
+                   machine=_machine(), load_average_start=round(os.getloadavg()[0], 2), studies={})
+    _progress(f"hf-bdlm bench -> {out}  ({'quick' if cfg.quick else 'full'}; studies {', '.join(cfg.studies)}; "
+              f"{summary['machine']['cpus']} CPUs, load average {summary['load_average_start']})")
+    # Growth reuses the modes records: this run's, or those already in --out when the modes study is not run.
+    modes_records: list[dict] = [] if "modes" in cfg.studies else (_read(out / "parallel_modes.json") or [])
+    for study in STUDIES:
+        if study not in cfg.studies:
+            continue
+        t0 = time.perf_counter()
+        if study == "modes":
+            modes_records = run_modes(cfg)
+            failed = sum("error" in r for r in modes_records)
+        elif study == "attention":
+            # "skipped (needs / predicted ...)" is the script's own size limit; failures and timeouts count.
+            failed = sum(r.get("skipped", "").startswith(("failed", "timed out")) for r in run_attention(cfg))
+        elif study == "growth":
+            growth = run_growth(cfg, modes_records)
+            (out / "growth.json").write_text(json.dumps(growth, indent=1))
+            failed = growth["failed"]
+        else:
+            mc = max_context.run_study(cfg.max_context_nprocs, cfg.mem_cap, cfg.max_context_layers,
+                                       cfg.max_context_limit, cfg.timeout, log=_progress)
+            (out / "max_context.json").write_text(json.dumps(mc, indent=1))
+            failed = sum(bool(r.get("error")) for r in mc["results"])
+        wall = time.perf_counter() - t0
+        summary["studies"][study] = dict(wall_s=round(wall, 1), failed=failed)
+        _progress(f"{study}: done in {wall:.0f} s" + (f", {failed} failed or skipped" if failed else ""))
+    summary.update(wall_s=round(time.perf_counter() - started, 1), load_average_end=round(os.getloadavg()[0], 2))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary["plots"] = [p.name for p in write_report(out, args.markdown)]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    _progress(f"total {summary['wall_s']:.0f} s; load average {summary['load_average_start']} at the start, "
+              f"{summary['load_average_end']} at the end")
+    failed = {name: s["failed"] for name, s in summary["studies"].items() if s["failed"]}
+    if failed:
+        print(f"error: some measurements failed ({failed}); their records carry the error", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    from hf_bdlm.bench import configure_parser
+
+    parser = configure_parser(argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
+                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""`hf-bdlm bench`: the benchmark suite of a source checkout, as one command that writes JSON, plots and tables.
+
+    hf-bdlm bench --quick --out bench_quick                       # < 5 min on 2 idle CPU cores
+    hf-bdlm bench --out benchmarks/results                        # everything the README's Performance section shows
+    hf-bdlm bench --only max-context --mem-cap 256MiB --out mc    # one study
+    hf-bdlm bench --report-only --out benchmarks/results --markdown   # re-draw plots and tables from the JSON there
+
+The studies run the scripts in ``benchmarks/`` (``parallel_modes``, ``attention``) with fresh processes per
+measurement (see ``benchmarks/suite.py``). Those scripts are not part of the installed package: the command runs
+from a source checkout installed with ``pip install -e .`` and says so when the checkout is not there.
+This module only declares the command's arguments, so ``hf-bdlm --help`` needs neither torch nor the checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+STUDIES = ("modes", "attention", "growth", "max-context")
+MODES = ("cp", "bp", "csbp")
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"`` -> bytes. Accepts plain bytes or a number with B, KiB, MiB, GiB, kB, MB, GB (any case)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write bytes or a number with a unit KiB, MiB, GiB (or kB, MB, GB), e.g. 256MiB")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive, e.g. 256MiB")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
+    return value
+
+
+def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The bench arguments (shared by ``hf-bdlm bench`` and ``python -m benchmarks.suite``). ``None`` defaults are
+    filled from the quick or the full preset (``benchmarks/suite.py``), so an explicit value always wins."""
+    p.add_argument("--out", default="bench_results", help="folder for the JSON, PNG and markdown (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="small preset (< 5 min on 2 idle cores): modes at L=1K,2K and P=2, 1 layer, 1 step; attention "
+                        "at L<=2K; growth from those records; max-context under a 48 MiB cap at P=1,2")
+    p.add_argument("--only", nargs="+", choices=STUDIES, default=None, metavar="STUDY",
+                   help=f"run these studies only (of {', '.join(STUDIES)}; default: all)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: re-draw the plots and tables from the JSON already in --out")
+    p.add_argument("--markdown", action="store_true", help="also print the markdown tables (written to summary.md)")
+    modes = p.add_argument_group("parallel modes (cp, bp, csbp; both transports and bp schedules)")
+    modes.add_argument("--lengths", type=_positive_int, nargs="+", default=None, metavar="L",
+                       help="context lengths (multiples of 2 * max(P) * 64)")
+    modes.add_argument("--nprocs", type=_positive_int, nargs="+", default=None, metavar="P", help="group sizes")
+    modes.add_argument("--modes", nargs="+", choices=MODES, default=None, help="modes (default: cp bp csbp)")
+    modes.add_argument("--layers", type=_positive_int, default=None, help="decoder layers of the benchmark model")
+    modes.add_argument("--steps", type=_positive_int, default=None, help="timed steps after one warm-up")
+    modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
+    growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
+    growth.add_argument("--growth-lengths", type=_positive_int, nargs="+", default=None, metavar="L")
+    growth.add_argument("--growth-nprocs", type=_positive_int, nargs="+", default=None, metavar="P")
+    cap = p.add_argument_group("longest trainable context under a per-rank memory cap")
+    cap.add_argument("--mem-cap", type=parse_size, default=None, metavar="SIZE",
+                     help="per-rank cap on the step's peak memory above the built model and batch, e.g. 256MiB")
+    cap.add_argument("--max-context-nprocs", type=_positive_int, nargs="+", default=None, metavar="P",
+                     help="group sizes searched besides P = 1")
+    cap.add_argument("--max-context-layers", type=_positive_int, default=None)
+    cap.add_argument("--max-context-limit", type=_positive_int, default=None, metavar="L",
+                     help="longest L probed (the search stops there)")
+    return p
+
+
+def add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="run the benchmarks: JSON, plots and tables",
+        description="Parallel modes (cp / bp / csbp, P = 2 and 4), attention backends, cost growth with context "
+                    "length and the longest trainable context under a memory cap, on this machine (gloo on CPU). "
+                    "Runs from a source checkout (pip install -e .).")
+    configure_parser(p)
+    p.set_defaults(func=run_bench)
+
+
+def checkout_root() -> Path:
+    """The source checkout that holds ``benchmarks/`` beside this package (an editable install)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "parallel_modes.py").is_file():
+        raise FileNotFoundError(
+            f"hf-bdlm bench runs the benchmark scripts of a source checkout (benchmarks/ beside hf_bdlm/), and "
+            f"{root / 'benchmarks'} has none: the installed wheel does not ship them. Clone the repository and "
+            f"install it with `pip install -e .`, then run hf-bdlm bench from that environment.")
+    return root
+
+
+def run_bench(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("error: hf-bdlm bench draws its plots with matplotlib, which is not installed: "
+              "pip install -e \".[bench]\"", file=sys.stderr)
+        return 2
+    root = checkout_root()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks import suite
+
+    if Path(suite.__file__).resolve().parent != root / "benchmarks":
+        raise FileNotFoundError(f"`benchmarks` imports from {suite.__file__}, not from the checkout {root}; "
+                                f"another package named `benchmarks` shadows it: uninstall it or run from {root}.")
+    return suite.run(args)
