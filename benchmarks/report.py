@@ -83,7 +83,10 @@ def _rows_table(head: list[str], rows: list[list[str]], markdown: bool) -> str:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    fmt = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+
+    def fmt(row):
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
     return "\n".join([fmt(head), "-" * len(fmt(head)), *(fmt(row) for row in rows)])
 
 
@@ -272,13 +275,16 @@ def plot_max_context(results: list[dict], cap_bytes: int, out_dir: Path) -> Path
 
 
 def plot_attention(records: list[dict], out_dir: Path) -> Path:
-    """Attention backends (left) and AR vs BDLM training step (right): time vs L."""
+    """Attention backends and AR vs BDLM training step (a panel each, when measured): time vs L."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), squeeze=False)
-    for ax, bench, title in ((axes[0][0], "attention", "Attention forward + backward (flex: forward only)"),
-                             (axes[0][1], "step", "Training step, Llama 2 x 512")):
-        names = sorted({r["name"] for r in records if r.get("bench") == bench})
-        for name in names:
+    panels = [(bench, title) for bench, title in (("attention", "Attention forward + backward (flex: forward only)"),
+                                                  ("step", "Training step, Llama 2 x 512"))
+              if any(r.get("bench") == bench and "time_s" in r for r in records)]
+    if not panels:
+        raise ValueError("no attention measurement to plot (every one was skipped or failed)")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (bench, title) in zip(axes[0], panels):
+        for name in sorted({r["name"] for r in records if r.get("bench") == bench}):
             rs = sorted((r for r in records if r["name"] == name and "time_s" in r), key=lambda r: r["length"])
             if rs:
                 ax.plot([r["length"] for r in rs], [r["time_s"] for r in rs], marker="o", markersize=4, label=name)

@@ -37,12 +37,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 STUDIES = ("modes", "attention", "growth", "max-context")
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
-FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"), layers=2, steps=2,
+FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
+            transports=("allgather", "ring"), layers=2, steps=2,
             growth_lengths=(2048, 4096, 8192, 16384, 32768), growth_nprocs=(2, 4), mem_cap=256 * 2**20,
             max_context_nprocs=(2, 4), max_context_layers=1, max_context_limit=65536,
             attention=["--lengths", "1024", "2048", "4096", "8192", "16384", "--step-lengths", "1024", "2048", "4096",
                        "8192"])
-QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), layers=1, steps=1,
+QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), transports=("allgather", "ring"),
+             layers=1, steps=1,
              growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=48 * 2**20,
              max_context_nprocs=(2,), max_context_layers=1, max_context_limit=8192,
              attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
@@ -59,6 +61,7 @@ class BenchConfig:
     lengths: tuple[int, ...]
     nprocs: tuple[int, ...]
     modes: tuple[str, ...]
+    transports: tuple[str, ...]
     layers: int
     steps: int
     timeout: float
@@ -91,10 +94,15 @@ def _check_nprocs(option: str, nprocs) -> None:
 def resolve(args: argparse.Namespace) -> BenchConfig:
     """The run's configuration from the parsed arguments (``ValueError`` naming the option on a bad value)."""
     preset = QUICK if args.quick else FULL
-    pick = lambda name: tuple(v) if isinstance(v := getattr(args, name) or preset[name], (list, tuple)) else v  # noqa: E731
+
+    def pick(name):
+        value = getattr(args, name) or preset[name]
+        return tuple(value) if isinstance(value, (list, tuple)) else value
+
     cfg = BenchConfig(
         out=pathlib.Path(args.out), studies=tuple(args.only or STUDIES), quick=args.quick,
-        lengths=pick("lengths"), nprocs=pick("nprocs"), modes=pick("modes"), layers=pick("layers"),
+        lengths=pick("lengths"), nprocs=pick("nprocs"), modes=pick("modes"), transports=pick("transports"),
+        layers=pick("layers"),
         steps=pick("steps"), timeout=args.timeout, growth_lengths=pick("growth_lengths"),
         growth_nprocs=pick("growth_nprocs"), mem_cap=pick("mem_cap"), max_context_nprocs=pick("max_context_nprocs"),
         max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
@@ -123,14 +131,14 @@ def _progress(text: str) -> None:
     print(text, flush=True)
 
 
-def _mode_configs(modes, nprocs, L) -> list[tuple[str, int, str, str]]:
+def _mode_configs(modes, nprocs, transports) -> list[tuple[str, int, str, str]]:
     configs = [("single", 1, "allgather", "dual_end")]
     for P in nprocs:
         for mode in modes:
             if mode == "bp":
                 configs += [(mode, P, "allgather", s) for s in ("dual_end", "contiguous")]
             else:
-                configs += [(mode, P, t, "dual_end") for t in ("allgather", "ring")]
+                configs += [(mode, P, t, "dual_end") for t in transports]
     return configs
 
 
@@ -157,7 +165,8 @@ def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list,
 
 
 def run_modes(cfg: BenchConfig) -> list[dict]:
-    configs = [(m, P, L, t, s) for L in cfg.lengths for (m, P, t, s) in _mode_configs(cfg.modes, cfg.nprocs, L)]
+    configs = [(m, P, L, t, s) for L in cfg.lengths
+               for (m, P, t, s) in _mode_configs(cfg.modes, cfg.nprocs, cfg.transports)]
     _progress(f"modes: {len(configs)} runs (L {', '.join(map(str, cfg.lengths))}; P {', '.join(map(str, cfg.nprocs))}; "
               f"{cfg.layers} layer(s), {cfg.steps} timed step(s) after a warm-up)")
     records: list[dict] = []

@@ -48,7 +48,8 @@ def _positive_int(text: str) -> int:
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The bench arguments (shared by ``hf-bdlm bench`` and ``python -m benchmarks.suite``). ``None`` defaults are
     filled from the quick or the full preset (``benchmarks/suite.py``), so an explicit value always wins."""
-    p.add_argument("--out", default="bench_results", help="folder for the JSON, PNG and markdown (default: %(default)s)")
+    p.add_argument("--out", default="bench_results",
+                   help="folder for the JSON, PNG and markdown (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="small preset (< 5 min on 2 idle cores): modes at L=1K,2K and P=2, 1 layer, 1 step; attention "
                         "at L<=2K; growth from those records; max-context under a 48 MiB cap at P=1,2")
@@ -62,6 +63,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="context lengths (multiples of 2 * max(P) * 64)")
     modes.add_argument("--nprocs", type=_positive_int, nargs="+", default=None, metavar="P", help="group sizes")
     modes.add_argument("--modes", nargs="+", choices=MODES, default=None, help="modes (default: cp bp csbp)")
+    modes.add_argument("--transports", nargs="+", choices=("allgather", "ring"), default=None,
+                       help="K/V transports of cp and csbp (default: both)")
     modes.add_argument("--layers", type=_positive_int, default=None, help="decoder layers of the benchmark model")
     modes.add_argument("--steps", type=_positive_int, default=None, help="timed steps after one warm-up")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")

@@ -1,0 +1,231 @@
+"""`hf-bdlm bench`: the power-law fit, tables and plots on synthetic records, the longest-context search with a fake
+probe, argument errors, and one tiny real run of the command."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+from benchmarks.max_context import search_max_context
+from hf_bdlm import cli
+from hf_bdlm.bench import checkout_root, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
+
+
+def _record(mode, P, L, transport="allgather", schedule="dual_end", step_s=1.0, **extra):
+    single = mode == "single"
+    rec = dict(mode=mode, transport=None if single else transport, schedule=None if single else schedule, P=P,
+               C=1 if mode in ("bp", "single") else P, L=L, layers=1, window=None, steps=1, step_s=step_s,
+               step_times=[step_s], tokens_per_s=L / step_s, peak_mem_bytes=L * 1000 // P,
+               peak_rss_bytes=L * 1000 // P + 400 * MiB, bytes_per_step=0 if single else L * 512,
+               bytes_by_name={}, comm_wait_s=0.01, comm_wait_fwd_s=0.004, comm_wait_bwd_s=0.006)
+    rec.update(extra)
+    return rec
+
+
+def _modes_records(exponents=None):
+    """Every variant the modes study runs at P = 2 and 4, with step time c * L ** exponent per mode."""
+    exponents = exponents or dict(single=2.0, cp=1.6, bp=1.8, csbp=1.5)
+    recs = []
+    for L in (1024, 2048, 4096):
+        recs.append(_record("single", 1, L, step_s=1e-6 * L ** exponents["single"]))
+        for P in (2, 4):
+            for mode, second in (("cp", "allgather"), ("cp", "ring"), ("csbp", "allgather"), ("csbp", "ring")):
+                recs.append(_record(mode, P, L, transport=second, step_s=1e-6 * L ** exponents[mode] / P))
+            for schedule in ("dual_end", "contiguous"):
+                recs.append(_record("bp", P, L, schedule=schedule, step_s=1e-6 * L ** exponents["bp"] / P))
+    return recs
+
+
+# --- fit, tables ---------------------------------------------------------------------------------
+def test_power_law_fit_recovers_a_known_exponent():
+    lengths = [2048, 4096, 8192, 16384, 32768]
+    exponent, prefactor = report.fit_power_law(lengths, [3e-7 * L**1.7 for L in lengths])
+    assert exponent == pytest.approx(1.7, abs=1e-9) and prefactor == pytest.approx(3e-7, rel=1e-9)
+    # +-3 % alternating noise moves the least-squares slope by less than 0.05.
+    noisy = [3e-7 * L**1.7 * (1.03 if i % 2 else 0.97) for i, L in enumerate(lengths)]
+    assert report.fit_power_law(lengths, noisy)[0] == pytest.approx(1.7, abs=0.05)
+
+
+@pytest.mark.parametrize("lengths, values, message", [
+    ([2048, 2048], [1.0, 2.0], "two distinct lengths"),
+    ([2048, 4096], [1.0, 0.0], "positive finite"),
+])
+def test_power_law_fit_refuses_what_it_cannot_fit(lengths, values, message):
+    with pytest.raises(ValueError, match=message):
+        report.fit_power_law(lengths, values)
+
+
+def test_growth_fits_one_exponent_per_variant_and_group_size():
+    fits = report.growth_fits(_modes_records())
+    by = {(f["variant"], f["P"]): f for f in fits}
+    assert len(fits) == 1 + 2 * 6
+    assert by[("single", 1)]["exponent"] == pytest.approx(2.0, abs=1e-9)
+    for P in (2, 4):
+        assert by[("csbp ring", P)]["exponent"] == pytest.approx(1.5, abs=1e-9)
+        assert by[("bp contiguous", P)]["exponent"] == pytest.approx(1.8, abs=1e-9)
+        assert by[("cp allgather", P)]["lengths"] == [1024, 2048, 4096]
+
+
+def test_tables_list_every_record_and_the_errors():
+    recs = _modes_records() + [dict(mode="csbp", transport="ring", schedule="dual_end", P=4, C=4, L=8192,
+                                    error="Traceback ...\nRuntimeError: killed")]
+    plain, md = report.modes_table(recs), report.modes_table(recs, markdown=True)
+    assert len(md.splitlines()) == len(recs) + 2 and len(plain.splitlines()) == len(recs) + 2
+    assert "RuntimeError: killed" in plain and "| csbp ring | 4 | 8192 | error |" in md
+    growth = report.growth_table(report.growth_fits(_modes_records()), markdown=True)
+    assert "| csbp allgather | 2 |" in growth and growth.splitlines()[0].endswith("| 1K | 2K | 4K | exponent |")
+
+
+# --- plots ---------------------------------------------------------------------------------------
+def _is_png(path: Path) -> bool:
+    return path.stat().st_size > 5000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_are_written_for_every_study(tmp_path):
+    recs = _modes_records()
+    paths = report.plot_modes(recs, tmp_path)
+    assert [p.name for p in paths] == ["modes_tokens_per_s.png", "modes_peak_memory.png",
+                                       "modes_bytes_per_step.png", "modes_comm_wait.png"]
+    paths.append(report.plot_growth(recs, report.growth_fits(recs), tmp_path))
+    results = [dict(variant="single", mode="single", P=1, longest=2048, first_over=2560, probes=[(512, 1)],
+                    peak_at_longest=200 * MiB),
+               dict(variant="csbp allgather", mode="csbp", P=2, longest=4096, first_over=4608, probes=[(512, 1)],
+                    peak_at_longest=210 * MiB)]
+    paths.append(report.plot_max_context(results, 256 * MiB, tmp_path))
+    attention = [dict(bench="attention", name=n, length=L, time_s=t * L / 1024, peak_mb=10.0)
+                 for n, t in (("blockwise", 0.1), ("dense", 0.3)) for L in (1024, 2048)]
+    attention += [dict(bench="step", name=n, length=L, time_s=t * L / 1024, peak_mb=10.0)
+                  for n, t in (("ar_step", 0.5), ("bdlm_step", 0.8)) for L in (1024, 2048)]
+    paths.append(report.plot_attention(attention, tmp_path))
+    assert all(_is_png(p) for p in paths), [(p.name, p.stat().st_size) for p in paths]
+
+
+def test_plot_modes_refuses_records_that_all_failed(tmp_path):
+    with pytest.raises(ValueError, match="no successful parallel-mode record"):
+        report.plot_modes([dict(mode="cp", P=2, L=1024, error="boom")], tmp_path)
+
+
+# --- longest-context search ------------------------------------------------------------------------
+def _brute_force(memory, cap, grid, limit):
+    return max(L for L in range(grid, limit + 1, grid) if memory(L) <= cap)
+
+
+@pytest.mark.parametrize("name, memory", [
+    ("linear", lambda L: 20 * MiB + 90_000 * L),
+    ("quadratic", lambda L: 5 * MiB + 40 * L + L * L // 3),
+    ("jump", lambda L: 10 * MiB + 50_000 * L + (200 * MiB if L > 3000 else 0)),
+])
+def test_search_finds_the_exact_boundary(name, memory):
+    grid, limit = 256, 65536
+    for cap in [60 * MiB, 100 * MiB, 256 * MiB, 300 * MiB + 12345, 1000 * MiB]:
+        calls = []
+        found = search_max_context(lambda L: calls.append(L) or memory(L), cap, grid, start=grid, limit=limit)
+        expected = _brute_force(memory, cap, grid, limit)
+        assert found.longest == expected, (name, cap)
+        assert found.first_over == expected + grid and memory(found.first_over) > cap
+        assert [L for L, _ in found.probes] == calls and len(set(calls)) == len(calls)  # no length probed twice
+        assert len(calls) <= 14, (name, cap, calls)  # log2(65536 / 256) = 8 bisections, plus the growth phase
+    if name == "linear":  # the secant lands on the boundary in a few probes when memory is a line
+        assert len(calls) <= 5, calls
+
+
+def test_search_stops_at_the_limit_when_everything_fits():
+    found = search_max_context(lambda L: L, cap=10**9, grid=512, start=512, limit=8192)
+    assert found.longest == 8192 and found.first_over is None
+    assert max(L for L, _ in found.probes) == 8192
+
+
+def test_search_errors_when_even_the_smallest_length_does_not_fit():
+    message = r"L=512, needs 300.0 MiB per rank, above the cap of 256.0 MiB: raise --mem-cap"
+    with pytest.raises(ValueError, match=message):
+        search_max_context(lambda L: 300 * MiB, cap=256 * MiB, grid=512, start=512, limit=8192)
+
+
+def test_search_refuses_lengths_off_the_grid():
+    with pytest.raises(ValueError, match="multiples of grid=512"):
+        search_max_context(lambda L: 0, cap=1, grid=512, start=500, limit=8192)
+
+
+# --- command line --------------------------------------------------------------------------------
+def test_parse_size_units():
+    assert parse_size("256MiB") == 256 * MiB and parse_size("2GiB") == 2 * 2**30 and parse_size("1.5kb") == 1500
+    assert parse_size("4096") == 4096
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mem-cap", "2XB"], "argument --mem-cap: '2XB' is not a size"),
+    (["--mem-cap", "0MiB"], "the size must be positive"),
+    (["--lengths", "0"], "argument --lengths: '0': must be a positive integer"),
+    (["--only", "speed"], "argument --only: invalid choice: 'speed'"),
+])
+def test_bench_argument_errors_exit_2_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", "1000"], "--lengths 1000: every length must be a multiple of 512"),
+    (["--nprocs", "2", "--lengths", "1024", "1100"], "--lengths 1100: every length must be a multiple of 256"),
+    (["--nprocs", "1"], "--nprocs 1: group sizes are at least 2"),
+    (["--growth-lengths", "2048"], "the exponent fit needs at least two distinct lengths"),
+    (["--max-context-limit", "256"], "--max-context-limit 256: must be at least the search grid 512"),
+])
+def test_bench_bad_values_are_refused_before_anything_runs(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--out", str(out), *argv]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_report_only_needs_results_to_report(tmp_path, capsys):
+    assert cli.main(["bench", "--report-only", "--out", str(tmp_path)]) == 2
+    assert "holds none of parallel_modes.json" in capsys.readouterr().err
+
+
+def test_report_only_redraws_plots_and_markdown_from_the_json(tmp_path, capsys):
+    recs = _modes_records()
+    (tmp_path / "parallel_modes.json").write_text(json.dumps(recs))
+    (tmp_path / "growth.json").write_text(json.dumps(dict(layers=1, records=recs, fits=report.growth_fits(recs))))
+    assert cli.main(["bench", "--report-only", "--out", str(tmp_path), "--markdown"]) == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "| csbp ring | 4 | 4096 |" in md and "| bp contiguous | 2 |" in md
+    assert all(_is_png(tmp_path / n) for n in ("modes_tokens_per_s.png", "modes_comm_wait.png", "growth.png"))
+    assert "--- summary.md ---" in capsys.readouterr().out
+
+
+def test_the_checkout_holds_the_benchmarks():
+    assert checkout_root() == ROOT
+
+
+@pytest.mark.distributed
+def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path):
+    """The installed command end to end: L = 256, csbp (all-gather) at P = 2 and the single process."""
+    exe = Path(sys.executable).parent / "hf-bdlm"
+    out = tmp_path / "bench"
+    proc = subprocess.run([str(exe), "bench", "--only", "modes", "--lengths", "256", "--nprocs", "2", "--modes", "csbp",
+                           "--transports", "allgather", "--layers", "1", "--steps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "[modes 2/2," in proc.stdout
+    records = json.loads((out / "parallel_modes.json").read_text())
+    assert isinstance(records, list)
+    assert {(r["mode"], r["transport"]) for r in records} == {("single", None), ("csbp", "allgather")}
+    for r in records:
+        for key in ("mode", "transport", "schedule", "P", "C", "L", "layers", "window", "step_s", "tokens_per_s",
+                    "peak_mem_bytes", "bytes_per_step", "bytes_by_name", "comm_wait_s"):
+            assert key in r, key
+        assert r["L"] == 256 and r["step_s"] > 0 and r["peak_mem_bytes"] > 0
+    gather = records[1]
+    # docs/design.md §3: csbp receives (C - 1) / C * 2 (K, V) * L * H_kv * d * 4 bytes per layer forward, as much
+    # backward.
+    assert gather["bytes_per_step"] == 2 * (1 / 2 * 2 * 256 * 2 * 32 * 4)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["studies"]["modes"]["failed"] == 0 and summary["machine"]["cpus"] >= 1
+    assert all(_is_png(out / n) for n in summary["plots"]) and len(summary["plots"]) == 4
