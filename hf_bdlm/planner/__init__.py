@@ -1,0 +1,17 @@
+"""Layout planner: predicts per-rank peak memory and step time of every parallel layout, recommends one.
+
+- :mod:`.model`: a backbone's sizes from a transformers config (dense and MoE), and the paper's presets.
+- :mod:`.hardware`: named GPUs (datasheet figures) times named achievable fractions, or measured figures.
+- :mod:`.cost`: attention pairs, K/V bytes, memory and step time per rank, read from the project's plan.
+- :mod:`.calibrate`: CPU rates measured once; predictions of ``benchmarks/parallel_modes.py`` records.
+- :mod:`.cli`: ``hf-bdlm plan``.
+
+    hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200
+"""
+
+from .cost import Cluster, Prediction, Recipe, plan_all, predict, recommend
+from .hardware import DeviceSpec, device_spec
+from .model import ModelSpec, model_spec
+
+__all__ = ["Cluster", "Prediction", "Recipe", "plan_all", "predict", "recommend", "DeviceSpec", "device_spec",
+           "ModelSpec", "model_spec"]

@@ -1,0 +1,247 @@
+"""The planner on this machine: CPU rates measured once, and predictions of ``benchmarks/parallel_modes.py`` records.
+
+:func:`measure_cpu` times, with one thread per rank as the benchmark runs, (1) the benchmarked model's matrix
+multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse
+attention forward and backward over the vectorized rows of one sequence (``blockwise`` backend, FLOPs
+counted from the allowed pairs), (3) an elementwise copy-add (the bandwidth elementwise work sees) and (4)
+gloo's all-gather between two local processes. The rates become a :class:`~.hardware.DeviceSpec` and are
+cached in a JSON file (``--remeasure`` measures again).
+
+:func:`validate` predicts each record's step time and K/V bytes with that device and the benchmark's own
+model config (``benchmarks.parallel_modes.model_config``): bytes must equal ``bytes_per_step`` exactly, step
+times are compared with their relative error.
+
+    hf-bdlm plan --validate /tmp/pm.json          # after python -m benchmarks.parallel_modes --out /tmp/pm.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from ..parallel.dims import ParallelDims
+from .cost import (Cluster, Recipe, allowed_key_counts, kv_bytes_by_name, layer_windows, mask_rule_of, predict,
+                   rank_work)
+from .hardware import DeviceSpec
+from .model import ModelSpec, spec_from_config
+
+DEFAULT_CACHE = Path(os.environ.get("HF_BDLM_CACHE", Path.home() / ".cache" / "hf_bdlm")) / "cpu_rates.json"
+
+
+def benchmark_model(layers: int, window: int | None = None) -> ModelSpec:
+    """The model of ``benchmarks/parallel_modes.py``, read from its own config builder."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]  # a source checkout holds benchmarks/ beside hf_bdlm/
+    if (root / "benchmarks" / "parallel_modes.py").exists() and str(root) not in sys.path:
+        sys.path.append(str(root))
+    try:
+        from benchmarks.parallel_modes import model_config
+    except ImportError as err:
+        raise ValueError("--validate needs the repository's benchmarks package on the path (run from the "
+                         f"repository root): {err}") from err
+    cfg = model_config(layers, window)
+    return spec_from_config(cfg.to_dict(), f"parallel_modes ({layers} layers)")
+
+
+def _median_time(fn, repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_rate(model: ModelSpec, rows: int = 4096) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    a = model.layers[0]
+    shapes = [(model.hidden, a.heads * a.head_dim), (model.hidden, 2 * a.kv_heads * a.head_dim),
+              (a.heads * a.head_dim, model.hidden), (model.hidden, 2 * model.intermediate),
+              (model.intermediate, model.hidden)]
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(rows, i, generator=g, requires_grad=True) for i, _ in shapes]
+    ws = [torch.randn(o, i, generator=g, requires_grad=True) for i, o in shapes]
+
+    def run():
+        for x, w in zip(xs, ws):
+            F.linear(x, w).sum().backward()
+
+    flops = sum(2 * rows * i * o * 3 for i, o in shapes)
+    return flops / _median_time(run)
+
+
+def _attention_rate(model: ModelSpec, seq_len: int = 2048) -> float:
+    import torch
+
+    from ..attention.backends import attend
+    from ..attention.masks import MaskRule
+    from ..attention.rows import vectorized_rows
+
+    a = model.layers[0]
+    rule = MaskRule(model.block_size, model.clean_attention, None, model.window_convention)
+    rows = vectorized_rows(seq_len)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, a.heads, 2 * seq_len, a.head_dim, generator=g, requires_grad=True)
+    k = torch.randn(1, a.kv_heads, 2 * seq_len, a.head_dim, generator=g, requires_grad=True)
+    v = torch.randn(1, a.kv_heads, 2 * seq_len, a.head_dim, generator=g, requires_grad=True)
+    cache: dict = {}
+
+    def run():
+        attend("blockwise", q, [(k, v)], rows, [rows], rule, a.head_dim ** -0.5, cache).sum().backward()
+
+    pairs = int(allowed_key_counts(rows.stream, rows.pos, rule).sum())
+    return pairs * 14 * a.heads * a.head_dim / _median_time(run)
+
+
+def _elementwise_rate(numel: int = 1 << 23) -> float:
+    import torch
+
+    x, y = torch.randn(numel), torch.randn(numel)
+    out = torch.empty(numel)
+    return 3 * numel * 4 / _median_time(lambda: torch.add(x, y, out=out), repeats=5)
+
+
+def gloo_worker(rank: int, store: str, nbytes, out: str) -> None:
+    """One of the two processes of :func:`_gloo_rate`."""
+    nbytes = int(nbytes)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    shard = torch.ones(nbytes // 8 // 4)  # float32; every rank sends one half of the gathered buffer
+    buf = torch.empty(2 * shard.numel())
+    dist.all_gather_into_tensor(buf, shard)
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(buf, shard)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"received": shard.numel() * 4, "seconds": statistics.median(times)}))
+    dist.destroy_process_group()
+
+
+def _gloo_rate(nbytes: int = 32 << 20) -> float:
+    """Bytes per second a rank receives in an all-gather between two fresh local processes (gloo, one thread)."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "gloo.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        code = "import sys; from hf_bdlm.planner.calibrate import gloo_worker; gloo_worker(int(sys.argv[1]), *sys.argv[2:])"
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), os.path.join(tmp, "store"), str(nbytes), out],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+        if any(p.returncode for p in procs) or not os.path.exists(out):
+            raise RuntimeError(f"measuring gloo bandwidth failed: {errors[0][-2000:] or errors[1][-2000:]}")
+        r = json.loads(Path(out).read_text())
+    return r["received"] / r["seconds"]
+
+
+def measure_cpu(model: ModelSpec) -> dict:
+    """This machine's rates at ``model``'s shapes, one thread per rank (see the module docstring)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = dict(matmul_flops=_matmul_rate(model), attention_flops=_attention_rate(model),
+                     hbm_bytes_per_s=_elementwise_rate())
+    finally:
+        torch.set_num_threads(threads)
+    gloo = _gloo_rate()
+    rates.update(intra_node_bytes_per_s=gloo, inter_node_bytes_per_s=gloo)
+    return rates
+
+
+def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False) -> DeviceSpec:
+    """The CPU as a :class:`DeviceSpec`: rates from ``cache``, measured (and written there) when absent."""
+    path = Path(cache)
+    rates = None
+    if path.exists() and not remeasure:
+        rates = json.loads(path.read_text())
+    if rates is None:
+        rates = measure_cpu(model)
+        rates["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rates, indent=1))
+    return DeviceSpec(name="cpu (1 thread per rank)", matmul_flops=rates["matmul_flops"],
+                      attention_flops=rates["attention_flops"], memory_bytes=float("inf"),
+                      hbm_bytes_per_s=rates["hbm_bytes_per_s"], intra_node_bytes_per_s=rates["intra_node_bytes_per_s"],
+                      inter_node_bytes_per_s=rates["inter_node_bytes_per_s"],
+                      source=f"measured {rates.get('measured_at', '')} ({path})")
+
+
+def record_dims(rec: dict) -> ParallelDims:
+    """The layout a benchmark record ran (``single``: one process)."""
+    if rec["mode"] == "single":
+        return ParallelDims(1, 1, "bp", "dual_end", "allgather", 1)
+    return ParallelDims(rec["P"], rec["C"], rec["mode"], rec.get("schedule") or "dual_end",
+                        rec.get("transport") or "allgather", rec["P"])
+
+
+def benchmark_recipe(rec: dict) -> Recipe:
+    """The benchmark's step: forward and backward, no optimizer, no gradient synchronization."""
+    elem = 2 if rec.get("dtype") in ("bfloat16", "bf16") else 4
+    return Recipe(param_bytes=elem, grad_bytes=elem, optimizer_bytes=0, activation_bytes=elem, fsdp=False,
+                  gradient_sync=False)
+
+
+def validate(records: list[dict], device: DeviceSpec) -> list[dict]:
+    """Predicted against measured step time and bytes of each successful record."""
+    rows = []
+    for rec in records:
+        if "error" in rec or "step_s" not in rec:
+            continue
+        model = benchmark_model(rec["layers"], rec.get("window"))
+        dims = record_dims(rec)
+        recipe = benchmark_recipe(rec)
+        pred = predict(model, dims, rec["L"], device, Cluster(dims.world_size, dims.world_size), recipe)
+        work = rank_work(dims, rec["L"], mask_rule_of(model), layer_windows(model))
+        by_name = [kv_bytes_by_name(model, dims, w, recipe.activation_bytes) for w in work]
+        rows.append(dict(label=pred.label if rec["mode"] != "single" else "single", L=rec["L"],
+                         predicted_s=pred.step_s, measured_s=rec["step_s"],
+                         rel_err=(pred.step_s - rec["step_s"]) / rec["step_s"],
+                         predicted_bytes=pred.bytes_per_step, measured_bytes=rec.get("bytes_per_step", 0),
+                         predicted_by_name={k: max(b.get(k, 0) for b in by_name) for k in set().union(*by_name)},
+                         measured_by_name=rec.get("bytes_by_name", {}),
+                         attention_s=max(r.attention_s for r in pred.ranks),
+                         linear_s=max(r.linear_s for r in pred.ranks),
+                         exposed_comm_s=max(r.exposed_comm_s for r in pred.ranks),
+                         measured_wait_s=rec.get("comm_wait_s")))
+    return rows
+
+
+def format_validation(rows: list[dict], device: DeviceSpec) -> str:
+    head = (f"{'layout':34} {'L':>6} {'pred_s':>8} {'meas_s':>8} {'err':>7} {'attn_s':>7} {'mat_s':>7} {'comm_s':>7} "
+            f"{'wait_s':>7} {'pred_bytes':>11} {'meas_bytes':>11} bytes")
+    lines = [f"device: {device.name}: matmul {device.matmul_flops / 1e9:.1f} GFLOP/s, attention "
+             f"{device.attention_flops / 1e9:.1f} GFLOP/s, elementwise {device.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo "
+             f"{device.intra_node_bytes_per_s / 1e9:.2f} GB/s ({device.source})", head, "-" * len(head)]
+    for r in rows:
+        same = r["predicted_bytes"] == r["measured_bytes"] and all(
+            r["predicted_by_name"].get(k, 0) == v for k, v in r["measured_by_name"].items())
+        lines.append(f"{r['label']:34} {r['L']:>6} {r['predicted_s']:8.3f} {r['measured_s']:8.3f} {r['rel_err']:+7.1%} "
+                     f"{r['attention_s']:7.3f} {r['linear_s']:7.3f} {r['exposed_comm_s']:7.3f} "
+                     f"{(r['measured_wait_s'] or 0):7.3f} {r['predicted_bytes']:>11} {r['measured_bytes']:>11} "
+                     f"{'equal' if same else 'DIFFER'}")
+    if rows:
+        worst = max(abs(r["rel_err"]) for r in rows)
+        within = sum(abs(r["rel_err"]) <= 0.2 for r in rows)
+        lines.append(f"{within}/{len(rows)} within 20 %, worst {worst:.1%}; bytes equal for "
+                     f"{sum(r['predicted_bytes'] == r['measured_bytes'] for r in rows)}/{len(rows)}")
+    return "\n".join(lines)
+
+
+__all__ = ["measure_cpu", "cpu_device", "validate", "format_validation", "benchmark_model", "record_dims"]

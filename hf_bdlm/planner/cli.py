@@ -1,0 +1,185 @@
+"""``hf-bdlm plan``: predict every layout's memory and step time, recommend the fastest that fits.
+
+    hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200
+    hf-bdlm plan --model path/to/config.json --context 131072 --gpus 8 --gpu-spec measured_h100.json
+    hf-bdlm plan --paper                         # the paper's settings next to its published ratios
+    hf-bdlm plan --validate /tmp/pm.json         # predict benchmarks/parallel_modes.py records on this CPU
+"""
+
+from __future__ import annotations
+
+import json
+
+from .cost import Cluster, Prediction, Recipe, plan_all, recommend
+from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec
+from .model import PRESETS, model_spec
+
+GIB = 2 ** 30
+
+# The paper's settings and published figures (docs/design.md, README: "Block Parallelism For Efficient Distributed
+# Long-Context Diffusion Language Model Training"), printed next to the planner's predictions, never fitted to.
+PAPER_SETTINGS = (
+    ("AR->BDLM conversion", "gemma3-27b", 262144, "CSBP / best baseline throughput 1.27-1.33x, equal or lower memory"),
+    ("AR->BDLM conversion", "gemma3-27b", 524288, "1.61x full-model speedup at 512K"),
+    ("MoE SFT", "diffusiongemma-26b-a4b", 262144, "CSBP / best baseline throughput 1.18-1.45x, equal or lower memory"),
+    ("MoE SFT", "diffusiongemma-26b-a4b", 524288, "1.61x full-model speedup at 512K"),
+)
+
+
+def add_plan_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="predict memory and step time of every parallel layout; recommend one",
+        description="For every layout of --gpus GPUs (data parallel x cp / bp / csbp with each clean ring C | P, "
+                    "FSDP2 over the world, with and without activation checkpointing) predict per-rank peak memory "
+                    "and step time from counted FLOPs, the K/V byte formulas and the device's rates; mark what does "
+                    "not fit and recommend the fastest layout that does. The model is in docs/design.md §6.")
+    p.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}), a config.json, or a folder holding one")
+    p.add_argument("--context", type=int, help="sequence length L (tokens)")
+    p.add_argument("--gpus", type=int, default=16)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h200", help=f"one of {', '.join(GPUS)} (datasheet figures)")
+    p.add_argument("--gpu-spec", default=None, help="JSON object of measured DeviceSpec fields replacing the GPU's")
+    for name, value in DEFAULT_EFFICIENCY.items():
+        p.add_argument(f"--{name}-efficiency", type=float, default=None,
+                       help=f"achievable fraction of the datasheet {name} figure (default {value})")
+    p.add_argument("--memory-gib", type=float, default=None, help="usable device memory (GiB), replaces the GPU's")
+    p.add_argument("--block-size", type=int, default=None, help="diffusion block size (default: the config's, or 32)")
+    p.add_argument("--no-fsdp", action="store_true", help="replicated parameters (DDP) instead of FSDP2")
+    p.add_argument("--no-ring", action="store_true", help="leave out the ring K/V transport")
+    p.add_argument("--top", type=int, default=None, help="print only the N fastest layouts")
+    p.add_argument("--json", default=None, help="also write every prediction to this JSON file")
+    p.add_argument("--paper", action="store_true", help="the paper's settings on 16 H200 (2 nodes of 8)")
+    p.add_argument("--validate", metavar="RECORDS_JSON", default=None,
+                   help="predict the step times and bytes of benchmarks/parallel_modes.py records on this machine")
+    p.add_argument("--rates-cache", default=None, help="CPU rates cache for --validate (default ~/.cache/hf_bdlm)")
+    p.add_argument("--remeasure", action="store_true", help="measure the CPU rates again for --validate")
+    p.set_defaults(func=run_plan)
+
+
+def _device(args):
+    eff = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
+           if getattr(args, f"{k}_efficiency") is not None}
+    for k, v in eff.items():
+        if not 0 < v <= 1:
+            raise ValueError(f"--{k}-efficiency must be in (0, 1], got {v}.")
+    memory = None if args.memory_gib is None else args.memory_gib * GIB
+    return device_spec(args.gpu, args.gpu_spec, eff, memory_bytes=memory)
+
+
+def _row(i: int, p: Prediction, best: Prediction | None) -> str:
+    m = p.memory
+    states = m.parameters + m.gradients + m.optimizer + m.fsdp_transient
+    mark = "*" if p is best else " "
+    return (f"{mark}{i:>3} {p.label:34} {'on' if p.checkpointing else 'off':3} {p.step_s:9.2f} {p.tokens_per_s:10.0f} "
+            f"{m.total / GIB:8.1f} {states / GIB:7.1f} {m.activations / GIB:8.1f} {m.gathered_kv / GIB:6.1f} "
+            f"{'yes' if p.fits else 'NO':>4} {p.bytes_per_step / GIB:8.2f} {max(r.exposed_comm_s for r in p.ranks):7.2f} "
+            f"{p.imbalance:5.2f}")
+
+
+def format_table(preds: list[Prediction], best: Prediction | None, device, top: int | None = None) -> str:
+    head = (f" {'#':>3} {'layout':34} {'AC':3} {'step_s':>9} {'tok/s':>10} {'peakGiB':>8} {'states':>7} {'acts':>8} "
+            f"{'kv':>6} {'fits':>4} {'KV GiB':>8} {'exp_s':>7} {'imbal':>5}")
+    lines = [head, "-" * len(head)]
+    for i, p in enumerate(preds[:top] if top else preds, 1):
+        lines.append(_row(i, p, best))
+    lines.append(f"(memory limit {device.memory_bytes / GIB:.1f} GiB per device; states = parameters + gradients + "
+                 "AdamW + gathered FSDP units; KV GiB = K/V bytes received per rank per step; exp_s = exposed "
+                 "communication of the slowest rank; imbal = slowest rank's compute / mean)")
+    if best is None:
+        lines.append("no layout fits the device memory")
+    else:
+        lines.append(f"recommended: {best.label}, activation checkpointing {'on' if best.checkpointing else 'off'}: "
+                     f"{best.step_s:.2f} s/step, {best.tokens_per_s:.0f} tokens/s, {best.memory.total / GIB:.1f} GiB "
+                     "peak per device")
+    return "\n".join(lines)
+
+
+def _to_json(p: Prediction) -> dict:
+    d = p.dims
+    return dict(mode=d.mode, P=d.block_parallel_size, C=d.clean_ring_size, D=d.data_parallel_size,
+                schedule=d.schedule, transport=d.transport, checkpointing=p.checkpointing, seq_len=p.seq_len,
+                step_s=p.step_s, tokens_per_s=p.tokens_per_s, fits=p.fits, bytes_per_step=p.bytes_per_step,
+                memory=p.memory.parts(), peak_bytes=p.memory.total, imbalance=p.imbalance)
+
+
+def compare_modes(preds: list[Prediction]) -> dict:
+    """The fastest fitting CSBP prediction against the fastest fitting baseline (``cp`` or ``bp``)."""
+    fit = [p for p in preds if p.fits]
+    csbp = max((p for p in fit if p.dims.mode == "csbp" and p.dims.clean_ring_size > 1), default=None,
+               key=lambda p: p.tokens_per_s)
+    base = max((p for p in fit if p.dims.mode in ("cp", "bp") and p.dims.block_parallel_size > 1), default=None,
+               key=lambda p: p.tokens_per_s)
+    return dict(csbp=csbp, baseline=base)
+
+
+def run_paper(args) -> int:
+    device = _device(args)
+    cluster = Cluster(16, 8)
+    print(f"The paper's settings on 16 {device.name.upper()} (2 nodes of 8), FSDP2 over the world; device "
+          f"{device.matmul_flops / 1e12:.0f} TFLOP/s matmul, {device.attention_flops / 1e12:.0f} TFLOP/s attention, "
+          f"{device.memory_bytes / GIB:.0f} GiB usable. A comparison, not a fit: nothing here is tuned to the "
+          "published figures.\n")
+    head = (f"{'setting':22} {'context':>8} {'CSBP (fastest fitting)':38} {'best baseline (fastest fitting)':38} "
+            f"{'tok/s ratio':>11} {'mem ratio':>9}  published")
+    print(head)
+    print("-" * len(head))
+    for setting, preset, L, published in PAPER_SETTINGS:
+        model = model_spec(preset, args.block_size)
+        preds = plan_all(model, L, device, cluster, Recipe(fsdp=not args.no_fsdp), ring_transport=not args.no_ring)
+        c = compare_modes(preds)
+        cs, base = c["csbp"], c["baseline"]
+
+        def name(p):
+            return "none fits" if p is None else f"{p.label} AC {'on' if p.checkpointing else 'off'}"
+
+        ratio = f"{cs.tokens_per_s / base.tokens_per_s:.2f}x" if cs and base else "n/a"
+        mem = f"{cs.memory.total / base.memory.total:.2f}" if cs and base else "n/a"
+        print(f"{setting:22} {L // 1024:>7}K {name(cs):38} {name(base):38} {ratio:>11} {mem:>9}  {published}")
+    print("\n(mem ratio = CSBP peak / baseline peak per device; baselines are cp and bp, any group size, either "
+          "transport or schedule, with or without activation checkpointing)")
+    return 0
+
+
+def run_validate(args) -> int:
+    from .calibrate import DEFAULT_CACHE, benchmark_model, cpu_device, format_validation, validate
+
+    with open(args.validate) as f:
+        records = json.load(f)
+    if not isinstance(records, list):
+        raise ValueError(f"{args.validate} must hold a JSON list of benchmarks/parallel_modes.py records.")
+    ok = [r for r in records if "error" not in r and "step_s" in r]
+    if not ok:
+        raise ValueError(f"{args.validate} has no successful record (each needs mode, P, C, L, layers, step_s).")
+    device = cpu_device(benchmark_model(ok[0]["layers"], ok[0].get("window")), args.rates_cache or DEFAULT_CACHE,
+                        args.remeasure)
+    rows = validate(ok, device)
+    print(format_validation(rows, device))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def run_plan(args) -> int:
+    if args.validate:
+        return run_validate(args)
+    if args.paper:
+        return run_paper(args)
+    if args.model is None or args.context is None:
+        raise ValueError("hf-bdlm plan needs --model and --context (or --paper, or --validate RECORDS_JSON).")
+    if args.context <= 0:
+        raise ValueError(f"--context must be a positive number of tokens, got {args.context}.")
+    cluster = Cluster(args.gpus, args.gpus_per_node)
+    device = _device(args)
+    model = model_spec(args.model, args.block_size)
+    preds = plan_all(model, args.context, device, cluster, Recipe(fsdp=not args.no_fsdp),
+                     ring_transport=not args.no_ring)
+    best = recommend(preds)
+    print(f"model {model.name}: {model.total_params() / 1e9:.2f}B parameters ({model.active_params() / 1e9:.2f}B "
+          f"active), {len(model.layers)} layers, block {model.block_size}; context {args.context}; {args.gpus} x "
+          f"{device.name} ({args.gpus_per_node} per node)")
+    print(format_table(preds, best, device, args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([_to_json(p) for p in preds], f, indent=1)
+    return 0

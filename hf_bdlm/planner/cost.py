@@ -1,0 +1,529 @@
+"""The cost model: per-rank rows, attention pairs, K/V bytes, memory and step time of a layout.
+
+Everything a rank does is read from the project's own plan (:func:`hf_bdlm.parallel.plan.make_plan`: which
+noisy blocks and clean positions each rank holds) and rule (:func:`hf_bdlm.attention.masks.window_key_range`,
+:func:`~hf_bdlm.attention.masks.keys_in_window`); the layout is a :class:`~hf_bdlm.parallel.dims.ParallelDims`,
+whose validation is the only one. docs/design.md §6 states the formulas:
+
+- attention pairs: every query row a rank holds, times its allowed keys (one interval per key stream,
+  cut by the layer's window); the pairs among the rank's own rows are the *local* part its kernel computes
+  while the peers' K/V travel. FLOPs: ``4·H·d`` per pair forward, ``10·H·d`` backward (score recompute).
+- matrices: ``2 x`` active parameters per row forward (the ``top_k`` experts only), twice that backward;
+  the LM head on the rows that carry a loss.
+- K/V bytes received per rank (what the ``ByteMeter`` records): all-gather ``2·(G-1)·rows_sent·H_kv·d·s``
+  forward and the same in the reduce-scatter backward; the ``ring`` transport ``(G-1)`` shards forward,
+  ``(G-1)`` + ``G`` (dK/dV) backward; sliding layers the halo rows (all-to-all), back in backward.
+- exposed communication: ``max(0, comm - overlappable compute)`` per layer and pass: ``cp`` / ``csbp``
+  overlap the transfer with attention over the rank's own rows, ``bp`` has nothing to overlap.
+- step time: the slowest rank's compute plus exposed communication.
+
+    python -c "from hf_bdlm.planner.cost import *; from hf_bdlm.planner.model import model_spec; \\
+from hf_bdlm.planner.hardware import device_spec; from hf_bdlm.parallel.dims import ParallelDims; \\
+print(predict(model_spec('gemma3-27b'), ParallelDims(16, 16, 'csbp', world_size=16), 262144, \\
+device_spec('h200'), Cluster(16, 8)).step_s)"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+import torch
+
+from ..attention.masks import CLEAN, NOISY, MaskRule, keys_in_window, window_key_range
+from ..parallel.dims import ParallelDims, divisors
+from ..parallel.plan import GroupPlan, PlanConfig, RankPlan, make_plan
+from .hardware import DeviceSpec
+from .model import ModelSpec
+
+FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM = 4  # QK^T and PV: 2 FLOPs per multiply-add each
+BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM = 10  # dV, dP, dQ, dK plus the recomputed QK^T (FlashAttention's backward)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` devices, ``gpus_per_node`` per node; rank ``i`` sits on node ``i // gpus_per_node``."""
+
+    gpus: int
+    gpus_per_node: int
+
+    def __post_init__(self):
+        for name in ("gpus", "gpus_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}: "
+                             "nodes are assumed full; give whole nodes.")
+
+    def spans_nodes(self, group: int) -> bool:
+        """Whether a group of ``group`` consecutive ranks (aligned to its size) spans more than one node."""
+        return group > min(self.gpus_per_node, self.gpus)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the training step keeps in memory and moves, besides the layout (docs/design.md §6).
+
+    Parameters:
+        param_bytes (`int`, 2): bf16 parameters (FSDP2 shards, and the gathered copy a layer computes with).
+        grad_bytes (`int`, 2): bf16 gradients (sharded; reduce-scattered in this dtype).
+        optimizer_bytes (`int`, 8): AdamW's two fp32 states per parameter.
+        activation_bytes (`int`, 2): bf16 activations and K/V.
+        loss_chunk_rows (`int`, 8192): targets per LM-head call (the objectives' ``loss_chunk_size``).
+        target_fraction (`float`, 0.5): targets per noisy row (``standard``: each token masked with rate
+            ``t ~ U(0, 1]``, half on average).
+        fsdp (`bool`, True): FSDP2 over the whole world (``False``: replicated parameters, as DDP).
+        fsdp_prefetch_layers (`int`, 2): gathered layers alive at once (the one computing, the next prefetched).
+        gradient_sync (`bool`, True): gradients are synchronized over the world every step (FSDP2's
+            reduce-scatter, DDP's all-reduce); ``False`` for a bare forward / backward (the CPU benchmark).
+    """
+
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 8
+    activation_bytes: int = 2
+    loss_chunk_rows: int = 8192
+    target_fraction: float = 0.5
+    fsdp: bool = True
+    fsdp_prefetch_layers: int = 2
+    gradient_sync: bool = True
+
+
+# ----------------------------------------------------------------------------------------------
+# attention pairs
+# ----------------------------------------------------------------------------------------------
+def allowed_key_counts(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRule,
+                       clean_ranges=None, noisy_ranges=None) -> torch.Tensor:
+    """Allowed keys of each query row of one document, among the clean keys in ``clean_ranges`` and the noisy keys
+    in ``noisy_ranges`` (half-open position ranges; ``None``: the whole sequence).
+
+    Per key stream a query's allowed keys are one interval (docs/design.md §1): a noisy query sees clean
+    ``[0, s_b)`` and noisy ``[s_b, s_b + B)``; a clean query clean ``[0, s_b + B)`` (``block_causal``) or
+    ``[0, q]`` (``causal``) and no noisy key; a window cuts it to :func:`window_key_range`.
+    """
+    q_stream, q_pos = q_stream.long(), q_pos.long()
+    B = rule.block_size
+    start = torch.div(q_pos, B, rounding_mode="floor") * B
+    noisy = q_stream == NOISY
+    clean_hi = torch.where(noisy, start - 1, q_pos if rule.clean_attention == "causal" else start + B - 1)
+    clean_lo = torch.zeros_like(q_pos)
+    noisy_lo, noisy_hi = start, torch.where(noisy, start + B - 1, start - 1)
+    if rule.sliding_window is not None:
+        w_lo, w_hi = window_key_range(q_stream, q_pos, rule)
+        clean_lo, clean_hi = torch.maximum(clean_lo, w_lo), torch.minimum(clean_hi, w_hi)
+        noisy_lo, noisy_hi = torch.maximum(noisy_lo, w_lo), torch.minimum(noisy_hi, w_hi)
+    inf = int(q_pos.max()) + 1 if q_pos.numel() else 0
+    total = torch.zeros_like(q_pos)
+    for lo, hi, ranges in ((clean_lo, clean_hi, clean_ranges), (noisy_lo, noisy_hi, noisy_ranges)):
+        for s, e in ranges if ranges is not None else ((0, inf + B),):
+            total += (torch.minimum(hi, torch.tensor(e - 1)) - torch.maximum(lo, torch.tensor(s)) + 1).clamp(min=0)
+    return total
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank computes and receives per layer kind (keyed by the layer's window, ``None`` = full).
+
+    ``pairs[w]`` allowed (query, key) pairs of its queries, ``local_pairs[w]`` those among its own rows;
+    ``sent_rows`` rows it contributes to the K/V gather (0 for ``bp``); ``halo_recv[w]`` / ``halo_sent[w]``
+    rows a sliding layer receives from / sends to the peers.
+    """
+
+    noisy_rows: int
+    clean_rows: int
+    pairs: dict
+    local_pairs: dict
+    sent_rows: int
+    halo_recv: dict = field(default_factory=dict)
+    halo_sent: dict = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.noisy_rows + self.clean_rows
+
+
+@lru_cache(maxsize=64)
+def _cumulative_counts(seq_len: int, rule: MaskRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefix sums over positions of every noisy and every clean query's allowed keys (length ``L + 1`` each)."""
+    pos = torch.arange(seq_len)
+    out = []
+    for stream in (NOISY, CLEAN):
+        counts = allowed_key_counts(torch.full_like(pos, stream), pos, rule)
+        out.append(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    return out[0], out[1]
+
+
+def _block_runs(blocks: tuple[int, ...], block_size: int) -> list[tuple[int, int]]:
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b * block_size:
+            runs[-1][1] += block_size
+        else:
+            runs.append([b * block_size, (b + 1) * block_size])
+    return [(a, b) for a, b in runs]
+
+
+def _rank_pairs(rp: RankPlan, rule: MaskRule, local_is_total: bool) -> tuple[int, int]:
+    noisy_cum, clean_cum = _cumulative_counts(rp.seq_len, rule)
+    total = sum(int(noisy_cum[e] - noisy_cum[s]) for s, e in _block_runs(rp.noisy_blocks, rp.block_size))
+    total += sum(int(clean_cum[e] - clean_cum[s]) for s, e in rp.clean_positions)
+    if local_is_total:
+        return total, total
+    noisy, clean = rp.noisy_positions(), rp.clean_position_index()
+    stream = torch.cat([torch.full_like(noisy, NOISY), torch.full_like(clean, CLEAN)])
+    pos = torch.cat([noisy, clean])
+    # Own rows: a noisy query's noisy keys are its own block, always owned; clean keys only in the own clean ranges.
+    local = int(allowed_key_counts(stream, pos, rule, clean_ranges=rp.clean_positions).sum())
+    return total, local
+
+
+def _members(plan: GroupPlan, rank: int) -> tuple[int, ...]:
+    return plan.ring_members(rank) if plan.config.mode == "csbp" else tuple(range(len(plan.ranks)))
+
+
+def _sent_positions(plan: GroupPlan, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stream, position) of the rows ``rank`` communicates: ``csbp`` its clean rows, ``cp`` all its rows."""
+    rows = plan.ranks[rank].rows()
+    if plan.config.mode == "csbp":
+        rows = rows.slice(plan.ranks[rank].local_noisy_rows, rows.num_rows)
+    return rows.stream, rows.pos
+
+
+def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]:
+    """Rows each rank receives from / sends to its peers on a sliding layer: the peers' sent rows inside the
+    window of its queries (:func:`keys_in_window`, as the sharded layout selects them)."""
+    P = len(plan.ranks)
+    recv, sent = [0] * P, [0] * P
+    if plan.config.mode == "bp" or rule.sliding_window is None:
+        return recv, sent
+    queries = [plan.ranks[r].rows() for r in range(P)]
+    offered = [_sent_positions(plan, r) for r in range(P)]
+    for me in range(P):
+        peers = [p for p in _members(plan, me) if p != me]
+        if not peers:
+            continue
+        # One pass over all peers' rows (the window's reach is a union of intervals), split by peer afterwards.
+        keys = torch.cat([offered[p][1] for p in peers])
+        hit = keys_in_window(queries[me].stream, queries[me].pos, keys, rule).long()
+        per_peer = torch.stack([h.sum() for h in hit.split([offered[p][1].numel() for p in peers])])
+        for p, n in zip(peers, per_peer.tolist()):
+            recv[me] += n
+            sent[p] += n
+    return recv, sent
+
+
+@lru_cache(maxsize=256)
+def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) -> tuple[RankWork, ...]:
+    """Per rank of a group: rows, attention pairs (all, own) per window, K/V rows sent, halo rows."""
+    plan = make_plan(PlanConfig.from_dims(dims, seq_len, rule.block_size))
+    P = dims.block_parallel_size
+    pairs = [dict() for _ in range(P)]
+    local = [dict() for _ in range(P)]
+    recv = [dict() for _ in range(P)]
+    sent = [dict() for _ in range(P)]
+    for w in windows:
+        r_w = rule.with_window(w)
+        for r, rp in enumerate(plan.ranks):
+            pairs[r][w], local[r][w] = _rank_pairs(rp, r_w, gather_size(dims) == 1)
+        if w is not None and P > 1:
+            rc, sc = _halo_counts(plan, r_w)
+            for r in range(P):
+                recv[r][w], sent[r][w] = rc[r], sc[r]
+    out = []
+    for r, rp in enumerate(plan.ranks):
+        sent_rows = 0
+        if dims.mode != "bp" and P > 1:
+            sent_rows = rp.local_clean_rows if dims.mode == "csbp" else rp.num_rows
+            if dims.mode == "csbp" and dims.clean_ring_size == 1:
+                sent_rows = 0
+        out.append(RankWork(rp.local_noisy_rows, rp.local_clean_rows, pairs[r], local[r], sent_rows, recv[r], sent[r]))
+    return tuple(out)
+
+
+def mask_rule_of(model: ModelSpec) -> MaskRule:
+    return MaskRule(model.block_size, model.clean_attention, None, model.window_convention)
+
+
+def layer_windows(model: ModelSpec) -> tuple:
+    return tuple(sorted({a.window for a in model.layers}, key=lambda w: -1 if w is None else w))
+
+
+# ----------------------------------------------------------------------------------------------
+# bytes
+# ----------------------------------------------------------------------------------------------
+def gather_size(dims: ParallelDims) -> int:
+    """Ranks a K/V gather spans: ``P`` (``cp``), ``C`` (``csbp``), 1 (``bp``)."""
+    return {"cp": dims.block_parallel_size, "csbp": dims.clean_ring_size, "bp": 1}[dims.mode]
+
+
+def kv_bytes_by_name(model: ModelSpec, dims: ParallelDims, work: RankWork, elem_bytes: int,
+                     batch: int = 1) -> dict[str, int]:
+    """Bytes one rank receives per step, by the ``ByteMeter``'s collective names (forward and backward, every
+    layer, ``batch`` sequences per group)."""
+    G = gather_size(dims)
+    out: dict[str, int] = {}
+
+    def add(name, n):
+        if n:
+            out[name] = out.get(name, 0) + int(n) * batch
+
+    for a in model.layers:
+        row = a.kv_heads * a.head_dim * elem_bytes  # one row of K (or of V)
+        if G == 1 and a.window is None:
+            continue
+        if a.window is not None:
+            add("k_window.all_to_all", work.halo_recv.get(a.window, 0) * row)
+            add("v_window.all_to_all", work.halo_recv.get(a.window, 0) * row)
+            add("k_window.all_to_all_backward", work.halo_sent.get(a.window, 0) * row)
+            add("v_window.all_to_all_backward", work.halo_sent.get(a.window, 0) * row)
+        elif dims.transport == "ring":
+            shard = work.sent_rows * row
+            add("kv.ring_kv", 2 * (G - 1) * shard)
+            add("kv_backward.ring_kv", 2 * (G - 1) * shard)
+            add("dkv.ring_dkv", 2 * G * shard)
+        else:
+            for t in ("k", "v"):
+                add(f"{t}.all_gather", (G - 1) * work.sent_rows * row)
+                add(f"{t}.reduce_scatter", (G - 1) * work.sent_rows * row)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# memory
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Memory:
+    """Peak bytes of one rank, by part (their sum is :attr:`total`)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    fsdp_transient: float
+    activations: float
+    gathered_kv: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer + self.fsdp_transient + self.activations
+                + self.gathered_kv + self.logits)
+
+    def parts(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("parameters", "gradients", "optimizer", "fsdp_transient",
+                                              "activations", "gathered_kv", "logits")}
+
+
+def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe, checkpointing: bool) -> Memory:
+    """Per-rank peak memory: sharded states, the gathered FSDP units, activations, gathered K/V, LM-head chunk."""
+    W = dims.world_size or dims.block_parallel_size
+    n = model.total_params()
+    shards = W if recipe.fsdp else 1
+    s = recipe.activation_bytes
+    biggest = max(model.layer_params(i) for i in range(len(model.layers)))
+    transient = 0.0
+    if recipe.fsdp and W > 1:
+        # Gathered bf16 layers (computing + prefetched), one layer's unsharded gradients before its reduce-scatter,
+        # and the root (embeddings / head), which stays gathered with its gradient.
+        transient = (recipe.fsdp_prefetch_layers * biggest * recipe.param_bytes + biggest * recipe.grad_bytes
+                     + model.embedding_params() * (recipe.param_bytes + recipe.grad_bytes))
+    R = work.rows
+    per_layer = [model.activation_elements_per_row(i) * s for i in range(len(model.layers))]
+    G = gather_size(dims)
+    kv_row = [a.kv_heads * a.head_dim * s * 2 for a in model.layers]  # K and V
+
+    def gathered(i):
+        a = model.layers[i]
+        if a.window is not None:
+            return work.halo_recv.get(a.window, 0) * kv_row[i]
+        if G == 1:
+            return 0
+        if dims.transport == "ring":
+            return 2 * work.sent_rows * kv_row[i]  # the shard computed on and the one arriving
+        return (G - 1) * work.sent_rows * kv_row[i]
+
+    if checkpointing:
+        # Each layer's input is kept; backward recomputes one layer at a time (its activations and gathered K/V).
+        acts = R * model.hidden * s * len(model.layers) + R * max(per_layer)
+        kv = max(gathered(i) for i in range(len(model.layers)))
+    else:
+        acts = R * sum(per_layer)
+        # The block-sparse kernel saves the gathered K/V of every layer for backward (the ring re-rotates them).
+        kv = sum(gathered(i) if (model.layers[i].window is not None or dims.transport != "ring") else 0
+                 for i in range(len(model.layers)))
+        if dims.transport == "ring" and G > 1:
+            kv += max(gathered(i) for i in range(len(model.layers)))
+    targets = work.noisy_rows * recipe.target_fraction + (work.clean_rows if model.head_on_clean else 0)
+    # fp32 logits of one chunk, their softmax / gradient (the chunk is recomputed in backward).
+    logits = min(targets, recipe.loss_chunk_rows) * model.vocab * 4 * 2
+    return Memory(parameters=n * recipe.param_bytes / shards, gradients=n * recipe.grad_bytes / shards,
+                  optimizer=n * recipe.optimizer_bytes / shards, fsdp_transient=transient, activations=acts,
+                  gathered_kv=kv, logits=logits)
+
+
+# ----------------------------------------------------------------------------------------------
+# time
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankTime:
+    compute_s: float
+    attention_s: float
+    linear_s: float
+    comm_s: float
+    exposed_comm_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+
+def rank_time(model: ModelSpec, dims: ParallelDims, work: RankWork, device: DeviceSpec, cluster: Cluster,
+              recipe: Recipe, checkpointing: bool, batch: int = 1) -> RankTime:
+    """One rank's step: matmuls, attention, elementwise traffic, and the communication its schedule leaves exposed."""
+    passes = 4 if checkpointing else 3  # forward, backward (2x), and the recomputed forward
+    fwd_passes = 2 if checkpointing else 1
+    targets = work.noisy_rows * recipe.target_fraction + (work.clean_rows if model.head_on_clean else 0)
+    linear_flops = batch * (work.rows * model.linear_flops_per_row() * passes
+                            + targets * model.head_flops_per_row() * 3)
+    linear_s = linear_flops / device.matmul_flops
+    # Elementwise work (norms, rotary, activations, residuals) reads and writes what a layer keeps, on every pass.
+    elementwise_bytes = batch * work.rows * sum(
+        model.activation_elements_per_row(i) for i in range(len(model.layers))) * recipe.activation_bytes * 2 * passes
+    elementwise_s = elementwise_bytes / device.hbm_bytes_per_s
+    G = gather_size(dims)
+    spans = cluster.spans_nodes(G if dims.mode != "bp" else 1)
+    bw = device.link_bytes_per_s(spans)
+    attention_s = exposed = comm = 0.0
+    for a in model.layers:
+        hd = a.heads * a.head_dim
+        pairs, local = work.pairs[a.window] * batch, work.local_pairs[a.window] * batch
+        f = FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops
+        b = BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops
+        attention_s += pairs * (f * fwd_passes + b)
+        row = a.kv_heads * a.head_dim * recipe.activation_bytes * batch
+        if a.window is not None:
+            fwd_c = 2 * work.halo_recv.get(a.window, 0) * row / bw
+            bwd_c = 2 * work.halo_sent.get(a.window, 0) * row / bw
+        elif G > 1 and work.sent_rows:
+            shard = 2 * work.sent_rows * row / bw  # one rank's K and V
+            if dims.transport == "ring":
+                # Shard s+1 travels while shard s (the local source first) computes.
+                peer_each = (pairs - local) / (G - 1)
+                fwd_c, bwd_c = (G - 1) * shard, (G - 1) * shard + G * shard
+                fwd_exp = max(0.0, shard - local * f) + (G - 2) * max(0.0, shard - peer_each * f)
+                bwd_exp = max(0.0, 2 * shard - local * b) + (G - 2) * max(0.0, 2 * shard - peer_each * b) + shard
+                comm += fwd_c * fwd_passes + bwd_c
+                exposed += fwd_exp * fwd_passes + bwd_exp
+                continue
+            fwd_c = bwd_c = (G - 1) * shard
+        else:
+            continue
+        comm += fwd_c * fwd_passes + bwd_c
+        exposed += max(0.0, fwd_c - local * f) * fwd_passes + max(0.0, bwd_c - local * b)
+    compute = linear_s + elementwise_s + attention_s
+    W = dims.world_size or dims.block_parallel_size
+    if W > 1 and recipe.gradient_sync:
+        # FSDP2: all-gather the bf16 parameters in forward and again in backward, reduce-scatter the gradients (DDP:
+        # one all-reduce, twice the bytes of a reduce-scatter), overlapped with every layer's compute but the first.
+        n = model.total_params()
+        frac = (W - 1) / W
+        data = (2 * n * recipe.param_bytes + n * recipe.grad_bytes) * frac if recipe.fsdp else \
+            2 * n * recipe.grad_bytes * frac
+        t = data / device.link_bytes_per_s(cluster.spans_nodes(W))
+        comm += t
+        exposed += max(0.0, t - compute * (1 - 1 / max(1, len(model.layers))))
+    return RankTime(compute, attention_s, linear_s, comm, exposed)
+
+
+# ----------------------------------------------------------------------------------------------
+# a layout's prediction, all layouts, the recommendation
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prediction:
+    dims: ParallelDims
+    checkpointing: bool
+    seq_len: int
+    step_s: float
+    tokens_per_s: float
+    memory: Memory
+    fits: bool
+    bytes_per_step: int
+    ranks: tuple[RankTime, ...]
+    imbalance: float  # slowest rank's compute over the mean
+
+    @property
+    def label(self) -> str:
+        d = self.dims
+        extra = f" {d.transport}" if d.mode != "bp" and gather_size(d) > 1 else ""
+        extra += f" {d.schedule}" if d.mode == "bp" else ""
+        return f"{d.mode} P={d.block_parallel_size} C={d.clean_ring_size} D={d.data_parallel_size}{extra}"
+
+
+def predict(model: ModelSpec, dims: ParallelDims, seq_len: int, device: DeviceSpec, cluster: Cluster,
+            recipe: Recipe = Recipe(), checkpointing: bool = False, batch: int = 1) -> Prediction:
+    """Step time, throughput, peak memory and K/V bytes of one layout (``dims`` with its world size)."""
+    if dims.world_size is None:
+        dims = dims.with_world(cluster.gpus)
+    # The transport moves the same rows differently: the plan, pairs and halos are the allgather layout's.
+    work = rank_work(replace(dims, transport="allgather"), seq_len, mask_rule_of(model), layer_windows(model))
+    times = tuple(rank_time(model, dims, w, device, cluster, recipe, checkpointing, batch) for w in work)
+    mems = [memory(model, dims, w, recipe, checkpointing) for w in work]
+    peak = max(mems, key=lambda m: m.total)
+    step = max(t.step_s for t in times)
+    nbytes = max(sum(kv_bytes_by_name(model, dims, w, recipe.activation_bytes, batch).values()) for w in work)
+    mean = sum(t.compute_s for t in times) / len(times)
+    return Prediction(dims, checkpointing, seq_len, step, dims.data_parallel_size * batch * seq_len / step, peak,
+                      peak.total <= device.memory_bytes, nbytes, times, max(t.compute_s for t in times) / mean)
+
+
+def layouts(world: int, seq_len: int, block_size: int, ring_transport: bool = True) -> list[ParallelDims]:
+    """Every layout of ``world`` ranks that a sequence of ``seq_len`` fits: ``cp``, ``bp`` (both schedules) and
+    ``csbp`` with every clean ring ``C | P``, per group size ``P | world``; validity is :class:`ParallelDims`'s
+    (and the plan's, for the sequence length)."""
+    out = []
+    for P in divisors(world):
+        cands = [("cp", P, "dual_end", "allgather"), ("bp", 1, "dual_end", "allgather"),
+                 ("bp", 1, "contiguous", "allgather")]
+        cands += [("csbp", C, "dual_end", "allgather") for C in divisors(P)]
+        if ring_transport:
+            cands += [("cp", P, "dual_end", "ring")] + [("csbp", C, "dual_end", "ring") for C in divisors(P) if C > 1]
+        seen = set()
+        for mode, C, schedule, transport in cands:
+            if P == 1 and (mode, schedule, transport) != ("bp", "dual_end", "allgather"):
+                continue  # one rank per group: every mode is the same single-device step
+            dims = ParallelDims(P, C, mode, schedule, transport, world)
+            if dims in seen:
+                continue
+            try:
+                PlanConfig.from_dims(dims, seq_len, block_size)
+            except ValueError:
+                continue
+            seen.add(dims)
+            out.append(dims)
+    return out
+
+
+def plan_all(model: ModelSpec, seq_len: int, device: DeviceSpec, cluster: Cluster, recipe: Recipe = Recipe(),
+             ring_transport: bool = True) -> list[Prediction]:
+    """Predictions of every layout, with and without activation checkpointing, fastest (tokens/s) first."""
+    if seq_len % model.block_size:
+        raise ValueError(f"--context {seq_len} is not a multiple of the block size {model.block_size}; use a "
+                         f"multiple of {model.block_size} (or --block-size).")
+    found = layouts(cluster.gpus, seq_len, model.block_size, ring_transport)
+    if not found:
+        raise ValueError(f"no layout of {cluster.gpus} GPUs fits --context {seq_len} with block size "
+                         f"{model.block_size}: a sequence needs whole blocks per rank; use a context that is a "
+                         f"multiple of {2 * cluster.gpus * model.block_size}.")
+    preds = [predict(model, d, seq_len, device, cluster, recipe, ac) for d in found for ac in (False, True)]
+    return sorted(preds, key=lambda p: -p.tokens_per_s)
+
+
+def recommend(predictions: list[Prediction]) -> Prediction | None:
+    """The highest-throughput prediction that fits the device memory (``None`` when none fits)."""
+    fitting = [p for p in predictions if p.fits]
+    return max(fitting, key=lambda p: p.tokens_per_s) if fitting else None
+
+
+__all__ = ["Cluster", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "rank_work",
+           "kv_bytes_by_name", "memory", "rank_time", "predict", "layouts", "plan_all", "recommend", "gather_size",
+           "mask_rule_of", "layer_windows"]

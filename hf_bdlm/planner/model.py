@@ -1,0 +1,239 @@
+"""What the planner knows of a model: its layers' attention shapes, parameter counts and FLOPs per row.
+
+:func:`model_spec` reads a transformers config (a ``config.json`` dict, a folder holding one, a
+``PreTrainedConfig``, or a BDLM config with a ``backbone_config``; multimodal configs are read
+from their ``text_config``): Llama / Qwen / Mistral / Gemma 3-style dense models and MoE models
+(``num_experts`` with ``top_k_experts`` or ``num_experts_per_tok`` and ``moe_intermediate_size``;
+Gemma 4 / DiffusionGemma's ``enable_moe_block`` keeps the dense MLP beside the experts). Per-layer
+attention shapes follow ``layer_types`` (sliding layers get ``sliding_window``; Gemma 4's global
+layers ``global_head_dim`` / ``num_global_key_value_heads``).
+
+Two presets stand for the paper's settings (:data:`PRESETS`):
+
+- ``gemma3-27b`` (AR -> BDLM conversion): Gemma 3 27B's published sizes (the ``config.json`` of
+  ``google/gemma-3-27b-pt``): hidden 5376, 62 layers, 32 heads, 16 K/V heads, head dim 128,
+  MLP 21504, vocabulary 262208, window 1024 on five of every six layers. Block size 32
+  (Fast-dLLM v2's), token shift and a block-causal clean stream.
+- ``diffusiongemma-26b-a4b`` (MoE SFT). **Assumed sizes**, chosen to be consistent with the name
+  (about 25-26B parameters, about 4B active per token) and the Gemma 4 config fields; they are not
+  a published config: hidden 2816, 30 layers, 16 heads, 8 K/V heads of dim 256 on sliding layers
+  (window 1024, five of six layers), 2 K/V heads of dim 512 on global layers, 128 experts, top 8,
+  expert MLP 704, dense MLP 2112 beside the experts, vocabulary 262144. Block (canvas) 256, a
+  token-causal clean stream (the encoder) and the ``block_start`` window convention.
+
+The training step modelled is the vectorized BDLM step (docs/design.md §1): ``2L`` rows, noisy rows
+on every block (SFT whose completion spans the sequence); the loss runs the LM head on the noisy
+rows (DiffusionGemma's encoder loss adds the clean rows: ``head_on_clean``). Self-conditioning's
+second decoder pass is not modelled.
+
+    python -c "from hf_bdlm.planner.model import model_spec; s = model_spec('gemma3-27b'); \\
+print(s.name, s.total_params() / 1e9, s.active_params() / 1e9)"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One layer's attention: query heads, K/V heads, head dim, sliding window (``None``: full attention)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of a backbone, enough to count parameters, FLOPs, activation and K/V bytes.
+
+    Parameters:
+        name (`str`): for tables.
+        hidden (`int`), vocab (`int`): hidden size and vocabulary.
+        layers (`tuple[AttentionShape, ...]`): every decoder layer's attention.
+        intermediate (`int`): dense (gated) MLP width, 0 when the layers have only experts.
+        num_experts (`int`), top_k (`int`), moe_intermediate (`int`): experts per layer (0: dense), experts a token
+            runs, expert MLP width.
+        tie_embeddings (`bool`): the LM head shares the embedding matrix.
+        block_size (`int`): diffusion block ``B``.
+        clean_attention (`str`): ``"block_causal"`` or ``"causal"`` (the clean stream's rule).
+        window_convention (`str`): ``"per_query"`` or ``"block_start"`` (docs/design.md §1).
+        head_on_clean (`bool`): the loss also runs the LM head on the clean rows (an AR loss).
+    """
+
+    name: str
+    hidden: int
+    vocab: int
+    layers: tuple[AttentionShape, ...]
+    intermediate: int
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    tie_embeddings: bool = False
+    block_size: int = 32
+    clean_attention: str = "block_causal"
+    window_convention: str = "per_query"
+    head_on_clean: bool = False
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    # --- parameters ------------------------------------------------------------------------------
+    def attention_params(self, i: int) -> int:
+        a = self.layers[i]
+        return self.hidden * a.heads * a.head_dim * 2 + self.hidden * a.kv_heads * a.head_dim * 2
+
+    def mlp_params(self) -> int:
+        """Dense MLP (gate, up, down) of one layer."""
+        return 3 * self.hidden * self.intermediate
+
+    def expert_params(self) -> int:
+        """One expert's MLP (gate, up, down)."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    def router_params(self) -> int:
+        return self.hidden * self.num_experts
+
+    def layer_params(self, i: int) -> int:
+        norms = 4 * self.hidden  # pre/post norms, a rounding error beside the matrices
+        return (self.attention_params(i) + self.mlp_params() + self.num_experts * self.expert_params()
+                + self.router_params() + norms)
+
+    def layer_active_params(self, i: int) -> int:
+        """Matrix parameters one token runs through in layer ``i`` (the ``top_k`` experts only)."""
+        return self.attention_params(i) + self.mlp_params() + self.top_k * self.expert_params() + self.router_params()
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+
+    def total_params(self) -> int:
+        return self.embedding_params() + sum(self.layer_params(i) for i in range(len(self.layers)))
+
+    def active_params(self) -> int:
+        return self.embedding_params() + sum(self.layer_active_params(i) for i in range(len(self.layers)))
+
+    # --- FLOPs and bytes per row -----------------------------------------------------------------
+    def linear_flops_per_row(self) -> int:
+        """Forward FLOPs of one row through every layer's matrices (2 per multiply-add), attention scores excluded."""
+        return 2 * sum(self.layer_active_params(i) for i in range(len(self.layers)))
+
+    def head_flops_per_row(self) -> int:
+        """Forward FLOPs of the LM head on one row that carries a loss."""
+        return 2 * self.hidden * self.vocab
+
+    def activation_elements_per_row(self, i: int) -> int:
+        """Elements one row keeps for backward in layer ``i`` without checkpointing.
+
+        Residual input and the two norm outputs (3h) plus the residual after attention (h); q, attention output,
+        k, v; the MLP's gate, up, activation and product (4 I), the same for each of the ``top_k`` experts, the
+        router logits. An estimate of what autograd saves for a gated-MLP decoder layer.
+        """
+        a = self.layers[i]
+        return (4 * self.hidden + 2 * a.heads * a.head_dim + 2 * a.kv_heads * a.head_dim
+                + 4 * self.intermediate + 4 * self.top_k * self.moe_intermediate + self.num_experts)
+
+
+def _get(cfg: dict, *names, default=None):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return default
+
+
+def _load_config(source) -> tuple[dict, str]:
+    if isinstance(source, dict):
+        return source, source.get("_name_or_path") or source.get("model_type") or "model"
+    if hasattr(source, "to_dict"):
+        return source.to_dict(), getattr(source, "name_or_path", "") or type(source).__name__
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"--model {source!r} is neither a known preset ({', '.join(PRESETS)}) nor a config.json file or a "
+            "folder holding one.")
+    with open(path) as f:
+        return json.load(f), os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+
+
+def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` from a transformers config dict (see the module docstring for what is read)."""
+    outer = cfg
+    if isinstance(cfg.get("backbone_config"), dict):  # a BlockDiffusionConfig
+        cfg = cfg["backbone_config"]
+    if isinstance(cfg.get("text_config"), dict):  # Gemma 3/4, DiffusionGemma
+        cfg = cfg["text_config"]
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"the model config {name!r} lacks {missing}: the planner needs a decoder's config.json "
+                         "(hidden_size, num_hidden_layers, num_attention_heads, vocab_size, ...).")
+    h, n_layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv = _get(cfg, "num_key_value_heads", default=heads)
+    head_dim = _get(cfg, "head_dim", default=h // heads)
+    types = cfg.get("layer_types")
+    window = cfg.get("sliding_window")
+    if types is None:
+        sliding = window is not None and cfg.get("use_sliding_window", True)
+        types = ["sliding_attention" if sliding else "full_attention"] * n_layers
+    if len(types) != n_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n_layers}.")
+    global_dim = _get(cfg, "global_head_dim", default=head_dim)
+    global_kv = _get(cfg, "num_global_key_value_heads", default=kv)
+    layers = tuple(
+        AttentionShape(heads, kv, head_dim, window) if t == "sliding_attention"
+        else AttentionShape(heads, global_kv, global_dim, None)
+        for t in types)
+    experts = _get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0
+    top_k = _get(cfg, "top_k_experts", "num_experts_per_tok", default=0) or 0
+    moe_i = _get(cfg, "moe_intermediate_size", default=0) or 0
+    if experts and not (top_k and (moe_i or cfg.get("intermediate_size"))):
+        raise ValueError(f"the MoE config {name!r} has num_experts={experts} but no top_k_experts / "
+                         "num_experts_per_tok or moe_intermediate_size.")
+    intermediate = _get(cfg, "intermediate_size", default=4 * h)
+    if experts:
+        moe_i = moe_i or intermediate
+        # Gemma 4 / DiffusionGemma keep the dense MLP beside the experts; Qwen-MoE / Mixtral replace it (a shared
+        # expert, when declared, is a dense MLP of its own width).
+        intermediate = intermediate if cfg.get("enable_moe_block") else _get(
+            cfg, "shared_expert_intermediate_size", default=0)
+    diffusion_gemma = "diffusion_gemma" in str(outer.get("model_type", ""))
+    B = block_size or _get(outer, "block_size", "canvas_length", default=32)
+    clean = outer.get("clean_attention") or ("causal" if diffusion_gemma else "block_causal")
+    convention = outer.get("sliding_window_convention") or ("block_start" if diffusion_gemma else "per_query")
+    return ModelSpec(name=name, hidden=h, vocab=cfg["vocab_size"], layers=layers, intermediate=intermediate,
+                     num_experts=experts, top_k=top_k, moe_intermediate=moe_i,
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), block_size=B,
+                     clean_attention=clean, window_convention=convention, head_on_clean=diffusion_gemma)
+
+
+def _gemma_layer_types(n: int, pattern: int = 6) -> list[str]:
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+
+
+# Gemma 3 27B: the published config.json of google/gemma-3-27b-pt (text_config).
+GEMMA3_27B = dict(
+    model_type="block_diffusion", block_size=32, clean_attention="block_causal",
+    backbone_config=dict(hidden_size=5376, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                         head_dim=128, intermediate_size=21504, vocab_size=262208, sliding_window=1024,
+                         layer_types=_gemma_layer_types(62), tie_word_embeddings=True))
+
+# DiffusionGemma 26B-A4B-like: ASSUMED sizes (see the module docstring), not a published config.
+DIFFUSIONGEMMA_26B_A4B = dict(
+    model_type="diffusion_gemma", canvas_length=256,
+    text_config=dict(hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                     head_dim=256, global_head_dim=512, num_global_key_value_heads=2, intermediate_size=2112,
+                     enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                     vocab_size=262144, sliding_window=1024, layer_types=_gemma_layer_types(30),
+                     tie_word_embeddings=True))
+
+PRESETS = {"gemma3-27b": GEMMA3_27B, "diffusiongemma-26b-a4b": DIFFUSIONGEMMA_26B_A4B}
+
+
+def model_spec(source, block_size: int | None = None) -> ModelSpec:
+    """A preset name (:data:`PRESETS`), a config dict / ``PreTrainedConfig``, or a ``config.json`` path / folder."""
+    if isinstance(source, str) and source in PRESETS:
+        return spec_from_config(PRESETS[source], source, block_size)
+    cfg, name = _load_config(source)
+    return spec_from_config(cfg, name, block_size)

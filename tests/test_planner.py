@@ -1,0 +1,219 @@
+"""The layout planner (``hf_bdlm.planner``, ``hf-bdlm plan``): counts against brute force, bytes against the design
+formulas and the ByteMeter's measurements, memory bookkeeping, layout validity, the recommendation, CLI errors.
+
+No processes are launched: the measured bytes come from a committed ``benchmarks/parallel_modes.py`` run.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_bdlm.attention.masks import MaskRule, dense_mask
+from hf_bdlm.attention.rows import RowMeta, vectorized_rows
+from hf_bdlm.cli import main
+from hf_bdlm.parallel.dims import ParallelDims
+from hf_bdlm.parallel.plan import PlanConfig, make_plan, window_exchange
+from hf_bdlm.planner.calibrate import validate
+from hf_bdlm.planner.cost import (Cluster, Recipe, allowed_key_counts, kv_bytes_by_name, layouts, memory, plan_all,
+                                  predict, rank_work, recommend)
+from hf_bdlm.planner.hardware import DeviceSpec, device_spec
+from hf_bdlm.planner.model import AttentionShape, ModelSpec, model_spec, spec_from_config
+
+RECORDS = Path(__file__).resolve().parent / "data" / "parallel_modes_cpu_2k4k.json"  # a 2-rank gloo run, L = 2K, 4K
+
+RULES = [MaskRule(4, clean, window, convention)
+         for clean in ("block_causal", "causal")
+         for window, convention in ((None, "per_query"), (3, "per_query"), (6, "per_query"), (5, "block_start"),
+                                    (9, "block_start"))]
+LAYOUTS = [ParallelDims(P, C, mode, schedule) for P, C, mode, schedule in (
+    (2, 2, "cp", "dual_end"), (4, 4, "cp", "dual_end"), (2, 1, "bp", "dual_end"), (4, 1, "bp", "contiguous"),
+    (2, 2, "csbp", "dual_end"), (4, 4, "csbp", "dual_end"), (4, 2, "csbp", "dual_end"), (4, 1, "csbp", "dual_end"),
+    (4, 2, "csbp", "contiguous"))]
+
+
+def tiny_model(window=None, layers=2, **kw) -> ModelSpec:
+    return ModelSpec(name="tiny", hidden=64, vocab=128, layers=(AttentionShape(4, 2, 8, window),) * layers,
+                     intermediate=128, block_size=4, **kw)
+
+
+def rank_rows(rp) -> RowMeta:
+    return rp.rows()
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.clean_attention}-{r.sliding_window}-{r.window_convention}")
+def test_allowed_key_counts_equal_the_dense_mask(rule):
+    rows = vectorized_rows(48)
+    expect = dense_mask(rows, rows, rule)[0].sum(-1)
+    assert torch.equal(allowed_key_counts(rows.stream, rows.pos, rule), expect)
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=lambda d: f"{d.mode}-P{d.block_parallel_size}-C{d.clean_ring_size}-"
+                                                        f"{d.schedule}")
+@pytest.mark.parametrize("rule", [RULES[0], RULES[5], RULES[2], RULES[9]],
+                         ids=lambda r: f"{r.clean_attention}-{r.sliding_window}-{r.window_convention}")
+def test_rank_pairs_equal_brute_force_counts(dims, rule):
+    L = 64
+    plan = make_plan(PlanConfig.from_dims(dims, L, 4))
+    work = rank_work(dims, L, rule.with_window(None), (rule.sliding_window,))
+    everything = vectorized_rows(L)
+    for rp, w in zip(plan.ranks, work):
+        mine = rank_rows(rp)
+        assert w.pairs[rule.sliding_window] == int(dense_mask(mine, everything, rule).sum())
+        own = int(dense_mask(mine, mine, rule).sum())  # the local source: the rank's own rows
+        expect_local = w.pairs[rule.sliding_window] if dims.mode == "bp" else own
+        assert w.local_pairs[rule.sliding_window] == expect_local
+        assert (w.noisy_rows, w.clean_rows) == (rp.local_noisy_rows, rp.local_clean_rows)
+
+
+@pytest.mark.parametrize("dims", [d for d in LAYOUTS if d.clean_ring_size > 1], ids=lambda d: f"{d.mode}-P"
+                         f"{d.block_parallel_size}-C{d.clean_ring_size}-{d.schedule}")
+def test_halo_rows_equal_the_layouts_window_exchange(dims):
+    L, rule = 96, MaskRule(4, "block_causal", 7, "per_query")
+    plan = make_plan(PlanConfig.from_dims(dims, L, 4))
+    work = rank_work(dims, L, rule.with_window(None), (7,))
+    for me in range(dims.block_parallel_size):
+        members = plan.ring_members(me) if dims.mode == "csbp" else tuple(range(dims.block_parallel_size))
+        sent = []
+        for m in members:
+            rows = plan.ranks[m].rows()
+            sent.append(rows.slice(plan.ranks[m].local_noisy_rows if dims.mode == "csbp" else 0, rows.num_rows))
+        _, send_counts, recv_counts, _ = window_exchange(members.index(me), [plan.ranks[m].rows() for m in members],
+                                                         sent, rule)
+        assert work[me].halo_recv[7] == sum(recv_counts) and work[me].halo_sent[7] == sum(send_counts)
+
+
+@pytest.mark.parametrize("mode,P,C,transport", [
+    (m, P, C, t) for m, P, C in (("cp", 2, 2), ("cp", 4, 4), ("csbp", 4, 4), ("csbp", 4, 2), ("bp", 4, 1), ("csbp", 4, 1))
+    for t in ("allgather", "ring") if not (m == "bp" and t == "ring")])  # bp has no transport
+def test_kv_bytes_equal_the_design_formulas(mode, P, C, transport):
+    L, s, model = 256, 4, tiny_model(layers=3)
+    dims = ParallelDims(P, C, mode, transport=transport)
+    per_layer = {"cp": (P - 1) / P * 2 * (2 * L), "csbp": (C - 1) / C * 2 * L, "bp": 0}[mode] * 2 * 8 * s
+    G = P if mode == "cp" else C
+    for w in rank_work(ParallelDims(P, C, mode), L, MaskRule(4), (None,)):
+        got = kv_bytes_by_name(model, dims, w, s)
+        if transport == "ring" and G > 1:
+            assert got["kv.ring_kv"] == got["kv_backward.ring_kv"] == 3 * per_layer  # docs/design.md §3
+            assert got["dkv.ring_dkv"] == 3 * per_layer * G / (G - 1)
+        else:
+            fwd = sum(v for k, v in got.items() if k.endswith("all_gather"))
+            bwd = sum(v for k, v in got.items() if k.endswith("reduce_scatter"))
+            assert fwd == bwd == 3 * per_layer
+
+
+def test_predicted_bytes_equal_the_byte_meters_measurements():
+    records = json.loads(RECORDS.read_text())
+    cpu = DeviceSpec("cpu", 5e10, 5e10, float("inf"), 1e10, 3e8, 3e8)
+    rows = validate(records, cpu)
+    assert len(rows) == len([r for r in records if "error" not in r]) >= 10
+    for r in rows:
+        assert r["predicted_bytes"] == r["measured_bytes"], r["label"]
+        assert r["predicted_by_name"] == r["measured_by_name"], r["label"]
+
+
+def test_memory_parts_sum_to_the_peak_and_states_shard_over_the_world():
+    model, cluster = model_spec("gemma3-27b"), Cluster(16, 8)
+    dims = ParallelDims(16, 16, "csbp", world_size=16)
+    p = predict(model, dims, 32768, device_spec("h200"), cluster, Recipe(), checkpointing=True)
+    m = p.memory
+    assert m.total == pytest.approx(sum(m.parts().values()), rel=1e-12)
+    n = model.total_params()
+    assert (m.parameters, m.gradients, m.optimizer) == pytest.approx((2 * n / 16, 2 * n / 16, 8 * n / 16))
+    no_ac = predict(model, dims, 32768, device_spec("h200"), cluster, Recipe(), checkpointing=False)
+    assert no_ac.memory.activations > 3 * m.activations  # checkpointing keeps one input per layer
+    assert no_ac.step_s < p.step_s  # and pays a recomputed forward
+
+
+def test_csbp_receives_half_the_bytes_of_cp_and_bp_replicates_the_clean_prefix():
+    model, dev, cluster = tiny_model(), device_spec("h100"), Cluster(4, 4)
+    cp = predict(model, ParallelDims(4, 4, "cp"), 1024, dev, cluster)
+    cs = predict(model, ParallelDims(4, 4, "csbp"), 1024, dev, cluster)
+    bp = predict(model, ParallelDims(4, 1, "bp"), 1024, dev, cluster)
+    assert cs.bytes_per_step * 2 == cp.bytes_per_step and bp.bytes_per_step == 0
+    work = rank_work(ParallelDims(4, 1, "bp"), 1024, MaskRule(4), (None,))
+    assert max(w.clean_rows for w in work) == 1024  # the owner of the last block computes the whole clean stream
+
+
+def test_model_spec_counts_the_parameters_of_the_transformers_model():
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+    for cfg in (LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2),
+                Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, decoder_sparse_step=1, mlp_only_layers=[])):
+        spec = spec_from_config(cfg.to_dict())
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+        assert abs(spec.total_params() - real) / real < 0.01, (spec.total_params(), real)  # norms are estimated
+
+
+def test_presets_have_their_stated_sizes():
+    dense, moe = model_spec("gemma3-27b"), model_spec("diffusiongemma-26b-a4b")
+    assert 26.5e9 < dense.total_params() < 27.5e9
+    assert 24e9 < moe.total_params() < 27e9 and 3.5e9 < moe.active_params() < 4.5e9
+    assert sum(a.window is None for a in dense.layers) == 10 and moe.layers[5].head_dim == 512
+
+
+def test_layouts_are_every_combination_parallel_dims_accepts():
+    found = layouts(8, 4096, 32)
+    for d in found:
+        assert d == ParallelDims(d.block_parallel_size, d.clean_ring_size, d.mode, d.schedule, d.transport, 8)
+    keys = {(d.mode, d.block_parallel_size, d.clean_ring_size, d.transport) for d in found}
+    assert ("csbp", 8, 2, "allgather") in keys and ("csbp", 8, 4, "ring") in keys and ("cp", 4, 4, "ring") in keys
+    assert not any(d.mode == "csbp" and d.block_parallel_size % d.clean_ring_size for d in found)
+    with pytest.raises(ValueError, match="does not divide group_size=4"):
+        predict(tiny_model(), ParallelDims(4, 3, "csbp"), 1024, device_spec("h100"), Cluster(4, 4))
+    # 8 blocks: P = 8 leaves whole dual-end pairs to no one; only cp and the contiguous schedule remain (the plan says).
+    short = {(d.mode, d.schedule, d.transport) for d in layouts(8, 8 * 32, 32) if d.block_parallel_size == 8}
+    assert short == {("cp", "dual_end", "allgather"), ("cp", "dual_end", "ring"), ("bp", "contiguous", "allgather")}
+
+
+def test_recommendation_is_the_fastest_layout_that_fits():
+    model, cluster = model_spec("gemma3-27b"), Cluster(16, 8)
+    tight = device_spec("h200", memory_bytes=60 * 2 ** 30)
+    preds = plan_all(model, 65536, tight, cluster, ring_transport=False)
+    best = recommend(preds)
+    fitting = [p for p in preds if p.fits]
+    assert 0 < len(fitting) < len(preds) and best.fits
+    assert best.tokens_per_s == max(p.tokens_per_s for p in fitting)
+    assert recommend(plan_all(model, 65536, device_spec("h200", memory_bytes=2 ** 30), cluster,
+                              ring_transport=False)) is None
+
+
+def test_inter_node_groups_expose_more_communication():
+    model, dev = model_spec("gemma3-27b"), device_spec("h200")
+    one_node = predict(model, ParallelDims(8, 8, "cp"), 65536, dev, Cluster(8, 8))
+    two_nodes = predict(model, ParallelDims(8, 8, "cp"), 65536, dev, Cluster(8, 4))
+    assert max(r.comm_s for r in two_nodes.ranks) > 5 * max(r.comm_s for r in one_node.ranks)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu", "h900"], "unknown gpu 'h900'"),
+    (["--context", "1000"], "--context 1000 is not a multiple of the block size 32"),
+    (["--gpus", "12"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
+    (["--model", "no/such/config.json"], "neither a known preset"),
+    (["--matmul-efficiency", "1.5"], "--matmul-efficiency must be in (0, 1]"),
+])
+def test_cli_errors_name_the_value_and_the_fix(argv, message, capsys):
+    base = {"--model": "gemma3-27b", "--context": "65536", "--gpus": "16", "--gpu": "h200"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_plans_a_config_file_and_recommends(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2)
+    cfg.save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(tmp_path), "--context", "4096", "--gpus", "4", "--gpus-per-node", "4",
+                 "--gpu", "a100", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: " in text and "csbp P=4 C=2 D=1" in text
+    saved = json.loads(out.read_text())
+    assert len(saved) == text.count("\n") - 5 and all(r["fits"] for r in saved)
