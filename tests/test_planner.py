@@ -217,3 +217,18 @@ def test_cli_plans_a_config_file_and_recommends(tmp_path, capsys):
     assert "recommended: " in text and "csbp P=4 C=2 D=1" in text
     saved = json.loads(out.read_text())
     assert len(saved) == text.count("\n") - 5 and all(r["fits"] for r in saved)
+
+
+def test_computed_pairs_of_block_tiles_are_the_allowed_pairs_and_grouped_tiles_compute_more():
+    from hf_bdlm.attention.tiles import plan_attention
+    from hf_bdlm.planner.calibrate import blockwise_work, computed_pairs
+
+    rule, rows = MaskRule(4), vectorized_rows(256)
+    allowed = int(dense_mask(rows, rows, rule).sum())
+    assert computed_pairs(plan_attention(rows, [rows], rule, group_rows=0)) == allowed  # block-causal: whole tiles
+    assert computed_pairs(plan_attention(rows, [rows], rule)) > allowed  # dense masked group tiles
+    for dims in (ParallelDims(4, 4, "csbp"), ParallelDims(4, 2, "csbp", transport="ring"), ParallelDims(4, 1, "bp")):
+        exact = rank_work(dims, 256, rule, (None,))
+        for e, t in zip(exact, blockwise_work(dims, 256, rule, exact)):
+            assert t.pairs[None] >= e.pairs[None] and t.local_pairs[None] >= e.local_pairs[None]
+            assert (t.pairs[None] == t.local_pairs[None]) == (dims.mode == "bp")

@@ -3,13 +3,15 @@
 :func:`measure_cpu` times, with one thread per rank as the benchmark runs, (1) the benchmarked model's matrix
 multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse
 attention forward and backward over the vectorized rows of one sequence (``blockwise`` backend, FLOPs
-counted from the allowed pairs), (3) an elementwise copy-add (the bandwidth elementwise work sees) and (4)
-gloo's all-gather between two local processes. The rates become a :class:`~.hardware.DeviceSpec` and are
-cached in a JSON file (``--remeasure`` measures again).
+counted from the pairs its tile plan computes), (3) an elementwise add (the bandwidth elementwise work sees) and
+(4) gloo's all-gather between two local processes; each the fastest of several runs (a shared machine only slows
+a run down). The rates become a :class:`~.hardware.DeviceSpec` and are cached in a JSON file (``--remeasure``
+measures again).
 
 :func:`validate` predicts each record's step time and K/V bytes with that device and the benchmark's own
-model config (``benchmarks.parallel_modes.model_config``): bytes must equal ``bytes_per_step`` exactly, step
-times are compared with their relative error.
+model config (``benchmarks.parallel_modes.model_config``); the attention work of each rank is what the
+``blockwise`` kernel computes there (:func:`~hf_bdlm.attention.tiles.plan_attention` over the sources the sharded
+layout attends to). Bytes must equal ``bytes_per_step`` exactly; step times are compared by relative error.
 
     hf-bdlm plan --validate /tmp/pm.json          # after python -m benchmarks.parallel_modes --out /tmp/pm.json
 """
@@ -18,13 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from ..parallel.dims import ParallelDims
-from .cost import (Cluster, Recipe, allowed_key_counts, kv_bytes_by_name, layer_windows, mask_rule_of, predict,
+from .cost import (Cluster, Prediction, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, rank_time,
                    rank_work)
 from .hardware import DeviceSpec
 from .model import ModelSpec, spec_from_config
@@ -48,14 +49,16 @@ def benchmark_model(layers: int, window: int | None = None) -> ModelSpec:
     return spec_from_config(cfg.to_dict(), f"parallel_modes ({layers} layers)")
 
 
-def _median_time(fn, repeats: int = 3) -> float:
-    fn()  # warm-up
+def _best_time(fn, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` runs after a warm-up: the machine's rate when nothing else competes for it (other
+    processes on a shared machine only ever slow a run down)."""
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _matmul_rate(model: ModelSpec, rows: int = 4096) -> float:
@@ -75,7 +78,7 @@ def _matmul_rate(model: ModelSpec, rows: int = 4096) -> float:
             F.linear(x, w).sum().backward()
 
     flops = sum(2 * rows * i * o * 3 for i, o in shapes)
-    return flops / _median_time(run)
+    return flops / _best_time(run)
 
 
 def _attention_rate(model: ModelSpec, seq_len: int = 2048) -> float:
@@ -97,8 +100,10 @@ def _attention_rate(model: ModelSpec, seq_len: int = 2048) -> float:
     def run():
         attend("blockwise", q, [(k, v)], rows, [rows], rule, a.head_dim ** -0.5, cache).sum().backward()
 
-    pairs = int(allowed_key_counts(rows.stream, rows.pos, rule).sum())
-    return pairs * 14 * a.heads * a.head_dim / _median_time(run)
+    from ..attention.tiles import plan_attention
+
+    pairs = computed_pairs(plan_attention(rows, [rows], rule))  # what the kernel computes, masked pairs included
+    return pairs * 14 * a.heads * a.head_dim / _best_time(run)
 
 
 def _elementwise_rate(numel: int = 1 << 23) -> float:
@@ -106,7 +111,7 @@ def _elementwise_rate(numel: int = 1 << 23) -> float:
 
     x, y = torch.randn(numel), torch.randn(numel)
     out = torch.empty(numel)
-    return 3 * numel * 4 / _median_time(lambda: torch.add(x, y, out=out), repeats=5)
+    return 3 * numel * 4 / _best_time(lambda: torch.add(x, y, out=out), repeats=9)
 
 
 def gloo_worker(rank: int, store: str, nbytes, out: str) -> None:
@@ -127,7 +132,7 @@ def gloo_worker(rank: int, store: str, nbytes, out: str) -> None:
         dist.all_gather_into_tensor(buf, shard)
         times.append(time.perf_counter() - t0)
     if rank == 0:
-        Path(out).write_text(json.dumps({"received": shard.numel() * 4, "seconds": statistics.median(times)}))
+        Path(out).write_text(json.dumps({"received": shard.numel() * 4, "seconds": min(times)}))
     dist.destroy_process_group()
 
 
@@ -198,6 +203,56 @@ def benchmark_recipe(rec: dict) -> Recipe:
                   gradient_sync=False)
 
 
+def computed_pairs(plan, source: int | None = None) -> int:
+    """Query-key pairs a tile plan's kernel calls compute (masked-out pairs of a dense masked call included), over
+    every source or one."""
+    total = 0
+    for c in plan.calls:
+        if source is not None and c.source != source:
+            continue
+        n, q = (1, c.q_rows[1] - c.q_rows[0]) if isinstance(c.q_rows, tuple) else (
+            (1, c.q_rows.numel()) if c.q_rows.dim() == 1 else tuple(c.q_rows.shape))
+        k = c.k_rows[1] - c.k_rows[0] if isinstance(c.k_rows, tuple) else c.k_rows.shape[-1]
+        total += n * q * k
+    return total
+
+
+def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
+    """``works`` (from :func:`~.cost.rank_work`) with the pairs the ``blockwise`` kernel computes on each rank:
+    the tile plans of the sources the sharded layout attends to (own rows; the peers' gathered rows, or each ring
+    shard), full-attention layers only."""
+    from dataclasses import replace
+
+    from ..attention.tiles import plan_attention
+    from ..parallel.plan import PlanConfig, make_plan
+
+    plan = make_plan(PlanConfig.from_dims(dims, seq_len, rule.block_size))
+    out = []
+    for r, (rp, w) in enumerate(zip(plan.ranks, works)):
+        q = rp.rows()
+        gathered = dims.mode != "bp" and dims.block_parallel_size > 1 and w.sent_rows > 0
+        members = plan.ring_members(r) if dims.mode == "csbp" else tuple(range(dims.block_parallel_size))
+
+        def sent(m):
+            rows = plan.ranks[m].rows()
+            return rows.slice(plan.ranks[m].local_noisy_rows if dims.mode == "csbp" else 0, rows.num_rows)
+
+        if gathered and dims.transport == "ring":
+            n = rp.local_noisy_rows if dims.mode == "csbp" else 0
+            local = computed_pairs(plan_attention(q, [q.slice(0, n)], rule)) if n else 0
+            shards = {m: computed_pairs(plan_attention(q, [sent(m)], rule)) for m in members}
+            total, local = local + sum(shards.values()), local + shards[r]
+        elif gathered:
+            from ..attention.rows import RowMeta
+
+            tiles = plan_attention(q, [q, RowMeta.cat([sent(m) for m in members if m != r])], rule)
+            total, local = computed_pairs(tiles), computed_pairs(tiles, 0)
+        else:
+            total = local = computed_pairs(plan_attention(q, [q], rule))
+        out.append(replace(w, pairs={**w.pairs, None: total}, local_pairs={**w.local_pairs, None: local}))
+    return out
+
+
 def validate(records: list[dict], device: DeviceSpec) -> list[dict]:
     """Predicted against measured step time and bytes of each successful record."""
     rows = []
@@ -207,8 +262,14 @@ def validate(records: list[dict], device: DeviceSpec) -> list[dict]:
         model = benchmark_model(rec["layers"], rec.get("window"))
         dims = record_dims(rec)
         recipe = benchmark_recipe(rec)
-        pred = predict(model, dims, rec["L"], device, Cluster(dims.world_size, dims.world_size), recipe)
         work = rank_work(dims, rec["L"], mask_rule_of(model), layer_windows(model))
+        if all(a.window is None for a in model.layers):
+            work = blockwise_work(dims, rec["L"], mask_rule_of(model), work)  # the CPU kernel's own tiles
+        cluster = Cluster(dims.world_size, dims.world_size)
+        times = [rank_time(model, dims, w, device, cluster, recipe, False) for w in work]
+        pred = Prediction(dims, False, rec["L"], max(t.step_s for t in times), 0.0, None, True,
+                          max(sum(kv_bytes_by_name(model, dims, w, recipe.activation_bytes).values()) for w in work),
+                          tuple(times), 1.0)
         by_name = [kv_bytes_by_name(model, dims, w, recipe.activation_bytes) for w in work]
         rows.append(dict(label=pred.label if rec["mode"] != "single" else "single", L=rec["L"],
                          predicted_s=pred.step_s, measured_s=rec["step_s"],
