@@ -9,7 +9,7 @@ not to fit. Memory grows about linearly in ``L``, so the next probe is where the
 measurements meets the cap (clamped inside the bracket, one grid step at least); a step that does not halve the
 bracket is followed by a bisection, so the number of probes stays logarithmic whatever the memory curve.
 
-    python -m benchmarks.suite --only max-context --mem-cap 64MiB --max-context-nprocs 2 --out /tmp/mc
+    hf-bdlm bench --only max-context --mem-cap 128MiB --max-context-nprocs 2 --max-context-modes csbp --out /tmp/mc
 """
 
 from __future__ import annotations
@@ -122,23 +122,20 @@ def launch(mode: str, P: int, L: int, args: argparse.Namespace, tmp: pathlib.Pat
     return parallel_modes._launch(mode, P, L, args, tmp, transport, schedule)
 
 
-def configurations(nprocs) -> list[tuple[str, int, str, str]]:
-    """(mode, P, transport, schedule) searched: the single process, then csbp, cp and bp at each P."""
-    configs = [("single", 1, "allgather", "dual_end")]
-    for P in nprocs:
-        configs += [("csbp", P, "allgather", "dual_end"), ("cp", P, "allgather", "dual_end"),
-                    ("bp", P, "allgather", "dual_end")]
-    return configs
+def configurations(nprocs, modes=("csbp", "cp", "bp")) -> list[tuple[str, int, str, str]]:
+    """(mode, P, transport, schedule) searched: the single process, then each mode at each P (cp and csbp with the
+    all-gather transport, bp with the dual_end schedule)."""
+    return [("single", 1, "allgather", "dual_end")] + [(m, P, "allgather", "dual_end") for P in nprocs for m in modes]
 
 
-def run_study(nprocs, cap: int, layers: int, limit: int, timeout: float, log=print) -> dict:
+def run_study(nprocs, modes, cap: int, layers: int, limit: int, timeout: float, log=print) -> dict:
     """Search every configuration; returns the ``max_context.json`` payload."""
     grid = 2 * max([1, *nprocs]) * parallel_modes.BLOCK
     limit = _floor(limit, grid)
     args = probe_args(layers, steps=1, timeout=timeout)
     results, records = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, P, transport, schedule in configurations(nprocs):
+        for mode, P, transport, schedule in configurations(nprocs, modes):
             name = "single" if mode == "single" else f"{mode} {schedule if mode == 'bp' else transport}"
 
             def probe(length: int) -> int:

@@ -12,7 +12,8 @@ Studies (``--only`` picks some; all by default), each measured in fresh processe
 - ``max-context``: the longest L under ``--mem-cap`` per rank for P = 1 and csbp / cp / bp at each P, by real steps
   (``benchmarks/max_context.py``). ``max_context.json``, ``max_context.png``.
 
-``summary.json`` holds the run (command, machine, load average, wall time per study, files); ``summary.md`` the
+``summary.json`` holds the machine and, per study, the command, wall time and load average (1-minute, at its start and
+end; a study run again into the same folder replaces its entry), and the plots; ``summary.md`` the
 markdown tables (``--markdown`` prints them). ``--report-only`` re-draws everything from the JSON in ``--out``.
 
     python -m benchmarks.suite --quick --out /tmp/bench        # same as: hf-bdlm bench --quick --out /tmp/bench
@@ -40,13 +41,14 @@ STUDIES = ("modes", "attention", "growth", "max-context")
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
             transports=("allgather", "ring"), layers=2, steps=2,
             growth_lengths=(2048, 4096, 8192, 16384, 32768), growth_nprocs=(2, 4), mem_cap=256 * 2**20,
-            max_context_nprocs=(2, 4), max_context_layers=1, max_context_limit=65536,
+            max_context_nprocs=(2, 4), max_context_modes=("csbp", "cp", "bp"), max_context_layers=1,
+            max_context_limit=65536,
             attention=["--lengths", "1024", "2048", "4096", "8192", "16384", "--step-lengths", "1024", "2048", "4096",
                        "8192"])
 QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), transports=("allgather", "ring"),
              layers=1, steps=1,
-             growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=48 * 2**20,
-             max_context_nprocs=(2,), max_context_layers=1, max_context_limit=8192,
+             growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=128 * 2**20,
+             max_context_nprocs=(2,), max_context_modes=("csbp",), max_context_layers=1, max_context_limit=8192,
              attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
                         "dense", "--repeats", "0"])
 
@@ -69,6 +71,7 @@ class BenchConfig:
     growth_nprocs: tuple[int, ...]
     mem_cap: int
     max_context_nprocs: tuple[int, ...]
+    max_context_modes: tuple[str, ...]
     max_context_layers: int
     max_context_limit: int
     attention: tuple[str, ...]
@@ -105,6 +108,7 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         layers=pick("layers"),
         steps=pick("steps"), timeout=args.timeout, growth_lengths=pick("growth_lengths"),
         growth_nprocs=pick("growth_nprocs"), mem_cap=pick("mem_cap"), max_context_nprocs=pick("max_context_nprocs"),
+        max_context_modes=pick("max_context_modes"),
         max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
         attention=tuple(preset["attention"]))
     if args.timeout <= 0:
@@ -230,9 +234,10 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
     plots, sections = [], []
     machine = summary.get("machine")
     if machine:
+        runs = "; ".join(f"{name}: `{s['command']}`, {s['wall_s']:.0f} s, load average {s['load_average_start']} -> "
+                         f"{s['load_average_end']}" for name, s in summary.get("studies", {}).items())
         sections.append(f"Machine: {machine['cpus']} CPU cores, {machine['platform']}, torch {machine['torch']}, "
-                        f"gloo, one thread per rank; load average {summary.get('load_average_start')} at the start, "
-                        f"{summary.get('load_average_end')} at the end. Command: `{summary.get('command')}`")
+                        f"gloo, one thread per rank. Runs: {runs}.")
     if modes is not None:
         plots += report.plot_modes(modes, out)
         sections.append(("Parallel modes (step = forward + backward of one sequence; peak memory per rank above "
@@ -283,18 +288,20 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(args)
     report.pyplot()  # fail now, not after an hour of measurements, when matplotlib is missing
     out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    summary = dict(command="hf-bdlm bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
-                   config={k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in asdict(cfg).items()},
-                   machine=_machine(), load_average_start=round(os.getloadavg()[0], 2), studies={})
+    started, load_start = time.perf_counter(), round(os.getloadavg()[0], 2)
+    command = "hf-bdlm bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    config = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in asdict(cfg).items()}
+    # One summary per folder: a study run again replaces its entry, the others keep theirs (and their command).
+    summary = _read(out / "summary.json") or {}
+    summary.update(machine=_machine(), studies=summary.get("studies", {}))
     _progress(f"hf-bdlm bench -> {out}  ({'quick' if cfg.quick else 'full'}; studies {', '.join(cfg.studies)}; "
-              f"{summary['machine']['cpus']} CPUs, load average {summary['load_average_start']})")
+              f"{summary['machine']['cpus']} CPUs, load average {load_start})")
     # Growth reuses the modes records: this run's, or those already in --out when the modes study is not run.
     modes_records: list[dict] = [] if "modes" in cfg.studies else (_read(out / "parallel_modes.json") or [])
     for study in STUDIES:
         if study not in cfg.studies:
             continue
-        t0 = time.perf_counter()
+        t0, load_study = time.perf_counter(), os.getloadavg()[0]
         if study == "modes":
             modes_records = run_modes(cfg)
             failed = sum("error" in r for r in modes_records)
@@ -306,20 +313,21 @@ def run(args: argparse.Namespace) -> int:
             (out / "growth.json").write_text(json.dumps(growth, indent=1))
             failed = growth["failed"]
         else:
-            mc = max_context.run_study(cfg.max_context_nprocs, cfg.mem_cap, cfg.max_context_layers,
-                                       cfg.max_context_limit, cfg.timeout, log=_progress)
+            mc = max_context.run_study(cfg.max_context_nprocs, cfg.max_context_modes, cfg.mem_cap,
+                                       cfg.max_context_layers, cfg.max_context_limit, cfg.timeout, log=_progress)
             (out / "max_context.json").write_text(json.dumps(mc, indent=1))
             failed = sum(bool(r.get("error")) for r in mc["results"])
         wall = time.perf_counter() - t0
-        summary["studies"][study] = dict(wall_s=round(wall, 1), failed=failed)
+        summary["studies"][study] = dict(command=command, quick=cfg.quick, wall_s=round(wall, 1), failed=failed,
+                                         load_average_start=round(load_study, 2),
+                                         load_average_end=round(os.getloadavg()[0], 2), config=config)
         _progress(f"{study}: done in {wall:.0f} s" + (f", {failed} failed or skipped" if failed else ""))
-    summary.update(wall_s=round(time.perf_counter() - started, 1), load_average_end=round(os.getloadavg()[0], 2))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     summary["plots"] = [p.name for p in write_report(out, args.markdown)]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    _progress(f"total {summary['wall_s']:.0f} s; load average {summary['load_average_start']} at the start, "
-              f"{summary['load_average_end']} at the end")
-    failed = {name: s["failed"] for name, s in summary["studies"].items() if s["failed"]}
+    _progress(f"total {time.perf_counter() - started:.0f} s; load average {load_start} at the start, "
+              f"{os.getloadavg()[0]:.2f} at the end")
+    failed = {name: summary["studies"][name]["failed"] for name in cfg.studies if summary["studies"][name]["failed"]}
     if failed:
         print(f"error: some measurements failed ({failed}); their records carry the error", file=sys.stderr)
         return 1

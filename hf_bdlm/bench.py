@@ -52,7 +52,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="folder for the JSON, PNG and markdown (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="small preset (< 5 min on 2 idle cores): modes at L=1K,2K and P=2, 1 layer, 1 step; attention "
-                        "at L<=2K; growth from those records; max-context under a 48 MiB cap at P=1,2")
+                        "at L<=2K; growth from those records; max-context under a 128 MiB cap for the single process "
+                        "and csbp at P=2")
     p.add_argument("--only", nargs="+", choices=STUDIES, default=None, metavar="STUDY",
                    help=f"run these studies only (of {', '.join(STUDIES)}; default: all)")
     p.add_argument("--report-only", action="store_true",
@@ -76,6 +77,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="per-rank cap on the step's peak memory above the built model and batch, e.g. 256MiB")
     cap.add_argument("--max-context-nprocs", type=_positive_int, nargs="+", default=None, metavar="P",
                      help="group sizes searched besides P = 1")
+    cap.add_argument("--max-context-modes", nargs="+", choices=MODES, default=None,
+                     help="modes searched at each P (default: csbp cp bp; --quick: csbp)")
     cap.add_argument("--max-context-layers", type=_positive_int, default=None)
     cap.add_argument("--max-context-limit", type=_positive_int, default=None, metavar="L",
                      help="longest L probed (the search stops there)")
