@@ -232,3 +232,37 @@ def test_computed_pairs_of_block_tiles_are_the_allowed_pairs_and_grouped_tiles_c
         for e, t in zip(exact, blockwise_work(dims, 256, rule, exact)):
             assert t.pairs[None] >= e.pairs[None] and t.local_pairs[None] >= e.local_pairs[None]
             assert (t.pairs[None] == t.local_pairs[None]) == (dims.mode == "bp")
+
+
+def test_gpu_spec_file_and_flags_replace_the_datasheet(tmp_path):
+    spec = tmp_path / "measured.json"
+    spec.write_text(json.dumps({"matmul_flops": 6.1e14, "inter_node_bytes_per_s": 4.4e10}))
+    d = device_spec("h100", str(spec), {"attention": 0.5}, memory_bytes=70e9)
+    assert (d.matmul_flops, d.inter_node_bytes_per_s, d.memory_bytes) == (6.1e14, 4.4e10, 70e9)
+    assert d.attention_flops == 989e12 * 0.5 and "measured" in d.source
+    spec.write_text(json.dumps({"matmul_tflops": 600}))
+    with pytest.raises(ValueError, match="unknown field"):
+        device_spec("h100", str(spec))
+
+
+def test_validate_from_cached_rates_prints_equal_bytes(tmp_path, capsys):
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps(dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10,
+                                     intra_node_bytes_per_s=3e8, inter_node_bytes_per_s=3e8)))
+    assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates)]) == 0
+    out = capsys.readouterr().out
+    n = len([r for r in json.loads(RECORDS.read_text()) if "error" not in r])
+    assert f"bytes equal for {n}/{n}" in out and "DIFFER" not in out
+
+
+def test_paper_comparison_takes_the_fastest_fitting_of_each_side():
+    from hf_bdlm.planner.cli import compare_modes
+
+    preds = plan_all(tiny_model(), 4096, device_spec("h100"), Cluster(8, 4), ring_transport=False)
+    for group in (None, 8):
+        c = compare_modes(preds, group)
+        pool = [p for p in preds if group in (None, p.dims.block_parallel_size)]
+        assert c["csbp"].tokens_per_s == max(p.tokens_per_s for p in pool if p.dims.mode == "csbp"
+                                             and p.dims.clean_ring_size > 1)
+        assert c["baseline"].tokens_per_s == max(p.tokens_per_s for p in pool if p.dims.mode in ("cp", "bp")
+                                                 and p.dims.block_parallel_size > 1)
