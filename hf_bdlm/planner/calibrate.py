@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 from ..parallel.dims import ParallelDims
-from .cost import (Cluster, Prediction, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, rank_time,
-                   rank_work)
+from .cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
 from .hardware import DeviceSpec
 from .model import ModelSpec, spec_from_config
 
@@ -265,11 +264,7 @@ def validate(records: list[dict], device: DeviceSpec) -> list[dict]:
         work = rank_work(dims, rec["L"], mask_rule_of(model), layer_windows(model))
         if all(a.window is None for a in model.layers):
             work = blockwise_work(dims, rec["L"], mask_rule_of(model), work)  # the CPU kernel's own tiles
-        cluster = Cluster(dims.world_size, dims.world_size)
-        times = [rank_time(model, dims, w, device, cluster, recipe, False) for w in work]
-        pred = Prediction(dims, False, rec["L"], max(t.step_s for t in times), 0.0, None, True,
-                          max(sum(kv_bytes_by_name(model, dims, w, recipe.activation_bytes).values()) for w in work),
-                          tuple(times), 1.0)
+        pred = predict(model, dims, rec["L"], device, Cluster(dims.world_size, dims.world_size), recipe, work=work)
         by_name = [kv_bytes_by_name(model, dims, w, recipe.activation_bytes) for w in work]
         rows.append(dict(label=pred.label if rec["mode"] != "single" else "single", L=rec["L"],
                          predicted_s=pred.step_s, measured_s=rec["step_s"],

@@ -460,12 +460,17 @@ class Prediction:
 
 
 def predict(model: ModelSpec, dims: ParallelDims, seq_len: int, device: DeviceSpec, cluster: Cluster,
-            recipe: Recipe = Recipe(), checkpointing: bool = False, batch: int = 1) -> Prediction:
-    """Step time, throughput, peak memory and K/V bytes of one layout (``dims`` with its world size)."""
+            recipe: Recipe = Recipe(), checkpointing: bool = False, batch: int = 1,
+            work: tuple[RankWork, ...] | None = None) -> Prediction:
+    """Step time, throughput, peak memory and K/V bytes of one layout (``dims`` with its world size).
+
+    ``work`` replaces the per-rank work :func:`rank_work` counts (e.g. the pairs a particular kernel's tiles compute).
+    """
     if dims.world_size is None:
         dims = dims.with_world(cluster.gpus)
-    # The transport moves the same rows differently: the plan, pairs and halos are the allgather layout's.
-    work = rank_work(replace(dims, transport="allgather"), seq_len, mask_rule_of(model), layer_windows(model))
+    if work is None:
+        # The transport moves the same rows differently: the plan, pairs and halos are the allgather layout's.
+        work = rank_work(replace(dims, transport="allgather"), seq_len, mask_rule_of(model), layer_windows(model))
     times = tuple(rank_time(model, dims, w, device, cluster, recipe, checkpointing, batch) for w in work)
     mems = [memory(model, dims, w, recipe, checkpointing) for w in work]
     peak = max(mems, key=lambda m: m.total)
