@@ -17,7 +17,7 @@ from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.parallel.plan import PlanConfig, make_plan, window_exchange
 from hf_bdlm.planner.calibrate import validate
 from hf_bdlm.planner.cost import (Cluster, Recipe, allowed_key_counts, kv_bytes_by_name, layouts, memory, plan_all,
-                                  predict, rank_work, recommend)
+                                  predict, rank_work, recommend, TIE)
 from hf_bdlm.planner.hardware import DeviceSpec, device_spec
 from hf_bdlm.planner.model import AttentionShape, ModelSpec, model_spec, spec_from_config
 
@@ -177,7 +177,9 @@ def test_recommendation_is_the_fastest_layout_that_fits():
     best = recommend(preds)
     fitting = [p for p in preds if p.fits]
     assert 0 < len(fitting) < len(preds) and best.fits
-    assert best.tokens_per_s == max(p.tokens_per_s for p in fitting)
+    top = max(p.tokens_per_s for p in fitting)
+    tied = [p for p in fitting if p.tokens_per_s >= top * (1 - TIE)]
+    assert best in tied and best.memory.total == min(p.memory.total for p in tied)
     assert recommend(plan_all(model, 65536, device_spec("h200", memory_bytes=2 ** 30), cluster,
                               ring_transport=False)) is None
 
@@ -216,7 +218,8 @@ def test_cli_plans_a_config_file_and_recommends(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "recommended: " in text and "csbp P=4 C=2 D=1" in text
     saved = json.loads(out.read_text())
-    assert len(saved) == text.count("\n") - 5 and all(r["fits"] for r in saved)
+    table = [line for line in text.splitlines() if line[:4].strip().lstrip("*").isdigit()]
+    assert len(saved) == len(table) and all(r["fits"] for r in saved)
 
 
 def test_computed_pairs_of_block_tiles_are_the_allowed_pairs_and_grouped_tiles_compute_more():

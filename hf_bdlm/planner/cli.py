@@ -70,7 +70,7 @@ def _row(i: int, p: Prediction, best: Prediction | None) -> str:
     m = p.memory
     states = m.parameters + m.gradients + m.optimizer + m.fsdp_transient
     mark = "*" if p is best else " "
-    return (f"{mark}{i:>3} {p.label:34} {'on' if p.checkpointing else 'off':3} {p.step_s:9.2f} {p.tokens_per_s:10.0f} "
+    return (f"{mark}{i:>3} {p.label:34} {'on' if p.checkpointing else 'off':3} {p.step_s:9.3g} {p.tokens_per_s:10.0f} "
             f"{m.total / GIB:8.1f} {states / GIB:7.1f} {m.activations / GIB:8.1f} {m.gathered_kv / GIB:6.1f} "
             f"{'yes' if p.fits else 'NO':>4} {p.bytes_per_step / GIB:8.2f} {max(r.exposed_comm_s for r in p.ranks):7.2f} "
             f"{p.imbalance:5.2f}")
@@ -85,11 +85,16 @@ def format_table(preds: list[Prediction], best: Prediction | None, device, top: 
     lines.append(f"(memory limit {device.memory_bytes / GIB:.1f} GiB per device; states = parameters + gradients + "
                  "AdamW + gathered FSDP units; KV GiB = K/V bytes received per rank per step; exp_s = exposed "
                  "communication of the slowest rank; imbal = slowest rank's compute / mean)")
+    for mode in ("csbp", "cp", "bp"):
+        fastest = max((p for p in preds if p.fits and p.dims.mode == mode), key=lambda p: p.tokens_per_s, default=None)
+        if fastest is not None:
+            lines.append(f"fastest fitting {mode}: {fastest.label}, AC {'on' if fastest.checkpointing else 'off'}, "
+                         f"{fastest.tokens_per_s:.0f} tokens/s, {fastest.memory.total / GIB:.1f} GiB")
     if best is None:
         lines.append("no layout fits the device memory")
     else:
         lines.append(f"recommended: {best.label}, activation checkpointing {'on' if best.checkpointing else 'off'}: "
-                     f"{best.step_s:.2f} s/step, {best.tokens_per_s:.0f} tokens/s, {best.memory.total / GIB:.1f} GiB "
+                     f"{best.step_s:.3g} s/step, {best.tokens_per_s:.0f} tokens/s, {best.memory.total / GIB:.1f} GiB "
                      "peak per device")
     return "\n".join(lines)
 
@@ -179,6 +184,7 @@ def run_plan(args) -> int:
     preds = plan_all(model, args.context, device, cluster, Recipe(fsdp=not args.no_fsdp),
                      ring_transport=not args.no_ring)
     best = recommend(preds)
+    preds = sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))  # what fits first, fastest first
     print(f"model {model.name}: {model.total_params() / 1e9:.2f}B parameters ({model.active_params() / 1e9:.2f}B "
           f"active), {len(model.layers)} layers, block {model.block_size}; context {args.context}; {args.gpus} x "
           f"{device.name} ({args.gpus_per_node} per node)")

@@ -523,10 +523,17 @@ def plan_all(model: ModelSpec, seq_len: int, device: DeviceSpec, cluster: Cluste
     return sorted(preds, key=lambda p: -p.tokens_per_s)
 
 
+TIE = 0.001  # throughputs this close are a tie for the model (it is not that precise): the smaller peak wins
+
+
 def recommend(predictions: list[Prediction]) -> Prediction | None:
-    """The highest-throughput prediction that fits the device memory (``None`` when none fits)."""
+    """The highest-throughput prediction that fits the device memory (``None`` when none fits); among those within
+    :data:`TIE` of it, the one with the smallest peak memory."""
     fitting = [p for p in predictions if p.fits]
-    return max(fitting, key=lambda p: p.tokens_per_s) if fitting else None
+    if not fitting:
+        return None
+    top = max(p.tokens_per_s for p in fitting)
+    return min((p for p in fitting if p.tokens_per_s >= top * (1 - TIE)), key=lambda p: p.memory.total)
 
 
 __all__ = ["Cluster", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "rank_work",
