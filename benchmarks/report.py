@@ -215,7 +215,7 @@ def plot_modes(records: list[dict], out_dir: Path) -> list[Path]:
         _panels_per_p(records, lambda r: r["tokens_per_s"], "tokens / s (slowest rank)",
                       "Training throughput (forward + backward)", out_dir / "modes_tokens_per_s.png"),
         _panels_per_p(records, lambda r: r["peak_mem_bytes"] / MiB, "peak memory per rank (MiB, above model+batch)",
-                      "Peak memory per rank", out_dir / "modes_peak_memory.png", logy=True),
+                      "Peak memory per rank", out_dir / "modes_peak_memory.png"),
         _panels_per_p([r for r in records if r["mode"] != "single"], lambda r: r["bytes_per_step"] / MiB,
                       "MiB received per step per rank (max over ranks)", "Attention communication volume",
                       out_dir / "modes_bytes_per_step.png"),
@@ -257,7 +257,7 @@ def plot_max_context(results: list[dict], cap_bytes: int, out_dir: Path) -> Path
     plt = pyplot()
     ok = [r for r in results if not r.get("error")]
     single = next((r["longest"] for r in ok if r["mode"] == "single"), None)
-    fig, ax = plt.subplots(figsize=(1.1 * len(ok) + 2.5, 4.2))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.1 * len(ok) + 2.5), 4.4))
     labels = [f"{r['variant']}\nP={r['P']}" for r in ok]
     ax.bar(labels, [r["longest"] for r in ok], color=[COLORS.get(r["mode"], "gray") for r in ok])
     if single:
@@ -265,7 +265,8 @@ def plot_max_context(results: list[dict], cap_bytes: int, out_dir: Path) -> Path
                    label="P x single process")
         ax.legend(fontsize=8)
     ax.set_ylabel("longest trainable L (tokens)")
-    ax.set_title(f"Longest context under {cap_bytes / MiB:.0f} MiB per rank (peak above model+batch)")
+    ax.set_title(f"Longest trainable L under {cap_bytes / MiB:.0f} MiB per rank\n(step's peak above model + batch)",
+                 fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     path = Path(out_dir) / "max_context.png"
