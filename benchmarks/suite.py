@@ -239,12 +239,14 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
         sections.append(f"Machine: {machine['cpus']} CPU cores, {machine['platform']}, torch {machine['torch']}, "
                         f"gloo, one thread per rank. Runs: {runs}.")
     if modes is not None:
-        plots += report.plot_modes(modes, out)
+        if report.ok_records(modes):
+            plots += report.plot_modes(modes, out)
         sections.append(("Parallel modes (step = forward + backward of one sequence; peak memory per rank above "
                          "model and batch; MiB received per step per rank)", report.modes_table(modes, True),
                          report.modes_table(modes)))
     if growth is not None:
-        plots.append(report.plot_growth(growth["records"], growth["fits"], out))
+        if growth["fits"]:
+            plots.append(report.plot_growth(growth["records"], growth["fits"], out))
         sections.append((f"Cost growth: step time (s) per L and the fitted exponent ({growth['layers']} layer(s))",
                          report.growth_table(growth["fits"], True), report.growth_table(growth["fits"])))
     if mc is not None:
@@ -254,7 +256,8 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
                          f"({mc['layers']} layer(s); grid {mc['grid']} tokens; {mc['memory']})",
                          report.max_context_table(mc["results"], True), report.max_context_table(mc["results"])))
     if attention is not None:
-        plots.append(report.plot_attention(attention, out))
+        if any("time_s" in r for r in attention):
+            plots.append(report.plot_attention(attention, out))
         sections.append(("Attention backends and training step (benchmarks/attention.py)",
                          report.attention_table(attention, True), report.attention_table(attention)))
     md = []
@@ -280,6 +283,25 @@ def _machine() -> dict:
                 torch=torch.__version__, processor=platform.processor() or platform.machine())
 
 
+def _run_study(study: str, cfg: BenchConfig, out: pathlib.Path, modes_records: list[dict]) -> int:
+    """Run one study, write its JSON; returns how many of its measurements failed. ``modes_records`` is extended
+    with the modes study's records (the growth study reuses them)."""
+    if study == "modes":
+        modes_records[:] = run_modes(cfg)
+        return sum("error" in r for r in modes_records)
+    if study == "attention":
+        # "skipped (needs / predicted ...)" is the script's own size limit; failures and timeouts count.
+        return sum(r.get("skipped", "").startswith(("failed", "timed out")) for r in run_attention(cfg))
+    if study == "growth":
+        growth = run_growth(cfg, modes_records)
+        (out / "growth.json").write_text(json.dumps(growth, indent=1))
+        return growth["failed"]
+    mc = max_context.run_study(cfg.max_context_nprocs, cfg.max_context_modes, cfg.mem_cap, cfg.max_context_layers,
+                               cfg.max_context_limit, cfg.timeout, log=_progress)
+    (out / "max_context.json").write_text(json.dumps(mc, indent=1))
+    return sum(bool(r.get("error")) for r in mc["results"])
+
+
 def run(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     if args.report_only:
@@ -301,26 +323,18 @@ def run(args: argparse.Namespace) -> int:
     for study in STUDIES:
         if study not in cfg.studies:
             continue
-        t0, load_study = time.perf_counter(), os.getloadavg()[0]
-        if study == "modes":
-            modes_records = run_modes(cfg)
-            failed = sum("error" in r for r in modes_records)
-        elif study == "attention":
-            # "skipped (needs / predicted ...)" is the script's own size limit; failures and timeouts count.
-            failed = sum(r.get("skipped", "").startswith(("failed", "timed out")) for r in run_attention(cfg))
-        elif study == "growth":
-            growth = run_growth(cfg, modes_records)
-            (out / "growth.json").write_text(json.dumps(growth, indent=1))
-            failed = growth["failed"]
-        else:
-            mc = max_context.run_study(cfg.max_context_nprocs, cfg.max_context_modes, cfg.mem_cap,
-                                       cfg.max_context_layers, cfg.max_context_limit, cfg.timeout, log=_progress)
-            (out / "max_context.json").write_text(json.dumps(mc, indent=1))
-            failed = sum(bool(r.get("error")) for r in mc["results"])
+        t0, load_study, error = time.perf_counter(), os.getloadavg()[0], None
+        try:
+            failed = _run_study(study, cfg, out, modes_records)
+        except RuntimeError as err:  # a study that cannot finish (e.g. its script crashed): the others still run
+            failed, error = 1, str(err)
+            _progress(f"{study}: FAILED: {err}")
         wall = time.perf_counter() - t0
         summary["studies"][study] = dict(command=command, quick=cfg.quick, wall_s=round(wall, 1), failed=failed,
                                          load_average_start=round(load_study, 2),
                                          load_average_end=round(os.getloadavg()[0], 2), config=config)
+        if error:
+            summary["studies"][study]["error"] = error
         _progress(f"{study}: done in {wall:.0f} s" + (f", {failed} failed or skipped" if failed else ""))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     summary["plots"] = [p.name for p in write_report(out, args.markdown)]

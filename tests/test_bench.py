@@ -229,3 +229,12 @@ def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["studies"]["modes"]["failed"] == 0 and summary["machine"]["cpus"] >= 1
     assert all(_is_png(out / n) for n in summary["plots"]) and len(summary["plots"]) == 4
+
+
+def test_report_of_a_study_where_everything_failed_lists_the_errors_without_plots(tmp_path):
+    failed = [dict(mode="csbp", transport="allgather", schedule="dual_end", P=2, C=2, L=1024, layers=1,
+                   error="Traceback ...\nMemoryError: killed")]
+    (tmp_path / "parallel_modes.json").write_text(json.dumps(failed))
+    assert cli.main(["bench", "--report-only", "--out", str(tmp_path)]) == 0
+    assert "MemoryError: killed" in (tmp_path / "summary.md").read_text()
+    assert not list(tmp_path.glob("*.png"))
