@@ -250,8 +250,9 @@ def test_gpu_spec_file_and_flags_replace_the_datasheet(tmp_path):
 
 def test_validate_from_cached_rates_prints_equal_bytes(tmp_path, capsys):
     rates = tmp_path / "rates.json"
-    rates.write_text(json.dumps(dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10,
-                                     intra_node_bytes_per_s=3e8, inter_node_bytes_per_s=3e8)))
+    one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
+               inter_node_bytes_per_s=3e8)
+    rates.write_text(json.dumps({"processes": {"1": one, "2": dict(one, matmul_flops=4e10)}}))
     assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates)]) == 0
     out = capsys.readouterr().out
     n = len([r for r in json.loads(RECORDS.read_text()) if "error" not in r])

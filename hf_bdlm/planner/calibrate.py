@@ -1,12 +1,12 @@
 """The planner on this machine: CPU rates measured once, and predictions of ``benchmarks/parallel_modes.py`` records.
 
-:func:`measure_cpu` times, with one thread per rank as the benchmark runs, (1) the benchmarked model's matrix
-multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse
-attention forward and backward over the vectorized rows of one sequence (``blockwise`` backend, FLOPs
-counted from the pairs its tile plan computes), (3) an elementwise add (the bandwidth elementwise work sees) and
-(4) gloo's all-gather between two local processes; each the fastest of several runs (a shared machine only slows
-a run down). The rates become a :class:`~.hardware.DeviceSpec` and are cached in a JSON file (``--remeasure``
-measures again).
+:func:`measure_cpu` times, in as many single-threaded processes as the benchmark ran ranks, all at once (so the
+rates are those of ranks sharing the machine's cores, caches and memory bandwidth): (1) the benchmarked model's
+matrix multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse
+attention forward and backward over the vectorized rows of one sequence (``blockwise`` backend, FLOPs counted
+from the pairs its tile plan computes), (3) an elementwise add (the bandwidth elementwise work sees) and (4)
+gloo's all-gather between the processes; each the fastest of several runs. The rates of the slowest process
+become a :class:`~.hardware.DeviceSpec`, cached per process count in a JSON file (``--remeasure`` measures again).
 
 :func:`validate` predicts each record's step time and K/V bytes with that device and the benchmark's own
 model config (``benchmarks.parallel_modes.model_config``); the attention work of each rank is what the
@@ -27,7 +27,7 @@ from pathlib import Path
 from ..parallel.dims import ParallelDims
 from .cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
 from .hardware import DeviceSpec
-from .model import ModelSpec, spec_from_config
+from .model import AttentionShape, ModelSpec, spec_from_config
 
 DEFAULT_CACHE = Path(os.environ.get("HF_BDLM_CACHE", Path.home() / ".cache" / "hf_bdlm")) / "cpu_rates.json"
 
@@ -113,76 +113,84 @@ def _elementwise_rate(numel: int = 1 << 23) -> float:
     return 3 * numel * 4 / _best_time(lambda: torch.add(x, y, out=out), repeats=9)
 
 
-def gloo_worker(rank: int, store: str, nbytes, out: str) -> None:
-    """One of the two processes of :func:`_gloo_rate`."""
-    nbytes = int(nbytes)
+def rates_worker(rank: int, world, store: str, out: str, spec_json: str) -> None:
+    """One of the ``world`` processes of :func:`measure_cpu`: every process times the kernels at once (as the
+    benchmark's ranks compute at once), then the all-gather between them."""
     import torch
     import torch.distributed as dist
 
+    world = int(world)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    shard = torch.ones(nbytes // 8 // 4)  # float32; every rank sends one half of the gathered buffer
-    buf = torch.empty(2 * shard.numel())
-    dist.all_gather_into_tensor(buf, shard)
-    times = []
-    for _ in range(5):
+    spec = json.loads(Path(spec_json).read_text())
+    model = ModelSpec(**dict(spec, layers=tuple(AttentionShape(**a) for a in spec["layers"]), notes=()))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         dist.barrier()
-        t0 = time.perf_counter()
+    rates = dict(matmul_flops=_matmul_rate(model), attention_flops=_attention_rate(model),
+                 hbm_bytes_per_s=_elementwise_rate())
+    if world > 1:
+        dist.barrier()
+        shard = torch.ones((32 << 20) // 4 // world)  # float32; a 32 MiB gathered buffer
+        buf = torch.empty(world * shard.numel())
         dist.all_gather_into_tensor(buf, shard)
-        times.append(time.perf_counter() - t0)
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(buf, shard)
+            times.append(time.perf_counter() - t0)
+        rates["intra_node_bytes_per_s"] = (world - 1) * shard.numel() * 4 / min(times)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, rates)
+        dist.destroy_process_group()
+        # The group runs at the pace of its slowest rank.
+        rates = {k: min(r[k] for r in everyone) for k in rates}
+    else:
+        rates["intra_node_bytes_per_s"] = float("inf")  # one process moves nothing
+    rates["inter_node_bytes_per_s"] = rates["intra_node_bytes_per_s"]
     if rank == 0:
-        Path(out).write_text(json.dumps({"received": shard.numel() * 4, "seconds": min(times)}))
-    dist.destroy_process_group()
+        Path(out).write_text(json.dumps(rates))
 
 
-def _gloo_rate(nbytes: int = 32 << 20) -> float:
-    """Bytes per second a rank receives in an all-gather between two fresh local processes (gloo, one thread)."""
+def measure_cpu(model: ModelSpec, processes: int = 1) -> dict:
+    """This machine's rates at ``model``'s shapes with ``processes`` single-threaded processes timing at once
+    (each a fresh interpreter; see the module docstring)."""
     import subprocess
     import sys
+    from dataclasses import asdict
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "gloo.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        code = "import sys; from hf_bdlm.planner.calibrate import gloo_worker; gloo_worker(int(sys.argv[1]), *sys.argv[2:])"
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), os.path.join(tmp, "store"), str(nbytes), out],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-        errors = [p.communicate(timeout=300)[1] for p in procs]
+        out, spec = os.path.join(tmp, "rates.json"), os.path.join(tmp, "spec.json")
+        Path(spec).write_text(json.dumps(asdict(model)))
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        code = ("import sys; from hf_bdlm.planner.calibrate import rates_worker; "
+                "rates_worker(int(sys.argv[1]), *sys.argv[2:])")
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), os.path.join(tmp, "store"),
+                                   out, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(processes)]
+        errors = [p.communicate(timeout=600)[1] for p in procs]
         if any(p.returncode for p in procs) or not os.path.exists(out):
-            raise RuntimeError(f"measuring gloo bandwidth failed: {errors[0][-2000:] or errors[1][-2000:]}")
-        r = json.loads(Path(out).read_text())
-    return r["received"] / r["seconds"]
+            raise RuntimeError(f"measuring the CPU rates failed: {next((e for e in errors if e), '')[-2000:]}")
+        return json.loads(Path(out).read_text())
 
 
-def measure_cpu(model: ModelSpec) -> dict:
-    """This machine's rates at ``model``'s shapes, one thread per rank (see the module docstring)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rates = dict(matmul_flops=_matmul_rate(model), attention_flops=_attention_rate(model),
-                     hbm_bytes_per_s=_elementwise_rate())
-    finally:
-        torch.set_num_threads(threads)
-    gloo = _gloo_rate()
-    rates.update(intra_node_bytes_per_s=gloo, inter_node_bytes_per_s=gloo)
-    return rates
-
-
-def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False) -> DeviceSpec:
-    """The CPU as a :class:`DeviceSpec`: rates from ``cache``, measured (and written there) when absent."""
+def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False,
+               processes: int = 1) -> DeviceSpec:
+    """The CPU running ``processes`` ranks as a :class:`DeviceSpec`: rates from ``cache`` (one entry per process
+    count), measured and written there when absent or with ``remeasure``."""
     path = Path(cache)
-    rates = None
-    if path.exists() and not remeasure:
-        rates = json.loads(path.read_text())
-    if rates is None:
-        rates = measure_cpu(model)
-        rates["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    key = str(processes)
+    if remeasure or key not in cached.get("processes", {}):
+        rates = dict(measure_cpu(model, processes), measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+        cached.setdefault("processes", {})[key] = rates
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rates, indent=1))
-    return DeviceSpec(name="cpu (1 thread per rank)", matmul_flops=rates["matmul_flops"],
-                      attention_flops=rates["attention_flops"], memory_bytes=float("inf"),
-                      hbm_bytes_per_s=rates["hbm_bytes_per_s"], intra_node_bytes_per_s=rates["intra_node_bytes_per_s"],
+        path.write_text(json.dumps(cached, indent=1))
+    rates = cached["processes"][key]
+    return DeviceSpec(name=f"cpu ({processes} process{'es' if processes > 1 else ''}, 1 thread each)",
+                      matmul_flops=rates["matmul_flops"], attention_flops=rates["attention_flops"],
+                      memory_bytes=float("inf"), hbm_bytes_per_s=rates["hbm_bytes_per_s"],
+                      intra_node_bytes_per_s=rates["intra_node_bytes_per_s"],
                       inter_node_bytes_per_s=rates["inter_node_bytes_per_s"],
                       source=f"measured {rates.get('measured_at', '')} ({path})")
 
@@ -252,8 +260,9 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
     return out
 
 
-def validate(records: list[dict], device: DeviceSpec) -> list[dict]:
-    """Predicted against measured step time and bytes of each successful record."""
+def validate(records: list[dict], device) -> list[dict]:
+    """Predicted against measured step time and bytes of each successful record. ``device`` is a
+    :class:`DeviceSpec`, or a function of the record's process count returning one."""
     rows = []
     for rec in records:
         if "error" in rec or "step_s" not in rec:
@@ -264,7 +273,8 @@ def validate(records: list[dict], device: DeviceSpec) -> list[dict]:
         work = rank_work(dims, rec["L"], mask_rule_of(model), layer_windows(model))
         if all(a.window is None for a in model.layers):
             work = blockwise_work(dims, rec["L"], mask_rule_of(model), work)  # the CPU kernel's own tiles
-        pred = predict(model, dims, rec["L"], device, Cluster(dims.world_size, dims.world_size), recipe, work=work)
+        dev = device(dims.world_size) if callable(device) else device
+        pred = predict(model, dims, rec["L"], dev, Cluster(dims.world_size, dims.world_size), recipe, work=work)
         by_name = [kv_bytes_by_name(model, dims, w, recipe.activation_bytes) for w in work]
         rows.append(dict(label=pred.label if rec["mode"] != "single" else "single", L=rec["L"],
                          predicted_s=pred.step_s, measured_s=rec["step_s"],
@@ -279,12 +289,13 @@ def validate(records: list[dict], device: DeviceSpec) -> list[dict]:
     return rows
 
 
-def format_validation(rows: list[dict], device: DeviceSpec) -> str:
+def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
     head = (f"{'layout':34} {'L':>6} {'pred_s':>8} {'meas_s':>8} {'err':>7} {'attn_s':>7} {'mat_s':>7} {'comm_s':>7} "
             f"{'wait_s':>7} {'pred_bytes':>11} {'meas_bytes':>11} bytes")
-    lines = [f"device: {device.name}: matmul {device.matmul_flops / 1e9:.1f} GFLOP/s, attention "
-             f"{device.attention_flops / 1e9:.1f} GFLOP/s, elementwise {device.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo "
-             f"{device.intra_node_bytes_per_s / 1e9:.2f} GB/s ({device.source})", head, "-" * len(head)]
+    lines = [f"{d.name}: matmul {d.matmul_flops / 1e9:.1f} GFLOP/s, attention {d.attention_flops / 1e9:.1f} GFLOP/s, "
+             f"elementwise {d.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo {d.intra_node_bytes_per_s / 1e9:.2f} GB/s "
+             f"({d.source})" for d in devices]
+    lines += [head, "-" * len(head)]
     for r in rows:
         same = r["predicted_bytes"] == r["measured_bytes"] and all(
             r["predicted_by_name"].get(k, 0) == v for k, v in r["measured_by_name"].items())

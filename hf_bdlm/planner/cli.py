@@ -159,10 +159,12 @@ def run_validate(args) -> int:
     ok = [r for r in records if "error" not in r and "step_s" in r]
     if not ok:
         raise ValueError(f"{args.validate} has no successful record (each needs mode, P, C, L, layers, step_s).")
-    device = cpu_device(benchmark_model(ok[0]["layers"], ok[0].get("window")), args.rates_cache or DEFAULT_CACHE,
-                        args.remeasure)
-    rows = validate(ok, device)
-    print(format_validation(rows, device))
+    model = benchmark_model(ok[0]["layers"], ok[0].get("window"))
+    devices: dict = {}
+    for processes in sorted({1 if r["mode"] == "single" else r["P"] for r in ok}):
+        devices[processes] = cpu_device(model, args.rates_cache or DEFAULT_CACHE, args.remeasure, processes)
+    rows = validate(ok, devices.__getitem__)
+    print(format_validation(rows, list(devices.values())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
