@@ -149,6 +149,21 @@ def test_model_spec_counts_the_parameters_of_the_transformers_model():
         assert abs(spec.total_params() - real) / real < 0.01, (spec.total_params(), real)  # norms are estimated
 
 
+def test_model_spec_reads_diffusion_gemma_configs():
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    cfg = DiffusionGemmaConfig(text_config=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256, sliding_window=32, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32))
+    spec = spec_from_config(json.loads(json.dumps(cfg.to_dict())))  # as read back from config.json
+    real = sum(p.numel() for n, p in DiffusionGemmaForBlockDiffusion(cfg).named_parameters() if "vision" not in n)
+    assert abs(spec.total_params() - real) / real < 0.01, (spec.total_params(), real)
+    assert [a.window for a in spec.layers] == [32] * 5 + [None] and spec.layers[5].head_dim == 512
+    assert (spec.num_experts, spec.top_k, spec.moe_intermediate, spec.intermediate) == (4, 2, 32, 128)
+    assert (spec.clean_attention, spec.window_convention, spec.block_size) == ("causal", "block_start", 256)
+
+
 def test_presets_have_their_stated_sizes():
     dense, moe = model_spec("gemma3-27b"), model_spec("diffusiongemma-26b-a4b")
     assert 26.5e9 < dense.total_params() < 27.5e9

@@ -17,7 +17,7 @@ Two presets stand for the paper's settings (:data:`PRESETS`):
 - ``diffusiongemma-26b-a4b`` (MoE SFT). **Assumed sizes**, chosen to be consistent with the name
   (about 25-26B parameters, about 4B active per token) and the Gemma 4 config fields; they are not
   a published config: hidden 2816, 30 layers, 16 heads, 8 K/V heads of dim 256 on sliding layers
-  (window 1024, five of six layers), 2 K/V heads of dim 512 on global layers, 128 experts, top 8,
+  (window 1024, five of six layers), 2 K/V heads of dim 512 on global layers (V = K), 128 experts, top 8,
   expert MLP 704, dense MLP 2112 beside the experts, vocabulary 262144. Block (canvas) 256, a
   token-causal clean stream (the encoder) and the ``block_start`` window convention.
 
@@ -45,6 +45,7 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     window: int | None = None
+    value_is_key: bool = False  # no v_proj: V = K (Gemma 4 / DiffusionGemma global layers); K and V still travel
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class ModelSpec:
         clean_attention (`str`): ``"block_causal"`` or ``"causal"`` (the clean stream's rule).
         window_convention (`str`): ``"per_query"`` or ``"block_start"`` (docs/design.md §1).
         head_on_clean (`bool`): the loss also runs the LM head on the clean rows (an AR loss).
+        extra_params (`int`): parameters outside the decoder layers and embeddings (DiffusionGemma's
+            self-conditioning MLP); stored and sharded, their FLOPs neglected.
     """
 
     name: str
@@ -78,12 +81,13 @@ class ModelSpec:
     clean_attention: str = "block_causal"
     window_convention: str = "per_query"
     head_on_clean: bool = False
+    extra_params: int = 0
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     # --- parameters ------------------------------------------------------------------------------
     def attention_params(self, i: int) -> int:
         a = self.layers[i]
-        return self.hidden * a.heads * a.head_dim * 2 + self.hidden * a.kv_heads * a.head_dim * 2
+        return self.hidden * a.heads * a.head_dim * 2 + self.hidden * a.kv_heads * a.head_dim * (1 + (not a.value_is_key))
 
     def mlp_params(self) -> int:
         """Dense MLP (gate, up, down) of one layer."""
@@ -109,7 +113,7 @@ class ModelSpec:
         return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
     def total_params(self) -> int:
-        return self.embedding_params() + sum(self.layer_params(i) for i in range(len(self.layers)))
+        return self.embedding_params() + sum(self.layer_params(i) for i in range(len(self.layers))) + self.extra_params
 
     def active_params(self) -> int:
         return self.embedding_params() + sum(self.layer_active_params(i) for i in range(len(self.layers)))
@@ -179,12 +183,28 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
         types = ["sliding_attention" if sliding else "full_attention"] * n_layers
     if len(types) != n_layers:
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n_layers}.")
+    # Gemma 4 / DiffusionGemma: per-layer overrides (``per_layer_config``, what the config object writes), or the
+    # global layers' sizes as config.json fields.
+    overrides = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
     global_dim = _get(cfg, "global_head_dim", default=head_dim)
     global_kv = _get(cfg, "num_global_key_value_heads", default=kv)
-    layers = tuple(
-        AttentionShape(heads, kv, head_dim, window) if t == "sliding_attention"
-        else AttentionShape(heads, global_kv, global_dim, None)
-        for t in types)
+    # Global layers share K and V when the config says so (Gemma 4's attention_k_eq_v; DiffusionGemma's text config
+    # has no such field and its global layers have no v_proj).
+    diffusion_gemma = "diffusion_gemma" in str(outer.get("model_type", ""))
+    k_eq_v = bool(cfg.get("attention_k_eq_v", diffusion_gemma))
+    layers = []
+    for i, t in enumerate(types):
+        if i in overrides:
+            o = overrides[i]
+            sliding = t == "sliding_attention"
+            layers.append(AttentionShape(o.get("num_attention_heads", heads), o.get("num_key_value_heads", kv),
+                                         o.get("head_dim", head_dim), window if sliding else None,
+                                         k_eq_v and not sliding))
+        elif t == "sliding_attention":
+            layers.append(AttentionShape(heads, kv, head_dim, window))
+        else:
+            layers.append(AttentionShape(heads, global_kv, global_dim, None, k_eq_v))
+    layers = tuple(layers)
     experts = _get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0
     top_k = _get(cfg, "top_k_experts", "num_experts_per_tok", default=0) or 0
     moe_i = _get(cfg, "moe_intermediate_size", default=0) or 0
@@ -198,14 +218,14 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
         # expert, when declared, is a dense MLP of its own width).
         intermediate = intermediate if cfg.get("enable_moe_block") else _get(
             cfg, "shared_expert_intermediate_size", default=0)
-    diffusion_gemma = "diffusion_gemma" in str(outer.get("model_type", ""))
     B = block_size or _get(outer, "block_size", "canvas_length", default=32)
     clean = outer.get("clean_attention") or ("causal" if diffusion_gemma else "block_causal")
     convention = outer.get("sliding_window_convention") or ("block_start" if diffusion_gemma else "per_query")
     return ModelSpec(name=name, hidden=h, vocab=cfg["vocab_size"], layers=layers, intermediate=intermediate,
                      num_experts=experts, top_k=top_k, moe_intermediate=moe_i,
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), block_size=B,
-                     clean_attention=clean, window_convention=convention, head_on_clean=diffusion_gemma)
+                     clean_attention=clean, window_convention=convention, head_on_clean=diffusion_gemma,
+                     extra_params=3 * h * _get(cfg, "intermediate_size", default=0) + h if diffusion_gemma else 0)
 
 
 def _gemma_layer_types(n: int, pattern: int = 6) -> list[str]:
@@ -226,7 +246,7 @@ DIFFUSIONGEMMA_26B_A4B = dict(
                      head_dim=256, global_head_dim=512, num_global_key_value_heads=2, intermediate_size=2112,
                      enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
                      vocab_size=262144, sliding_window=1024, layer_types=_gemma_layer_types(30),
-                     tie_word_embeddings=True))
+                     attention_k_eq_v=True, tie_word_embeddings=True))
 
 PRESETS = {"gemma3-27b": GEMMA3_27B, "diffusiongemma-26b-a4b": DIFFUSIONGEMMA_26B_A4B}
 
