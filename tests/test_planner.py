@@ -16,8 +16,8 @@ from hf_bdlm.cli import main
 from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.parallel.plan import PlanConfig, make_plan, window_exchange
 from hf_bdlm.planner.calibrate import validate
-from hf_bdlm.planner.cost import (Cluster, Recipe, allowed_key_counts, kv_bytes_by_name, layouts, memory, plan_all,
-                                  predict, rank_work, recommend, TIE)
+from hf_bdlm.planner.cost import (TIE, Cluster, Recipe, allowed_key_counts, kv_bytes_by_name, layouts, plan_all,
+                                  predict, rank_work, recommend)
 from hf_bdlm.planner.hardware import DeviceSpec, device_spec
 from hf_bdlm.planner.model import AttentionShape, ModelSpec, model_spec, spec_from_config
 
@@ -85,7 +85,8 @@ def test_halo_rows_equal_the_layouts_window_exchange(dims):
 
 
 @pytest.mark.parametrize("mode,P,C,transport", [
-    (m, P, C, t) for m, P, C in (("cp", 2, 2), ("cp", 4, 4), ("csbp", 4, 4), ("csbp", 4, 2), ("bp", 4, 1), ("csbp", 4, 1))
+    (m, P, C, t)
+    for m, P, C in (("cp", 2, 2), ("cp", 4, 4), ("csbp", 4, 4), ("csbp", 4, 2), ("bp", 4, 1), ("csbp", 4, 1))
     for t in ("allgather", "ring") if not (m == "bp" and t == "ring")])  # bp has no transport
 def test_kv_bytes_equal_the_design_formulas(mode, P, C, transport):
     L, s, model = 256, 4, tiny_model(layers=3)

@@ -72,7 +72,8 @@ def _row(i: int, p: Prediction, best: Prediction | None) -> str:
     mark = "*" if p is best else " "
     return (f"{mark}{i:>3} {p.label:34} {'on' if p.checkpointing else 'off':3} {p.step_s:9.3g} {p.tokens_per_s:10.0f} "
             f"{m.total / GIB:8.1f} {states / GIB:7.1f} {m.activations / GIB:8.1f} {m.gathered_kv / GIB:6.1f} "
-            f"{'yes' if p.fits else 'NO':>4} {p.bytes_per_step / GIB:8.2f} {max(r.exposed_comm_s for r in p.ranks):7.2f} "
+            f"{'yes' if p.fits else 'NO':>4} {p.bytes_per_step / GIB:8.2f} "
+            f"{max(r.exposed_comm_s for r in p.ranks):7.2f} "
             f"{p.imbalance:5.2f}")
 
 

@@ -116,10 +116,11 @@ def device_spec(name: str, spec_file: str | None = None, efficiency: dict | None
     if spec_file:
         with open(spec_file) as f:
             measured = json.load(f)
-        bad = set(measured) - names
-        if not isinstance(measured, dict) or bad:
-            raise ValueError(f"--gpu-spec {spec_file}: unknown field(s) {sorted(bad)}; a JSON object of {sorted(names)}.")
-        spec = replace(spec, **measured, source=measured.get("source", f"measured ({spec_file})"))
+        bad = sorted(set(measured) - names) if isinstance(measured, dict) else "(not an object)"
+        if bad:
+            raise ValueError(f"--gpu-spec {spec_file}: unknown field(s) {bad}; give a JSON object of "
+                             f"{sorted(names)}.")
+        spec = replace(spec, **{"source": f"measured ({spec_file})", **measured})
     given = {k: v for k, v in overrides.items() if v is not None}
     for k, v in given.items():
         if k not in names or k in ("name", "source"):

@@ -87,7 +87,8 @@ class ModelSpec:
     # --- parameters ------------------------------------------------------------------------------
     def attention_params(self, i: int) -> int:
         a = self.layers[i]
-        return self.hidden * a.heads * a.head_dim * 2 + self.hidden * a.kv_heads * a.head_dim * (1 + (not a.value_is_key))
+        kv_projections = 1 if a.value_is_key else 2
+        return self.hidden * a.heads * a.head_dim * 2 + self.hidden * a.kv_heads * a.head_dim * kv_projections
 
     def mlp_params(self) -> int:
         """Dense MLP (gate, up, down) of one layer."""
