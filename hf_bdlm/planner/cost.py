@@ -182,32 +182,32 @@ def _members(plan: GroupPlan, rank: int) -> tuple[int, ...]:
     return plan.ring_members(rank) if plan.config.mode == "csbp" else tuple(range(len(plan.ranks)))
 
 
-def _sent_positions(plan: GroupPlan, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stream, position) of the rows ``rank`` communicates: ``csbp`` its clean rows, ``cp`` all its rows."""
-    rows = plan.ranks[rank].rows()
-    if plan.config.mode == "csbp":
-        rows = rows.slice(plan.ranks[rank].local_noisy_rows, rows.num_rows)
-    return rows.stream, rows.pos
+def _sent_ranges(plan: GroupPlan, rank: int) -> list[tuple[int, int]]:
+    """Position ranges of the rows ``rank`` communicates: ``csbp`` its clean rows, ``cp`` all its rows (noisy then
+    clean; a position may appear in both streams)."""
+    rp = plan.ranks[rank]
+    clean = list(rp.clean_positions)
+    return clean if plan.config.mode == "csbp" else _block_runs(rp.noisy_blocks, rp.block_size) + clean
 
 
 def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]:
     """Rows each rank receives from / sends to its peers on a sliding layer: the peers' sent rows inside the
     window of its queries (:func:`keys_in_window`, as the sharded layout selects them)."""
-    P = len(plan.ranks)
+    P, L = len(plan.ranks), plan.config.seq_len
     recv, sent = [0] * P, [0] * P
     if plan.config.mode == "bp" or rule.sliding_window is None:
         return recv, sent
-    queries = [plan.ranks[r].rows() for r in range(P)]
-    offered = [_sent_positions(plan, r) for r in range(P)]
     for me in range(P):
         peers = [p for p in _members(plan, me) if p != me]
         if not peers:
             continue
-        # One pass over all peers' rows (the window's reach is a union of intervals), split by peer afterwards.
-        keys = torch.cat([offered[p][1] for p in peers])
-        hit = keys_in_window(queries[me].stream, queries[me].pos, keys, rule).long()
-        per_peer = torch.stack([h.sum() for h in hit.split([offered[p][1].numel() for p in peers])])
-        for p, n in zip(peers, per_peer.tolist()):
+        # Which positions some query of this rank reaches (the window is an interval per query), as prefix sums:
+        # a peer's rows in reach are then a few range sums.
+        q = plan.ranks[me].rows()
+        reached = keys_in_window(q.stream, q.pos, torch.arange(L), rule).long().cumsum(0)
+        reached = torch.cat([torch.zeros(1, dtype=torch.long), reached])
+        for p in peers:
+            n = sum(int(reached[e] - reached[s]) for s, e in _sent_ranges(plan, p))
             recv[me] += n
             sent[p] += n
     return recv, sent
