@@ -93,10 +93,9 @@ class Recipe:
 # ----------------------------------------------------------------------------------------------
 # attention pairs
 # ----------------------------------------------------------------------------------------------
-def allowed_key_counts(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRule,
-                       clean_ranges=None, noisy_ranges=None) -> torch.Tensor:
-    """Allowed keys of each query row of one document, among the clean keys in ``clean_ranges`` and the noisy keys
-    in ``noisy_ranges`` (half-open position ranges; ``None``: the whole sequence).
+def key_intervals(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRule):
+    """Per query row of one document, its allowed clean keys ``[clean_lo, clean_hi]`` and noisy keys
+    ``[noisy_lo, noisy_hi]`` (inclusive; empty when ``lo > hi``).
 
     Per key stream a query's allowed keys are one interval (docs/design.md §1): a noisy query sees clean
     ``[0, s_b)`` and noisy ``[s_b, s_b + B)``; a clean query clean ``[0, s_b + B)`` (``block_causal``) or
@@ -113,11 +112,24 @@ def allowed_key_counts(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRu
         w_lo, w_hi = window_key_range(q_stream, q_pos, rule)
         clean_lo, clean_hi = torch.maximum(clean_lo, w_lo), torch.minimum(clean_hi, w_hi)
         noisy_lo, noisy_hi = torch.maximum(noisy_lo, w_lo), torch.minimum(noisy_hi, w_hi)
-    inf = int(q_pos.max()) + 1 if q_pos.numel() else 0
-    total = torch.zeros_like(q_pos)
+    return clean_lo, clean_hi, noisy_lo, noisy_hi
+
+
+def _overlap(lo: torch.Tensor, hi: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Keys of ``[lo, hi]`` (inclusive, per query) inside ``[start, end)``."""
+    return (hi.clamp(max=end - 1) - lo.clamp(min=start) + 1).clamp(min=0)
+
+
+def allowed_key_counts(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRule,
+                       clean_ranges=None, noisy_ranges=None) -> torch.Tensor:
+    """Allowed keys of each query row of one document (:func:`key_intervals`), among the clean keys in
+    ``clean_ranges`` and the noisy keys in ``noisy_ranges`` (half-open position ranges; ``None``: all)."""
+    clean_lo, clean_hi, noisy_lo, noisy_hi = key_intervals(q_stream, q_pos, rule)
+    everything = ((0, int(q_pos.max()) + rule.block_size + 1),) if q_pos.numel() else ((0, 0),)
+    total = torch.zeros_like(clean_lo)
     for lo, hi, ranges in ((clean_lo, clean_hi, clean_ranges), (noisy_lo, noisy_hi, noisy_ranges)):
-        for s, e in ranges if ranges is not None else ((0, inf + B),):
-            total += (torch.minimum(hi, torch.tensor(e - 1)) - torch.maximum(lo, torch.tensor(s)) + 1).clamp(min=0)
+        for s, e in ranges if ranges is not None else everything:
+            total += _overlap(lo, hi, s, e)
     return total
 
 
@@ -144,12 +156,19 @@ class RankWork:
 
 
 @lru_cache(maxsize=64)
+def _position_intervals(seq_len: int, rule: MaskRule) -> dict:
+    """:func:`key_intervals` of a noisy and of a clean query at every position."""
+    pos = torch.arange(seq_len)
+    return {stream: key_intervals(torch.full_like(pos, stream), pos, rule) for stream in (NOISY, CLEAN)}
+
+
+@lru_cache(maxsize=64)
 def _cumulative_counts(seq_len: int, rule: MaskRule) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefix sums over positions of every noisy and every clean query's allowed keys (length ``L + 1`` each)."""
-    pos = torch.arange(seq_len)
     out = []
     for stream in (NOISY, CLEAN):
-        counts = allowed_key_counts(torch.full_like(pos, stream), pos, rule)
+        clean_lo, clean_hi, noisy_lo, noisy_hi = _position_intervals(seq_len, rule)[stream]
+        counts = _overlap(clean_lo, clean_hi, 0, seq_len) + _overlap(noisy_lo, noisy_hi, 0, seq_len)
         out.append(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
     return out[0], out[1]
 
@@ -170,11 +189,15 @@ def _rank_pairs(rp: RankPlan, rule: MaskRule, local_is_total: bool) -> tuple[int
     total += sum(int(clean_cum[e] - clean_cum[s]) for s, e in rp.clean_positions)
     if local_is_total:
         return total, total
-    noisy, clean = rp.noisy_positions(), rp.clean_position_index()
-    stream = torch.cat([torch.full_like(noisy, NOISY), torch.full_like(clean, CLEAN)])
-    pos = torch.cat([noisy, clean])
     # Own rows: a noisy query's noisy keys are its own block, always owned; clean keys only in the own clean ranges.
-    local = int(allowed_key_counts(stream, pos, rule, clean_ranges=rp.clean_positions).sum())
+    intervals = _position_intervals(rp.seq_len, rule)
+    local = 0
+    for stream, runs in ((NOISY, _block_runs(rp.noisy_blocks, rp.block_size)), (CLEAN, rp.clean_positions)):
+        clean_lo, clean_hi, noisy_lo, noisy_hi = intervals[stream]
+        for s, e in runs:
+            local += int(_overlap(noisy_lo[s:e], noisy_hi[s:e], 0, rp.seq_len).sum())
+            for a, b in rp.clean_positions:
+                local += int(_overlap(clean_lo[s:e], clean_hi[s:e], a, b).sum())
     return total, local
 
 
@@ -536,6 +559,7 @@ def recommend(predictions: list[Prediction]) -> Prediction | None:
     return min((p for p in fitting if p.tokens_per_s >= top * (1 - TIE)), key=lambda p: p.memory.total)
 
 
-__all__ = ["Cluster", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "rank_work",
+__all__ = ["Cluster", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "key_intervals",
+           "rank_work",
            "kv_bytes_by_name", "memory", "rank_time", "predict", "layouts", "plan_all", "recommend", "gather_size",
            "mask_rule_of", "layer_windows"]
