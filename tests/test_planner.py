@@ -200,6 +200,11 @@ def test_recommendation_is_the_fastest_layout_that_fits():
                               ring_transport=False)) is None
 
 
+def test_groups_span_nodes_as_the_mesh_places_them():
+    cluster = Cluster(24, 8)
+    assert [g for g in (1, 2, 3, 4, 6, 8, 12, 24) if cluster.spans_nodes(g)] == [3, 6, 12, 24]
+
+
 def test_inter_node_groups_expose_more_communication():
     model, dev = model_spec("gemma3-27b"), device_spec("h200")
     one_node = predict(model, ParallelDims(8, 8, "cp"), 65536, dev, Cluster(8, 8))

@@ -57,8 +57,10 @@ class Cluster:
                              "nodes are assumed full; give whole nodes.")
 
     def spans_nodes(self, group: int) -> bool:
-        """Whether a group of ``group`` consecutive ranks (aligned to its size) spans more than one node."""
-        return group > min(self.gpus_per_node, self.gpus)
+        """Whether some group of ``group`` consecutive ranks (groups start at multiples of ``group``, as the mesh
+        lays out block-parallel groups and clean rings) spans more than one node."""
+        n = self.gpus_per_node
+        return any(start // n != (start + group - 1) // n for start in range(0, self.gpus, group))
 
 
 @dataclass(frozen=True)
