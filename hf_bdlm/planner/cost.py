@@ -365,7 +365,8 @@ def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe,
             return 0
         if dims.transport == "ring":
             return 2 * work.sent_rows * kv_row[i]  # the shard computed on and the one arriving
-        return (G - 1) * work.sent_rows * kv_row[i]
+        # The all-gather buffer holds every member's rows, the own slot included; the peers' rows are views of it.
+        return G * work.sent_rows * kv_row[i]
 
     if checkpointing:
         # Each layer's input is kept; backward recomputes one layer at a time (its activations and gathered K/V).
