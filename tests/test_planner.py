@@ -125,6 +125,8 @@ def test_memory_parts_sum_to_the_peak_and_states_shard_over_the_world():
     no_ac = predict(model, dims, 32768, device_spec("h200"), cluster, Recipe(), checkpointing=False)
     assert no_ac.memory.activations > 3 * m.activations  # checkpointing keeps one input per layer
     assert no_ac.step_s < p.step_s  # and pays a recomputed forward
+    doubled = predict(model, dims, 32768, device_spec("h200"), cluster, Recipe(activation_overhead=2.0), True)
+    assert doubled.memory.activations == 2 * m.activations and doubled.memory.optimizer == m.optimizer
 
 
 def test_csbp_receives_half_the_bytes_of_cp_and_bp_replicates_the_clean_prefix():

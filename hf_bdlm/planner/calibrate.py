@@ -285,13 +285,16 @@ def validate(records: list[dict], device) -> list[dict]:
                          attention_s=max(r.attention_s for r in pred.ranks),
                          linear_s=max(r.linear_s for r in pred.ranks),
                          exposed_comm_s=max(r.exposed_comm_s for r in pred.ranks),
-                         measured_wait_s=rec.get("comm_wait_s")))
+                         measured_wait_s=rec.get("comm_wait_s"),
+                         # The benchmark's peak is the RSS high-water mark above the RSS once the model is built.
+                         predicted_mem=pred.memory.total - pred.memory.parameters,
+                         measured_mem=rec.get("peak_mem_bytes")))
     return rows
 
 
 def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
     head = (f"{'layout':34} {'L':>6} {'pred_s':>8} {'meas_s':>8} {'err':>7} {'attn_s':>7} {'mat_s':>7} {'comm_s':>7} "
-            f"{'wait_s':>7} {'pred_bytes':>11} {'meas_bytes':>11} bytes")
+            f"{'wait_s':>7} {'pred_bytes':>11} {'meas_bytes':>11} bytes {'pred_MiB':>8} {'meas_MiB':>8}")
     lines = [f"{d.name}: matmul {d.matmul_flops / 1e9:.1f} GFLOP/s, attention {d.attention_flops / 1e9:.1f} GFLOP/s, "
              f"elementwise {d.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo {d.intra_node_bytes_per_s / 1e9:.2f} GB/s "
              f"({d.source})" for d in devices]
@@ -302,7 +305,8 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
         lines.append(f"{r['label']:34} {r['L']:>6} {r['predicted_s']:8.3f} {r['measured_s']:8.3f} {r['rel_err']:+7.1%} "
                      f"{r['attention_s']:7.3f} {r['linear_s']:7.3f} {r['exposed_comm_s']:7.3f} "
                      f"{(r['measured_wait_s'] or 0):7.3f} {r['predicted_bytes']:>11} {r['measured_bytes']:>11} "
-                     f"{'equal' if same else 'DIFFER'}")
+                     f"{'equal' if same else 'DIFFER':5} {r['predicted_mem'] / 2**20:8.1f} "
+                     f"{(r['measured_mem'] or 0) / 2**20:8.1f}")
     if rows:
         worst = max(abs(r["rel_err"]) for r in rows)
         within = sum(abs(r["rel_err"]) <= 0.2 for r in rows)

@@ -45,6 +45,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--memory-gib", type=float, default=None, help="usable device memory (GiB), replaces the GPU's")
     p.add_argument("--block-size", type=int, default=None, help="diffusion block size (default: the config's, or 32)")
     p.add_argument("--no-fsdp", action="store_true", help="replicated parameters (DDP) instead of FSDP2")
+    p.add_argument("--activation-overhead", type=float, default=1.0,
+                   help="multiply the activation estimate by this measured ratio (allocator retention, workspaces)")
     p.add_argument("--no-ring", action="store_true", help="leave out the ring K/V transport")
     p.add_argument("--top", type=int, default=None, help="print only the N fastest layouts")
     p.add_argument("--json", default=None, help="also write every prediction to this JSON file")
@@ -64,6 +66,13 @@ def _device(args):
             raise ValueError(f"--{k}-efficiency must be in (0, 1], got {v}.")
     memory = None if args.memory_gib is None else args.memory_gib * GIB
     return device_spec(args.gpu, args.gpu_spec, eff, memory_bytes=memory)
+
+
+def _recipe(args) -> Recipe:
+    if not args.activation_overhead >= 1:
+        raise ValueError(f"--activation-overhead must be at least 1 (a measured ratio of real to estimated "
+                         f"activation memory), got {args.activation_overhead}.")
+    return Recipe(fsdp=not args.no_fsdp, activation_overhead=args.activation_overhead)
 
 
 def _row(i: int, p: Prediction, best: Prediction | None) -> str:
@@ -132,7 +141,7 @@ def run_paper(args) -> int:
     print("-" * len(head))
     for setting, preset, L, published in PAPER_SETTINGS:
         model = model_spec(preset, args.block_size)
-        preds = plan_all(model, L, device, cluster, Recipe(fsdp=not args.no_fsdp), ring_transport=not args.no_ring)
+        preds = plan_all(model, L, device, cluster, _recipe(args), ring_transport=not args.no_ring)
         for group in (None, cluster.gpus):
             c = compare_modes(preds, group)
             cs, base = c["csbp"], c["baseline"]
@@ -184,7 +193,7 @@ def run_plan(args) -> int:
     cluster = Cluster(args.gpus, args.gpus_per_node)
     device = _device(args)
     model = model_spec(args.model, args.block_size)
-    preds = plan_all(model, args.context, device, cluster, Recipe(fsdp=not args.no_fsdp),
+    preds = plan_all(model, args.context, device, cluster, _recipe(args),
                      ring_transport=not args.no_ring)
     best = recommend(preds)
     preds = sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))  # what fits first, fastest first

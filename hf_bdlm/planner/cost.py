@@ -79,6 +79,9 @@ class Recipe:
         fsdp_prefetch_layers (`int`, 2): gathered layers alive at once (the one computing, the next prefetched).
         gradient_sync (`bool`, True): gradients are synchronized over the world every step (FSDP2's
             reduce-scatter, DDP's all-reduce); ``False`` for a bare forward / backward (the CPU benchmark).
+        activation_overhead (`float`, 1.0): multiplies the activation estimate (what autograd saves, counted
+            tensor by tensor) to account for allocator retention and kernel workspaces; give a measured ratio
+            (``--validate`` prints measured against predicted peaks).
     """
 
     param_bytes: int = 2
@@ -90,6 +93,7 @@ class Recipe:
     fsdp: bool = True
     fsdp_prefetch_layers: int = 2
     gradient_sync: bool = True
+    activation_overhead: float = 1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +387,8 @@ def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe,
     # fp32 logits of one chunk, their softmax / gradient (the chunk is recomputed in backward).
     logits = min(targets, recipe.loss_chunk_rows) * model.vocab * 4 * 2
     return Memory(parameters=n * recipe.param_bytes / shards, gradients=n * recipe.grad_bytes / shards,
-                  optimizer=n * recipe.optimizer_bytes / shards, fsdp_transient=transient, activations=acts,
+                  optimizer=n * recipe.optimizer_bytes / shards, fsdp_transient=transient,
+                  activations=acts * recipe.activation_overhead,
                   gathered_kv=kv, logits=logits)
 
 
