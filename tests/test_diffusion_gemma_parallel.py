@@ -1,6 +1,6 @@
 """DiffusionGemma under block parallelism (hf_bdlm/parallel/diffusion_gemma.py): the plan of a frame's canvas blocks,
-the whole-model exactness of every layout, the bytes each rank receives, and a CSBP training run under
-`accelerate launch` that follows the single process step by step.
+the whole-model exactness of every layout, the bytes each rank receives, and the 26B recipe's CSBP + FSDP2 training
+run under `accelerate launch` (scaled down) that follows the single process step by step.
 
 The pure tests run in-process; the distributed ones launch torchrun / accelerate with gloo on CPU
 (tests/distributed/diffusion_gemma_worker.py, tests/distributed/tiny_diffusion_gemma.py).
@@ -135,12 +135,19 @@ def test_canvas_padding_adds_dummy_blocks_nobody_scores_and_keeps_the_loss():
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 
-def test_diffusion_gemma_refuses_fsdp_with_a_clear_error(tmp_path, monkeypatch):
-    from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
+def test_diffusion_gemma_refuses_deepspeed_and_fsdp_in_one_process(tmp_path, monkeypatch):
+    """FSDP2 is supported (tests/test_trainer_fsdp.py); DeepSpeed is refused, as is an FSDP request in one process."""
+    from types import SimpleNamespace
 
+    from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
+    from hf_bdlm.trainer.inputs import _check_diffusion_gemma_distribution
+
+    with pytest.raises(NotImplementedError, match="trains with DDP or FSDP2 .* not with DeepSpeed"):
+        _check_diffusion_gemma_distribution(SimpleNamespace(deepspeed="ds_config.json"))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
     args = BDLMSFTConfig(str(tmp_path), report_to="none", max_length=64, objective="diffusion_gemma")
-    with pytest.raises(NotImplementedError, match="trains with DDP .* not with FSDP"):
+    with pytest.raises(ValueError, match="FSDP2 was requested .* but this is a single process"):
         BDLMSFTTrainer(tiny_model(), args=args, train_dataset=conversations(2), processing_class=tiny_tokenizer())
 
 
@@ -212,10 +219,12 @@ def test_csbp_leaves_the_canvas_keys_home(results):
     assert compared
 
 
-# --- training: accelerate launch, 2 CPU processes, CSBP -----------------------------------------------------------
-# The 26B recipe scaled down to the tiny model (one CSBP group of P = C = 2, packing, activation checkpointing,
-# gradient accumulation 2, SGD at lr 0.2, 3 steps). Measured: losses equal the single process's to 1.2e-7 relative,
-# final weights to 3.9e-6 (relative to each tensor's largest element; float32 gradients accumulate 2e-6 per step).
+# --- training: accelerate launch, 2 CPU processes, CSBP + FSDP2 ---------------------------------------------------
+# The 26B recipe scaled down to the tiny model and launched as written, with an accelerate FSDP2 config (one CSBP group
+# of P = C = 2, FSDP2 over both ranks, packing, activation checkpointing, gradient accumulation 2, SGD at lr 0.2,
+# 3 steps). Measured: losses equal the single process's to 1.2e-7 relative, final weights to 1.7e-6 (relative to each
+# tensor's largest element; float32 gradients accumulate 2e-6 per step; with cpu_2proc.yaml, DDP: 1.2e-7 and 1.9e-6).
+# (DDP runs of the trainer for DiffusionGemma: tests/test_trainer_fsdp.py's pairs.)
 TRAJECTORY_TOL = 1e-5
 
 
@@ -242,7 +251,7 @@ def _weights(out):
 
 
 @pytest.mark.distributed
-def test_accelerate_launch_trains_csbp_on_two_processes_as_one_process(tmp_path):
+def test_accelerate_launch_trains_the_recipe_with_csbp_and_fsdp2_on_two_processes_as_one_process(tmp_path):
     from hf_bdlm.train import main, make_parser
 
     tiny_model().save_pretrained(tmp_path / "model")
@@ -251,11 +260,13 @@ def test_accelerate_launch_trains_csbp_on_two_processes_as_one_process(tmp_path)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "recipes/accelerate/cpu_2proc.yaml"), str(ROOT / "recipes/sft.py"),
+           str(ROOT / "recipes/accelerate/cpu_2proc_fsdp2.yaml"), str(ROOT / "recipes/sft.py"),
            *_recipe_args(tmp_path / "model", tmp_path / "data", tmp_path / "p2", 2)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "world 2 = 1 data-parallel x P 2 (csbp, C 2); objective diffusion_gemma" in proc.stdout
+    assert "FSDP2: BDLMSFTTrainer shards the model itself" in proc.stdout + proc.stderr
+    assert "model.encoder.language_model.layers.0 + model.decoder.layers.0" in proc.stdout + proc.stderr
 
     main(*make_parser().parse_args_and_config(args=_recipe_args(tmp_path / "model", tmp_path / "data",
                                                                  tmp_path / "p1", 1))[:3])

@@ -252,23 +252,30 @@ class DiffusionGemmaObjective(Objective):
         )
 
     # --- loss -----------------------------------------------------------------------------------------------------
-    def loss(self, model: torch.nn.Module, corrupted: DiffusionGemmaBatch, layout: DiffusionGemmaLayout | None = None):
+    def loss(self, model: torch.nn.Module, corrupted: DiffusionGemmaBatch, layout: DiffusionGemmaLayout | None = None,
+             self_conditioning_pass: bool | None = None):
         """One training step's loss over the rows ``layout`` holds: the encoder once, the decoder over the canvases
         (twice for the samples that self-condition), the LM head only on scored rows.
 
         ``layout`` defaults to every row on this device (:meth:`DiffusionGemmaLayout.local`); a rank of a
         block-parallel group passes its :class:`~hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`, and
-        the ranks' losses add up to the single-device loss. Returns ``(loss, metrics)`` as :meth:`loss_from_hidden`.
+        the ranks' losses add up to the single-device loss. ``self_conditioning_pass`` (default: whether a sample
+        self-conditions) runs the decoder's first pass or not; with ``True`` and no sample self-conditioning it runs
+        and is discarded (FSDP2 with data-parallel replicas: every rank calls the decoder as often as the others).
+        Returns ``(loss, metrics)`` as :meth:`loss_from_hidden`.
         """
         dg = self._model(model)
         frame = corrupted.frame
         layout = layout or DiffusionGemmaLayout.local(frame, self.attention_backend)
         encoder_hidden, cache = encode(dg, frame, layout)
         signal = None
-        if self.self_conditioning_prob > 0 and bool(corrupted.self_conditioning.any()):
+        conditioned = self.self_conditioning_prob > 0 and bool(corrupted.self_conditioning.any())
+        if conditioned if self_conditioning_pass is None else self_conditioning_pass:
             with torch.no_grad():
                 first = decode(dg, frame, layout, corrupted.noisy_ids, cache)
-                signal = self_conditioning_embeddings(dg, first, corrupted.self_conditioning, self.loss_chunk_size)
+                if conditioned:
+                    signal = self_conditioning_embeddings(dg, first, corrupted.self_conditioning,
+                                                          self.loss_chunk_size)
         canvas_hidden = decode(dg, frame, layout, corrupted.noisy_ids, cache, signal)
         clean_index, counted = layout.clean_index, layout.clean_loss_index
         scored = encoder_hidden
@@ -328,11 +335,19 @@ class DiffusionGemmaObjective(Objective):
         }
         return loss, metrics
 
-    def zero_loss(self, model, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A zero that reaches every trained parameter (a data-parallel replica with nothing to score)."""
+    def zero_loss(self, model, inputs: Mapping[str, torch.Tensor],
+                  self_conditioning_pass: bool = False) -> torch.Tensor:
+        """A zero that reaches every trained parameter (a data-parallel replica with nothing to score).
+
+        With ``self_conditioning_pass`` the decoder runs once more, without gradient, as on the replicas whose step
+        self-conditions (FSDP2 gathers the layers for each call: every rank must call them as often)."""
         dg = self._model(model)
         ids = inputs["input_ids"]
-        out = dg(input_ids=ids, decoder_input_ids=ids[:, : self.block_size])
+        canvas = ids[:, : self.block_size]
+        out = dg(input_ids=ids, decoder_input_ids=canvas)
+        if self_conditioning_pass:
+            with torch.no_grad():
+                dg.model.decoder(decoder_input_ids=canvas, cache=out.cache)
         return (out.logits.sum() + softcapped_logits(dg, out.encoder_last_hidden_state).sum()) * 0.0
 
     # --- pieces ---------------------------------------------------------------------------------------------------

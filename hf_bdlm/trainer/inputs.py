@@ -207,15 +207,15 @@ VISION_PARAMETER_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed
 
 
 def _check_diffusion_gemma_distribution(args: BDLMSFTConfig) -> None:
-    """DDP and block parallelism are supported for DiffusionGemma; FSDP and DeepSpeed are not (yet): refuse them."""
-    fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    """DDP, FSDP2 (units: the tied encoder/decoder layer pairs) and block parallelism are supported for DiffusionGemma;
+    DeepSpeed is not: refuse it."""
     deepspeed = bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
-    if fsdp or deepspeed:
+    if deepspeed:
         raise NotImplementedError(
-            f"objective='diffusion_gemma' trains with DDP (any world size, with block parallelism), not with "
-            f"{'FSDP' if fsdp else 'DeepSpeed'}: FSDP2 units would have to pair the tied encoder and decoder layers, "
-            "which is not built yet. Launch without the FSDP / DeepSpeed setting (plain torchrun, or accelerate with "
-            "recipes/accelerate/cpu_2proc.yaml or a MULTI_GPU config)."
+            "objective='diffusion_gemma' trains with DDP or FSDP2 (any world size, with block parallelism), not with "
+            "DeepSpeed: its ZeRO partitioning would have to keep the tied encoder and decoder layers together, which "
+            "is not built. Launch without the DeepSpeed setting, with fsdp='full_shard' and fsdp_config="
+            "{'fsdp_version': 2} (or an accelerate FSDP2 config) to shard the model."
         )
 
 

@@ -12,6 +12,10 @@ whatever step function it is given: ``step(fn, *args) == fn(model, *args)``. The
 under ``bf16``), and ``compute_loss`` calls ``model(objective.loss, corrupted, layout)``: DDP's forward runs, its
 reducer sees the step's graph, its ``no_sync`` covers gradient accumulation, and the loss each rank returns (scaled
 by the world size) averages to the single-device gradient. Saving, PEFT and generation keep using the model itself.
+
+Under FSDP2 the same module is the root unit (``hf_bdlm.trainer.fsdp.shard_diffusion_gemma``): its forward gathers the
+root's parameters (embeddings = LM head, final norm, self-conditioning) for the whole step, the layer pairs inside
+gather their own around each call, and training and evaluation both run through it.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ class TrainingStep(nn.Module):
 
 
 def run_step(model: nn.Module, fn: Callable[..., Any], *args, **kwargs):
-    """Run ``fn(model, ...)`` through ``model``'s forward when it is a (DDP-wrapped) :class:`TrainingStep`, else
-    directly (evaluation, where the trainer passes the model itself)."""
+    """Run ``fn(model, ...)`` through ``model``'s forward when it is a (DDP-wrapped or FSDP2-sharded)
+    :class:`TrainingStep`, else directly (evaluation without FSDP2, where the trainer passes the model itself)."""
     if isinstance(getattr(model, "module", model), TrainingStep) or isinstance(model, TrainingStep):
         return model(fn, *args, **kwargs)
     return fn(model, *args, **kwargs)

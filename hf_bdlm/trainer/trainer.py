@@ -14,7 +14,8 @@ transformers' own. One optimizer step:
    :class:`~hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`) and scores the targets it owns; the loss
    is scaled by the world size so that DDP's / FSDP2's mean over ranks is the single-device gradient. DiffusionGemma's
    step runs the encoder and decoder itself, so it runs as the forward of a :class:`~.step.TrainingStep`, which is
-   what Accelerate prepares (DDP, autocast) in its place.
+   what Accelerate prepares (DDP, autocast) in its place, and under FSDP2 the root unit
+   (:func:`~.fsdp.shard_diffusion_gemma`: the tied encoder/decoder layer pairs are the units below it).
 3. Logged ``loss`` and ``mean_token_accuracy`` are those of the whole global batch: the same numbers
    whatever the parallel layout.
 
@@ -62,6 +63,7 @@ from .fsdp import (
     load_sharded_optimizer,
     save_sharded_model,
     save_sharded_optimizer,
+    shard_diffusion_gemma,
     shard_model,
     state_dict_type,
     unit_classes,
@@ -171,6 +173,7 @@ class BDLMSFTTrainer(SFTTrainer):
         elif eval_dataset is not None:
             eval_dataset = add_sample_ids(eval_dataset, "eval")
 
+        self._fsdp_step: TrainingStep | None = None  # DiffusionGemma under FSDP2: the root unit the step runs through
         self.data_report: dict[str, dict] = {}
         self.model_card_info: dict[str, Any] = {"dataset": dataset_name(train_dataset)}
         if isinstance(self.objective, DiffusionGemmaObjective):
@@ -220,8 +223,16 @@ class BDLMSFTTrainer(SFTTrainer):
                 "FSDP2 was requested (fsdp / fsdp_config, or an accelerate FSDP config) but this is a single process: "
                 "launch at least 2 processes with torchrun or accelerate launch, or remove the FSDP setting."
             )
-        units = shard_model(self.model, plugin.groups.world_mesh, self.fsdp2)
-        self.model_wrapped = self.model
+        if isinstance(self.objective, DiffusionGemmaObjective):
+            # The step runs the encoder and decoder itself: the FSDP2 root is the TrainingStep it runs through, the
+            # units are the tied encoder/decoder layer pairs (hf_bdlm.trainer.fsdp.shard_diffusion_gemma).
+            self._fsdp_step, units = shard_diffusion_gemma(self.model, plugin.groups.world_mesh, self.fsdp2)
+            self.model_wrapped = self._fsdp_step
+            described = f"{len(units)} units ({', '.join(units[:2])}{', ...' if len(units) > 2 else ''})"
+        else:
+            units = shard_model(self.model, plugin.groups.world_mesh, self.fsdp2)
+            self.model_wrapped = self.model
+            described = f"{len(units)} units ({', '.join(sorted(unit_classes(self.model, self.fsdp2)))})"
         # transformers' own path for a model that owns its sharding and gradient reduction: Accelerate prepares mixed
         # precision only (no DDP wrapper), the optimizer is built from the sharded parameters.
         self.is_distributed_loading_by_transformers = True
@@ -231,19 +242,31 @@ class BDLMSFTTrainer(SFTTrainer):
             logger.warning(
                 f"FSDP2: BDLMSFTTrainer shards the model itself with torch.distributed.fsdp.fully_shard over the dp x bp "
                 f"world ({plugin.world_size} ranks: {plugin.data_parallel_size} data-parallel x {plugin.block_parallel_size}"
-                f" block-parallel): {len(units)} units ({', '.join(sorted(unit_classes(self.model, self.fsdp2)))}) and "
-                f"the root; Accelerate prepares mixed precision only. Checkpoints: {state_dict_type(self.fsdp2)}."
+                f" block-parallel): {described} and the root; Accelerate prepares mixed precision only. Checkpoints: "
+                f"{state_dict_type(self.fsdp2)}."
             )
+
+    def _fsdp_root(self):
+        """The root FSDP2 module: the model, or for DiffusionGemma the TrainingStep around it."""
+        return self._fsdp_step if self._fsdp_step is not None else self.model
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
         # Gradient accumulation: the micro-batches before the last keep their gradients unsharded, one reduce-scatter
         # follows the last. (transformers' version reads the DistributedConfig of a model sharded at load time.)
-        self.model.set_requires_gradient_sync(False)
+        root = self._fsdp_root()
+        root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            root.set_requires_gradient_sync(True)
+
+    def create_optimizer(self, model=None):
+        if self._fsdp_step is not None:
+            # A forward before training (evaluate) leaves the root gathered (it is not resharded after forward): the
+            # optimizer must get the sharded parameters. (transformers reshards the units inside the model itself.)
+            self._fsdp_step.reshard()
+        return super().create_optimizer(model)
 
     def _save_checkpoint(self, model, trial):
         self._saving_checkpoint = True
@@ -280,6 +303,8 @@ class BDLMSFTTrainer(SFTTrainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if isinstance(model, TrainingStep):
+            model = model.module
         # A sharded (DCP) checkpoint loads into any run, FSDP2 or not, on any world size: DCP reshards.
         if is_sharded_checkpoint(resume_from_checkpoint):
             load_sharded_model(model or self.model, resume_from_checkpoint)
@@ -403,16 +428,19 @@ class BDLMSFTTrainer(SFTTrainer):
         corrupted = inputs.pop(CORRUPTED_KEY, _MISSING)
         if corrupted is _MISSING:
             corrupted = self._corrupt(inputs, step=self.state.global_step if mode == "train" else 0)
+        self_conditioning = self._agreed_self_conditioning_pass(corrupted)
         if corrupted is None:
-            loss = self._zero_loss(model, inputs)
+            loss = self._zero_loss(model, inputs, bool(self_conditioning))
             self._record(mode, None, inputs)
             return (loss, None) if return_outputs else loss
         if mode == "train" and num_items_in_batch is not None:
             corrupted = replace(corrupted, normalizer=max(float(num_items_in_batch), 1.0))
         if isinstance(self.objective, DiffusionGemmaObjective):  # runs transformers' encoder-decoder itself
-            # The same step on every rank, P = 1 included; in training through the TrainingStep DDP wraps.
+            # The same step on every rank, P = 1 included; in training through the TrainingStep DDP wraps (under FSDP2
+            # always through the root TrainingStep).
             layout = self.plugin.diffusion_gemma_layout(corrupted.frame, self.objective.attention_backend)
-            loss, metrics = run_step(model, self.objective.loss, corrupted, layout)
+            loss, metrics = run_step(self._step_runner(model), self.objective.loss, corrupted, layout,
+                                     self_conditioning_pass=self_conditioning)
         else:
             # The same step on every rank, P = 1 included: the rows of this rank's layout, the targets it owns.
             diffusion = _diffusion_model(self.model)
@@ -427,19 +455,40 @@ class BDLMSFTTrainer(SFTTrainer):
             loss = self.plugin.sum_over_group(loss.detach().clone())
         return (loss, None) if return_outputs else loss
 
+    def _step_runner(self, model):
+        """What DiffusionGemma's step runs through: under FSDP2 always the root TrainingStep (its forward gathers the
+        root's parameters; evaluation too), else the model the Trainer passes (DDP-wrapped step, or the model)."""
+        return self._fsdp_step if self._fsdp_step is not None else model
+
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # DiffusionGemma's step is not the model's forward: the forward Accelerate prepares (DDP, autocast) is a
-        # TrainingStep around the model (hf_bdlm/trainer/step.py); the model itself is still what is saved.
+        # TrainingStep around the model (hf_bdlm/trainer/step.py); the model itself is still what is saved. Under
+        # FSDP2 that TrainingStep is the root unit, built when the model was sharded.
+        if training and self._fsdp_step is not None:
+            return self._fsdp_step
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         if training and isinstance(self.objective, DiffusionGemmaObjective) and unwrapped is model:
             if not isinstance(model, TrainingStep):
                 return self.accelerator.prepare_model(TrainingStep(model))
         return super()._wrap_model(model, training, dataloader)
 
-    def _zero_loss(self, model, inputs):
+    def _agreed_self_conditioning_pass(self, corrupted) -> bool | None:
+        """Whether DiffusionGemma's step runs its self-conditioning decoder pass, when every rank must agree: under
+        FSDP2 each call of a layer gathers its unit over the whole world, so data-parallel replicas (each its own
+        batch, self-conditioning drawn per sample) run the pass when any of them needs it. ``None``: each batch
+        decides (DDP; FSDP2 with one block-parallel group, whose ranks share the batch)."""
+        if (self._fsdp_step is None or self.plugin.data_parallel_size == 1
+                or self.objective.self_conditioning_prob == 0):
+            return None
+        local = corrupted is not None and bool(corrupted.self_conditioning.any())
+        flag = torch.tensor([float(local)], device=self.args.device)
+        return bool(self.plugin.sum_over_world(flag).item() > 0)
+
+    def _zero_loss(self, model, inputs, self_conditioning_pass: bool = False):
         """A zero reaching every parameter: DDP's hooks fire as on ranks with targets."""
         if isinstance(self.objective, DiffusionGemmaObjective):
-            return run_step(model, self.objective.zero_loss, inputs)
+            return run_step(self._step_runner(model), self.objective.zero_loss, inputs,
+                            self_conditioning_pass=self_conditioning_pass)
         ids = inputs["input_ids"]
         hidden = model(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
         return (hidden.sum() + _diffusion_model(self.model).lm_logits(hidden[:, :1]).sum()) * 0.0

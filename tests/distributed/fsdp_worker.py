@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario pairs --out /tmp/f
     torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario resume --out /tmp/f
     torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario pairs4 --out /tmp/f
+    torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario diffusion_gemma --out /tmp/f
 
 Scenarios (the setups are tests/distributed/trainer_worker.py's):
 - ``pairs`` (2 ranks): each run twice, as DDP and with ``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``:
@@ -14,6 +15,12 @@ Scenarios (the setups are tests/distributed/trainer_worker.py's):
   state resumes too (the control: its last loss must differ).
 - ``pairs4`` (4 ranks), as DDP and FSDP2: csbp with P = 2 (2 data-parallel groups) with gradient accumulation +
   activation checkpointing + packing, cp with P = 4, bp with P = 4 and LoRA.
+- ``diffusion_gemma`` (2 ranks, transformers' DiffusionGemma with self-conditioning; :data:`DG_SETUPS`): as DDP and
+  FSDP2, P = 2 csbp and cp (SGD; the held-out loss before and after training), csbp with gradient accumulation +
+  activation checkpointing + packing, csbp with LoRA (the reference targets), and P = 1 over 2 data-parallel replicas
+  where one replica has no target in a step; then FSDP2 csbp with AdamW saving full checkpoints at steps 2 and 4 and
+  its final model, resumed from step 2 under FSDP2 on the same layout, under DDP with bp and (the control) without its
+  optimizer state; and the same run with sharded checkpoints, resumed under FSDP2 with P = 1 (2 replicas).
 Each run records its logged losses, whether its parameters are sharded (DTensors), and its final weights.
 """
 
@@ -23,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import time
 import traceback
 from pathlib import Path
 
@@ -85,15 +93,147 @@ def scenario_pairs4(out: Path) -> dict:
     return results
 
 
+# --- DiffusionGemma ----------------------------------------------------------------------------------------
+# SGD where weights are compared (see trainer_worker.SETUPS: Adam turns float32 noise in ~0 gradients into O(lr)
+# updates; LoRA with AdamW measured 3e-5 on an A matrix); the resume runs (AdamW) compare losses. plain and
+# accum_ckpt_packed clip the gradients (max_grad_norm 1, over the sharded ones); LoRA does not: its B matrices start at
+# 0, and the clipping coefficient, a norm summed in another order over the shards, differs in its last bits, which the
+# next steps grow to 3.9e-6 (measured; 0 without clipping).
+DG_SETUPS = {  # name -> (config overrides, LoRA?)
+    "plain": (dict(optim="sgd", learning_rate=0.5), False),
+    "accum_ckpt_packed": (dict(optim="sgd", learning_rate=0.05, gradient_accumulation_steps=2, packing=True,
+                               activation_checkpointing=True), False),
+    "lora": (dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0), True),
+    "resume": (dict(learning_rate=1e-3, save_strategy="steps", save_steps=2), False),
+    # P = 1 over 2 ranks: 2 data-parallel replicas, each its own sample; every supervised sample self-conditions and a
+    # replica gets no supervised token in a step (5 samples over 4 steps x 2 replicas): FSDP2 must call every layer
+    # as often on every rank (the replicas agree on the self-conditioning pass; the zero loss runs it too).
+    "dp2_unsupervised": (dict(optim="sgd", learning_rate=0.5, per_device_train_batch_size=1, self_conditioning_prob=1.0,
+                              assistant_only_loss=False, completion_only_loss=True), False),
+}
+
+
+def unsupervised_rows():
+    """8 pre-tokenized rows; every third has no completion (dropped: nothing to learn), so 5 remain."""
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    rows = {"input_ids": [], "completion_mask": []}
+    for i in range(8):
+        ids = torch.randint(9, 64, (12 + i,), generator=g).tolist()
+        ids[-1] = 4  # the turn end: a complete response
+        rows["input_ids"].append(ids)
+        rows["completion_mask"].append([0] * 5 + [1] * (len(ids) - 5) if i % 3 else [0] * len(ids))
+    return datasets.Dataset.from_dict(rows)
+
+
+def diffusion_gemma_config(out: Path, P: int, mode: str = "csbp", **overrides):
+    """The DiffusionGemma runs' config (tests/test_trainer_fsdp.py evaluates with it at P = 1)."""
+    from hf_bdlm import BDLMSFTConfig
+
+    values = dict(
+        output_dir=str(out), report_to="none", max_steps=4, logging_steps=1, per_device_train_batch_size=2,
+        per_device_eval_batch_size=2, save_strategy="no", disable_tqdm=True, seed=3, max_length=64, bf16=False,
+        objective="diffusion_gemma", assistant_only_loss=True, noise_eps_min=0.1, noise_eps_max=0.9,
+        self_conditioning_prob=0.5, activation_checkpointing=False, block_parallel_size=P, block_parallel_mode=mode,
+        dataloader_num_workers=0,
+    )
+    values.update(overrides)
+    return BDLMSFTConfig(**values)
+
+
+def run_diffusion_gemma(setup: str, out: Path, P: int, mode: str, resume: str | None = None, save_final: bool = False,
+                        **extra) -> dict:
+    from tiny_diffusion_gemma import conversations, tiny_model, tiny_tokenizer
+
+    from hf_bdlm import BDLMSFTTrainer
+
+    overrides, lora = DG_SETUPS[setup]
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0)  # target_modules unset: the reference targets
+    args = diffusion_gemma_config(out, P, mode, **{**overrides, **extra})
+    data = unsupervised_rows() if setup == "dp2_unsupervised" else conversations(16)
+    trainer = BDLMSFTTrainer(tiny_model(), args=args, train_dataset=data, processing_class=tiny_tokenizer(),
+                             peft_config=peft_config)
+    zero_losses = []
+    zero_loss = trainer._zero_loss
+    trainer._zero_loss = lambda *a, **k: zero_losses.append(1) or zero_loss(*a, **k)
+    model = trainer.model
+    params = list(model.parameters())
+    result = {"dtensors": sum(hasattr(p, "full_tensor") for p in params), "parameters": len(params)}
+    decoder_calls = []  # self-conditioning: a second decoder pass in some micro-batches
+    hook = (model.get_base_model() if lora else model).model.decoder.register_forward_hook(
+        lambda module, args, output: decoder_calls.append(module.training))
+    if setup == "plain":  # the held-out loss of the initial model (P = 1 reference: tests/test_trainer_fsdp.py)
+        result["eval_loss_initial"] = trainer.evaluate(eval_dataset=conversations(4))["eval_loss"]
+    trainer.train(resume_from_checkpoint=resume)
+    hook.remove()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    zero = torch.tensor(float(len(zero_losses)))
+    dist.all_reduce(zero)
+    result.update(steps=[h["step"] for h in history], losses=[h["loss"] for h in history],
+                  decoder_calls=sum(decoder_calls), micro_batches=4 * trainer.args.gradient_accumulation_steps,
+                  activation_checkpointing=model.is_activation_checkpointing, zero_losses=int(zero))
+    if setup == "plain":
+        result["eval_loss"] = trainer.evaluate(eval_dataset=conversations(4))["eval_loss"]
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for n, p in model.named_parameters() if p.requires_grad}
+    if save_final:  # an ordinary DiffusionGemma folder (tests/test_trainer_fsdp.py reloads it with transformers)
+        trainer.save_model(str(out / "final"))
+    result["weights"] = None
+    if trainer.is_world_process_zero():
+        torch.save(weights, out / "final_weights.pt")
+        result["weights"] = str(out / "final_weights.pt")
+    return result
+
+
+def scenario_diffusion_gemma(out: Path) -> dict:
+    r = {}
+    for setup, mode, P in (("plain", "csbp", 2), ("plain", "cp", 2), ("accum_ckpt_packed", "csbp", 2),
+                           ("lora", "csbp", 2), ("dp2_unsupervised", "csbp", 1)):
+        for name, kw in (("ddp", {}), ("fsdp2", FSDP2)):
+            start = time.perf_counter()
+            r[f"{setup}/{mode}/{name}"] = run_diffusion_gemma(setup, out / setup / f"{mode}_{name}", P, mode, **kw)
+            r[f"{setup}/{mode}/{name}"]["seconds"] = time.perf_counter() - start
+    full = out / "resume"
+    r["resume"] = run_diffusion_gemma("resume", full, 2, "csbp", save_final=True, **FSDP2)
+    r["resume/same_layout"] = run_diffusion_gemma("resume", out / "resume_same", 2, "csbp",
+                                                  resume=str(full / "checkpoint-2"), **FSDP2)
+    r["resume/ddp_bp"] = run_diffusion_gemma("resume", out / "resume_ddp_bp", 2, "bp",
+                                             resume=str(full / "checkpoint-2"))
+    # Control: the same weights without the optimizer state continue differently.
+    weights_only = out / "resume_weights_only"
+    if dist.get_rank() == 0:
+        shutil.copytree(full / "checkpoint-2", weights_only, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("optimizer.pt", "scheduler.pt"))
+    dist.barrier()
+    r["resume/weights_only"] = run_diffusion_gemma("resume", out / "resume_wo", 2, "csbp", resume=str(weights_only),
+                                                   **FSDP2)
+    # Sharded checkpoints (torch.distributed.checkpoint), resumed under FSDP2 with P = 1 (2 data-parallel replicas).
+    sharded = out / "resume_sharded"
+    r["sharded"] = run_diffusion_gemma("resume", sharded, 2, "csbp", **SHARDED)
+    r["sharded/fsdp2_p1"] = run_diffusion_gemma("resume", out / "resume_sharded_p1", 1, "csbp",
+                                                per_device_train_batch_size=1, resume=str(sharded / "checkpoint-2"),
+                                                **SHARDED)
+    r["checkpoint_files"] = {name: sorted(os.listdir(path / "checkpoint-2")) for name, path in
+                             (("full", full), ("sharded", sharded))}
+    r["final_dir"] = str(full / "final")
+    return r
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["pairs", "resume", "pairs4"])
+    parser.add_argument("--scenario", required=True, choices=["pairs", "resume", "pairs4", "diffusion_gemma"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)
-    scenario = {"pairs": scenario_pairs, "resume": scenario_resume, "pairs4": scenario_pairs4}[args.scenario]
+    scenario = {"pairs": scenario_pairs, "resume": scenario_resume, "pairs4": scenario_pairs4,
+                "diffusion_gemma": scenario_diffusion_gemma}[args.scenario]
     try:
         result = scenario(out)
     except Exception:
