@@ -9,19 +9,14 @@ shorter than the sequences, 2 layers (sliding, full), 4 experts top-2; the Diffu
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import datasets
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    DiffusionGemmaConfig,
-    DiffusionGemmaForBlockDiffusion,
-    Gemma4VisionConfig,
-    PreTrainedTokenizerFast,
-)
-from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
+from transformers import DiffusionGemmaForBlockDiffusion
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
 from hf_bdlm.diffusion_gemma import (
@@ -35,37 +30,13 @@ from hf_bdlm.diffusion_gemma import (
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.objectives.diffusion_gemma import DiffusionGemmaObjective
 
-B, W, VOCAB = 4, 6, 64
-PAD, EOS, BOS, TURN_END = 0, 1, 2, 4
-SPECIALS = ["[PAD]", "<eos>", "<bos>", "<|turn>", "<turn|>", "[UNK]"]
-WORDS = ["user", "model", "system"] + [f"w{i}" for i in range(VOCAB - 9)]
+sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+from tiny_diffusion_gemma import B, EOS, PAD, TURN_END, VOCAB, W, conversations, tiny_tokenizer  # noqa: E402
+from tiny_diffusion_gemma import tiny_model as _tiny_model  # noqa: E402
 
 
 def tiny_model(seed: int = 0) -> DiffusionGemmaForBlockDiffusion:
-    torch.manual_seed(seed)
-    text = DiffusionGemmaTextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, global_head_dim=8, num_global_key_value_heads=2,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=W, num_experts=4, top_k_experts=2,
-        moe_intermediate_size=16, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=[EOS, TURN_END],
-        bos_token_id=BOS,
-    )
-    # vision_config=None would build the default (167M-parameter) Gemma 4 vision tower; a tiny one keeps tests fast.
-    vision = Gemma4VisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-                                num_key_value_heads=1, head_dim=8, position_embedding_size=4, patch_size=2)
-    return DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(text_config=text, vision_config=vision,
-                                                                canvas_length=B)).eval()
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    from trl.chat_template_utils import diffusion_gemma_chat_template
-
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIALS + WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<bos>",
-                                  eos_token="<eos>", additional_special_tokens=["<|turn>", "<turn|>"])
-    tok.chat_template = diffusion_gemma_chat_template
-    return tok
+    return _tiny_model(seed).eval()
 
 
 def sample(length: int, response_start: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,13 +268,6 @@ def trainer_args(tmp_path, name, **kw):
                 objective="diffusion_gemma")
     base.update(kw)
     return BDLMSFTConfig(**base)
-
-
-def conversations(n: int):
-    return datasets.Dataset.from_dict({"messages": [
-        [{"role": "user", "content": " ".join(f"w{(3 * i + k) % 50}" for k in range(3 + i % 4))},
-         {"role": "assistant", "content": " ".join(f"w{(5 * i + k) % 50}" for k in range(4 + (2 * i) % 7))}]
-        for i in range(n)]})
 
 
 def test_trainer_eval_loss_is_the_per_block_inference_loss_plus_the_encoder_loss(tmp_path):
