@@ -14,13 +14,12 @@ bracket is followed by a bisection, so the number of probes stays logarithmic wh
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
-from benchmarks import parallel_modes
+from benchmarks import parallel_modes, report
 
 MiB = 2**20
 
@@ -110,36 +109,29 @@ def search_max_context(probe: Callable[[int], int], cap: int, grid: int, start: 
 # ----------------------------------------------------------------------------------------------
 # the real probe: one fresh parallel_modes run
 # ----------------------------------------------------------------------------------------------
-def probe_args(layers: int, steps: int, timeout: float) -> argparse.Namespace:
-    """The arguments ``parallel_modes._launch`` reads (its driver's defaults for the rest: CPU, float32, blockwise)."""
-    return argparse.Namespace(steps=steps, layers=layers, window=None, timeout=timeout, device="cpu",
-                              dtype="float32", attention_backend="blockwise")
-
-
-def launch(mode: str, P: int, L: int, args: argparse.Namespace, tmp: pathlib.Path, transport: str = "allgather",
-           schedule: str = "dual_end") -> dict:
-    """One fresh-process measurement of ``benchmarks/parallel_modes.py`` (its record, or ``error``)."""
-    return parallel_modes._launch(mode, P, L, args, tmp, transport, schedule)
-
-
 def configurations(nprocs, modes=("csbp", "cp", "bp")) -> list[tuple[str, int, str, str]]:
     """(mode, P, transport, schedule) searched: the single process, then each mode at each P (cp and csbp with the
     all-gather transport, bp with the dual_end schedule)."""
-    return [("single", 1, "allgather", "dual_end")] + [(m, P, "allgather", "dual_end") for P in nprocs for m in modes]
+    return parallel_modes.configurations(modes, nprocs, ("allgather",), ("dual_end",))
+
+
+def grid(nprocs) -> int:
+    """The lengths searched are multiples of this: every P must split the blocks evenly (dual-end pairs)."""
+    return 2 * max([1, *nprocs]) * parallel_modes.BLOCK
 
 
 def run_study(nprocs, modes, cap: int, layers: int, limit: int, timeout: float, log=print) -> dict:
     """Search every configuration; returns the ``max_context.json`` payload."""
-    grid = 2 * max([1, *nprocs]) * parallel_modes.BLOCK
-    limit = _floor(limit, grid)
-    args = probe_args(layers, steps=1, timeout=timeout)
+    step = grid(nprocs)
+    limit = _floor(limit, step)
+    args = parallel_modes.launch_args(layers, steps=1, timeout=timeout)
     results, records = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for mode, P, transport, schedule in configurations(nprocs, modes):
-            name = "single" if mode == "single" else f"{mode} {schedule if mode == 'bp' else transport}"
+            name = report.variant(dict(mode=mode, transport=transport, schedule=schedule))
 
             def probe(length: int) -> int:
-                rec = launch(mode, P, length, args, pathlib.Path(tmp), transport, schedule)
+                rec = parallel_modes._launch(mode, P, length, args, pathlib.Path(tmp), transport, schedule)
                 records.append(rec)
                 if "error" in rec:
                     raise RuntimeError(f"{name} P={P} L={length} failed: {rec['error'].strip()[-600:]}")
@@ -151,7 +143,7 @@ def run_study(nprocs, modes, cap: int, layers: int, limit: int, timeout: float, 
             entry = dict(variant=name, mode=mode, P=P, transport=None if mode == "single" else transport,
                          schedule=None if mode == "single" else schedule)
             try:
-                found = search_max_context(probe, cap, grid, start=grid, limit=limit)
+                found = search_max_context(probe, cap, step, start=step, limit=limit)
             except (ValueError, RuntimeError) as err:
                 entry["error"] = str(err)
                 log(f"  max-context {name} P={P}: {err}")
@@ -159,6 +151,6 @@ def run_study(nprocs, modes, cap: int, layers: int, limit: int, timeout: float, 
                 entry.update(longest=found.longest, first_over=found.first_over, probes=found.probes,
                              peak_at_longest=found.peak(found.longest))
             results.append(entry)
-    return dict(cap_bytes=cap, grid=grid, layers=layers, limit=limit, block_size=parallel_modes.BLOCK,
+    return dict(cap_bytes=cap, grid=step, layers=layers, limit=limit, block_size=parallel_modes.BLOCK,
                 memory="peak RSS of a training step above the RSS once model and batch are built, max over ranks",
                 results=results, records=records)

@@ -243,6 +243,27 @@ def worker(args) -> None:
 # ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
+def configurations(modes, nprocs, transports=("allgather", "ring"), bp_schedules=("dual_end", "contiguous"),
+                   single: bool = True) -> list[tuple[str, int, str, str]]:
+    """The (mode, P, transport, schedule) runs at one length: the single process, then at each P every mode, cp and
+    csbp with each transport, bp with each noisy-block schedule."""
+    configs = [("single", 1, "allgather", "dual_end")] if single else []
+    for P in nprocs:
+        for m in modes:
+            if m == "bp":
+                configs += [(m, P, "allgather", s) for s in bp_schedules]
+            else:
+                configs += [(m, P, t, "dual_end") for t in transports]
+    return configs
+
+
+def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dtype: str = "float32",
+                attention_backend: str = "blockwise", window: int | None = None) -> argparse.Namespace:
+    """The arguments :func:`_launch` reads, for callers other than this file's driver."""
+    return argparse.Namespace(steps=steps, layers=layers, window=window, timeout=timeout, device=device, dtype=dtype,
+                              attention_backend=attention_backend)
+
+
 def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str = "allgather",
             schedule: str = "dual_end") -> dict:
     out = tmp / f"{mode}_{transport}_{schedule}_P{P}_L{L}.json"
@@ -368,13 +389,7 @@ def main(argv=None) -> None:
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for L in args.lengths:
-            configs = [] if args.no_single else [("single", 1, "allgather", "dual_end")]
-            for P in args.nprocs:
-                for m in args.modes:
-                    if m == "bp":
-                        configs += [(m, P, "allgather", schedule) for schedule in args.bp_schedules]
-                    else:
-                        configs += [(m, P, t, "dual_end") for t in args.transports]
+            configs = configurations(args.modes, args.nprocs, args.transports, args.bp_schedules, not args.no_single)
             for mode, P, transport, schedule in configs:
                 rec = _launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
                 records.append(rec)

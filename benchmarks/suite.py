@@ -33,9 +33,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from benchmarks import max_context, parallel_modes, report
+from hf_bdlm.bench import STUDIES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STUDIES = ("modes", "attention", "growth", "max-context")
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
@@ -78,7 +78,7 @@ class BenchConfig:
 
 
 def _check_lengths(option: str, lengths, nprocs) -> None:
-    multiple = 2 * max([1, *nprocs]) * parallel_modes.BLOCK
+    multiple = max_context.grid(nprocs)
     bad = [L for L in lengths if L % multiple]
     if bad:
         raise ValueError(
@@ -118,7 +118,7 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     _check_nprocs("--max-context-nprocs", cfg.max_context_nprocs)
     _check_lengths("--lengths", cfg.lengths, cfg.nprocs)
     _check_lengths("--growth-lengths", cfg.growth_lengths, cfg.growth_nprocs)
-    grid = 2 * max(cfg.max_context_nprocs) * parallel_modes.BLOCK
+    grid = max_context.grid(cfg.max_context_nprocs)
     if cfg.max_context_limit < grid:
         raise ValueError(f"--max-context-limit {cfg.max_context_limit}: must be at least the search grid {grid} "
                          f"(2 * max P * block size)")
@@ -135,17 +135,6 @@ def _progress(text: str) -> None:
     print(text, flush=True)
 
 
-def _mode_configs(modes, nprocs, transports) -> list[tuple[str, int, str, str]]:
-    configs = [("single", 1, "allgather", "dual_end")]
-    for P in nprocs:
-        for mode in modes:
-            if mode == "bp":
-                configs += [(mode, P, "allgather", s) for s in ("dual_end", "contiguous")]
-            else:
-                configs += [(mode, P, t, "dual_end") for t in transports]
-    return configs
-
-
 def _line(rec: dict) -> str:
     name = f"{report.variant(rec):15} P={rec['P']} L={rec['L']:>6}"
     if "error" in rec:
@@ -156,11 +145,11 @@ def _line(rec: dict) -> str:
 
 
 def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list, path: pathlib.Path | None) -> None:
-    args = max_context.probe_args(layers, cfg.steps, cfg.timeout)
+    args = parallel_modes.launch_args(layers, cfg.steps, cfg.timeout)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mode, P, L, transport, schedule) in enumerate(configs, 1):
-            rec = max_context.launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
+            rec = parallel_modes._launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
             rec.setdefault("layers", layers)
             sink.append(rec)
             _progress(f"  [{label} {i}/{len(configs)}, {time.perf_counter() - started:5.0f} s] {_line(rec)}")
@@ -170,7 +159,7 @@ def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list,
 
 def run_modes(cfg: BenchConfig) -> list[dict]:
     configs = [(m, P, L, t, s) for L in cfg.lengths
-               for (m, P, t, s) in _mode_configs(cfg.modes, cfg.nprocs, cfg.transports)]
+               for (m, P, t, s) in parallel_modes.configurations(cfg.modes, cfg.nprocs, cfg.transports)]
     _progress(f"modes: {len(configs)} runs (L {', '.join(map(str, cfg.lengths))}; P {', '.join(map(str, cfg.nprocs))}; "
               f"{cfg.layers} layer(s), {cfg.steps} timed step(s) after a warm-up)")
     records: list[dict] = []

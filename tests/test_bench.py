@@ -2,7 +2,6 @@
 probe, argument errors, and one tiny real run of the command."""
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -132,8 +131,8 @@ def test_search_finds_the_exact_boundary(name, memory):
         assert found.first_over == expected + grid and memory(found.first_over) > cap
         assert [L for L, _ in found.probes] == calls and len(set(calls)) == len(calls)  # no length probed twice
         assert len(calls) <= 14, (name, cap, calls)  # log2(65536 / 256) = 8 bisections, plus the growth phase
-    if name == "linear":  # the secant lands on the boundary in a few probes when memory is a line
-        assert len(calls) <= 5, calls
+        if name == "linear":  # the secant lands on the boundary in a few probes when memory is a line
+            assert len(calls) <= 5, (cap, calls)
 
 
 def test_search_stops_at_the_limit_when_everything_fits():

@@ -169,15 +169,10 @@ def run_parallel(lengths, layers: int, steps: int, backend: str, deadline: float
     from benchmarks import parallel_modes
 
     gpus = torch.cuda.device_count()
-    args = argparse.Namespace(steps=steps, layers=layers, window=None, timeout=timeout, device="cuda",
-                               dtype="bfloat16", attention_backend=backend)
-    configs = []
-    for L in lengths:
-        configs.append(("single", 1, L, "allgather", "dual_end"))
-        if gpus >= 2:
-            configs += [("cp", gpus, L, t, "dual_end") for t in ("allgather", "ring")]
-            configs += [("bp", gpus, L, "allgather", s) for s in ("dual_end", "contiguous")]
-            configs += [("csbp", gpus, L, t, "dual_end") for t in ("allgather", "ring")]
+    args = parallel_modes.launch_args(layers, steps, timeout, "cuda", "bfloat16", backend)
+    nprocs = (gpus,) if gpus >= 2 else ()
+    configs = [(m, P, L, t, s) for L in lengths
+               for m, P, t, s in parallel_modes.configurations(("cp", "bp", "csbp"), nprocs)]
     records, skipped = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for mode, P, L, transport, schedule in configs:
