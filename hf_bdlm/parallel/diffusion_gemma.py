@@ -195,9 +195,9 @@ class ShardedDiffusionGemmaLayout:
         sources, rows = [(key, value)], [p.keys]
         if self.comm.size > 1 and rule.sliding_window is not None:
             # The peers' rows within the window (the halo) arrive by an all-to-all the kernel overlaps.
-            send_index, send_counts, recv_counts, recv_rows = self._window_exchange(p, rule)
-            sources.append(ExchangedKV(*sent, self.comm, send_index.to(key.device), tuple(send_counts),
-                                       tuple(recv_counts), (f"{p.name}_k_window", f"{p.name}_v_window")))
+            send_index, send_counts, recv_counts, recv_rows = self._window_exchange(p, rule, key.device)
+            sources.append(ExchangedKV(*sent, self.comm, send_index, send_counts, recv_counts,
+                                       (f"{p.name}_k_window", f"{p.name}_v_window")))
             rows.append(recv_rows)
         elif self.comm.size > 1:
             # The peers' rows arrive by an all-gather the kernel starts first and overlaps with the local source.
@@ -205,13 +205,16 @@ class ShardedDiffusionGemmaLayout:
             rows.append(p.peer_rows)
         return attend(self.backend, query, sources, p.queries, rows, rule, scale, p.cache)
 
-    def _window_exchange(self, p: _Pass, rule: MaskRule):
-        """Rows each member needs from each other under a window, as all-to-all send/recv lists (cached per rule)."""
+    def _window_exchange(self, p: _Pass, rule: MaskRule, device: torch.device):
+        """Rows each member needs from each other under a window, as all-to-all send/recv lists (cached per rule; the
+        send index on ``device``, where the rows are)."""
         key = ("window_exchange", rule)
         found = p.cache.get(key)
         if found is not None:
             return found
-        found = window_exchange(p.me, p.member_queries, p.member_sent, rule, key_streams=True)
+        send_index, send_counts, recv_counts, recv_rows = window_exchange(p.me, p.member_queries, p.member_sent, rule,
+                                                                          key_streams=True)
+        found = (send_index.to(device), tuple(send_counts), tuple(recv_counts), recv_rows)
         p.cache[key] = found
         return found
 
@@ -219,8 +222,11 @@ class ShardedDiffusionGemmaLayout:
         """The ring transport: every member's sent rows rotate through (the own shard first); the unsent canvas is
         the only local source."""
         unsent = [(key[:, :, self.num_clean :], value[:, :, self.num_clean :])] if p.unsent else []
-        rows = [p.queries, *p.unsent, *p.member_sent]
-        same = all(bool((r.doc == r.doc[:1]).all()) for r in rows if r.doc is not None)
+        same = p.cache.get("ring_same_documents")
+        if same is None:  # the rows are fixed for the pass: one check, not one per layer
+            rows = [p.queries, *p.unsent, *p.member_sent]
+            same = p.cache["ring_same_documents"] = all(bool((r.doc == r.doc[:1]).all()) for r in rows
+                                                         if r.doc is not None)
         items = [None] if same else list(range(query.shape[0]))
         outs = []
         for item in items:

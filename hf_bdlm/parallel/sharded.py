@@ -156,8 +156,9 @@ class ShardedLayout:
                                        scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
-    def _window_exchange(self, rule: MaskRule, n: int):
-        """Which gathered rows each rank needs under a window, as all-to-all send/recv lists (cached)."""
+    def _window_exchange(self, rule: MaskRule, device: torch.device):
+        """Which gathered rows each rank needs under a window, as all-to-all send/recv lists (cached; the send index
+        on ``device``, where the rows are)."""
         key = ("window_exchange", rule)  # the whole rule: the window's reach depends on its convention
         found = self.cache.get(key)
         if found is not None:
@@ -170,7 +171,7 @@ class ShardedLayout:
             rule)
         if self.doc is not None:
             doc_rows = RowMeta(doc_rows.stream, doc_rows.pos, self.doc[:, doc_rows.pos])
-        found = (send_index, send_counts, recv_counts, doc_rows)
+        found = (send_index.to(device), tuple(send_counts), tuple(recv_counts), doc_rows)
         self.cache[key] = found
         return found
 
@@ -179,8 +180,8 @@ class ShardedLayout:
         # all-to-all the block-sparse kernel overlaps with the local source, forward and backward.
         sources, rows = [(key, value)], [self.q_rows]
         if self.comm.size > 1:
-            send_index, send_counts, recv_counts, recv_rows = self._window_exchange(rule, n)
-            sources.append(ExchangedKV(key[:, :, n:], value[:, :, n:], self.comm, send_index.to(key.device),
-                                       tuple(send_counts), tuple(recv_counts)))
+            send_index, send_counts, recv_counts, recv_rows = self._window_exchange(rule, key.device)
+            sources.append(ExchangedKV(key[:, :, n:], value[:, :, n:], self.comm, send_index, send_counts,
+                                       recv_counts))
             rows.append(recv_rows)
         return attend(self.backend, query, sources, self.q_rows, rows, rule, scale, self.cache)

@@ -80,7 +80,7 @@ def fsdp_request(args):
         )
     if plugin.ignored_modules is not None:
         raise ValueError(f"ignored_modules (from {where}) is not supported by BDLMSFTTrainer's FSDP2; remove it.")
-    if str(plugin.state_dict_type).rsplit(".", 1)[-1] not in STATE_DICT_TYPES:
+    if state_dict_type(plugin) not in STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type must be one of {STATE_DICT_TYPES}, got {plugin.state_dict_type} ({where}).")
     return plugin
 
@@ -134,21 +134,28 @@ def _no_split_classes(model: nn.Module) -> set[str]:
     return names
 
 
+def _fully_shard_kwargs(model: nn.Module, mesh, plugin) -> dict:
+    """``fully_shard``'s arguments from the plugin (mesh, resharding, offload, mixed precision); refuses CPU offload on
+    a CPU run."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if offloads(plugin) and next(model.parameters()).device.type == "cpu":
+        raise ValueError(
+            "FSDP2 cpu_offload / offload_params moves parameters to the CPU between uses; on a CPU run they are there "
+            "already. Remove the option (or train on GPUs)."
+        )
+    return dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload,
+                mp_policy=_mixed_precision_policy(plugin.mixed_precision_policy) or MixedPrecisionPolicy())
+
+
 def shard_model(model: nn.Module, mesh, plugin) -> list[str]:
     """Apply ``fully_shard`` over ``mesh`` to every unit (bottom-up), then to ``model`` (the root), in place.
 
     Returns the qualified names of the units below the root.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    device = next(model.parameters()).device
-    if offloads(plugin) and device.type == "cpu":
-        raise ValueError(
-            "FSDP2 cpu_offload / offload_params moves parameters to the CPU between uses; on a CPU run they are there "
-            "already. Remove the option (or train on GPUs)."
-        )
-    kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload,
-                  mp_policy=_mixed_precision_policy(plugin.mixed_precision_policy) or MixedPrecisionPolicy())
+    kwargs = _fully_shard_kwargs(model, mesh, plugin)
     classes = unit_classes(model, plugin)
     units = [(name, m) for name, m in model.named_modules() if name and type(m).__name__ in classes]
     for _, module in reversed(units):  # deepest first: a unit is sharded before the module holding it
@@ -180,16 +187,12 @@ def shard_diffusion_gemma(model: nn.Module, mesh, plugin):
     """
     import dataclasses
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     from ..diffusion_gemma import unwrap_diffusion_gemma
     from .step import TrainingStep
 
-    if offloads(plugin) and next(model.parameters()).device.type == "cpu":
-        raise ValueError(
-            "FSDP2 cpu_offload / offload_params moves parameters to the CPU between uses; on a CPU run they are there "
-            "already. Remove the option (or train on GPUs)."
-        )
+    kwargs = _fully_shard_kwargs(model, mesh, plugin)
     dg = unwrap_diffusion_gemma(model)
     encoder_layers, decoder_layers = dg.model.encoder.language_model.layers, dg.model.decoder.layers
     if len(encoder_layers) != len(decoder_layers):
@@ -202,9 +205,6 @@ def shard_diffusion_gemma(model: nn.Module, mesh, plugin):
             f"units are its encoder/decoder layer pairs ({sorted(pair_classes)}, which share their weights); leave it "
             "unset, name those classes, or use auto_wrap_policy NO_WRAP (the root only)."
         )
-    mp = _mixed_precision_policy(plugin.mixed_precision_policy) or MixedPrecisionPolicy()
-    kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload,
-                  mp_policy=mp)
     names = {id(m): n for n, m in model.named_modules()}
     units = []
     if plugin.auto_wrap_policy is not None:
@@ -221,7 +221,7 @@ def shard_diffusion_gemma(model: nn.Module, mesh, plugin):
     step = TrainingStep(model)
     # The root's inputs are the step's function, batch and layout, not activations: no cast to param_dtype.
     fully_shard(step, **{**kwargs, "reshard_after_forward": False,
-                         "mp_policy": dataclasses.replace(mp, cast_forward_inputs=False)})
+                         "mp_policy": dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)})
     return step, units
 
 

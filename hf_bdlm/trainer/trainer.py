@@ -246,15 +246,11 @@ class BDLMSFTTrainer(SFTTrainer):
                 f"{state_dict_type(self.fsdp2)}."
             )
 
-    def _fsdp_root(self):
-        """The root FSDP2 module: the model, or for DiffusionGemma the TrainingStep around it."""
-        return self._fsdp_step if self._fsdp_step is not None else self.model
-
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
         # Gradient accumulation: the micro-batches before the last keep their gradients unsharded, one reduce-scatter
         # follows the last. (transformers' version reads the DistributedConfig of a model sharded at load time.)
-        root = self._fsdp_root()
+        root = self._step_runner(self.model)  # the root FSDP2 module
         root.set_requires_gradient_sync(False)
         try:
             yield
