@@ -114,12 +114,11 @@ def test_predicted_bytes_equal_the_byte_meters_measurements():
         assert r["predicted_by_name"] == r["measured_by_name"], r["label"]
 
 
-def test_memory_parts_sum_to_the_peak_and_states_shard_over_the_world():
+def test_memory_states_shard_over_the_world():
     model, cluster = model_spec("gemma3-27b"), Cluster(16, 8)
     dims = ParallelDims(16, 16, "csbp", world_size=16)
     p = predict(model, dims, 32768, device_spec("h200"), cluster, Recipe(), checkpointing=True)
     m = p.memory
-    assert m.total == pytest.approx(sum(m.parts().values()), rel=1e-12)
     n = model.total_params()
     assert (m.parameters, m.gradients, m.optimizer) == pytest.approx((2 * n / 16, 2 * n / 16, 8 * n / 16))
     no_ac = predict(model, dims, 32768, device_spec("h200"), cluster, Recipe(), checkpointing=False)

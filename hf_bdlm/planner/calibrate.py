@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..parallel.dims import ParallelDims
-from .cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
+from .cost import Cluster, Recipe, _members, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
 from .hardware import DeviceSpec
 from .model import AttentionShape, ModelSpec, spec_from_config
 
@@ -238,7 +238,7 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
     for r, (rp, w) in enumerate(zip(plan.ranks, works)):
         q = rp.rows()
         gathered = dims.mode != "bp" and dims.block_parallel_size > 1 and w.sent_rows > 0
-        members = plan.ring_members(r) if dims.mode == "csbp" else tuple(range(dims.block_parallel_size))
+        members = _members(plan, r)
 
         def sent(m):
             rows = plan.ranks[m].rows()

@@ -25,14 +25,14 @@ device_spec('h200'), Cluster(16, 8)).step_s)"
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
 import torch
 
 from ..attention.masks import CLEAN, NOISY, MaskRule, keys_in_window, window_key_range
 from ..parallel.dims import ParallelDims, divisors
-from ..parallel.plan import GroupPlan, PlanConfig, RankPlan, make_plan
+from ..parallel.plan import GroupPlan, PlanConfig, RankPlan, _block_ranges, make_plan
 from .hardware import DeviceSpec
 from .model import ModelSpec
 
@@ -126,17 +126,11 @@ def _overlap(lo: torch.Tensor, hi: torch.Tensor, start: int, end: int) -> torch.
     return (hi.clamp(max=end - 1) - lo.clamp(min=start) + 1).clamp(min=0)
 
 
-def allowed_key_counts(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRule,
-                       clean_ranges=None, noisy_ranges=None) -> torch.Tensor:
-    """Allowed keys of each query row of one document (:func:`key_intervals`), among the clean keys in
-    ``clean_ranges`` and the noisy keys in ``noisy_ranges`` (half-open position ranges; ``None``: all)."""
+def allowed_key_counts(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRule) -> torch.Tensor:
+    """Allowed keys of each query row of one document (:func:`key_intervals`; every key lies in ``[0, L)``)."""
     clean_lo, clean_hi, noisy_lo, noisy_hi = key_intervals(q_stream, q_pos, rule)
-    everything = ((0, int(q_pos.max()) + rule.block_size + 1),) if q_pos.numel() else ((0, 0),)
-    total = torch.zeros_like(clean_lo)
-    for lo, hi, ranges in ((clean_lo, clean_hi, clean_ranges), (noisy_lo, noisy_hi, noisy_ranges)):
-        for s, e in ranges if ranges is not None else everything:
-            total += _overlap(lo, hi, s, e)
-    return total
+    end = int(q_pos.max()) + rule.block_size + 1 if q_pos.numel() else 0
+    return _overlap(clean_lo, clean_hi, 0, end) + _overlap(noisy_lo, noisy_hi, 0, end)
 
 
 @dataclass(frozen=True)
@@ -173,32 +167,22 @@ def _cumulative_counts(seq_len: int, rule: MaskRule) -> tuple[torch.Tensor, torc
     """Prefix sums over positions of every noisy and every clean query's allowed keys (length ``L + 1`` each)."""
     out = []
     for stream in (NOISY, CLEAN):
-        clean_lo, clean_hi, noisy_lo, noisy_hi = _position_intervals(seq_len, rule)[stream]
-        counts = _overlap(clean_lo, clean_hi, 0, seq_len) + _overlap(noisy_lo, noisy_hi, 0, seq_len)
+        pos = torch.arange(seq_len)
+        counts = allowed_key_counts(torch.full_like(pos, stream), pos, rule)
         out.append(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
     return out[0], out[1]
 
 
-def _block_runs(blocks: tuple[int, ...], block_size: int) -> list[tuple[int, int]]:
-    runs: list[list[int]] = []
-    for b in blocks:
-        if runs and runs[-1][1] == b * block_size:
-            runs[-1][1] += block_size
-        else:
-            runs.append([b * block_size, (b + 1) * block_size])
-    return [(a, b) for a, b in runs]
-
-
 def _rank_pairs(rp: RankPlan, rule: MaskRule, local_is_total: bool) -> tuple[int, int]:
     noisy_cum, clean_cum = _cumulative_counts(rp.seq_len, rule)
-    total = sum(int(noisy_cum[e] - noisy_cum[s]) for s, e in _block_runs(rp.noisy_blocks, rp.block_size))
+    total = sum(int(noisy_cum[e] - noisy_cum[s]) for s, e in _block_ranges(rp.noisy_blocks, rp.block_size))
     total += sum(int(clean_cum[e] - clean_cum[s]) for s, e in rp.clean_positions)
     if local_is_total:
         return total, total
     # Own rows: a noisy query's noisy keys are its own block, always owned; clean keys only in the own clean ranges.
     intervals = _position_intervals(rp.seq_len, rule)
     local = 0
-    for stream, runs in ((NOISY, _block_runs(rp.noisy_blocks, rp.block_size)), (CLEAN, rp.clean_positions)):
+    for stream, runs in ((NOISY, _block_ranges(rp.noisy_blocks, rp.block_size)), (CLEAN, rp.clean_positions)):
         clean_lo, clean_hi, noisy_lo, noisy_hi = intervals[stream]
         for s, e in runs:
             local += int(_overlap(noisy_lo[s:e], noisy_hi[s:e], 0, rp.seq_len).sum())
@@ -216,7 +200,7 @@ def _sent_ranges(plan: GroupPlan, rank: int) -> list[tuple[int, int]]:
     clean; a position may appear in both streams)."""
     rp = plan.ranks[rank]
     clean = list(rp.clean_positions)
-    return clean if plan.config.mode == "csbp" else _block_runs(rp.noisy_blocks, rp.block_size) + clean
+    return clean if plan.config.mode == "csbp" else list(_block_ranges(rp.noisy_blocks, rp.block_size)) + clean
 
 
 def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]:
@@ -335,12 +319,10 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return (self.parameters + self.gradients + self.optimizer + self.fsdp_transient + self.activations
-                + self.gathered_kv + self.logits)
+        return sum(self.parts().values())
 
     def parts(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("parameters", "gradients", "optimizer", "fsdp_transient",
-                                              "activations", "gathered_kv", "logits")}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe, checkpointing: bool) -> Memory:
