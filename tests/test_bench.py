@@ -211,6 +211,9 @@ def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path):
     proc = subprocess.run([str(exe), "bench", "--only", "modes", "--lengths", "256", "--nprocs", "2", "--modes", "csbp",
                            "--transports", "allgather", "--layers", "1", "--steps", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    if proc.returncode and (out / "parallel_modes.json").exists():  # the failed launch's own output, not its summary
+        failed = [r["error"] for r in json.loads((out / "parallel_modes.json").read_text()) if "error" in r]
+        pytest.fail("a measurement failed:\n" + "\n".join(failed) + proc.stdout[-1000:])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "[modes 2/2," in proc.stdout
     records = json.loads((out / "parallel_modes.json").read_text())
