@@ -7,7 +7,7 @@ objective ``standard``. For every (mode, P, L) the driver launches a fresh ``tor
 configuration's peak RSS is its own) running this same file with ``--worker``; the single-process
 baseline (``single``: plain ``objective.loss``) runs in a fresh process too. One thread per rank.
 
-Per configuration: step time (median over ``--steps`` after one warm-up; the group's step time is
+Per configuration: step time (median over ``--steps``, or as many as fill ``--min-time`` seconds up to 10, after one warm-up; the group's step time is
 the slowest rank's), tokens/s (``L`` / step time), peak memory (``ru_maxrss`` high-water mark minus
 the RSS once model and batch are built, max over ranks; the absolute high-water mark is kept as
 ``peak_rss_bytes``), bytes received per step from the ByteMeter (max over ranks, and per
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -145,6 +146,17 @@ class _Device:
         return _peak_rss()
 
 
+MAX_TIMED_STEPS = 10
+
+
+def timed_steps(steps: int, min_time: float, warmup_s: float) -> int:
+    """Timed steps after a warm-up of ``warmup_s`` seconds: ``steps``, or enough to fill ``min_time`` seconds (at
+    most :data:`MAX_TIMED_STEPS`), so short steps get the repeats their larger relative noise needs."""
+    if min_time <= 0 or warmup_s <= 0:
+        return steps
+    return max(steps, min(MAX_TIMED_STEPS, math.ceil(min_time / warmup_s)))
+
+
 def worker(args) -> None:
     import torch
 
@@ -156,7 +168,8 @@ def worker(args) -> None:
     times, bytes_steps, waits, fwd_waits = [], [], [], []
 
     if mode == "single":
-        for step in range(1 + args.steps):
+        timed, step = args.steps, 0
+        while step <= timed:
             model.zero_grad(set_to_none=True)
             t0 = dev.now()
             with dev.autocast():
@@ -165,9 +178,12 @@ def worker(args) -> None:
             dt = dev.now() - t0
             if step:  # step 0 is the warm-up
                 times.append(dt)
+            else:
+                timed = timed_steps(args.steps, args.min_time, dt)
+            step += 1
         peak, peak_abs = dev.peak() - base_rss, dev.peak()
         rec = dict(mode="single", device=args.device, dtype=args.dtype, transport=None, schedule=None, P=1, C=1, L=L, layers=args.layers,
-                   window=args.window, steps=args.steps,
+                   window=args.window, steps=len(times),
                    step_s=statistics.median(times), step_times=times, tokens_per_s=L / statistics.median(times),
                    peak_mem_bytes=peak, peak_rss_bytes=peak_abs, bytes_per_step=0, bytes_by_name={},
                    comm_wait_s=0.0, comm_wait_fwd_s=0.0, comm_wait_bwd_s=0.0)
@@ -191,7 +207,8 @@ def worker(args) -> None:
     # ``cp`` talks on the group, ``csbp`` on the ring (same ranks when C = P, but distinct
     # CommContexts): sum both wait counters so the mode does not matter here.
     comms = (groups.group, groups.ring)
-    for step in range(1 + args.steps):
+    timed, step = args.steps, 0
+    while step <= timed:
         meter.next_step()
         model.zero_grad(set_to_none=True)
         wait0 = sum(c.wait_seconds for c in comms)
@@ -210,6 +227,12 @@ def worker(args) -> None:
             bytes_steps.append(meter.by_name())
             waits.append(sum(c.wait_seconds for c in comms) - wait0)
             fwd_waits.append(wait_fwd)
+        else:
+            # Every rank must run the same number of steps: they agree on the slowest rank's warm-up.
+            slowest = torch.tensor([dt], dtype=torch.float64, device=dev.name)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            timed = timed_steps(args.steps, args.min_time, float(slowest))
+        step += 1
         del loss, layout
     peak, peak_abs = dev.peak() - base_rss, dev.peak()
     mine = dict(times=times, bytes=bytes_steps, waits=waits, fwd_waits=fwd_waits, peak=peak, peak_abs=peak_abs)
@@ -217,7 +240,7 @@ def worker(args) -> None:
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         # The group advances at the pace of its slowest rank, step by step.
-        step_times = [max(r["times"][i] for r in everyone) for i in range(args.steps)]
+        step_times = [max(r["times"][i] for r in everyone) for i in range(len(times))]
         step_s = statistics.median(step_times)
         by_name: dict[str, int] = {}
         for name in sorted({n for r in everyone for n in r["bytes"][-1]}):
@@ -227,7 +250,7 @@ def worker(args) -> None:
         fwd = max(statistics.median(r["fwd_waits"]) for r in everyone)
         bwd = max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])]) for r in everyone)
         rec = dict(mode=mode, device=args.device, dtype=args.dtype, transport=args.transport, schedule=args.schedule, P=P, C=C, L=L, layers=args.layers,
-                   window=args.window, steps=args.steps, comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
+                   window=args.window, steps=len(times), comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
                    step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
                    peak_mem_bytes=max(r["peak"] for r in everyone),
                    peak_mem_per_rank=[r["peak"] for r in everyone],
@@ -258,17 +281,19 @@ def configurations(modes, nprocs, transports=("allgather", "ring"), bp_schedules
 
 
 def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dtype: str = "float32",
-                attention_backend: str = "blockwise", window: int | None = None) -> argparse.Namespace:
+                attention_backend: str = "blockwise", window: int | None = None,
+                min_time: float = 0.0) -> argparse.Namespace:
     """The arguments :func:`_launch` reads, for callers other than this file's driver."""
     return argparse.Namespace(steps=steps, layers=layers, window=window, timeout=timeout, device=device, dtype=dtype,
-                              attention_backend=attention_backend)
+                              attention_backend=attention_backend, min_time=min_time)
 
 
 def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str = "allgather",
             schedule: str = "dual_end") -> dict:
     out = tmp / f"{mode}_{transport}_{schedule}_P{P}_L{L}.json"
     common = [str(HERE), "--worker", "--mode", mode, "--transport", transport, "--schedule", schedule,
-              "--lengths", str(L), "--steps", str(args.steps), "--layers", str(args.layers), "--out", str(out),
+              "--lengths", str(L), "--steps", str(args.steps), "--min-time", str(getattr(args, "min_time", 0.0)),
+              "--layers", str(args.layers), "--out", str(out),
               "--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend]
     if args.window:
         common += ["--window", str(args.window)]
@@ -353,6 +378,9 @@ def main(argv=None) -> None:
     parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--modes", nargs="+", default=["cp", "bp", "csbp"], choices=["cp", "bp", "csbp"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--min-time", type=float, default=0.0,
+                        help=f"time more steps when they are short: enough to fill this many seconds (at most "
+                             f"{MAX_TIMED_STEPS}), judged by the warm-up step")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--no-single", action="store_true", help="skip the single-process baseline")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")

@@ -39,14 +39,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
-            transports=("allgather", "ring"), layers=2, steps=2,
+            transports=("allgather", "ring"), layers=2, steps=2, min_time=5.0,
             growth_lengths=(2048, 4096, 8192, 16384, 32768), growth_nprocs=(2, 4), mem_cap=256 * 2**20,
             max_context_nprocs=(2, 4), max_context_modes=("csbp", "cp", "bp"), max_context_layers=1,
             max_context_limit=65536,
             attention=["--lengths", "1024", "2048", "4096", "8192", "16384", "--step-lengths", "1024", "2048", "4096",
                        "8192"])
 QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), transports=("allgather", "ring"),
-             layers=1, steps=1,
+             layers=1, steps=1, min_time=0.0,
              growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=128 * 2**20,
              max_context_nprocs=(2,), max_context_modes=("csbp",), max_context_layers=1, max_context_limit=8192,
              attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
@@ -66,6 +66,7 @@ class BenchConfig:
     transports: tuple[str, ...]
     layers: int
     steps: int
+    min_time: float
     timeout: float
     growth_lengths: tuple[int, ...]
     growth_nprocs: tuple[int, ...]
@@ -99,18 +100,21 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     preset = QUICK if args.quick else FULL
 
     def pick(name):
-        value = getattr(args, name) or preset[name]
+        value = getattr(args, name)
+        value = preset[name] if value is None else value
         return tuple(value) if isinstance(value, (list, tuple)) else value
 
     cfg = BenchConfig(
         out=pathlib.Path(args.out), studies=tuple(args.only or STUDIES), quick=args.quick,
         lengths=pick("lengths"), nprocs=pick("nprocs"), modes=pick("modes"), transports=pick("transports"),
         layers=pick("layers"),
-        steps=pick("steps"), timeout=args.timeout, growth_lengths=pick("growth_lengths"),
+        steps=pick("steps"), min_time=pick("min_time"), timeout=args.timeout, growth_lengths=pick("growth_lengths"),
         growth_nprocs=pick("growth_nprocs"), mem_cap=pick("mem_cap"), max_context_nprocs=pick("max_context_nprocs"),
         max_context_modes=pick("max_context_modes"),
         max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
         attention=tuple(preset["attention"]))
+    if cfg.min_time < 0:
+        raise ValueError(f"--min-time {cfg.min_time}: must be 0 (a fixed --steps) or a positive number of seconds")
     if args.timeout <= 0:
         raise ValueError(f"--timeout {args.timeout}: must be a positive number of seconds")
     _check_nprocs("--nprocs", cfg.nprocs)
@@ -145,7 +149,7 @@ def _line(rec: dict) -> str:
 
 
 def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list, path: pathlib.Path | None) -> None:
-    args = parallel_modes.launch_args(layers, cfg.steps, cfg.timeout)
+    args = parallel_modes.launch_args(layers, cfg.steps, cfg.timeout, min_time=cfg.min_time)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mode, P, L, transport, schedule) in enumerate(configs, 1):
@@ -161,7 +165,8 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
     configs = [(m, P, L, t, s) for L in cfg.lengths
                for (m, P, t, s) in parallel_modes.configurations(cfg.modes, cfg.nprocs, cfg.transports)]
     _progress(f"modes: {len(configs)} runs (L {', '.join(map(str, cfg.lengths))}; P {', '.join(map(str, cfg.nprocs))}; "
-              f"{cfg.layers} layer(s), {cfg.steps} timed step(s) after a warm-up)")
+              f"{cfg.layers} layer(s), {cfg.steps} timed step(s) after a warm-up"
+              + (f", more to fill {cfg.min_time:g} s" if cfg.min_time else "") + ")")
     records: list[dict] = []
     _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json")
     return records

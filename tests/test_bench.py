@@ -176,11 +176,25 @@ def test_bench_argument_errors_exit_2_naming_the_value(argv, message, capsys):
     (["--nprocs", "1"], "--nprocs 1: group sizes are at least 2"),
     (["--growth-lengths", "2048"], "the exponent fit needs at least two distinct lengths"),
     (["--max-context-limit", "256"], "--max-context-limit 256: must be at least the search grid 512"),
+    (["--min-time", "-1"], "--min-time -1.0: must be 0 (a fixed --steps) or a positive number of seconds"),
 ])
 def test_bench_bad_values_are_refused_before_anything_runs(argv, message, tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["bench", "--out", str(out), *argv]) == 2
     assert message in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("steps, min_time, warmup, timed", [
+    (2, 0.0, 0.1, 2),  # no --min-time: the fixed count
+    (2, 5.0, 0.5, 10),  # short steps: enough to fill 5 s
+    (2, 5.0, 0.3, 10),  # ... at most 10
+    (2, 5.0, 1.3, 4),
+    (2, 5.0, 12.0, 2),  # long steps: never fewer than --steps
+])
+def test_short_steps_are_timed_more_often(steps, min_time, warmup, timed):
+    from benchmarks.parallel_modes import timed_steps
+
+    assert timed_steps(steps, min_time, warmup) == timed
 
 
 def test_report_only_needs_results_to_report(tmp_path, capsys):
@@ -224,6 +238,7 @@ def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path):
                     "peak_mem_bytes", "bytes_per_step", "bytes_by_name", "comm_wait_s"):
             assert key in r, key
         assert r["L"] == 256 and r["step_s"] > 0 and r["peak_mem_bytes"] > 0
+        assert 1 <= r["steps"] == len(r["step_times"]) <= 10  # --steps 1, more to fill the preset's --min-time
     gather = records[1]
     # docs/design.md §3: csbp receives (C - 1) / C * 2 (K, V) * L * H_kv * d * 4 bytes per layer forward, as much
     # backward.

@@ -273,12 +273,31 @@ def test_gpu_spec_file_and_flags_replace_the_datasheet(tmp_path):
 def test_validate_from_cached_rates_prints_equal_bytes(tmp_path, capsys):
     rates = tmp_path / "rates.json"
     one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
-               inter_node_bytes_per_s=3e8)
+               inter_node_bytes_per_s=3e8, link_latency_s=1e-3, benchmark_layers=2, benchmark_step_s=0.3)
     rates.write_text(json.dumps({"processes": {"1": one, "2": dict(one, matmul_flops=4e10)}}))
-    assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates)]) == 0
+    assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates), "--cores", "2"]) == 0
     out = capsys.readouterr().out
     n = len([r for r in json.loads(RECORDS.read_text()) if "error" not in r])
     assert f"bytes equal for {n}/{n}" in out and "DIFFER" not in out
+    assert "cpu (2 processes on 2 cores, 1 thread each): matmul 40.0 GFLOP/s" in out and "1.00 ms per sync" in out
+    # The cache is read as it is: nothing was measured again.
+    assert json.loads(rates.read_text())["processes"]["2"]["matmul_flops"] == 4e10
+
+
+def test_validate_on_one_core_shares_it_with_oversubscribed_efficiency(tmp_path):
+    from hf_bdlm.planner.calibrate import benchmark_model, cpu_device
+
+    rates = tmp_path / "rates.json"
+    one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
+               inter_node_bytes_per_s=3e8, link_latency_s=1e-3, benchmark_layers=2, benchmark_step_s=0.3)
+    rates.write_text(json.dumps({"processes": {"1": dict(one, intra_node_bytes_per_s=float("inf")),
+                                               "2": dict(one, benchmark_step_s=0.75, link_latency_s=4e-3)}}))
+    d = cpu_device(benchmark_model(2), rates, processes=2, num_cores=1, benchmark_layers=2)
+    # One rank alone on the core computes at the 1-process rates; two share it, at 2 * 0.3 / 0.75 = 0.8 of its
+    # throughput together; the link is the 2-process measurement.
+    assert (d.shared_cores, d.matmul_flops, d.link_latency_s, d.intra_node_bytes_per_s) == (1, 5e10, 4e-3, 3e8)
+    assert d.oversubscribed_efficiency == pytest.approx(0.8)
+    assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates), "--cores", "0"]) == 2
 
 
 def test_paper_comparison_takes_the_fastest_fitting_of_each_side():
@@ -292,3 +311,21 @@ def test_paper_comparison_takes_the_fastest_fitting_of_each_side():
                                              and p.dims.clean_ring_size > 1)
         assert c["baseline"].tokens_per_s == max(p.tokens_per_s for p in pool if p.dims.mode in ("cp", "bp")
                                                  and p.dims.block_parallel_size > 1)
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(P, C, mode, transport="ring") for P, C, mode in (
+    (2, 2, "cp"), (4, 4, "cp"), (4, 4, "csbp"), (4, 2, "csbp"), (2, 2, "csbp"))], ids=str)
+def test_ring_shard_pairs_split_the_ranks_pairs(dims):
+    # What the ring computes shard by shard (and csbp on its local noisy rows) adds up to the rank's pairs; its own
+    # shard (and local source) are the rank's own rows. Counted, and as the blockwise kernel's tiles compute them.
+    from hf_bdlm.planner.calibrate import blockwise_work
+
+    rule = MaskRule(4)
+    exact = rank_work(dims, 256, rule, (None,))
+    for works in (exact, blockwise_work(dims, 256, rule, exact)):
+        for r, w in enumerate(works):
+            assert len(w.shard_pairs) == len(w.members) == (dims.clean_ring_size if dims.mode == "csbp" else 4 if
+                                                             dims.block_parallel_size == 4 else 2)
+            assert w.source_pairs + sum(w.shard_pairs) == w.pairs[None]
+            assert w.source_pairs + w.shard_pairs[w.members.index(r)] == w.local_pairs[None]
+            assert (w.source_pairs > 0) == (dims.mode == "csbp")

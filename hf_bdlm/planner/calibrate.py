@@ -105,6 +105,42 @@ def _attention_rate(model: ModelSpec, seq_len: int = 2048) -> float:
     return pairs * 14 * a.heads * a.head_dim / _best_time(run)
 
 
+def _step_elementwise_rate(model: ModelSpec, layers: int, rates: dict, seq_len: int = 1024) -> tuple[float, float]:
+    """The bandwidth the benchmarked step's elementwise work gets: a one-sequence forward and backward of the
+    benchmark's own model (``benchmarks.parallel_modes``, ``seq_len`` tokens, one process) minus what its matmuls
+    and attention take at ``rates``, against the elementwise bytes the cost model counts for it. Norms, rotary,
+    activations, residuals, the objective's masking and the loss run as many small kernels, slower than a plain add;
+    this measures them on the step itself instead of guessing a factor. Returns the rate and the step's time."""
+    import sys
+    from dataclasses import replace
+
+    root = Path(__file__).resolve().parents[2]
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    from benchmarks.parallel_modes import _build
+
+    net, objective, corrupted = _build(seq_len, layers)
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        objective.loss(net, corrupted)[0].backward()
+
+    measured = _best_time(step, repeats=3)
+    dims = record_dims({"mode": "single"})
+    rule = mask_rule_of(model)
+    work = blockwise_work(dims, seq_len, rule, rank_work(dims, seq_len, rule, layer_windows(model)))
+    device = DeviceSpec("cpu", rates["matmul_flops"], rates["attention_flops"], float("inf"), float("inf"), 1.0, 1.0)
+    recipe = benchmark_recipe({"dtype": "float32"})
+    cluster = Cluster(1, 1)
+    rest = predict(model, dims, seq_len, device, cluster, recipe, work=work).step_s
+    elementwise_bytes = predict(model, dims, seq_len, replace(device, hbm_bytes_per_s=1.0), cluster, recipe,
+                                work=work).step_s - rest
+    if measured <= rest:
+        raise RuntimeError(f"the benchmark step took {measured:.3f} s, less than its matmuls and attention alone "
+                           f"({rest:.3f} s): the machine was disturbed while measuring; run --remeasure again.")
+    return elementwise_bytes / (measured - rest), measured
+
+
 def _elementwise_rate(numel: int = 1 << 23) -> float:
     import torch
 
@@ -113,7 +149,37 @@ def _elementwise_rate(numel: int = 1 << 23) -> float:
     return 3 * numel * 4 / _best_time(lambda: torch.add(x, y, out=out), repeats=9)
 
 
-def rates_worker(rank: int, world, store: str, out: str, spec_json: str) -> None:
+def _sync_cost(world: int, chunk_s: float = 0.02, rounds: int = 15) -> float:
+    """What one synchronization costs ranks that compute between them, as the benchmark's do: the wall time of
+    ``rounds`` of (``chunk_s`` of matmuls, then an all-gather of a few bytes) minus that of the same matmuls alone,
+    per round; the slowest rank's matmuls alone set the reference. It holds gloo's latency and, with more ranks than
+    cores, the cost of the scheduler's time slices (a rank that has finished its share waits for the slices of the
+    ranks that have not, and a woken rank for a core)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    reps = max(1, round(chunk_s / ((time.perf_counter() - t0) / 20)))
+    tiny, buf = torch.ones(2), torch.empty(2 * world)
+    times = {}
+    for synced in (False, True):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            for _ in range(reps):
+                a @ a
+            if synced:
+                dist.all_gather_into_tensor(buf, tiny)
+        times[synced] = time.perf_counter() - t0
+    plain = [None] * world
+    dist.all_gather_object(plain, times[False])
+    return max(0.0, (times[True] - max(plain)) / rounds)
+
+
+def rates_worker(rank: int, world, store: str, out: str, spec_json: str, benchmark_layers: str = "0") -> None:
     """One of the ``world`` processes of :func:`measure_cpu`: every process times the kernels at once (as the
     benchmark's ranks compute at once), then the all-gather between them."""
     import torch
@@ -126,8 +192,12 @@ def rates_worker(rank: int, world, store: str, out: str, spec_json: str) -> None
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         dist.barrier()
-    rates = dict(matmul_flops=_matmul_rate(model), attention_flops=_attention_rate(model),
-                 hbm_bytes_per_s=_elementwise_rate())
+    rates = dict(matmul_flops=_matmul_rate(model), attention_flops=_attention_rate(model))
+    if int(benchmark_layers):
+        rates["hbm_bytes_per_s"], rates["benchmark_step_s"] = _step_elementwise_rate(model, int(benchmark_layers),
+                                                                                     rates)
+    else:
+        rates["hbm_bytes_per_s"] = _elementwise_rate()
     if world > 1:
         dist.barrier()
         shard = torch.ones((32 << 20) // 4 // world)  # float32; a 32 MiB gathered buffer
@@ -140,21 +210,27 @@ def rates_worker(rank: int, world, store: str, out: str, spec_json: str) -> None
             dist.all_gather_into_tensor(buf, shard)
             times.append(time.perf_counter() - t0)
         rates["intra_node_bytes_per_s"] = (world - 1) * shard.numel() * 4 / min(times)
+        rates["link_latency_s"] = _sync_cost(world)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, rates)
         dist.destroy_process_group()
         # The group runs at the pace of its slowest rank.
         rates = {k: min(r[k] for r in everyone) for k in rates}
+        rates["link_latency_s"] = max(r["link_latency_s"] for r in everyone)
+        if "benchmark_step_s" in rates:
+            rates["benchmark_step_s"] = max(r["benchmark_step_s"] for r in everyone)
     else:
         rates["intra_node_bytes_per_s"] = float("inf")  # one process moves nothing
+        rates["link_latency_s"] = 0.0
     rates["inter_node_bytes_per_s"] = rates["intra_node_bytes_per_s"]
     if rank == 0:
         Path(out).write_text(json.dumps(rates))
 
 
-def measure_cpu(model: ModelSpec, processes: int = 1) -> dict:
+def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0) -> dict:
     """This machine's rates at ``model``'s shapes with ``processes`` single-threaded processes timing at once
-    (each a fresh interpreter; see the module docstring)."""
+    (each a fresh interpreter; see the module docstring). With ``benchmark_layers``, ``model`` is the benchmark's
+    model of that many layers and the elementwise bandwidth is measured on its step."""
     import subprocess
     import sys
     from dataclasses import asdict
@@ -166,7 +242,7 @@ def measure_cpu(model: ModelSpec, processes: int = 1) -> dict:
         code = ("import sys; from hf_bdlm.planner.calibrate import rates_worker; "
                 "rates_worker(int(sys.argv[1]), *sys.argv[2:])")
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), os.path.join(tmp, "store"),
-                                   out, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   out, spec, str(benchmark_layers)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(processes)]
         errors = [p.communicate(timeout=600)[1] for p in procs]
         if any(p.returncode for p in procs) or not os.path.exists(out):
@@ -174,25 +250,65 @@ def measure_cpu(model: ModelSpec, processes: int = 1) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False,
-               processes: int = 1) -> DeviceSpec:
-    """The CPU running ``processes`` ranks as a :class:`DeviceSpec`: rates from ``cache`` (one entry per process
-    count), measured and written there when absent or with ``remeasure``."""
-    path = Path(cache)
-    cached = json.loads(path.read_text()) if path.exists() else {}
+def cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _rates(model: ModelSpec, cache: Path, remeasure: bool, processes: int, benchmark_layers: int = 0) -> dict:
+    cached = json.loads(cache.read_text()) if cache.exists() else {}
     key = str(processes)
-    if remeasure or key not in cached.get("processes", {}):
-        rates = dict(measure_cpu(model, processes), measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
-        cached.setdefault("processes", {})[key] = rates
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cached, indent=1))
-    rates = cached["processes"][key]
-    return DeviceSpec(name=f"cpu ({processes} process{'es' if processes > 1 else ''}, 1 thread each)",
-                      matmul_flops=rates["matmul_flops"], attention_flops=rates["attention_flops"],
-                      memory_bytes=float("inf"), hbm_bytes_per_s=rates["hbm_bytes_per_s"],
-                      intra_node_bytes_per_s=rates["intra_node_bytes_per_s"],
-                      inter_node_bytes_per_s=rates["inter_node_bytes_per_s"],
-                      source=f"measured {rates.get('measured_at', '')} ({path})")
+    entry = cached.get("processes", {}).get(key)
+    # An entry of an older version lacks the synchronization cost; one of another benchmark model its step's rate.
+    if remeasure or entry is None or "link_latency_s" not in entry or \
+            entry.get("benchmark_layers", 0) != benchmark_layers:
+        entry = dict(measure_cpu(model, processes, benchmark_layers), benchmark_layers=benchmark_layers,
+                     measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+        cached.setdefault("processes", {})[key] = entry
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(cached, indent=1))
+    return entry
+
+
+def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False,
+               processes: int = 1, num_cores: int | None = None, benchmark_layers: int = 0) -> DeviceSpec:
+    """The CPU running ``processes`` single-threaded ranks on ``num_cores`` cores (default: :func:`cores`) as a
+    :class:`DeviceSpec`, from rates cached in ``cache`` per process count (measured and written there when absent
+    or with ``remeasure``).
+
+    The compute rates are those of ``min(processes, num_cores)`` processes timing at once: a rank alone on a
+    core. With more ranks than cores, ``oversubscribed_efficiency`` is what ``processes`` processes timing at once
+    get together over what the cores got (matmul and attention, averaged), and the schedule shares the cores among
+    the ranks computing at each moment. Link bandwidth and latency are the ``processes``-process measurements.
+    """
+    path = Path(cache)
+    n_cores = num_cores or cores()
+    own = _rates(model, path, remeasure, min(processes, n_cores), benchmark_layers)
+    group = _rates(model, path, remeasure, processes, benchmark_layers) if processes > n_cores else own
+    efficiency = 1.0
+    if processes > n_cores and "benchmark_step_s" in own and "benchmark_step_s" in group:
+        # The benchmark's own step, timed in every process at once: throughput of P processes over the cores'.
+        efficiency = processes * own["benchmark_step_s"] / (n_cores * group["benchmark_step_s"])
+    elif processes > n_cores:
+        efficiency = sum(group[k] * processes / (own[k] * n_cores) for k in ("matmul_flops", "attention_flops")) / 2
+    return DeviceSpec(name=f"cpu ({processes} process{'es' if processes > 1 else ''} on {n_cores} cores, 1 thread each)",
+                      matmul_flops=own["matmul_flops"], attention_flops=own["attention_flops"],
+                      memory_bytes=float("inf"), hbm_bytes_per_s=own["hbm_bytes_per_s"],
+                      intra_node_bytes_per_s=group["intra_node_bytes_per_s"],
+                      inter_node_bytes_per_s=group["inter_node_bytes_per_s"],
+                      link_latency_s=group["link_latency_s"], shared_cores=n_cores,
+                      oversubscribed_efficiency=efficiency,
+                      source=f"measured {group.get('measured_at', '')} ({path})")
+
+
+def cpu_devices(model: ModelSpec, process_counts, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False,
+                num_cores: int | None = None, benchmark_layers: int = 0) -> dict[int, DeviceSpec]:
+    """:func:`cpu_device` for each of ``process_counts``; with ``remeasure`` each measurement they share runs once."""
+    n_cores = num_cores or cores()
+    if remeasure:
+        for key in sorted({min(p, n_cores) for p in process_counts} | {p for p in process_counts if p > n_cores}):
+            _rates(model, Path(cache), True, key, benchmark_layers)
+    return {p: cpu_device(model, cache, False, p, n_cores, benchmark_layers) for p in sorted(set(process_counts))}
 
 
 def record_dims(rec: dict) -> ParallelDims:
@@ -246,9 +362,12 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
 
         if gathered and dims.transport == "ring":
             n = rp.local_noisy_rows if dims.mode == "csbp" else 0
-            local = computed_pairs(plan_attention(q, [q.slice(0, n)], rule)) if n else 0
-            shards = {m: computed_pairs(plan_attention(q, [sent(m)], rule)) for m in members}
-            total, local = local + sum(shards.values()), local + shards[r]
+            source = computed_pairs(plan_attention(q, [q.slice(0, n)], rule)) if n else 0
+            shards = tuple(computed_pairs(plan_attention(q, [sent(m)], rule)) for m in members)
+            total, local = source + sum(shards), source + shards[members.index(r)]
+            out.append(replace(w, pairs={**w.pairs, None: total}, local_pairs={**w.local_pairs, None: local},
+                               source_pairs=source, shard_pairs=shards))
+            continue
         elif gathered:
             from ..attention.rows import RowMeta
 
@@ -297,6 +416,7 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
             f"{'wait_s':>7} {'pred_bytes':>11} {'meas_bytes':>11} bytes {'pred_MiB':>8} {'meas_MiB':>8}")
     lines = [f"{d.name}: matmul {d.matmul_flops / 1e9:.1f} GFLOP/s, attention {d.attention_flops / 1e9:.1f} GFLOP/s, "
              f"elementwise {d.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo {d.intra_node_bytes_per_s / 1e9:.2f} GB/s "
+             f"+ {d.link_latency_s * 1e3:.2f} ms per synchronization, oversubscribed efficiency {d.oversubscribed_efficiency:.2f} "
              f"({d.source})" for d in devices]
     lines += [head, "-" * len(head)]
     for r in rows:
@@ -315,4 +435,4 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["measure_cpu", "cpu_device", "validate", "format_validation", "benchmark_model", "record_dims"]
+__all__ = ["measure_cpu", "cpu_device", "cpu_devices", "cores", "validate", "format_validation", "benchmark_model", "record_dims"]

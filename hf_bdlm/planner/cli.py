@@ -55,6 +55,8 @@ def add_plan_parser(subparsers) -> None:
                    help="predict the step times and bytes of benchmarks/parallel_modes.py records on this machine")
     p.add_argument("--rates-cache", default=None, help="CPU rates cache for --validate (default ~/.cache/hf_bdlm)")
     p.add_argument("--remeasure", action="store_true", help="measure the CPU rates again for --validate")
+    p.add_argument("--cores", type=int, default=None,
+                   help="cores the benchmark's ranks shared, for --validate (default: this process's CPU affinity)")
     p.set_defaults(func=run_plan)
 
 
@@ -160,7 +162,7 @@ def run_paper(args) -> int:
 
 
 def run_validate(args) -> int:
-    from .calibrate import DEFAULT_CACHE, benchmark_model, cpu_device, format_validation, validate
+    from .calibrate import DEFAULT_CACHE, benchmark_model, cpu_devices, format_validation, validate
 
     with open(args.validate) as f:
         records = json.load(f)
@@ -170,9 +172,11 @@ def run_validate(args) -> int:
     if not ok:
         raise ValueError(f"{args.validate} has no successful record (each needs mode, P, C, L, layers, step_s).")
     model = benchmark_model(ok[0]["layers"], ok[0].get("window"))
-    devices: dict = {}
-    for processes in sorted({1 if r["mode"] == "single" else r["P"] for r in ok}):
-        devices[processes] = cpu_device(model, args.rates_cache or DEFAULT_CACHE, args.remeasure, processes)
+    if args.cores is not None and args.cores <= 0:
+        raise ValueError(f"--cores must be a positive number of cores, got {args.cores}.")
+    counts = {1 if r["mode"] == "single" else r["P"] for r in ok}
+    devices = cpu_devices(model, counts, args.rates_cache or DEFAULT_CACHE, args.remeasure, args.cores,
+                          benchmark_layers=ok[0]["layers"])
     rows = validate(ok, devices.__getitem__)
     print(format_validation(rows, list(devices.values())))
     if args.json:

@@ -13,9 +13,10 @@ whose validation is the only one. docs/design.md §6 states the formulas:
 - K/V bytes received per rank (what the ``ByteMeter`` records): all-gather ``2·(G-1)·rows_sent·H_kv·d·s``
   forward and the same in the reduce-scatter backward; the ``ring`` transport ``(G-1)`` shards forward,
   ``(G-1)`` + ``G`` (dK/dV) backward; sliding layers the halo rows (all-to-all), back in backward.
-- exposed communication: ``max(0, comm - overlappable compute)`` per layer and pass: ``cp`` / ``csbp``
-  overlap the transfer with attention over the rank's own rows, ``bp`` has nothing to overlap.
-- step time: the slowest rank's compute plus exposed communication.
+- step time: every layer's forward and backward and the LM head, each scheduled across the group's ranks
+  (:mod:`.schedule`: compute, sends and waits in the order the kernels issue them; ``cp`` / ``csbp`` overlap the
+  transfer with attention over the rank's own rows, the ring chains its rotations, ``bp`` has nothing to move;
+  on a CPU with more ranks than cores they share the cores), summed, plus FSDP2's exposed traffic.
 
     python -c "from hf_bdlm.planner.cost import *; from hf_bdlm.planner.model import model_spec; \\
 from hf_bdlm.planner.hardware import device_spec; from hf_bdlm.parallel.dims import ParallelDims; \\
@@ -27,14 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
+from typing import Sequence
 
 import torch
 
 from ..attention.masks import CLEAN, NOISY, MaskRule, keys_in_window, window_key_range
 from ..parallel.dims import ParallelDims, divisors
-from ..parallel.plan import GroupPlan, PlanConfig, RankPlan, _block_ranges, make_plan
+from ..parallel.plan import GroupPlan, PlanConfig, _block_ranges, make_plan
 from .hardware import DeviceSpec
 from .model import ModelSpec
+from .schedule import Compute, Send, Wait, simulate
 
 FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM = 4  # QK^T and PV: 2 FLOPs per multiply-add each
 BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM = 10  # dV, dP, dQ, dK plus the recomputed QK^T (FlashAttention's backward)
@@ -139,7 +142,10 @@ class RankWork:
 
     ``pairs[w]`` allowed (query, key) pairs of its queries, ``local_pairs[w]`` those among its own rows;
     ``sent_rows`` rows it contributes to the K/V gather (0 for ``bp``); ``halo_recv[w]`` / ``halo_sent[w]``
-    rows a sliding layer receives from / sends to the peers.
+    rows a sliding layer receives from / sends to the peers. For the ring transport (full layers):
+    ``source_pairs`` the pairs against the rank's local source (``csbp``: its noisy rows; ``cp``: none) and
+    ``shard_pairs[m]`` those against the shard of the ``m``-th member of its gather group (its own included).
+    ``members`` that group's ranks in ring order (the rank alone for ``bp``).
     """
 
     noisy_rows: int
@@ -149,6 +155,9 @@ class RankWork:
     sent_rows: int
     halo_recv: dict = field(default_factory=dict)
     halo_sent: dict = field(default_factory=dict)
+    source_pairs: int = 0
+    shard_pairs: tuple = ()
+    members: tuple = ()
 
     @property
     def rows(self) -> int:
@@ -173,22 +182,31 @@ def _cumulative_counts(seq_len: int, rule: MaskRule) -> tuple[torch.Tensor, torc
     return out[0], out[1]
 
 
-def _rank_pairs(rp: RankPlan, rule: MaskRule, local_is_total: bool) -> tuple[int, int]:
+def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, int, tuple[int, ...]]:
+    """A rank's allowed pairs: all, among its own rows, against its noisy keys, and against each gather member's
+    clean rows (in member order)."""
+    rp = plan.ranks[rank]
     noisy_cum, clean_cum = _cumulative_counts(rp.seq_len, rule)
-    total = sum(int(noisy_cum[e] - noisy_cum[s]) for s, e in _block_ranges(rp.noisy_blocks, rp.block_size))
-    total += sum(int(clean_cum[e] - clean_cum[s]) for s, e in rp.clean_positions)
-    if local_is_total:
-        return total, total
-    # Own rows: a noisy query's noisy keys are its own block, always owned; clean keys only in the own clean ranges.
+    runs = ((NOISY, _block_ranges(rp.noisy_blocks, rp.block_size)), (CLEAN, rp.clean_positions))
+    total = sum(int(cum[e] - cum[s]) for cum, (_, r) in zip((noisy_cum, clean_cum), runs) for s, e in r)
+    members = (rank,) if plan.config.mode == "bp" else _members(plan, rank)
     intervals = _position_intervals(rp.seq_len, rule)
-    local = 0
-    for stream, runs in ((NOISY, _block_ranges(rp.noisy_blocks, rp.block_size)), (CLEAN, rp.clean_positions)):
+    # A noisy query's noisy keys are its own block, always owned; its clean keys, and a clean query's, lie in the
+    # clean rows of the gather members (the whole clean stream, split among them).
+    noisy_keys, clean_keys = 0, [0] * len(members)
+    for stream, stream_runs in runs:
         clean_lo, clean_hi, noisy_lo, noisy_hi = intervals[stream]
-        for s, e in runs:
-            local += int(_overlap(noisy_lo[s:e], noisy_hi[s:e], 0, rp.seq_len).sum())
-            for a, b in rp.clean_positions:
-                local += int(_overlap(clean_lo[s:e], clean_hi[s:e], a, b).sum())
-    return total, local
+        for s, e in stream_runs:
+            noisy_keys += int(_overlap(noisy_lo[s:e], noisy_hi[s:e], 0, rp.seq_len).sum())
+            if len(members) == 1:
+                continue
+            for j, m in enumerate(members):
+                for a, b in plan.ranks[m].clean_positions:
+                    clean_keys[j] += int(_overlap(clean_lo[s:e], clean_hi[s:e], a, b).sum())
+    if len(members) == 1:
+        return total, total, noisy_keys, (total,)
+    local = noisy_keys + clean_keys[members.index(rank)]
+    return total, local, noisy_keys, tuple(clean_keys)
 
 
 def _members(plan: GroupPlan, rank: int) -> tuple[int, ...]:
@@ -235,10 +253,17 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) 
     local = [dict() for _ in range(P)]
     recv = [dict() for _ in range(P)]
     sent = [dict() for _ in range(P)]
+    source, shards = [0] * P, [()] * P
     for w in windows:
         r_w = rule.with_window(w)
-        for r, rp in enumerate(plan.ranks):
-            pairs[r][w], local[r][w] = _rank_pairs(rp, r_w, gather_size(dims) == 1)
+        for r in range(P):
+            pairs[r][w], local[r][w], noisy_keys, clean_keys = _rank_pairs(plan, r, r_w)
+            if w is None and gather_size(dims) > 1:
+                # The ring: csbp's noisy rows are a local source; cp's own shard carries them.
+                own = _members(plan, r).index(r)
+                source[r] = noisy_keys if dims.mode == "csbp" else 0
+                shards[r] = tuple(n + (noisy_keys if dims.mode == "cp" and j == own else 0)
+                                  for j, n in enumerate(clean_keys))
         if w is not None and P > 1:
             rc, sc = _halo_counts(plan, r_w)
             for r in range(P):
@@ -250,7 +275,9 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) 
             sent_rows = rp.local_clean_rows if dims.mode == "csbp" else rp.num_rows
             if dims.mode == "csbp" and dims.clean_ring_size == 1:
                 sent_rows = 0
-        out.append(RankWork(rp.local_noisy_rows, rp.local_clean_rows, pairs[r], local[r], sent_rows, recv[r], sent[r]))
+        members = (r,) if dims.mode == "bp" else _members(plan, r)
+        out.append(RankWork(rp.local_noisy_rows, rp.local_clean_rows, pairs[r], local[r], sent_rows, recv[r], sent[r],
+                            source[r], shards[r], tuple(members)))
     return tuple(out)
 
 
@@ -379,61 +406,158 @@ def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe,
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankTime:
+    """One rank's step in seconds. ``compute_s`` is its work at its own processor's rate (``attention_s`` and
+    ``linear_s`` are parts of it); ``comm_s`` the transfer time of what it moves. From the schedule
+    (:func:`~.schedule.simulate`): ``shared_s`` the wall time added by sharing a processor with other ranks (CPU
+    only), ``exposed_comm_s`` the time blocked in waits on messages (transfers not hidden behind compute, peers
+    that have not sent yet) and ``idle_s`` the time it finished a segment before the group's slowest rank."""
+
     compute_s: float
     attention_s: float
     linear_s: float
     comm_s: float
     exposed_comm_s: float
+    shared_s: float = 0.0
+    idle_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s
+        return self.compute_s + self.shared_s + self.exposed_comm_s + self.idle_s
 
 
-def rank_time(model: ModelSpec, dims: ParallelDims, work: RankWork, device: DeviceSpec, cluster: Cluster,
-              recipe: Recipe, checkpointing: bool, batch: int = 1) -> RankTime:
-    """One rank's step: matmuls, attention, elementwise traffic, and the communication its schedule leaves exposed."""
-    passes = 4 if checkpointing else 3  # forward, backward (2x), and the recomputed forward
-    fwd_passes = 2 if checkpointing else 1
-    targets = work.noisy_rows * recipe.target_fraction + (work.clean_rows if model.head_on_clean else 0)
-    linear_flops = batch * (work.rows * model.linear_flops_per_row() * passes
-                            + targets * model.head_flops_per_row() * 3)
-    linear_s = linear_flops / device.matmul_flops
-    # Elementwise work (norms, rotary, activations, residuals) reads and writes what a layer keeps, on every pass.
-    elementwise_bytes = batch * work.rows * sum(
-        model.activation_elements_per_row(i) for i in range(len(model.layers))) * recipe.activation_bytes * 2 * passes
-    elementwise_s = elementwise_bytes / device.hbm_bytes_per_s
+@dataclass(frozen=True)
+class _LayerCost:
+    """One rank's costs in one layer (seconds at its own rate; ``batch`` sequences)."""
+
+    matrices_fwd: float  # matmuls of one forward pass
+    elementwise_fwd: float  # elementwise traffic of one forward pass
+    per_pair_fwd: float  # attention seconds per allowed pair, forward
+    per_pair_bwd: float
+    transfer: float  # one K + V shard (all-gather / ring) or the whole halo (sliding layers), over the link
+    comm_fwd: float  # transfer seconds of what the rank receives in one forward pass
+    comm_bwd: float  # and in the backward pass
+
+
+def _layer_cost(model: ModelSpec, dims: ParallelDims, work: RankWork, i: int, device: DeviceSpec, bw: float,
+                recipe: Recipe, batch: int) -> _LayerCost:
+    a = model.layers[i]
+    hd = a.heads * a.head_dim
+    row = a.kv_heads * a.head_dim * recipe.activation_bytes * batch  # one row of K (or V)
     G = gather_size(dims)
-    spans = cluster.spans_nodes(G if dims.mode != "bp" else 1)
-    bw = device.link_bytes_per_s(spans)
-    attention_s = exposed = comm = 0.0
-    for a in model.layers:
-        hd = a.heads * a.head_dim
-        pairs, local = work.pairs[a.window] * batch, work.local_pairs[a.window] * batch
-        f = FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops
-        b = BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops
-        attention_s += pairs * (f * fwd_passes + b)
-        row = a.kv_heads * a.head_dim * recipe.activation_bytes * batch
-        if a.window is not None:
-            fwd_c = 2 * work.halo_recv.get(a.window, 0) * row / bw
-            bwd_c = 2 * work.halo_sent.get(a.window, 0) * row / bw
-        elif G > 1 and work.sent_rows:
-            shard = 2 * work.sent_rows * row / bw  # one rank's K and V
-            if dims.transport == "ring":
-                # Shard s+1 travels while shard s (the local source first) computes.
-                peer_each = (pairs - local) / (G - 1)
-                fwd_c, bwd_c = (G - 1) * shard, (G - 1) * shard + G * shard
-                fwd_exp = max(0.0, shard - local * f) + (G - 2) * max(0.0, shard - peer_each * f)
-                bwd_exp = max(0.0, 2 * shard - local * b) + (G - 2) * max(0.0, 2 * shard - peer_each * b) + shard
-                comm += fwd_c * fwd_passes + bwd_c
-                exposed += fwd_exp * fwd_passes + bwd_exp
-                continue
-            fwd_c = bwd_c = (G - 1) * shard
+    if a.window is not None:
+        transfer = comm_fwd = 2 * work.halo_recv.get(a.window, 0) * row / bw
+        comm_bwd = 2 * work.halo_sent.get(a.window, 0) * row / bw
+    elif G > 1 and work.sent_rows:
+        transfer = 2 * work.sent_rows * row / bw
+        # Ring: (G-1) shards forward; backward (G-1) K/V shards and G dK/dV shards. All-gather: (G-1) each way.
+        comm_fwd = (G - 1) * transfer
+        comm_bwd = (2 * G - 1 if dims.transport == "ring" else G - 1) * transfer
+    else:
+        transfer = comm_fwd = comm_bwd = 0.0
+    return _LayerCost(
+        matrices_fwd=batch * work.rows * 2 * model.layer_active_params(i) / device.matmul_flops,
+        # Norms, rotary, activations, residuals: what the layer keeps, read and written.
+        elementwise_fwd=batch * work.rows * model.activation_elements_per_row(i) * recipe.activation_bytes * 2
+        / device.hbm_bytes_per_s,
+        per_pair_fwd=batch * FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops,
+        per_pair_bwd=batch * BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops,
+        transfer=transfer, comm_fwd=comm_fwd, comm_bwd=comm_bwd)
+
+
+def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequence[_LayerCost], window,
+                    latency: float) -> tuple[tuple, tuple]:
+    """The forward and backward programs of one layer on each rank of a group, in the order the kernels issue
+    them (docs/design.md §3): all-gather / halo exchange started, local rows computed, wait, peers' rows; backward
+    the peers' rows first, their gradients sent home while the local rows compute. The ring rotates shard by shard:
+    forward a received shard is passed on before it is computed on; backward the dK/dV accumulator of a shard
+    follows it, so each rotation waits for the predecessor's compute."""
+    G = gather_size(dims)
+    fwd, bwd = [], []
+    for r, (w, c) in enumerate(zip(works, costs)):
+        pairs, local = w.pairs[window], w.local_pairs[window]
+        f, b = c.per_pair_fwd, c.per_pair_bwd
+        other = c.matrices_fwd + c.elementwise_fwd
+        pf, pb = [Compute(other)], [Compute(2 * other)]
+        members = w.members
+        exchanged = dims.mode != "bp" and len(members) > 1 and (window is not None or w.sent_rows > 0)
+        if not exchanged:
+            pf.append(Compute(pairs * f))
+            pb.append(Compute(pairs * b))
+        elif window is None and dims.transport == "ring":
+            hop = c.transfer + latency
+            me = members.index(r)
+            prev = members[me - 1]
+            pf += [Send(("kv", 0, r), hop), Compute(w.source_pairs * f)]
+            pb += [Compute(w.source_pairs * b), Send(("kv", 0, r), hop)]
+            for s in range(G):
+                shard = w.shard_pairs[(me - s) % G]
+                if s > 0:
+                    pf.append(Wait((("kv", s - 1, prev),)))
+                    pb += [Wait((("kv", s - 1, prev),)), Wait((("dkv", s - 1, prev),))]
+                    if s < G - 1:
+                        pf.append(Send(("kv", s, r), hop))
+                        pb.insert(len(pb) - 1, Send(("kv", s, r), hop))
+                pf.append(Compute(shard * f))
+                pb += [Compute(shard * b), Send(("dkv", s, r), hop)]
+            pb.append(Wait((("dkv", G - 1, prev),)))
         else:
-            continue
-        comm += fwd_c * fwd_passes + bwd_c
-        exposed += max(0.0, fwd_c - local * f) * fwd_passes + max(0.0, bwd_c - local * b)
-    compute = linear_s + elementwise_s + attention_s
+            # A collective completes for all members once the last has joined and the data has moved: each member's
+            # contribution arrives the slowest member's transfer (and one latency per hop) after it is posted.
+            hops = 1 if window is not None else G - 1  # an all-to-all; the all-gather's G - 1 shards
+            done = max(costs[m].transfer for m in members) * hops + latency
+            keys = tuple(("c", m) for m in members)
+            pf += [Send(("c", r), done), Compute(local * f), Wait(keys), Compute((pairs - local) * f)]
+            pb += [Compute((pairs - local) * b), Send(("c", r), done), Compute(local * b), Wait(keys)]
+        fwd.append(tuple(pf))
+        bwd.append(tuple(pb))
+    return tuple(fwd), tuple(bwd)
+
+
+@lru_cache(maxsize=1024)
+def _segment(programs: tuple, cores: int, efficiency: float) -> tuple[float, tuple]:
+    """A segment's duration (its slowest rank) and each rank's schedule (all ranks start it together)."""
+    sched = simulate(programs, cores, efficiency)
+    return max(s.finish for s in sched), tuple(sched)
+
+
+def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], device: DeviceSpec, cluster: Cluster,
+               recipe: Recipe, checkpointing: bool, batch: int = 1) -> tuple[RankTime, ...]:
+    """Every rank's step: each layer's forward (twice with checkpointing: the recomputation) and backward, then the
+    LM head, scheduled across the group (:func:`~.schedule.simulate`; each segment starts when the previous one's
+    slowest rank is done, which the collectives of ``cp`` / ``csbp`` enforce and which costs ``bp`` nothing when
+    its ranks' shares are alike layer by layer), plus FSDP2's parameter and gradient traffic."""
+    fwd_passes = 2 if checkpointing else 1
+    G = gather_size(dims)
+    bw = device.link_bytes_per_s(cluster.spans_nodes(G if dims.mode != "bp" else 1))
+    P = len(works)
+    compute, attention, linear, comm = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
+    segments = []
+    for i, a in enumerate(model.layers):
+        costs = [_layer_cost(model, dims, w, i, device, bw, recipe, batch) for w in works]
+        fwd, bwd = _layer_programs(dims, works, costs, a.window, device.link_latency_s)
+        segments += [(fwd, fwd_passes), (bwd, 1)]
+        for r, (w, c) in enumerate(zip(works, costs)):
+            attn = w.pairs[a.window] * (c.per_pair_fwd * fwd_passes + c.per_pair_bwd)
+            attention[r] += attn
+            linear[r] += c.matrices_fwd * (fwd_passes + 2)
+            compute[r] += attn + (c.matrices_fwd + c.elementwise_fwd) * (fwd_passes + 2)
+            comm[r] += c.comm_fwd * fwd_passes + c.comm_bwd
+    head = []
+    for r, w in enumerate(works):
+        targets = w.noisy_rows * recipe.target_fraction + (w.clean_rows if model.head_on_clean else 0)
+        t = batch * targets * model.head_flops_per_row() * 3 / device.matmul_flops
+        head.append((Compute(t),))
+        linear[r] += t
+        compute[r] += t
+    segments.append((tuple(head), 1))
+    busy, waited, idle = [0.0] * P, [0.0] * P, [0.0] * P
+    for programs, count in segments:
+        span, sched = _segment(programs, device.shared_cores, device.oversubscribed_efficiency)
+        for r, s in enumerate(sched):
+            busy[r] += count * s.busy
+            waited[r] += count * s.waited
+            idle[r] += count * (span - s.finish)
+    fsdp_exposed = fsdp_comm = 0.0
     W = dims.world_size or dims.block_parallel_size
     if W > 1 and recipe.gradient_sync:
         # FSDP2: all-gather the bf16 parameters in forward and again in backward, reduce-scatter the gradients (DDP:
@@ -442,10 +566,11 @@ def rank_time(model: ModelSpec, dims: ParallelDims, work: RankWork, device: Devi
         frac = (W - 1) / W
         data = (2 * n * recipe.param_bytes + n * recipe.grad_bytes) * frac if recipe.fsdp else \
             2 * n * recipe.grad_bytes * frac
-        t = data / device.link_bytes_per_s(cluster.spans_nodes(W))
-        comm += t
-        exposed += max(0.0, t - compute * (1 - 1 / max(1, len(model.layers))))
-    return RankTime(compute, attention_s, linear_s, comm, exposed)
+        fsdp_comm = data / device.link_bytes_per_s(cluster.spans_nodes(W))
+        fsdp_exposed = max(0.0, fsdp_comm - min(compute) * (1 - 1 / max(1, len(model.layers))))
+    # Wall time computing beyond the work itself is processor sharing (float residue aside).
+    return tuple(RankTime(compute[r], attention[r], linear[r], comm[r] + fsdp_comm, waited[r] + fsdp_exposed,
+                          busy[r] - compute[r], idle[r]) for r in range(P))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,7 +609,7 @@ def predict(model: ModelSpec, dims: ParallelDims, seq_len: int, device: DeviceSp
     if work is None:
         # The transport moves the same rows differently: the plan, pairs and halos are the allgather layout's.
         work = rank_work(replace(dims, transport="allgather"), seq_len, mask_rule_of(model), layer_windows(model))
-    times = tuple(rank_time(model, dims, w, device, cluster, recipe, checkpointing, batch) for w in work)
+    times = rank_times(model, dims, work, device, cluster, recipe, checkpointing, batch)
     mems = [memory(model, dims, w, recipe, checkpointing) for w in work]
     peak = max(mems, key=lambda m: m.total)
     step = max(t.step_s for t in times)
@@ -551,5 +676,5 @@ def recommend(predictions: list[Prediction]) -> Prediction | None:
 
 __all__ = ["Cluster", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "key_intervals",
            "rank_work",
-           "kv_bytes_by_name", "memory", "rank_time", "predict", "layouts", "plan_all", "recommend", "gather_size",
+           "kv_bytes_by_name", "memory", "rank_times", "predict", "layouts", "plan_all", "recommend", "gather_size",
            "mask_rule_of", "layer_windows"]

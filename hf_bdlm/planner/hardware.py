@@ -25,6 +25,9 @@ GB = 1e9
 # - links: NCCL all-gather bus bandwidth reaches ~80 % of the NVLink / InfiniBand line rate on large messages.
 # - memory: ~90 % of HBM is usable by tensors (CUDA context, allocator fragmentation, NCCL buffers).
 DEFAULT_EFFICIENCY = dict(matmul=0.55, attention=0.40, link=0.80, memory=0.90)
+# Fixed cost of one NCCL message hop (a ring rotation, one step of a collective), an assumption of the same kind:
+# small-message NCCL latencies are tens of microseconds; it only matters for short shards.
+LINK_LATENCY_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,12 @@ class DeviceSpec:
         inter_node_bytes_per_s (`float`): per-device bandwidth of a collective spanning nodes (its NIC).
         peak_bf16_flops (`float`): the datasheet peak the achievable rates derive from (0 when measured).
         source (`str`): where the figures come from.
+        link_latency_s (`float`): fixed cost of one synchronization between ranks (a collective, a ring rotation).
+        shared_cores (`int`, 0): processors the ranks of a node share; 0 when every rank has its own device (GPUs).
+            On a CPU with more single-threaded ranks than cores the rates above are those of a rank alone on a
+            core, and the cores are shared among the ranks computing at the moment (``schedule.simulate``).
+        oversubscribed_efficiency (`float`, 1.0): with more computing ranks than ``shared_cores``, the fraction
+            of the cores' throughput they still get together (measured: contention for caches and memory).
     """
 
     name: str
@@ -52,6 +61,9 @@ class DeviceSpec:
     inter_node_bytes_per_s: float
     peak_bf16_flops: float = 0.0
     source: str = ""
+    link_latency_s: float = 0.0
+    shared_cores: int = 0
+    oversubscribed_efficiency: float = 1.0
 
     def link_bytes_per_s(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
@@ -96,7 +108,8 @@ def from_datasheet(name: str, sheet: Datasheet, efficiency: dict | None = None) 
         # A collective's per-device bandwidth is one direction of the link: half the bidirectional NVLink figure.
         intra_node_bytes_per_s=sheet.nvlink_gb_s / 2 * GB * eff["link"],
         inter_node_bytes_per_s=sheet.nic_gbit_s / 8 * GB * eff["link"],
-        peak_bf16_flops=peak, source=f"{sheet.source}; efficiency {eff}")
+        peak_bf16_flops=peak, link_latency_s=LINK_LATENCY_S,
+        source=f"{sheet.source}; efficiency {eff}; link latency {LINK_LATENCY_S * 1e6:.0f} us")
 
 
 def device_spec(name: str, spec_file: str | None = None, efficiency: dict | None = None,
