@@ -166,7 +166,8 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
                for (m, P, t, s) in parallel_modes.configurations(cfg.modes, cfg.nprocs, cfg.transports)]
     _progress(f"modes: {len(configs)} runs (L {', '.join(map(str, cfg.lengths))}; P {', '.join(map(str, cfg.nprocs))}; "
               f"{cfg.layers} layer(s), {cfg.steps} timed step(s) after a warm-up"
-              + (f", more to fill {cfg.min_time:g} s" if cfg.min_time else "") + ")")
+              + (f", more to fill {cfg.min_time:g} s; steps under {cfg.min_time / 2:g} s launched "
+                 f"{parallel_modes.SHORT_LAUNCHES} times, the median kept" if cfg.min_time else "") + ")")
     records: list[dict] = []
     _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json")
     return records

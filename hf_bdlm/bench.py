@@ -69,8 +69,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--layers", type=_positive_int, default=None, help="decoder layers of the benchmark model")
     modes.add_argument("--steps", type=_positive_int, default=None, help="timed steps after one warm-up")
     modes.add_argument("--min-time", type=float, default=None, metavar="SECONDS",
-                       help="time more steps when they are short, enough to fill SECONDS (at most 10; full preset: 5, "
-                            "quick: 0)")
+                       help="time more steps when they are short, enough to fill SECONDS (at most 10), and launch a "
+                            "configuration whose step is under SECONDS / 2 three times, keeping the median launch "
+                            "(full preset: 5, quick: 0)")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
     growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
     growth.add_argument("--growth-lengths", type=_positive_int, nargs="+", default=None, metavar="L")

@@ -113,3 +113,13 @@ def test_an_imbalanced_schedule_gains_from_shared_cores_a_balanced_one_does_not(
         t += (x - done) / min(1.0, 2 / (len(w) - i))
         done = x
     assert shared == pytest.approx(t, rel=0.02) and shared < 2 * max(compute)  # a fixed half core would be 2x
+
+
+def test_each_synchronization_costs_the_measured_wait_cost():
+    programs = [[Send("a", 0.0), Compute(1.0), Wait(("b",)), Compute(1.0)], [Send("b", 0.0), Compute(2.0),
+                                                                              Wait(("a",))]]
+    free, costly = simulate(programs), simulate(programs, wait_cost=0.25)
+    # Rank 0's message was there long before rank 1 waited: it still pays the cost of the synchronization.
+    assert [s.finish for s in free] == pytest.approx([2.0, 2.0])
+    assert [s.finish for s in costly] == pytest.approx([2.25, 2.25])
+    assert [s.waited for s in costly] == pytest.approx([0.25, 0.25])

@@ -1,12 +1,17 @@
 """The planner on this machine: CPU rates measured once, and predictions of ``benchmarks/parallel_modes.py`` records.
 
-:func:`measure_cpu` times, in as many single-threaded processes as the benchmark ran ranks, all at once (so the
-rates are those of ranks sharing the machine's cores, caches and memory bandwidth): (1) the benchmarked model's
-matrix multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse
-attention forward and backward over the vectorized rows of one sequence (``blockwise`` backend, FLOPs counted
-from the pairs its tile plan computes), (3) an elementwise add (the bandwidth elementwise work sees) and (4)
-gloo's all-gather between the processes; each the fastest of several runs. The rates of the slowest process
-become a :class:`~.hardware.DeviceSpec`, cached per process count in a JSON file (``--remeasure`` measures again).
+:func:`measure_cpu` times, in single-threaded processes all timing at once: (1) the benchmarked model's matrix
+multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse attention
+forward and backward over the vectorized rows of one sequence (``blockwise`` backend, FLOPs counted from the pairs
+its tile plan computes), (3) the elementwise bandwidth: for ``--validate``, on the benchmark model's own step at 1K
+tokens (what its matmuls and attention leave; :func:`_step_elementwise_rate`), otherwise a plain add, (4) gloo's
+all-gather bandwidth between the processes and (5) what one synchronization costs ranks that compute between
+synchronizations (:func:`_sync_cost`). Each is the fastest of several runs, taken from the slowest process.
+:func:`cpu_device` turns them into a :class:`~.hardware.DeviceSpec`: compute rates from as many processes as cores
+(a rank alone on a core), and, when the records ran more ranks than cores, the oversubscribed efficiency (the
+benchmark step's throughput in that many processes over the cores') with which the schedule shares the cores; link
+and synchronization figures from as many processes as the records' ranks. Cached per process count in a JSON file
+(``--remeasure`` measures again).
 
 :func:`validate` predicts each record's step time and K/V bytes with that device and the benchmark's own
 model config (``benchmarks.parallel_modes.model_config``); the attention work of each rank is what the
@@ -210,18 +215,18 @@ def rates_worker(rank: int, world, store: str, out: str, spec_json: str, benchma
             dist.all_gather_into_tensor(buf, shard)
             times.append(time.perf_counter() - t0)
         rates["intra_node_bytes_per_s"] = (world - 1) * shard.numel() * 4 / min(times)
-        rates["link_latency_s"] = _sync_cost(world)
+        rates["sync_cost_s"] = _sync_cost(world)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, rates)
         dist.destroy_process_group()
         # The group runs at the pace of its slowest rank.
         rates = {k: min(r[k] for r in everyone) for k in rates}
-        rates["link_latency_s"] = max(r["link_latency_s"] for r in everyone)
+        rates["sync_cost_s"] = max(r["sync_cost_s"] for r in everyone)
         if "benchmark_step_s" in rates:
             rates["benchmark_step_s"] = max(r["benchmark_step_s"] for r in everyone)
     else:
         rates["intra_node_bytes_per_s"] = float("inf")  # one process moves nothing
-        rates["link_latency_s"] = 0.0
+        rates["sync_cost_s"] = 0.0
     rates["inter_node_bytes_per_s"] = rates["intra_node_bytes_per_s"]
     if rank == 0:
         Path(out).write_text(json.dumps(rates))
@@ -260,7 +265,7 @@ def _rates(model: ModelSpec, cache: Path, remeasure: bool, processes: int, bench
     key = str(processes)
     entry = cached.get("processes", {}).get(key)
     # An entry of an older version lacks the synchronization cost; one of another benchmark model its step's rate.
-    if remeasure or entry is None or "link_latency_s" not in entry or \
+    if remeasure or entry is None or "sync_cost_s" not in entry or \
             entry.get("benchmark_layers", 0) != benchmark_layers:
         entry = dict(measure_cpu(model, processes, benchmark_layers), benchmark_layers=benchmark_layers,
                      measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -278,8 +283,9 @@ def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remea
 
     The compute rates are those of ``min(processes, num_cores)`` processes timing at once: a rank alone on a
     core. With more ranks than cores, ``oversubscribed_efficiency`` is what ``processes`` processes timing at once
-    get together over what the cores got (matmul and attention, averaged), and the schedule shares the cores among
-    the ranks computing at each moment. Link bandwidth and latency are the ``processes``-process measurements.
+    get together over what the cores got (the benchmark's step where measured, else matmul and attention averaged),
+    and the schedule shares the cores among the ranks computing at each moment. Link bandwidth and the cost of a
+    synchronization are the ``processes``-process measurements.
     """
     path = Path(cache)
     n_cores = num_cores or cores()
@@ -296,7 +302,7 @@ def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remea
                       memory_bytes=float("inf"), hbm_bytes_per_s=own["hbm_bytes_per_s"],
                       intra_node_bytes_per_s=group["intra_node_bytes_per_s"],
                       inter_node_bytes_per_s=group["inter_node_bytes_per_s"],
-                      link_latency_s=group["link_latency_s"], shared_cores=n_cores,
+                      sync_cost_s=group["sync_cost_s"], shared_cores=n_cores,
                       oversubscribed_efficiency=efficiency,
                       source=f"measured {group.get('measured_at', '')} ({path})")
 
@@ -416,7 +422,7 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
             f"{'wait_s':>7} {'pred_bytes':>11} {'meas_bytes':>11} bytes {'pred_MiB':>8} {'meas_MiB':>8}")
     lines = [f"{d.name}: matmul {d.matmul_flops / 1e9:.1f} GFLOP/s, attention {d.attention_flops / 1e9:.1f} GFLOP/s, "
              f"elementwise {d.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo {d.intra_node_bytes_per_s / 1e9:.2f} GB/s "
-             f"+ {d.link_latency_s * 1e3:.2f} ms per synchronization, oversubscribed efficiency {d.oversubscribed_efficiency:.2f} "
+             f"+ {d.sync_cost_s * 1e3:.2f} ms per synchronization, oversubscribed efficiency {d.oversubscribed_efficiency:.2f} "
              f"({d.source})" for d in devices]
     lines += [head, "-" * len(head)]
     for r in rows:

@@ -492,11 +492,12 @@ def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequen
             for s in range(G):
                 shard = w.shard_pairs[(me - s) % G]
                 if s > 0:
+                    # Backward: the shard and the accumulator come from the same predecessor, one synchronization.
                     pf.append(Wait((("kv", s - 1, prev),)))
-                    pb += [Wait((("kv", s - 1, prev),)), Wait((("dkv", s - 1, prev),))]
+                    pb.append(Wait((("kv", s - 1, prev), ("dkv", s - 1, prev))))
                     if s < G - 1:
                         pf.append(Send(("kv", s, r), hop))
-                        pb.insert(len(pb) - 1, Send(("kv", s, r), hop))
+                        pb.append(Send(("kv", s, r), hop))
                 pf.append(Compute(shard * f))
                 pb += [Compute(shard * b), Send(("dkv", s, r), hop)]
             pb.append(Wait((("dkv", G - 1, prev),)))
@@ -514,9 +515,9 @@ def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequen
 
 
 @lru_cache(maxsize=1024)
-def _segment(programs: tuple, cores: int, efficiency: float) -> tuple[float, tuple]:
+def _segment(programs: tuple, cores: int, efficiency: float, sync_cost: float) -> tuple[float, tuple]:
     """A segment's duration (its slowest rank) and each rank's schedule (all ranks start it together)."""
-    sched = simulate(programs, cores, efficiency)
+    sched = simulate(programs, cores, efficiency, sync_cost)
     return max(s.finish for s in sched), tuple(sched)
 
 
@@ -552,7 +553,7 @@ def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], 
     segments.append((tuple(head), 1))
     busy, waited, idle = [0.0] * P, [0.0] * P, [0.0] * P
     for programs, count in segments:
-        span, sched = _segment(programs, device.shared_cores, device.oversubscribed_efficiency)
+        span, sched = _segment(programs, device.shared_cores, device.oversubscribed_efficiency, device.sync_cost_s)
         for r, s in enumerate(sched):
             busy[r] += count * s.busy
             waited[r] += count * s.waited

@@ -44,12 +44,14 @@ class DeviceSpec:
         inter_node_bytes_per_s (`float`): per-device bandwidth of a collective spanning nodes (its NIC).
         peak_bf16_flops (`float`): the datasheet peak the achievable rates derive from (0 when measured).
         source (`str`): where the figures come from.
-        link_latency_s (`float`): fixed cost of one synchronization between ranks (a collective, a ring rotation).
+        link_latency_s (`float`): fixed time a message takes besides its bytes (a collective, a ring rotation).
         shared_cores (`int`, 0): processors the ranks of a node share; 0 when every rank has its own device (GPUs).
             On a CPU with more single-threaded ranks than cores the rates above are those of a rank alone on a
             core, and the cores are shared among the ranks computing at the moment (``schedule.simulate``).
         oversubscribed_efficiency (`float`, 1.0): with more computing ranks than ``shared_cores``, the fraction
             of the cores' throughput they still get together (measured: contention for caches and memory).
+        sync_cost_s (`float`, 0.0): what each synchronization point (a wait on peers) costs a rank beyond the
+            messages themselves; on a CPU whose cores the ranks share, measured (the scheduler's time slices).
     """
 
     name: str
@@ -64,6 +66,7 @@ class DeviceSpec:
     link_latency_s: float = 0.0
     shared_cores: int = 0
     oversubscribed_efficiency: float = 1.0
+    sync_cost_s: float = 0.0
 
     def link_bytes_per_s(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s

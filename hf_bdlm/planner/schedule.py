@@ -14,7 +14,9 @@ computed and how long it sat blocked. Two things a per-rank sum cannot see come 
   has its own device (``cores=0``).
 
 Compute is in seconds at the rank's own-processor rate; a message is available ``delay`` seconds after it is
-posted (transfer plus latency; the transfer is assumed to need no processor time).
+posted (transfer plus latency; the transfer is assumed to need no processor time). Each wait also costs
+``wait_cost`` once its messages are there: what one synchronization point costs ranks beyond the messages (on a
+CPU whose cores the ranks share, the scheduler's time slices, measured).
 
     python -c "from hf_bdlm.planner.schedule import *; \\
 print(simulate([[Compute(1.0)], [Compute(3.0)], [Compute(1.0)], [Compute(3.0)]], cores=2))"
@@ -61,7 +63,8 @@ def _speed(runnable: int, cores: int, efficiency: float) -> float:
     return efficiency * cores / runnable
 
 
-def simulate(programs: Sequence[Sequence], cores: int = 0, efficiency: float = 1.0) -> list[RankSchedule]:
+def simulate(programs: Sequence[Sequence], cores: int = 0, efficiency: float = 1.0,
+             wait_cost: float = 0.0) -> list[RankSchedule]:
     """Run the ranks' ``programs`` from time 0 (all ranks start together) and return each rank's schedule.
 
     ``cores``: processors the ranks share (0: one per rank). Raises ``ValueError`` when a rank waits on a message
@@ -70,6 +73,7 @@ def simulate(programs: Sequence[Sequence], cores: int = 0, efficiency: float = 1
     R = len(programs)
     pc = [0] * R
     left: list[float | None] = [None] * R  # work left in the current Compute
+    resume: list[float | None] = [None] * R  # when the current Wait ends, once its messages are there
     available: dict = {}  # message key -> time it becomes available
     busy, waited, finish = [0.0] * R, [0.0] * R, [None] * R
     t = 0.0
@@ -90,9 +94,13 @@ def simulate(programs: Sequence[Sequence], cores: int = 0, efficiency: float = 1
                     if op.key in available:
                         raise ValueError(f"message {op.key!r} is sent twice")
                     available[op.key] = t + op.delay
-                elif not all(k in available and available[k] <= t for k in op.keys):
-                    blocked.append(r)
-                    break
+                else:
+                    if resume[r] is None and all(k in available and available[k] <= t for k in op.keys):
+                        resume[r] = t + wait_cost
+                    if resume[r] is None or resume[r] > t + 1e-12:
+                        blocked.append(r)
+                        break
+                    resume[r] = None
                 pc[r] += 1
             if pc[r] == len(prog) and finish[r] is None:
                 finish[r] = t
@@ -104,7 +112,9 @@ def simulate(programs: Sequence[Sequence], cores: int = 0, efficiency: float = 1
         # A blocked rank resumes when the last of its messages arrives; one whose sender has not posted yet waits on.
         for r in blocked:
             keys = programs[r][pc[r]].keys
-            if all(k in available for k in keys):
+            if resume[r] is not None:
+                steps.append(resume[r] - t)
+            elif all(k in available for k in keys):
                 steps.append(max(available[k] for k in keys) - t)
         if not steps:
             missing = {r: [k for k in programs[r][pc[r]].keys if k not in available] for r in blocked}
