@@ -39,14 +39,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
-            transports=("allgather", "ring"), layers=2, steps=2, min_time=5.0,
+            transports=("allgather", "ring"), layers=2, steps=2, min_time=5.0, calibrate=True,
             growth_lengths=(2048, 4096, 8192, 16384, 32768), growth_nprocs=(2, 4), mem_cap=256 * 2**20,
             max_context_nprocs=(2, 4), max_context_modes=("csbp", "cp", "bp"), max_context_layers=1,
             max_context_limit=65536,
             attention=["--lengths", "1024", "2048", "4096", "8192", "16384", "--step-lengths", "1024", "2048", "4096",
                        "8192"])
 QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), transports=("allgather", "ring"),
-             layers=1, steps=1, min_time=0.0,
+             layers=1, steps=1, min_time=0.0, calibrate=False,
              growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=128 * 2**20,
              max_context_nprocs=(2,), max_context_modes=("csbp",), max_context_layers=1, max_context_limit=8192,
              attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
@@ -67,6 +67,7 @@ class BenchConfig:
     layers: int
     steps: int
     min_time: float
+    calibrate: bool
     timeout: float
     growth_lengths: tuple[int, ...]
     growth_nprocs: tuple[int, ...]
@@ -108,7 +109,7 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         out=pathlib.Path(args.out), studies=tuple(args.only or STUDIES), quick=args.quick,
         lengths=pick("lengths"), nprocs=pick("nprocs"), modes=pick("modes"), transports=pick("transports"),
         layers=pick("layers"),
-        steps=pick("steps"), min_time=pick("min_time"), timeout=args.timeout, growth_lengths=pick("growth_lengths"),
+        steps=pick("steps"), min_time=pick("min_time"), calibrate=preset["calibrate"] and not args.no_calibrate, timeout=args.timeout, growth_lengths=pick("growth_lengths"),
         growth_nprocs=pick("growth_nprocs"), mem_cap=pick("mem_cap"), max_context_nprocs=pick("max_context_nprocs"),
         max_context_modes=pick("max_context_modes"),
         max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
@@ -168,6 +169,16 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
               f"{cfg.layers} layer(s), {cfg.steps} timed step(s) after a warm-up"
               + (f", more to fill {cfg.min_time:g} s; steps under {cfg.min_time / 2:g} s launched "
                  f"{parallel_modes.SHORT_LAUNCHES} times, the median kept" if cfg.min_time else "") + ")")
+    if cfg.calibrate:
+        # The planner's CPU figures, measured in the machine state the records are (hf-bdlm plan --validate reads
+        # them from beside the records).
+        from hf_bdlm.planner.calibrate import RATES_FILE, benchmark_model, cpu_devices
+
+        t0 = time.perf_counter()
+        devices = cpu_devices(benchmark_model(cfg.layers), {1, *cfg.nprocs}, cfg.out / RATES_FILE, remeasure=True,
+                              benchmark_layers=cfg.layers)
+        _progress(f"  planner CPU figures for {', '.join(map(str, devices))} process(es) -> {cfg.out / RATES_FILE} "
+                  f"({time.perf_counter() - t0:.0f} s)")
     records: list[dict] = []
     _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json")
     return records

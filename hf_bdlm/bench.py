@@ -72,6 +72,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="time more steps when they are short, enough to fill SECONDS (at most 10), and launch a "
                             "configuration whose step is under SECONDS / 2 three times, keeping the median launch "
                             "(full preset: 5, quick: 0)")
+    modes.add_argument("--no-calibrate", action="store_true",
+                       help="do not measure the planner's CPU figures (cpu_rates.json beside the records, which "
+                            "hf-bdlm plan --validate reads; about 80 s; the full preset measures them, --quick not)")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
     growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
     growth.add_argument("--growth-lengths", type=_positive_int, nargs="+", default=None, metavar="L")

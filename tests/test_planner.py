@@ -274,7 +274,7 @@ def test_gpu_spec_file_and_flags_replace_the_datasheet(tmp_path):
 def test_validate_from_cached_rates_prints_equal_bytes(tmp_path, capsys):
     rates = tmp_path / "rates.json"
     one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
-               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=0.3)
+               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0)
     rates.write_text(json.dumps({"processes": {"1": one, "2": dict(one, matmul_flops=4e10)}}))
     assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates), "--cores", "2"]) == 0
     out = capsys.readouterr().out
@@ -290,15 +290,31 @@ def test_validate_on_one_core_shares_it_with_oversubscribed_efficiency(tmp_path)
 
     rates = tmp_path / "rates.json"
     one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
-               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=0.3)
+               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0)
     rates.write_text(json.dumps({"processes": {"1": dict(one, intra_node_bytes_per_s=float("inf")),
-                                               "2": dict(one, benchmark_step_s=0.75, sync_cost_s=4e-3)}}))
+                                               "2": dict(one, benchmark_step_s=5.0, sync_cost_s=4e-3)}}))
     d = cpu_device(benchmark_model(2), rates, processes=2, num_cores=1, benchmark_layers=2)
-    # One rank alone on the core computes at the 1-process rates; two share it, at 2 * 0.3 / 0.75 = 0.8 of its
+    # One rank alone on the core computes at the 1-process rates; two share it, at 2 * 2.0 / 5.0 = 0.8 of its
     # throughput together; link and synchronization are the 2-process measurements.
     assert (d.shared_cores, d.matmul_flops, d.sync_cost_s, d.intra_node_bytes_per_s) == (1, 5e10, 4e-3, 3e8)
     assert d.oversubscribed_efficiency == pytest.approx(0.8)
     assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates), "--cores", "0"]) == 2
+
+
+def test_the_step_elementwise_rate_is_what_matmuls_and_attention_leave_of_the_step():
+    from hf_bdlm.planner.calibrate import benchmark_model, step_elementwise_rate
+
+    model = benchmark_model(2)
+    rates = dict(matmul_flops=1e11, attention_flops=8e10, benchmark_step_s=1.0)
+    slow, fast = step_elementwise_rate(model, rates), step_elementwise_rate(model, dict(rates, benchmark_step_s=0.8))
+    assert slow < fast  # the same elementwise bytes in more of the step
+    # rate = E / (step - R) for fixed bytes E and matmul + attention time R: two steps give E and R, a third follows.
+    E = 0.2 / (1 / slow - 1 / fast)
+    R = 1.0 - E / slow
+    assert 0 < R < 0.8
+    assert step_elementwise_rate(model, dict(rates, benchmark_step_s=1.5)) == pytest.approx(E / (1.5 - R), rel=1e-9)
+    with pytest.raises(ValueError, match="less than its matmuls and attention alone"):
+        step_elementwise_rate(model, dict(rates, benchmark_step_s=0.01))
 
 
 def test_paper_comparison_takes_the_fastest_fitting_of_each_side():
@@ -330,3 +346,14 @@ def test_ring_shard_pairs_split_the_ranks_pairs(dims):
             assert w.source_pairs + sum(w.shard_pairs) == w.pairs[None]
             assert w.source_pairs + w.shard_pairs[w.members.index(r)] == w.local_pairs[None]
             assert (w.source_pairs > 0) == (dims.mode == "csbp")
+
+
+def test_validate_reads_the_figures_bench_measured_beside_the_records(tmp_path, capsys):
+    records = tmp_path / "parallel_modes.json"
+    records.write_text(RECORDS.read_text())
+    one = dict(matmul_flops=7e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
+               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0)
+    (tmp_path / "cpu_rates.json").write_text(json.dumps({"processes": {"1": one, "2": one}}))
+    assert main(["plan", "--validate", str(records), "--cores", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"CPU figures: {tmp_path / 'cpu_rates.json'}\n" in out and "matmul 70.0 GFLOP/s" in out

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from .cost import Cluster, Prediction, Recipe, plan_all, recommend
 from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec
@@ -53,7 +54,9 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--paper", action="store_true", help="the paper's settings on 16 H200 (2 nodes of 8)")
     p.add_argument("--validate", metavar="RECORDS_JSON", default=None,
                    help="predict the step times and bytes of benchmarks/parallel_modes.py records on this machine")
-    p.add_argument("--rates-cache", default=None, help="CPU rates cache for --validate (default ~/.cache/hf_bdlm)")
+    p.add_argument("--rates-cache", default=None,
+                   help="CPU figures for --validate (default: the cpu_rates.json hf-bdlm bench wrote beside the "
+                        "records, measured with them; else ~/.cache/hf_bdlm/cpu_rates.json, measured when absent)")
     p.add_argument("--remeasure", action="store_true", help="measure the CPU rates again for --validate")
     p.add_argument("--cores", type=int, default=None,
                    help="cores the benchmark's ranks shared, for --validate (default: this process's CPU affinity)")
@@ -162,7 +165,7 @@ def run_paper(args) -> int:
 
 
 def run_validate(args) -> int:
-    from .calibrate import DEFAULT_CACHE, benchmark_model, cpu_devices, format_validation, validate
+    from .calibrate import DEFAULT_CACHE, RATES_FILE, benchmark_model, cpu_devices, format_validation, validate
 
     with open(args.validate) as f:
         records = json.load(f)
@@ -175,7 +178,11 @@ def run_validate(args) -> int:
     if args.cores is not None and args.cores <= 0:
         raise ValueError(f"--cores must be a positive number of cores, got {args.cores}.")
     counts = {1 if r["mode"] == "single" else r["P"] for r in ok}
-    devices = cpu_devices(model, counts, args.rates_cache or DEFAULT_CACHE, args.remeasure, args.cores,
+    beside = Path(args.validate).parent / RATES_FILE
+    # The figures measured with the records, unless asked to measure this machine now.
+    cache = args.rates_cache or (beside if beside.exists() and not args.remeasure else DEFAULT_CACHE)
+    print(f"CPU figures: {cache}{' (measured now)' if args.remeasure else ''}")
+    devices = cpu_devices(model, counts, cache, args.remeasure, args.cores,
                           benchmark_layers=ok[0]["layers"])
     rows = validate(ok, devices.__getitem__)
     print(format_validation(rows, list(devices.values())))
