@@ -300,8 +300,7 @@ def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str =
     ``launch_step_s``): short steps vary more from one fresh launch to the next (where the scheduler places the
     ranks) than within a launch."""
     rec = _launch_once(mode, P, L, args, tmp, transport, schedule)
-    min_time = getattr(args, "min_time", 0.0)
-    if not min_time or "error" in rec or rec["step_s"] >= min_time / 2:
+    if not args.min_time or "error" in rec or rec["step_s"] >= args.min_time / 2:
         return rec
     runs = [rec] + [_launch_once(mode, P, L, args, tmp, transport, schedule) for _ in range(SHORT_LAUNCHES - 1)]
     failed = [r for r in runs if "error" in r]
@@ -315,7 +314,7 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
                  schedule: str = "dual_end") -> dict:
     out = tmp / f"{mode}_{transport}_{schedule}_P{P}_L{L}.json"
     common = [str(HERE), "--worker", "--mode", mode, "--transport", transport, "--schedule", schedule,
-              "--lengths", str(L), "--steps", str(args.steps), "--min-time", str(getattr(args, "min_time", 0.0)),
+              "--lengths", str(L), "--steps", str(args.steps), "--min-time", str(args.min_time),
               "--layers", str(args.layers), "--out", str(out),
               "--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend]
     if args.window:

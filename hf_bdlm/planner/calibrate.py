@@ -38,19 +38,24 @@ RATES_FILE = "cpu_rates.json"
 DEFAULT_CACHE = Path(os.environ.get("HF_BDLM_CACHE", Path.home() / ".cache" / "hf_bdlm")) / RATES_FILE
 
 
-def benchmark_model(layers: int, window: int | None = None) -> ModelSpec:
-    """The model of ``benchmarks/parallel_modes.py``, read from its own config builder."""
+def _parallel_modes():
+    """The repository's ``benchmarks.parallel_modes`` (a source checkout holds benchmarks/ beside hf_bdlm/)."""
     import sys
 
-    root = Path(__file__).resolve().parents[2]  # a source checkout holds benchmarks/ beside hf_bdlm/
+    root = Path(__file__).resolve().parents[2]
     if (root / "benchmarks" / "parallel_modes.py").exists() and str(root) not in sys.path:
         sys.path.append(str(root))
     try:
-        from benchmarks.parallel_modes import model_config
+        from benchmarks import parallel_modes
     except ImportError as err:
         raise ValueError("--validate needs the repository's benchmarks package on the path (run from the "
                          f"repository root): {err}") from err
-    cfg = model_config(layers, window)
+    return parallel_modes
+
+
+def benchmark_model(layers: int, window: int | None = None) -> ModelSpec:
+    """The model of ``benchmarks/parallel_modes.py``, read from its own config builder."""
+    cfg = _parallel_modes().model_config(layers, window)
     return spec_from_config(cfg.to_dict(), f"parallel_modes ({layers} layers)")
 
 
@@ -117,14 +122,7 @@ CALIBRATION_ROUNDS = 3
 
 def _benchmark_step_time(layers: int, seq_len: int = STEP_TOKENS) -> float:
     """One-sequence forward and backward of the benchmark's own model (``benchmarks.parallel_modes``)."""
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    if str(root) not in sys.path:
-        sys.path.append(str(root))
-    from benchmarks.parallel_modes import _build
-
-    net, objective, corrupted = _build(seq_len, layers)
+    net, objective, corrupted = _parallel_modes()._build(seq_len, layers)
 
     def step():
         net.zero_grad(set_to_none=True)
@@ -270,7 +268,8 @@ def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0)
         code = ("import sys; from hf_bdlm.planner.calibrate import rates_worker; "
                 "rates_worker(int(sys.argv[1]), *sys.argv[2:])")
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), os.path.join(tmp, "store"),
-                                   out, spec, str(benchmark_layers)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   out, spec, str(benchmark_layers)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(processes)]
         errors = [p.communicate(timeout=600)[1] for p in procs]
         if any(p.returncode for p in procs) or not os.path.exists(out):
@@ -327,7 +326,8 @@ def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remea
     efficiency = min(1.0, efficiency)
     # The elementwise bandwidth of the benchmark's own step where it was timed, else a plain add's.
     hbm = step_elementwise_rate(model, own) if "benchmark_step_s" in own else own["hbm_bytes_per_s"]
-    return DeviceSpec(name=f"cpu ({processes} process{'es' if processes > 1 else ''} on {n_cores} cores, 1 thread each)",
+    name = f"cpu ({processes} process{'es' if processes > 1 else ''} on {n_cores} cores, 1 thread each)"
+    return DeviceSpec(name=name,
                       matmul_flops=own["matmul_flops"], attention_flops=own["attention_flops"],
                       memory_bytes=float("inf"), hbm_bytes_per_s=hbm,
                       intra_node_bytes_per_s=group["intra_node_bytes_per_s"],
@@ -452,7 +452,8 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
             f"{'wait_s':>7} {'pred_bytes':>11} {'meas_bytes':>11} bytes {'pred_MiB':>8} {'meas_MiB':>8}")
     lines = [f"{d.name}: matmul {d.matmul_flops / 1e9:.1f} GFLOP/s, attention {d.attention_flops / 1e9:.1f} GFLOP/s, "
              f"elementwise {d.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo {d.intra_node_bytes_per_s / 1e9:.2f} GB/s "
-             f"+ {d.sync_cost_s * 1e3:.2f} ms per synchronization, oversubscribed efficiency {d.oversubscribed_efficiency:.2f} "
+             f"+ {d.sync_cost_s * 1e3:.2f} ms per synchronization, oversubscribed efficiency "
+             f"{d.oversubscribed_efficiency:.2f} "
              f"({d.source})" for d in devices]
     lines += [head, "-" * len(head)]
     for r in rows:
@@ -471,4 +472,5 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["measure_cpu", "cpu_device", "cpu_devices", "cores", "validate", "format_validation", "benchmark_model", "record_dims"]
+__all__ = ["measure_cpu", "cpu_device", "cpu_devices", "cores", "validate", "format_validation", "benchmark_model",
+           "record_dims", "step_elementwise_rate"]

@@ -189,7 +189,7 @@ def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, i
     noisy_cum, clean_cum = _cumulative_counts(rp.seq_len, rule)
     runs = ((NOISY, _block_ranges(rp.noisy_blocks, rp.block_size)), (CLEAN, rp.clean_positions))
     total = sum(int(cum[e] - cum[s]) for cum, (_, r) in zip((noisy_cum, clean_cum), runs) for s, e in r)
-    members = (rank,) if plan.config.mode == "bp" else _members(plan, rank)
+    members = _members(plan, rank)
     intervals = _position_intervals(rp.seq_len, rule)
     # A noisy query's noisy keys are its own block, always owned; its clean keys, and a clean query's, lie in the
     # clean rows of the gather members (the whole clean stream, split among them).
@@ -210,6 +210,9 @@ def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, i
 
 
 def _members(plan: GroupPlan, rank: int) -> tuple[int, ...]:
+    """The ranks ``rank`` exchanges K/V with, itself included, in ring order (``bp``: itself alone)."""
+    if plan.config.mode == "bp":
+        return (rank,)
     return plan.ring_members(rank) if plan.config.mode == "csbp" else tuple(range(len(plan.ranks)))
 
 
@@ -275,9 +278,8 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) 
             sent_rows = rp.local_clean_rows if dims.mode == "csbp" else rp.num_rows
             if dims.mode == "csbp" and dims.clean_ring_size == 1:
                 sent_rows = 0
-        members = (r,) if dims.mode == "bp" else _members(plan, r)
         out.append(RankWork(rp.local_noisy_rows, rp.local_clean_rows, pairs[r], local[r], sent_rows, recv[r], sent[r],
-                            source[r], shards[r], tuple(members)))
+                            source[r], shards[r], _members(plan, r)))
     return tuple(out)
 
 
@@ -503,7 +505,7 @@ def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequen
             pb.append(Wait((("dkv", G - 1, prev),)))
         else:
             # A collective completes for all members once the last has joined and the data has moved: each member's
-            # contribution arrives the slowest member's transfer (and one latency per hop) after it is posted.
+            # contribution arrives the slowest member's transfer (and one latency) after it is posted.
             hops = 1 if window is not None else G - 1  # an all-to-all; the all-gather's G - 1 shards
             done = max(costs[m].transfer for m in members) * hops + latency
             keys = tuple(("c", m) for m in members)
