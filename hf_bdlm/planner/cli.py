@@ -56,7 +56,8 @@ def add_plan_parser(subparsers) -> None:
                    help="predict the step times and bytes of benchmarks/parallel_modes.py records on this machine")
     p.add_argument("--rates-cache", default=None,
                    help="CPU figures for --validate (default: the cpu_rates.json hf-bdlm bench wrote beside the "
-                        "records, measured with them; else ~/.cache/hf_bdlm/cpu_rates.json, measured when absent)")
+                        "records, measured with them; else cpu_rates.json in $HF_BDLM_HOME (default ~/.cache/hf_bdlm), "
+                        "measured when absent)")
     p.add_argument("--remeasure", action="store_true", help="measure the CPU rates again for --validate")
     p.add_argument("--cores", type=int, default=None,
                    help="cores the benchmark's ranks shared, for --validate (default: this process's CPU affinity)")
@@ -165,7 +166,7 @@ def run_paper(args) -> int:
 
 
 def run_validate(args) -> int:
-    from .calibrate import DEFAULT_CACHE, RATES_FILE, benchmark_model, cpu_devices, format_validation, validate
+    from .calibrate import RATES_FILE, benchmark_model, default_rates_path, cpu_devices, format_validation, validate
 
     with open(args.validate) as f:
         records = json.load(f)
@@ -180,7 +181,7 @@ def run_validate(args) -> int:
     counts = {1 if r["mode"] == "single" else r["P"] for r in ok}
     beside = Path(args.validate).parent / RATES_FILE
     # The figures measured with the records, unless asked to measure this machine now.
-    cache = args.rates_cache or (beside if beside.exists() and not args.remeasure else DEFAULT_CACHE)
+    cache = args.rates_cache or (beside if beside.exists() and not args.remeasure else default_rates_path())
     print(f"CPU figures: {cache}{' (measured now)' if args.remeasure else ''}")
     devices = cpu_devices(model, counts, cache, args.remeasure, args.cores,
                           benchmark_layers=ok[0]["layers"])

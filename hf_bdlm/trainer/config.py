@@ -165,9 +165,10 @@ class BDLMSFTConfig(SFTConfig):
     )
 
     def __post_init__(self):
-        if not self.use_cpu and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Under torchrun on a machine without GPUs, Accelerate sets up a multi-process CPU world (gloo) only when
-            # asked for the CPU; otherwise every process would silently train alone.
+        if not self.use_cpu and not torch.accelerator.is_available():
+            # A machine without accelerators trains on the CPU whatever the flag says, but the flag decides two things:
+            # under torchrun Accelerate sets up a multi-process CPU world (gloo) only when asked for the CPU (otherwise
+            # every process would silently train alone), and transformers accepts bf16=True (CPU autocast) only then.
             self.use_cpu = True
         if self.bf16 is None:
             # TRL turns bf16 on everywhere; a CPU run in bf16 would be slow and would not match float32 references.

@@ -151,19 +151,21 @@ def _fully_shard_kwargs(model: nn.Module, mesh, plugin) -> dict:
 def shard_model(model: nn.Module, mesh, plugin) -> list[str]:
     """Apply ``fully_shard`` over ``mesh`` to every unit (bottom-up), then to ``model`` (the root), in place.
 
-    Returns the qualified names of the units below the root.
+    Returns ``{qualified name: class name}`` of the units below the root, read before sharding: ``fully_shard``
+    swaps each unit's class for a subclass of its own (``FSDPQwen3DecoderLayer``).
     """
     from torch.distributed.fsdp import fully_shard
 
     kwargs = _fully_shard_kwargs(model, mesh, plugin)
     classes = unit_classes(model, plugin)
     units = [(name, m) for name, m in model.named_modules() if name and type(m).__name__ in classes]
+    classes_before = {name: type(m).__name__ for name, m in units}
     for _, module in reversed(units):  # deepest first: a unit is sharded before the module holding it
         fully_shard(module, **kwargs)
     # The root keeps its parameters gathered after forward: the loss applies the LM head outside the model's forward
     # (to the rows that carry targets), and backward needs them at once anyway.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-    return [name for name, _ in units]
+    return {name: classes_before[name] for name, _ in units}
 
 
 def shard_diffusion_gemma(model: nn.Module, mesh, plugin):

@@ -44,6 +44,7 @@ from transformers import ProcessorMixin, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import has_length
 from trl import SFTTrainer
+from trl.trainer.utils import global_then_local_main_first
 
 from ..diffusion_gemma import canvas_length, is_diffusion_gemma
 from ..modeling import BlockDiffusionForMaskedLM
@@ -66,7 +67,6 @@ from .fsdp import (
     shard_diffusion_gemma,
     shard_model,
     state_dict_type,
-    unit_classes,
 )
 from .inputs import (
     add_sample_ids,
@@ -232,7 +232,7 @@ class BDLMSFTTrainer(SFTTrainer):
         else:
             units = shard_model(self.model, plugin.groups.world_mesh, self.fsdp2)
             self.model_wrapped = self.model
-            described = f"{len(units)} units ({', '.join(sorted(unit_classes(self.model, self.fsdp2)))})"
+            described = f"{len(units)} units ({', '.join(sorted(set(units.values())))})"
         # transformers' own path for a model that owns its sharding and gradient reduction: Accelerate prepares mixed
         # precision only (no DDP wrapper), the optimizer is built from the sharded parameters.
         self.is_distributed_loading_by_transformers = True
@@ -342,10 +342,14 @@ class BDLMSFTTrainer(SFTTrainer):
         unlimited.max_length = None
         unlimited.shuffle_dataset = False  # the sampler shuffles, by sample id, the same on every layout
         dataset = super()._prepare_dataset(dataset, processing_class, unlimited, False, formatting_func, dataset_name)
-        dataset, report = apply_length_policy(dataset, args.max_length, args.overlong_samples, dataset_name)
-        if self._pack["train" if dataset_name == "train" else "eval"]:
-            dataset = pack_block_aligned(dataset, args.max_length, self.block_size, self._pad_token_id, dataset_name)
-            report["packed_rows"] = len(dataset)
+        # As TRL's tokenization above: the maps (cached next to a file-backed dataset) run on the main process first,
+        # the others then read its cache files.
+        with global_then_local_main_first():
+            dataset, report = apply_length_policy(dataset, args.max_length, args.overlong_samples, dataset_name)
+            if self._pack["train" if dataset_name == "train" else "eval"]:
+                dataset = pack_block_aligned(dataset, args.max_length, self.block_size, self._pad_token_id,
+                                             dataset_name)
+                report["packed_rows"] = len(dataset)
         self.data_report[dataset_name] = report
         return dataset
 

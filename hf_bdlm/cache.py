@@ -1,0 +1,113 @@
+"""The project's first-use cache: one root folder, an inter-process lock per entry, atomic installs.
+
+Everything hf_bdlm writes once and reuses (the exported embedded model, the planner's CPU rates) lives under
+``$HF_BDLM_HOME`` (default ``~/.cache/hf_bdlm``). Several processes may meet an empty cache at once (the ranks of
+a launch, parallel test workers, two runs started together), so every entry is created under a file lock
+(``filelock``: an OS lock, released by the kernel when its holder dies) and becomes visible in one ``rename``:
+a reader sees a complete entry or none, and an entry whose writer was killed half way is rebuilt by the next
+process that takes the lock.
+
+    from hf_bdlm.cache import cache_home, install_dir
+    path = install_dir(cache_home() / "my-entry", build=lambda tmp: (tmp / "data.txt").write_text("x"),
+                       is_complete=lambda p: (p / "data.txt").is_file())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+from filelock import FileLock
+
+HOME_ENV = "HF_BDLM_HOME"
+_TMP_MARK = ".tmp-"
+
+
+def cache_home() -> pathlib.Path:
+    """``$HF_BDLM_HOME`` if set (and not empty), else ``~/.cache/hf_bdlm``; read at each call, never created here."""
+    return pathlib.Path(os.environ.get(HOME_ENV) or os.path.join("~", ".cache", "hf_bdlm")).expanduser()
+
+
+@contextlib.contextmanager
+def entry_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold the inter-process lock of the cache entry ``path`` (the file ``.<name>.lock`` beside it)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / f".{path.name}.lock")):
+        yield
+
+
+def leftovers(path: str | os.PathLike) -> list[pathlib.Path]:
+    """Temporary folders and files of ``path`` that an interrupted writer left behind."""
+    path = pathlib.Path(path)
+    if not path.parent.is_dir():
+        return []
+    return sorted(path.parent.glob(f".{path.name}{_TMP_MARK}*"))
+
+
+def _remove(path: pathlib.Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def install_dir(path: str | os.PathLike, build: Callable[[pathlib.Path], None],
+                is_complete: Callable[[pathlib.Path], bool]) -> tuple[pathlib.Path, bool]:
+    """Make sure the folder ``path`` holds a complete entry, building it at most once across processes.
+
+    Under the entry's lock: if ``is_complete(path)`` (another process finished while this one waited), nothing is
+    done. Otherwise the leftovers of interrupted writers and an incomplete ``path`` are removed, ``build(tmp)`` fills
+    a fresh temporary sibling folder, and the folder is renamed to ``path`` in one step.
+
+    Returns:
+        ``(path, built)``: ``built`` is True in the one process that built the entry.
+    """
+    path = pathlib.Path(path)
+    if is_complete(path):
+        return path, False
+    with entry_lock(path):
+        if is_complete(path):
+            return path, False
+        for stale in leftovers(path):
+            _remove(stale)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}{_TMP_MARK}"))
+        try:
+            build(tmp)
+            if not is_complete(tmp):
+                raise RuntimeError(f"building the cache entry {path} left an incomplete folder: {sorted(os.listdir(tmp))}")
+            _remove(path)  # an incomplete entry (written by an older version, or by hand)
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return path, True
+
+
+def update_json(path: str | os.PathLike, update: Callable[[dict], dict | None]) -> dict:
+    """Read-modify-write the JSON file ``path`` under its lock; the new content replaces the old in one rename.
+
+    ``update`` receives the current content (``{}`` when absent) and returns the new one, or None to leave the file
+    as it is. Returns the content after the call.
+    """
+    path = pathlib.Path(path)
+    with entry_lock(path):
+        current = json.loads(path.read_text()) if path.is_file() else {}
+        new = update(current)
+        if new is None:
+            return current
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{_TMP_MARK}")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(new, handle, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return new
