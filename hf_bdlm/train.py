@@ -163,14 +163,15 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
     trainer.accelerator.wait_for_everyone()
     trainer.save_model(training_args.output_dir)
     if main_process:
-        results["seconds"] = time.perf_counter() - start
-        results["timings"] = timings
         output_dir = Path(training_args.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
+        say(f"saved to {output_dir.resolve()}")
         if held_out and not hasattr(trainer.model, "get_base_model"):
             results["reload_check"] = _check_reloaded(output_dir, held_out[0], outputs[0])
+        results["seconds"] = time.perf_counter() - start
+        results["timings"] = timings
         (output_dir / "sft_results.json").write_text(json.dumps(results, indent=2))
-        say(f"\nsaved to {output_dir.resolve()} ({results['seconds']:.0f}s in all). Load it with:\n"
+        say(f"done in {results['seconds']:.0f}s. Load the model with:\n"
             f"    import hf_bdlm; from transformers import AutoModel, AutoTokenizer\n"
             f"    model = AutoModel.from_pretrained({str(output_dir)!r}); "
             f"tokenizer = AutoTokenizer.from_pretrained({str(output_dir)!r})")
@@ -187,7 +188,7 @@ def _check_reloaded(output_dir: Path, example: dict, before_saving: str) -> dict
     _, (got,) = exact_match_score(reloaded, tokenizer, [example])
     check = {"prompt": example["prompt"][-1]["content"], "expected": example["answer"], "got": got,
              "correct": exact_match(got, example["answer"]), "same_as_before_saving": got == before_saving}
-    print(f"reloaded {type(reloaded).__name__} with AutoModel.from_pretrained; one held-out prompt:\n"
+    print(f"reloaded it with AutoModel.from_pretrained ({type(reloaded).__name__}); one held-out prompt:\n"
           f"    prompt:   {check['prompt']!r}\n    expected: {check['expected']!r}\n    got:      {got!r} "
           f"({'correct' if check['correct'] else 'wrong'}; "
           f"{'the same' if check['same_as_before_saving'] else 'NOT the same'} as the model before saving)")

@@ -93,7 +93,7 @@ def test_train_with_two_processes_runs_the_recipe_under_accelerate(causal_dir, t
                    "--block_parallel_size", 2, "--max_length", 64, "--report_to", "none", "--save_strategy", "no",
                    "--activation_checkpointing", "false", "--disable_tqdm", "true", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "world 2 = 1 data-parallel x P 2 (csbp, C 2)" in proc.stdout
+    assert "world 2 = 1 data-parallel x P 2 (csbp, clean ring C 2)" in proc.stdout
     assert json.loads((out / "sft_results.json").read_text())["steps"] == 2
 
 

@@ -264,7 +264,8 @@ def test_accelerate_launch_trains_the_recipe_with_csbp_and_fsdp2_on_two_processe
            *_recipe_args(tmp_path / "model", tmp_path / "data", tmp_path / "p2", 2)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "world 2 = 1 data-parallel x P 2 (csbp, C 2); objective diffusion_gemma" in proc.stdout
+    assert "objective diffusion_gemma" in proc.stdout
+    assert "world 2 = 1 data-parallel x P 2 (csbp, clean ring C 2)" in proc.stdout
     assert "FSDP2: BDLMSFTTrainer shards the model itself" in proc.stdout + proc.stderr
     assert "model.encoder.language_model.layers.0 + model.decoder.layers.0" in proc.stdout + proc.stderr
 

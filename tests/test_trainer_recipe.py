@@ -123,7 +123,7 @@ def test_accelerate_launch_runs_the_embedded_cpu_csbp_config(tmp_path):
            "--per_device_train_batch_size", "2", "--exact_match_examples", "0", "--output_dir", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "world 2 = 1 data-parallel x P 2 (csbp, C 2)" in proc.stdout
+    assert "world 2 = 1 data-parallel x P 2 (csbp, clean ring C 2)" in proc.stdout
     results = json.loads((out / "sft_results.json").read_text())
     assert results["steps"] == 1
     card = (out / "README.md").read_text()
