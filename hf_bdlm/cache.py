@@ -78,6 +78,7 @@ def install_dir(path: str | os.PathLike, build: Callable[[pathlib.Path], None],
             _remove(stale)
         tmp = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}{_TMP_MARK}"))
         try:
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the entry is an ordinary folder
             build(tmp)
             if not is_complete(tmp):
                 raise RuntimeError(f"building the cache entry {path} left an incomplete folder: {sorted(os.listdir(tmp))}")
@@ -87,6 +88,12 @@ def install_dir(path: str | os.PathLike, build: Callable[[pathlib.Path], None],
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return path, True
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def update_json(path: str | os.PathLike, update: Callable[[dict], dict | None]) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_bdlm.cache import install_dir, leftovers, update_json
+from hf_bdlm.cache import _umask, install_dir, leftovers, update_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,6 +100,7 @@ def test_install_dir_replaces_an_interrupted_build_and_its_leftovers(tmp_path):
 
     path, built = install_dir(entry, build, lambda p: (p / "done.txt").is_file())
     assert built and (path / "part.txt").read_text() == "new"
+    assert path.stat().st_mode & 0o777 == 0o777 & ~_umask()  # an ordinary folder, not mkdtemp's private one
     assert _entries(tmp_path) == ["entry"]
     assert install_dir(entry, build, lambda p: (p / "done.txt").is_file()) == (entry, False)
 

@@ -19,8 +19,8 @@ tiles become a short list of :class:`KernelCall`:
   that is dense enough (at least 40% of its pairs allowed, e.g. the block-triangular region
   next to the diagonal) runs as one masked call; the rest (the noisy block diagonal, window
   edges) is planned chunk by chunk: far fewer kernel calls for a few percent more pairs
-  computed and masked out (``python -m benchmarks.attention --compare-block-tiles`` measures it;
-  the README has the numbers).
+  computed and masked out (``python -m hf_bdlm.benchmarks.attention --compare-block-tiles``
+  measures it; docs/benchmarks.md has the numbers).
   ``group_rows=0`` plans chunk by chunk only: every mask is then a causal band or a window
   edge, which is what the flash-attn backend can run.
 
