@@ -129,8 +129,8 @@ class ShardedDiffusionGemmaLayout:
             raise ValueError("the plan was made for other canvas blocks than this frame's; build it from the frame.")
         self.mode = plan.config.mode
         me = groups.group_rank
-        self.comm = groups.group if self.mode == "cp" else groups.ring
-        members = list(range(len(plan.ranks))) if self.mode == "cp" else list(plan.ring_members(me))
+        self.comm = groups.kv_exchange
+        members = list(plan.ring_members(me))
 
         def clean(r: int) -> torch.Tensor:
             return plan.ranks[r].clean_position_index()
@@ -156,7 +156,7 @@ class ShardedDiffusionGemmaLayout:
         clean_of = [clean_rows(m) for m in members]
         self.encoder = _Pass("encoder", clean_of[at], clean_of[at], [], clean_of, clean_of, at)
         decoder_keys = RowMeta.cat([clean_of[at], canvas_rows(me)])  # the decoder's keys: [cache ; canvas]
-        if self.mode == "cp":  # every member sends both, in that order
+        if self.mode.sends_noisy_kv:  # every member sends both, in that order
             sent, unsent = [RowMeta.cat([clean_of[i], canvas_rows(m)]) for i, m in enumerate(members)], []
         else:
             sent, unsent = clean_of, [canvas_rows(me)]
@@ -180,7 +180,7 @@ class ShardedDiffusionGemmaLayout:
                     f"the decoder got {key.shape[2]} key rows, expected {n} cached clean rows of this rank + "
                     f"{p.queries.num_rows} canvas rows: run the encoder with this layout and a DynamicCache() first."
                 )
-            sent = (key, value) if self.mode == "cp" else (key[:, :, :n], value[:, :, :n])
+            sent = (key, value) if self.mode.sends_noisy_kv else (key[:, :, :n], value[:, :, :n])
             return self._attend(p, query, key, value, sent, rule, scale)
         if not getattr(module, "is_causal", True):
             raise ValueError("the DiffusionGemma encoder must be causal for the diffusion_gemma objective.")

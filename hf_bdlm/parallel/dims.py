@@ -19,11 +19,66 @@ print(ParallelDims(block_parallel_size=4, clean_ring_size=2, world_size=8))"
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
-MODES = ("cp", "bp", "csbp")
-SCHEDULES = ("dual_end", "contiguous")
-TRANSPORTS = ("allgather", "ring")
+
+class _Choice(StrEnum):
+    """A named choice of a config field: equal to its string, and shown as the string users write (``'csbp'``) in
+    reprs and error messages."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Mode(_Choice):
+    """The block-parallel modes (``docs/design.md`` §3) and what travels under each.
+
+    A member equals its string (``Mode.CSBP == "csbp"``), so configs and records keep plain strings; code asks the
+    traits below instead of comparing names.
+    """
+
+    CP = "cp"
+    BP = "bp"
+    CSBP = "csbp"
+
+    @property
+    def exchanges_kv(self) -> bool:
+        """Whether the ranks of a group receive each other's K/V (``bp`` computes its clean prefix itself)."""
+        return self is not Mode.BP
+
+    @property
+    def sends_noisy_kv(self) -> bool:
+        """Whether a rank's noisy K/V travel with its clean ones (``cp``, over the whole group); ``csbp`` keeps them
+        local and exchanges clean K/V over its clean ring."""
+        return self is Mode.CP
+
+
+class Schedule(_Choice):
+    """How noisy blocks (and, for ``csbp``, clean shards) are dealt to the ranks of a group."""
+
+    DUAL_END = "dual_end"
+    CONTIGUOUS = "contiguous"
+
+
+class Transport(_Choice):
+    """How gathered K/V travel: one all-gather per layer, or shards rotating peer to peer."""
+
+    ALLGATHER = "allgather"
+    RING = "ring"
+
+
+MODES = tuple(Mode)
+SCHEDULES = tuple(Schedule)
+TRANSPORTS = tuple(Transport)
+
+
+def _member(enum: type[StrEnum], value, field_name: str):
+    """``value`` as a member of ``enum``, or a ValueError naming the field and the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"{field_name} must be one of {tuple(m.value for m in enum)}, got {value!r}.") from None
 
 
 def divisors(n: int) -> list[int]:
@@ -55,37 +110,37 @@ class ParallelDims:
 
     block_parallel_size: int = 1
     clean_ring_size: int | None = None
-    mode: str = "csbp"
-    schedule: str = "dual_end"
-    transport: str = "allgather"
+    mode: Mode = Mode.CSBP
+    schedule: Schedule = Schedule.DUAL_END
+    transport: Transport = Transport.ALLGATHER
     world_size: int | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        P, mode, schedule = self.block_parallel_size, self.mode, self.schedule
+        P = self.block_parallel_size
         _positive_int("block_parallel_size", P)
-        if mode not in MODES:
-            raise ValueError(f"block_parallel_mode must be one of {MODES}, got {mode!r}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"block_schedule must be one of {SCHEDULES}, got {schedule!r}.")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"block_parallel_transport must be one of {TRANSPORTS}, got {self.transport!r}.")
+        # Names become members here, where they enter: a typo fails now, and code downstream compares members.
+        mode = _member(Mode, self.mode, "block_parallel_mode")
+        schedule = _member(Schedule, self.schedule, "block_schedule")
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "transport", _member(Transport, self.transport, "block_parallel_transport"))
         C = self.clean_ring_size
         if C is None:
-            C = 1 if mode == "bp" else P
+            C = 1 if mode is Mode.BP else P
             object.__setattr__(self, "clean_ring_size", C)
         elif not isinstance(C, int) or isinstance(C, bool) or C <= 0:
             raise ValueError(f"clean_ring_size must be a positive integer or None, got {C!r}.")
-        if mode == "bp" and C != 1:
+        if mode is Mode.BP and C != 1:
             raise ValueError(
                 f"mode='bp' has no clean ring (each rank computes its clean prefix itself), so clean_ring_size "
                 f"must be 1 or None, got {C}; use mode='csbp' to shard the clean stream over rings of {C} ranks."
             )
-        if mode == "cp" and C != P:
+        if mode is Mode.CP and C != P:
             raise ValueError(
                 f"mode='cp' gathers the K/V of all 2L rows over the whole group, so clean_ring_size must be None "
                 f"or group_size={P}, got {C}; use mode='csbp' for a clean ring smaller than the group."
             )
-        if mode == "cp" and schedule != "dual_end":
+        if mode is Mode.CP and schedule is not Schedule.DUAL_END:
             raise ValueError(
                 f"mode='cp' always shards the 2L rows head-tail (zigzag), got schedule={schedule!r}; "
                 "use schedule='dual_end' (the default)."
@@ -118,17 +173,16 @@ class ParallelDims:
         return self.block_parallel_size > 1
 
     def with_world(self, world_size: int) -> "ParallelDims":
-        return ParallelDims(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule, self.transport,
-                            world_size)
+        return replace(self, world_size=world_size)
 
     def block_multiple(self) -> tuple[int, str]:
         """How many blocks a sequence must be a multiple of under this layout, and why (for error messages)."""
         P, C = self.block_parallel_size, self.clean_ring_size
-        if self.mode == "cp":
+        if self.mode is Mode.CP:
             return P, f"each of the 2*group_size={2 * P} zigzag chunks of the 2L rows must hold whole blocks"
-        if self.schedule == "contiguous":
+        if self.schedule is Schedule.CONTIGUOUS:
             return P, f"the blocks are split evenly over the group_size={P} ranks"
-        if self.mode == "bp":
+        if self.mode is Mode.BP:
             return 2 * P, f"each of the group_size={P} ranks owns whole dual-end block pairs (j, N-1-j)"
         return 2 * P, (
             f"the clean stream is cut into 2*clean_ring_size={2 * C} head-tail chunks of whole blocks and the "

@@ -105,6 +105,12 @@ class BlockParallelGroups:
     def meter(self) -> ByteMeter:
         return self.group.meter
 
+    @property
+    def kv_exchange(self) -> CommContext:
+        """Where K/V travel: the clean ring (``csbp``), whose members are ``plan.ring_members``; under ``cp`` the ring
+        is the whole group and its exchange is named as the group's."""
+        return self.group if self.dims.mode.sends_noisy_kv else self.ring
+
     def plan(self, config: PlanConfig) -> GroupPlan:
         """The (cached) plan of ``config``; the group checks agreement the first time it meets a config."""
         if self.verify and config not in self._verified:

@@ -70,7 +70,7 @@ import torch
 
 from ..attention.masks import CLEAN, NOISY, MaskRule, keys_in_window
 from ..attention.rows import RowMeta
-from .dims import MODES, SCHEDULES, ParallelDims  # noqa: F401  (re-exported)
+from .dims import MODES, SCHEDULES, Mode, ParallelDims, Schedule  # noqa: F401  (re-exported)
 
 Range = tuple[int, int]
 
@@ -112,8 +112,8 @@ class PlanConfig:
     block_size: int
     group_size: int
     clean_ring_size: int | None = None
-    mode: str = "csbp"
-    schedule: str = "dual_end"
+    mode: Mode = Mode.CSBP
+    schedule: Schedule = Schedule.DUAL_END
     noisy_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -123,7 +123,9 @@ class PlanConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         # The layout's own rules live in ParallelDims; the plan adds what the sequence must satisfy.
         dims = ParallelDims(self.group_size, self.clean_ring_size, self.mode, self.schedule)
-        object.__setattr__(self, "clean_ring_size", dims.clean_ring_size)
+        for name in ("clean_ring_size", "mode", "schedule"):  # resolved and checked by ParallelDims
+            object.__setattr__(self, name, getattr(dims, name))
+        object.__setattr__(self, "_dims", dims)
         mode, schedule = self.mode, self.schedule
         L, B = self.seq_len, self.block_size
         if L % B:
@@ -135,7 +137,7 @@ class PlanConfig:
             dims = _subset_rows_dims(dims)  # how the clean stream is cut when noisy rows cover a subset
         blocks, why = dims.block_multiple()
         multiple = blocks * B
-        layout = f"mode={mode!r}" if mode == "cp" else f"mode={mode!r} with schedule={schedule!r}"
+        layout = f"mode={mode!r}" if mode is Mode.CP else f"mode={mode!r} with schedule={schedule!r}"
         if L // B < blocks:
             raise ValueError(
                 f"seq_len={L} has {L // B} blocks of block_size={B}, fewer than the {blocks} that "
@@ -162,13 +164,18 @@ class PlanConfig:
     def num_blocks(self) -> int:
         return self.seq_len // self.block_size
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The group's layout (without a world size)."""
+        return self._dims
+
 
 def _subset_rows_dims(dims: ParallelDims) -> ParallelDims:
     """The layout whose clean shards and dealing a plan with ``noisy_blocks`` uses: ``cp`` as ``csbp`` with ``C = P``
     (both passes of an encoder-decoder cut head-tail), the others as declared."""
-    if dims.mode != "cp":
+    if dims.mode is not Mode.CP:
         return dims
-    return ParallelDims(dims.block_parallel_size, dims.block_parallel_size, "csbp", "dual_end")
+    return ParallelDims(dims.block_parallel_size, dims.block_parallel_size, Mode.CSBP, Schedule.DUAL_END)
 
 
 def noisy_subset_multiple(dims: ParallelDims) -> int:
@@ -294,7 +301,8 @@ class GroupPlan:
             raise ValueError(f"rank must be in [0, {len(self.ranks)}) for group_size={len(self.ranks)}, got {rank}.")
 
     def ring_members(self, rank: int) -> tuple[int, ...]:
-        """Group ranks in the same clean ring as ``rank``, in ring-rank order."""
+        """Group ranks in the same clean ring as ``rank``, in ring-rank order: the ranks it exchanges K/V with (under
+        ``cp`` the ring is the whole group, ``C = P``)."""
         self._check_rank(rank)
         C = self.config.clean_ring_size
         start = rank // C * C
@@ -308,28 +316,38 @@ class GroupPlan:
         included); the rank's noisy rows are local keys and never travel. ``bp``: none.
         """
         self._check_rank(rank)
-        if self.config.mode == "bp":
+        if not self.config.mode.exchanges_kv:
             return _empty_rows(doc)
-        parts = []
-        for member in self.ring_members(rank):
-            rows = self.ranks[member].rows(doc)
-            if self.config.mode == "csbp":
-                rows = rows.slice(self.ranks[member].local_noisy_rows, rows.num_rows)
-            parts.append(rows)
-        return RowMeta.cat(parts)
+        return RowMeta.cat([self.sent_rows(member, doc) for member in self.ring_members(rank)])
+
+    def exchange_members(self, rank: int) -> tuple[int, ...]:
+        """The group ranks whose K/V ``rank`` attends to, itself included, in ring order: its clean ring (the whole
+        group under ``cp``), or itself alone under ``bp``."""
+        return self.ring_members(rank) if self.config.mode.exchanges_kv else (rank,)
+
+    def sent_ranges(self, rank: int) -> list[Range]:
+        """Position ranges of :meth:`sent_rows`: the clean ranges, preceded under ``cp`` by the noisy blocks' (a
+        position may then appear in both streams)."""
+        rp = self.ranks[rank]
+        noisy = list(_block_ranges(rp.noisy_blocks, rp.block_size)) if self.config.mode.sends_noisy_kv else []
+        return noisy + list(rp.clean_positions)
+
+    def sent_row_start(self, rank: int) -> int:
+        """Index of the first row ``rank`` sends among its rows: after its noisy rows when they stay local (``csbp``),
+        0 when they travel too (``cp``)."""
+        return 0 if self.config.mode.sends_noisy_kv else self.ranks[rank].local_noisy_rows
+
+    def sent_rows(self, rank: int, doc: torch.Tensor | None = None) -> RowMeta:
+        """The rows whose K/V ``rank`` sends to its clean ring (``cp``: all its rows, ``csbp``: its clean rows)."""
+        rows = self.ranks[rank].rows(doc)
+        return rows.slice(self.sent_row_start(rank), rows.num_rows)
 
     def gathered_key_global_index(self, rank: int) -> torch.LongTensor:
         """Index into the ``2L`` vectorized rows of :meth:`gathered_key_rows`, in gathered order."""
         self._check_rank(rank)
-        if self.config.mode == "bp":
+        if not self.config.mode.exchanges_kv:
             return torch.empty(0, dtype=torch.long)
-        parts = []
-        for member in self.ring_members(rank):
-            index = self.ranks[member].global_row_index()
-            if self.config.mode == "csbp":
-                index = index[self.ranks[member].local_noisy_rows :]
-            parts.append(index)
-        return torch.cat(parts)
+        return torch.cat([self.ranks[m].global_row_index()[self.sent_row_start(m):] for m in self.ring_members(rank)])
 
     def describe(self) -> str:
         """One line per rank: ring, owned noisy blocks, clean ranges, row counts."""
@@ -362,7 +380,7 @@ def _bp_ranks(cfg: PlanConfig) -> list[RankPlan]:
     P, B, N = cfg.group_size, cfg.block_size, cfg.num_blocks
     ranks = []
     for r in range(P):
-        if cfg.schedule == "dual_end":
+        if cfg.schedule is Schedule.DUAL_END:
             blocks = tuple(sorted(b for j in range(r, N // 2, P) for b in (j, N - 1 - j)))
         else:
             blocks = tuple(range(r * N // P, (r + 1) * N // P))
@@ -379,7 +397,7 @@ def _csbp_ranks(cfg: PlanConfig) -> list[RankPlan]:
     ranks = []
     for r in range(P):
         ring, c = divmod(r, C)
-        if cfg.schedule == "dual_end":
+        if cfg.schedule is Schedule.DUAL_END:
             k = N // (2 * C)
             shard = tuple(range(c * k, (c + 1) * k)) + tuple(range((2 * C - 1 - c) * k, (2 * C - c) * k))
             # Chunks c and 2C-1-c mirror each other: their blocks are the pairs (j, N-1-j), j in chunk c.
@@ -402,12 +420,12 @@ def _csbp_ranks(cfg: PlanConfig) -> list[RankPlan]:
 def _subset_ranks(cfg: PlanConfig) -> list[RankPlan]:
     """Noisy rows on ``cfg.noisy_blocks`` only (see the module docstring)."""
     P, B, L = cfg.group_size, cfg.block_size, cfg.seq_len
-    rows = _subset_rows_dims(ParallelDims(P, cfg.clean_ring_size, cfg.mode, cfg.schedule))
+    rows = _subset_rows_dims(cfg.dims)
     C, mode = rows.clean_ring_size, rows.mode
     subset = cfg.noisy_blocks
     dealt = make_plan(PlanConfig(len(subset) * B, B, P, C, mode, cfg.schedule))
     owned = [tuple(subset[j] for j in r.noisy_blocks) for r in dealt.ranks]
-    if mode == "bp":
+    if mode is Mode.BP:
         last = max(range(P), key=lambda r: owned[r][-1])
         clean = [((0, L if r == last else (owned[r][-1] + 1) * B),) for r in range(P)]
     else:
@@ -430,7 +448,7 @@ def make_plan(cfg: PlanConfig) -> GroupPlan:
     """Build the layout of every rank of a group. ``cfg`` is validated when constructed."""
     if cfg.noisy_blocks is not None:
         return GroupPlan(cfg, tuple(_subset_ranks(cfg)))
-    build = {"cp": _cp_ranks, "bp": _bp_ranks, "csbp": _csbp_ranks}[cfg.mode]
+    build = {Mode.CP: _cp_ranks, Mode.BP: _bp_ranks, Mode.CSBP: _csbp_ranks}[cfg.mode]
     return GroupPlan(cfg, tuple(build(cfg)))
 
 

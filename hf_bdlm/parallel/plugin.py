@@ -30,7 +30,7 @@ from torch.utils.data import Sampler
 
 from ..attention.interface import LocalLayout
 from .diffusion_gemma import diffusion_gemma_layout
-from .dims import ParallelDims
+from .dims import Mode, ParallelDims, Schedule, Transport
 from .groups import BlockParallelGroups
 from .plan import PlanConfig
 from .sharded import ShardedLayout
@@ -129,6 +129,9 @@ class BlockParallelPlugin:
         verify_layout (`bool`, defaults to `True`):
             The first time the ranks of a group meet a plan, check that they agree on it (one small all-gather);
             a disagreement raises the same clear error on every rank instead of hanging in a collective.
+        dims (`ParallelDims`, *optional*):
+            A layout declared already (the trainer passes its config's ``parallel_dims``); when given, the five
+            layout fields above are read from it.
 
     The values are validated once, by :class:`~hf_bdlm.parallel.dims.ParallelDims` (``plugin.dims``). Call
     :meth:`setup` once the distributed world exists (the trainer does it).
@@ -136,11 +139,12 @@ class BlockParallelPlugin:
 
     block_parallel_size: int = 1
     clean_ring_size: int | None = None
-    mode: str = "csbp"
-    schedule: str = "dual_end"
-    transport: str = "allgather"
+    mode: Mode = Mode.CSBP
+    schedule: Schedule = Schedule.DUAL_END
+    transport: Transport = Transport.ALLGATHER
     timeout: timedelta | None = None
     verify_layout: bool = True
+    dims: ParallelDims | None = None
     # Set by setup()
     world_size: int = field(default=1, init=False)
     rank: int = field(default=0, init=False)
@@ -148,28 +152,21 @@ class BlockParallelPlugin:
     device_mesh: object | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self.dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule,
-                                 self.transport)
-        self.clean_ring_size = self.dims.clean_ring_size
+        if self.dims is None:
+            self.dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule,
+                                     self.transport)
+        # The fields show the resolved layout; the plugin holds the one ParallelDims of the run.
+        d = self.dims
+        self.block_parallel_size, self.clean_ring_size = d.block_parallel_size, d.clean_ring_size
+        self.mode, self.schedule, self.transport = d.mode, d.schedule, d.transport
         self._ready = False
         self._layouts: dict = {}
 
     @classmethod
     def from_config(cls, args) -> "BlockParallelPlugin":
-        """Build the plugin from a :class:`~hf_bdlm.BDLMSFTConfig` (or any object with its fields)."""
+        """The plugin of a :class:`~hf_bdlm.BDLMSFTConfig`: it holds the config's ``parallel_dims`` by reference."""
         timeout = getattr(args, "ddp_timeout", None)
-        dims = args.parallel_dims if hasattr(args, "parallel_dims") else None
-        if dims is None:
-            dims = ParallelDims(args.block_parallel_size, args.clean_ring_size, args.block_parallel_mode,
-                                args.block_schedule, args.block_parallel_transport)
-        return cls(
-            block_parallel_size=dims.block_parallel_size,
-            clean_ring_size=dims.clean_ring_size,
-            mode=dims.mode,
-            schedule=dims.schedule,
-            transport=dims.transport,
-            timeout=timedelta(seconds=timeout) if timeout else None,
-        )
+        return cls(dims=args.parallel_dims, timeout=timedelta(seconds=timeout) if timeout else None)
 
     # --- world ---------------------------------------------------------------------------------
     def setup(self, device_type: str = "cpu") -> "BlockParallelPlugin":

@@ -66,7 +66,7 @@ class ShardedLayout:
         self.q_rows = self.rank_plan.rows(self.doc)
         self.num_noisy = self.rank_plan.local_noisy_rows
         self.gathered_rows = self.plan.gathered_key_rows(self.groups.group_rank, self.doc)
-        self.comm = self.groups.group if self.mode == "cp" else self.groups.ring
+        self.comm = self.groups.kv_exchange
 
     @classmethod
     def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="blockwise",
@@ -96,9 +96,9 @@ class ShardedLayout:
 
     # --- attention -----------------------------------------------------------------------------
     def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
-        if self.mode == "bp":
+        if not self.mode.exchanges_kv:
             return attend(self.backend, query, [(key, value)], self.q_rows, [self.q_rows], rule, scale, self.cache)
-        n = self.num_noisy if self.mode == "csbp" else 0
+        n = self.plan.sent_row_start(self.groups.group_rank)
         if rule.sliding_window is not None:
             return self._attend_window(query, key, value, rule, scale, n)
         if self.transport == "ring" and self.comm.size > 1:
@@ -119,16 +119,9 @@ class ShardedLayout:
         found = self.cache.get("peer_rows")
         if found is None:
             me = self.groups.group_rank
-            members = self.plan.ring_members(me) if self.mode == "csbp" else range(len(self.plan.ranks))
-            found = RowMeta.cat([self._sent_rows(m, self.doc) for m in members if m != me])
+            found = RowMeta.cat([self.plan.sent_rows(m, self.doc) for m in self.plan.ring_members(me) if m != me])
             self.cache["peer_rows"] = found
         return found
-
-    def _sent_rows(self, owner: int, doc=None) -> RowMeta:
-        """Rows a group rank communicates: ``csbp`` its clean rows, ``cp`` all its rows."""
-        rp = self.plan.ranks[owner]
-        rows = rp.rows(doc)
-        return rows.slice(rp.local_noisy_rows if self.mode == "csbp" else 0, rows.num_rows)
 
     def _ring_plans(self, rule: MaskRule, n: int, item: int):
         key = ("ring_plans", rule, item)
@@ -136,9 +129,9 @@ class ShardedLayout:
         if found is None:
             q_rows = self.q_rows.batch_item(item)
             local = [plan_attention(q_rows, [q_rows.slice(0, n)], rule)] if n else []
-            members = self.plan.ring_members(self.groups.group_rank) if self.mode == "csbp" else range(len(self.plan.ranks))
             doc = None if self.doc is None else self.doc[item : item + 1]
-            shards = [plan_attention(q_rows, [self._sent_rows(m, doc)], rule) for m in members]
+            shards = [plan_attention(q_rows, [self.plan.sent_rows(m, doc)], rule)
+                      for m in self.plan.ring_members(self.groups.group_rank)]
             found = (local, shards)
             self.cache[key] = found
         return found
@@ -164,10 +157,10 @@ class ShardedLayout:
         if found is not None:
             return found
         me = self.groups.group_rank
-        members = self.plan.ring_members(me) if self.mode == "csbp" else tuple(range(len(self.plan.ranks)))
+        members = self.plan.ring_members(me)
 
         send_index, send_counts, recv_counts, doc_rows = window_exchange(
-            members.index(me), [self.plan.ranks[m].rows() for m in members], [self._sent_rows(m) for m in members],
+            members.index(me), [self.plan.ranks[m].rows() for m in members], [self.plan.sent_rows(m) for m in members],
             rule)
         if self.doc is not None:
             doc_rows = RowMeta(doc_rows.stream, doc_rows.pos, self.doc[:, doc_rows.pos])

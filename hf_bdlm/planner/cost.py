@@ -210,18 +210,8 @@ def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, i
 
 
 def _members(plan: GroupPlan, rank: int) -> tuple[int, ...]:
-    """The ranks ``rank`` exchanges K/V with, itself included, in ring order (``bp``: itself alone)."""
-    if plan.config.mode == "bp":
-        return (rank,)
-    return plan.ring_members(rank) if plan.config.mode == "csbp" else tuple(range(len(plan.ranks)))
-
-
-def _sent_ranges(plan: GroupPlan, rank: int) -> list[tuple[int, int]]:
-    """Position ranges of the rows ``rank`` communicates: ``csbp`` its clean rows, ``cp`` all its rows (noisy then
-    clean; a position may appear in both streams)."""
-    rp = plan.ranks[rank]
-    clean = list(rp.clean_positions)
-    return clean if plan.config.mode == "csbp" else list(_block_ranges(rp.noisy_blocks, rp.block_size)) + clean
+    """The ranks ``rank`` exchanges K/V with, itself included (the plan's :meth:`~GroupPlan.exchange_members`)."""
+    return plan.exchange_members(rank)
 
 
 def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]:
@@ -229,7 +219,7 @@ def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]
     window of its queries (:func:`keys_in_window`, as the sharded layout selects them)."""
     P, L = len(plan.ranks), plan.config.seq_len
     recv, sent = [0] * P, [0] * P
-    if plan.config.mode == "bp" or rule.sliding_window is None:
+    if not plan.config.mode.exchanges_kv or rule.sliding_window is None:
         return recv, sent
     for me in range(P):
         peers = [p for p in _members(plan, me) if p != me]
@@ -241,7 +231,7 @@ def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]
         reached = keys_in_window(q.stream, q.pos, torch.arange(L), rule).long().cumsum(0)
         reached = torch.cat([torch.zeros(1, dtype=torch.long), reached])
         for p in peers:
-            n = sum(int(reached[e] - reached[s]) for s, e in _sent_ranges(plan, p))
+            n = sum(int(reached[e] - reached[s]) for s, e in plan.sent_ranges(p))
             recv[me] += n
             sent[p] += n
     return recv, sent
@@ -264,20 +254,17 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) 
             if w is None and gather_size(dims) > 1:
                 # The ring: csbp's noisy rows are a local source; cp's own shard carries them.
                 own = _members(plan, r).index(r)
-                source[r] = noisy_keys if dims.mode == "csbp" else 0
-                shards[r] = tuple(n + (noisy_keys if dims.mode == "cp" and j == own else 0)
-                                  for j, n in enumerate(clean_keys))
+                travels = dims.mode.sends_noisy_kv
+                source[r] = 0 if travels else noisy_keys
+                shards[r] = tuple(n + (noisy_keys if travels and j == own else 0) for j, n in enumerate(clean_keys))
         if w is not None and P > 1:
             rc, sc = _halo_counts(plan, r_w)
             for r in range(P):
                 recv[r][w], sent[r][w] = rc[r], sc[r]
     out = []
     for r, rp in enumerate(plan.ranks):
-        sent_rows = 0
-        if dims.mode != "bp" and P > 1:
-            sent_rows = rp.local_clean_rows if dims.mode == "csbp" else rp.num_rows
-            if dims.mode == "csbp" and dims.clean_ring_size == 1:
-                sent_rows = 0
+        # What the engine sends (GroupPlan.sent_rows), to a ring of more than itself.
+        sent_rows = rp.num_rows - plan.sent_row_start(r) if len(plan.exchange_members(r)) > 1 else 0
         out.append(RankWork(rp.local_noisy_rows, rp.local_clean_rows, pairs[r], local[r], sent_rows, recv[r], sent[r],
                             source[r], shards[r], _members(plan, r)))
     return tuple(out)
@@ -481,7 +468,7 @@ def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequen
         other = c.matrices_fwd + c.elementwise_fwd
         pf, pb = [Compute(other)], [Compute(2 * other)]
         members = w.members
-        exchanged = dims.mode != "bp" and len(members) > 1 and (window is not None or w.sent_rows > 0)
+        exchanged = dims.mode.exchanges_kv and len(members) > 1 and (window is not None or w.sent_rows > 0)
         if not exchanged:
             pf.append(Compute(pairs * f))
             pb.append(Compute(pairs * b))
@@ -531,7 +518,7 @@ def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], 
     its ranks' shares are alike layer by layer), plus FSDP2's parameter and gradient traffic."""
     fwd_passes = 2 if checkpointing else 1
     G = gather_size(dims)
-    bw = device.link_bytes_per_s(cluster.spans_nodes(G if dims.mode != "bp" else 1))
+    bw = device.link_bytes_per_s(cluster.spans_nodes(G if dims.mode.exchanges_kv else 1))
     P = len(works)
     compute, attention, linear, comm = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
     segments = []
@@ -595,8 +582,8 @@ class Prediction:
     @property
     def label(self) -> str:
         d = self.dims
-        extra = f" {d.transport}" if d.mode != "bp" and gather_size(d) > 1 else ""
-        extra += f" {d.schedule}" if d.mode == "bp" else ""
+        extra = f" {d.transport}" if d.mode.exchanges_kv and gather_size(d) > 1 else ""
+        extra += "" if d.mode.exchanges_kv else f" {d.schedule}"
         return f"{d.mode} P={d.block_parallel_size} C={d.clean_ring_size} D={d.data_parallel_size}{extra}"
 
 

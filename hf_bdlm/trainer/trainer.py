@@ -549,8 +549,10 @@ class BDLMSFTTrainer(SFTTrainer):
                    "eval_loss": last.get("eval_loss")}
         info: dict[str, Any] = {
             "objective": self.objective.name,
-            "parallel": {"mode": plugin.mode, "P": plugin.block_parallel_size, "C": plugin.clean_ring_size,
-                         "transport": plugin.transport, "world": plugin.world_size, "schedule": plugin.schedule},
+            # Plain strings: the card's YAML header knows no enum members.
+            "parallel": {"mode": str(plugin.mode), "P": plugin.block_parallel_size, "C": plugin.clean_ring_size,
+                         "transport": str(plugin.transport), "world": plugin.world_size,
+                         "schedule": str(plugin.schedule)},
             "metrics": {k: v for k, v in metrics.items() if v is not None},
             "training": {
                 "steps": self.state.global_step,
