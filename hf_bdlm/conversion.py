@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import os
 
+import torch
+
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.initialization import no_init_weights
 
@@ -34,6 +36,7 @@ def convert_causal_lm(
     mask_token_id: int | None = None,
     clean_attention: str | None = None,
     objective: str = "fast_dllm_v2",
+    seed: int = 0,
     **config_kwargs,
 ) -> tuple[BlockDiffusionForMaskedLM, object]:
     r"""
@@ -57,6 +60,10 @@ def convert_causal_lm(
         objective (`str`, defaults to `"fast_dllm_v2"`):
             Default training objective (token shift keeps the LM head's meaning): `"fast_dllm_v2"` or
             `"fast_dllm_v2_causal_clean"` (see `hf_bdlm.objectives.fast_dllm_v2`).
+        seed (`int`, defaults to 0):
+            Seed of the draw of the added mask token's embedding row (around the mean of the others). Drawn from
+            its own generator state: the converted weights depend on the causal LM and this seed only, never on
+            what the process drew before (a rank that exported a model first converts like one that did not).
         config_kwargs:
             Further [`BlockDiffusionConfig`] fields (`attention_backend`, `loss_weighting`, ...).
 
@@ -104,8 +111,12 @@ def convert_causal_lm(
         )
 
     if mask_id >= rows:
-        # transformers' resize: old rows kept bit for bit, the new row drawn around their mean; re-ties tied heads.
-        model.resize_token_embeddings(mask_id + 1)
+        # transformers' resize: old rows kept bit for bit, the new row drawn around their mean from the global
+        # generator (re-ties tied heads): seeded here, the caller's generator state untouched.
+        cuda = [causal.device.index or 0] if causal.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            model.resize_token_embeddings(mask_id + 1)
     model.config.mask_token_id = mask_id
     model.config.validate_diffusion_fields()
     _copy_special_tokens(causal, model)

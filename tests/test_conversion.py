@@ -190,3 +190,25 @@ def test_model_without_lm_head_is_rejected():
 
 def test_convert_causal_lm_is_exported():
     assert hf_bdlm.convert_causal_lm is convert_causal_lm
+
+
+def test_added_mask_row_depends_on_the_seed_only():
+    """The new [MASK] row is drawn from its own seeded generator state: a process that drew random numbers before
+    (e.g. the rank that exported the embedded model) converts to the same weights as one that did not. (More rows than
+    dimensions: transformers then draws the row, around the others' mean, instead of using the mean itself.)"""
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(tiny_config(LlamaConfig, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=16)).double()
+    torch.manual_seed(1)
+    first, _ = convert_causal_lm(lm, tiny_tokenizer(), block_size=4)
+    torch.manual_seed(2)
+    torch.rand(100)
+    state = torch.random.get_rng_state()
+    second, _ = convert_causal_lm(lm, tiny_tokenizer(), block_size=4)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's generator is left as it was
+    other, _ = convert_causal_lm(lm, tiny_tokenizer(), block_size=4, seed=1)
+    mask = first.config.mask_token_id
+    rows = [m.get_input_embeddings().weight[mask] for m in (first, second, other)]
+    assert torch.equal(rows[0], rows[1])
+    assert not torch.equal(rows[0], rows[2])
+    assert torch.equal(first.get_input_embeddings().weight[:mask], lm.get_input_embeddings().weight)

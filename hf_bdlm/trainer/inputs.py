@@ -50,7 +50,7 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
     """
     from ..conversion import convert_causal_lm
 
-    convert_kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE}
+    convert_kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE, "seed": args.seed}
     if args.objective is not None:
         convert_kwargs["objective"] = args.objective
     if args.attention_backend is not None:

@@ -99,7 +99,7 @@ def run(family: str, setting: str, out: Path, P: int) -> dict:
         "parameters": len(params),
         "trainable": sum(p.requires_grad for p in params),
         "lora_parameters": sum("lora_" in name for name, _ in trainer.model.named_parameters()),
-        "activation_checkpointing": bool(getattr(target, "is_gradient_checkpointing", False)),
+        "activation_checkpointing": bool(getattr(target, "is_activation_checkpointing", False)),
         "autocast": sorted({a for a in autocast if a}) or None,
         "world": trainer.plugin.world_size,
         "P": trainer.plugin.block_parallel_size,
