@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -234,6 +235,169 @@ def _documents(attention: torch.Tensor, supervised: torch.Tensor, doc: torch.Ten
     return docs
 
 
+class _PlacedDocument(NamedTuple):
+    """A document of a batch row and where the frame puts it."""
+
+    index: int  # the document's index in its batch row (its id in the frame's rows)
+    doc: _Document
+    at: int  # frame position of the document's first token
+    canvas_blocks: int  # how many canvas blocks its response fills
+
+
+class _CanvasBlock(NamedTuple):
+    """One canvas block of a response: where its tokens come from in the collated row."""
+
+    document: int  # index of the document in its batch row
+    source_start: int  # collated position of the block's first token
+    response_end: int  # collated position one past the response
+    rope_start: int  # RoPE position of the block's first token
+    cut: bool  # the response was truncated: the fill past it is not supervised
+
+
+class _CleanStream(NamedTuple):
+    """The encoder's rows ``[b, F]`` (see :class:`CanvasFrame`); ``doc`` is each row's document index."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    source: torch.Tensor
+    doc: torch.Tensor
+    ar_pairs: torch.Tensor
+
+
+class _CanvasStream(NamedTuple):
+    """The decoder's rows ``[b, Nc]`` (see :class:`CanvasFrame`); ``doc`` is each row's document index."""
+
+    positions: torch.Tensor
+    source: torch.Tensor
+    block_source: torch.Tensor
+    target: torch.Tensor
+    supervised: torch.Tensor
+    doc: torch.Tensor
+
+
+def _place_documents(docs: list[_Document], block_size: int) -> tuple[list[_PlacedDocument], int]:
+    """Frame positions of one batch row's documents, and the row's frame length (a multiple of ``block_size``).
+
+    Each document starts on a block boundary, shifted right so that its response starts on one too, and takes the
+    blocks its tokens or its response's canvas blocks reach, whichever end later.
+    """
+    cursor, placed = 0, []
+    for d, doc in enumerate(docs):
+        shift = (-(doc.response[0] - doc.start)) % block_size if doc.response else 0
+        at = cursor + shift
+        end = at + doc.length
+        blocks = 0
+        if doc.response:
+            r0, r1 = doc.response
+            blocks = -(-(r1 - r0) // block_size)
+            end = max(end, at + (r0 - doc.start) + blocks * block_size)
+        placed.append(_PlacedDocument(d, doc, at, blocks))
+        cursor = -(-end // block_size) * block_size
+    return placed, cursor
+
+
+def _padded_frame_length(frame_length: int, block_size: int, pad_to_multiple_of: int | None) -> int:
+    """``frame_length`` rounded up to ``pad_to_multiple_of`` (default: the canvas length), which must be a multiple
+    of the canvas length."""
+    multiple = pad_to_multiple_of or block_size
+    if multiple % block_size:
+        raise ValueError(f"pad_to_multiple_of={multiple} must be a multiple of the canvas length {block_size}.")
+    return -(-frame_length // multiple) * multiple
+
+
+def _clean_stream(rows: list[list[_PlacedDocument]], ids: torch.Tensor, positions: torch.Tensor | None,
+                  frame_length: int, pad_token_id: int) -> _CleanStream:
+    """The encoder's ``[b, F]`` rows: every document's tokens at its frame position, pad rows elsewhere.
+
+    RoPE positions are ``positions`` (collated, per row) when given, else restart at 0 at each document; ``ar_pairs``
+    marks the rows whose next row is the next token of the same document.
+    """
+    b, F = len(rows), frame_length
+    clean_ids = torch.full((b, F), pad_token_id, dtype=torch.long)
+    clean_positions = torch.zeros((b, F), dtype=torch.long)
+    clean_source = torch.full((b, F), -1, dtype=torch.long)
+    clean_doc = torch.full((b, F), PAD_DOCUMENT, dtype=torch.long)
+    ar_pairs = torch.zeros((b, F), dtype=torch.bool)
+    for i, placed in enumerate(rows):
+        for d, doc, at, _ in placed:
+            src = torch.arange(doc.start, doc.start + doc.length)
+            clean_ids[i, at : at + doc.length] = ids[i, src]
+            rope = src - doc.start if positions is None else positions[i, src]
+            clean_positions[i, at : at + doc.length] = rope
+            clean_source[i, at : at + doc.length] = src
+            clean_doc[i, at : at + doc.length] = d
+            ar_pairs[i, at : at + doc.length - 1] = True
+    return _CleanStream(clean_ids, clean_positions, clean_source, clean_doc, ar_pairs)
+
+
+def _canvas_blocks(rows: list[list[_PlacedDocument]], positions: torch.Tensor | None,
+                   block_size: int) -> dict[tuple[int, int], _CanvasBlock]:
+    """The canvas blocks of every response, keyed by ``(batch row, frame block)``."""
+    canvas = {}
+    for i, placed in enumerate(rows):
+        for d, doc, at, blocks in placed:
+            if not doc.response:
+                continue
+            r0, r1 = doc.response
+            first_block = (at + r0 - doc.start) // block_size
+            rope0 = int(r0 - doc.start if positions is None else positions[i, r0])
+            for j in range(blocks):
+                canvas[(i, first_block + j)] = _CanvasBlock(d, r0 + j * block_size, r1, rope0 + j * block_size,
+                                                            doc.cut)
+    return canvas
+
+
+def _decoder_block_indices(canvas: dict[tuple[int, int], _CanvasBlock], num_frame_blocks: int,
+                           canvas_blocks_multiple_of: int | None) -> list[int]:
+    """The sorted frame blocks the decoder runs: every block some row has a canvas in, plus, to reach a multiple of
+    ``canvas_blocks_multiple_of``, the lowest frame blocks that no row has a canvas in."""
+    used = sorted({blk for _, blk in canvas})
+    if canvas_blocks_multiple_of and len(used) % canvas_blocks_multiple_of:
+        wanted = -(-len(used) // canvas_blocks_multiple_of) * canvas_blocks_multiple_of
+        free = sorted(set(range(num_frame_blocks)) - set(used))[: wanted - len(used)]
+        if len(used) + len(free) < wanted:
+            raise ValueError(
+                f"the frame has {num_frame_blocks} blocks, too few to pad its {len(used)} canvas blocks to a multiple "
+                f"of {canvas_blocks_multiple_of}; pad the frame to a multiple of {canvas_blocks_multiple_of} blocks "
+                "too."
+            )
+        used = sorted(used + free)
+    return used
+
+
+def _canvas_stream(canvas: dict[tuple[int, int], _CanvasBlock], blocks: torch.Tensor, ids: torch.Tensor,
+                   block_size: int, fill_token_id: int) -> _CanvasStream:
+    """The decoder's ``[b, len(blocks) * B]`` rows: each canvas block at the slot of its frame block in ``blocks``.
+
+    A canvas holds the response's tokens, then ``fill_token_id`` past its end; the fill is supervised unless the
+    response was cut. Slots of a block a row has no canvas in are dummy rows (never supervised).
+    """
+    B = block_size
+    b, length = ids.shape
+    nc = int(blocks.numel()) * B
+    offsets = torch.arange(B)
+    canvas_positions = torch.zeros((b, nc), dtype=torch.long)
+    canvas_source = torch.full((b, nc), -1, dtype=torch.long)
+    canvas_block_source = torch.full((b, nc), -1, dtype=torch.long)
+    canvas_target = torch.full((b, nc), fill_token_id, dtype=torch.long)
+    canvas_supervised = torch.zeros((b, nc), dtype=torch.bool)
+    canvas_doc = torch.full((b, nc), PAD_DOCUMENT, dtype=torch.long)
+    slot = {int(blk): k for k, blk in enumerate(blocks.tolist())}
+    for (i, blk), (d, q0, r1, rope0, cut) in canvas.items():
+        sl = slice(slot[blk] * B, slot[blk] * B + B)
+        q = q0 + offsets
+        in_response = q < r1
+        canvas_positions[i, sl] = rope0 + offsets
+        canvas_source[i, sl] = q
+        canvas_block_source[i, sl] = q0
+        # The fill's source lies past the response, maybe past the row: clamped, and never read as a target.
+        canvas_target[i, sl] = torch.where(in_response, ids[i, q.clamp(max=length - 1)], fill_token_id)
+        canvas_supervised[i, sl] = in_response | (not cut)
+        canvas_doc[i, sl] = d
+    return _CanvasStream(canvas_positions, canvas_source, canvas_block_source, canvas_target, canvas_supervised,
+                         canvas_doc)
+
+
 def build_canvas_frame(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -269,8 +433,6 @@ def build_canvas_frame(
             block-parallel ranks get equal shares.
     """
     B = block_size
-    b, length = input_ids.shape
-    device = input_ids.device
     attention = attention_mask.bool().cpu()
     sup = (supervised.bool() & attention_mask.bool()).cpu()
     ids_cpu = input_ids.cpu()
@@ -278,96 +440,35 @@ def build_canvas_frame(
     pos_cpu = None if position_ids is None else position_ids.cpu()
     rows = []
     frame_length = B
-    for i in range(b):
+    for i in range(ids_cpu.shape[0]):
         docs = _documents(attention[i], sup[i], None if docs_cpu is None else docs_cpu[i], i, ids_cpu[i],
                           end_token_ids, None if truncated is None else bool(truncated[i]))
-        cursor, placed = 0, []
-        for d, doc in enumerate(docs):
-            shift = (-(doc.response[0] - doc.start)) % B if doc.response else 0
-            at = cursor + shift  # frame position of the document's first token
-            end = at + doc.length
-            blocks = 0
-            if doc.response:
-                r0, r1 = doc.response
-                blocks = -(-(r1 - r0) // B)
-                end = max(end, at + (r0 - doc.start) + blocks * B)
-            placed.append((d, doc, at, blocks))
-            cursor = -(-end // B) * B
+        placed, row_length = _place_documents(docs, B)
         rows.append(placed)
-        frame_length = max(frame_length, cursor)
-    multiple = pad_to_multiple_of or B
-    if multiple % B:
-        raise ValueError(f"pad_to_multiple_of={multiple} must be a multiple of the canvas length {B}.")
-    F = -(-frame_length // multiple) * multiple
-
-    clean_ids = torch.full((b, F), pad_token_id, dtype=torch.long)
-    clean_positions = torch.zeros((b, F), dtype=torch.long)
-    clean_source = torch.full((b, F), -1, dtype=torch.long)
-    clean_doc = torch.full((b, F), PAD_DOCUMENT, dtype=torch.long)
-    ar_pairs = torch.zeros((b, F), dtype=torch.bool)
-    canvas = {}  # (row, frame block) -> (doc index, collated position of the block start, response end, RoPE start, cut)
-    for i, placed in enumerate(rows):
-        for d, doc, at, blocks in placed:
-            src = torch.arange(doc.start, doc.start + doc.length)
-            clean_ids[i, at : at + doc.length] = ids_cpu[i, src]
-            rope = src - doc.start if pos_cpu is None else pos_cpu[i, src]
-            clean_positions[i, at : at + doc.length] = rope
-            clean_source[i, at : at + doc.length] = src
-            clean_doc[i, at : at + doc.length] = d
-            ar_pairs[i, at : at + doc.length - 1] = True
-            if doc.response:
-                r0, r1 = doc.response
-                first_block = (at + r0 - doc.start) // B
-                rope0 = int(r0 - doc.start if pos_cpu is None else pos_cpu[i, r0])
-                for j in range(blocks):
-                    canvas[(i, first_block + j)] = (d, r0 + j * B, r1, rope0 + j * B, doc.cut)
-    used = sorted({blk for _, blk in canvas})
-    if canvas_blocks_multiple_of and len(used) % canvas_blocks_multiple_of:
-        wanted = -(-len(used) // canvas_blocks_multiple_of) * canvas_blocks_multiple_of
-        free = sorted(set(range(F // B)) - set(used))[: wanted - len(used)]
-        if len(used) + len(free) < wanted:
-            raise ValueError(
-                f"the frame has {F // B} blocks, too few to pad its {len(used)} canvas blocks to a multiple of "
-                f"{canvas_blocks_multiple_of}; pad the frame to a multiple of {canvas_blocks_multiple_of} blocks too."
-            )
-        used = sorted(used + free)
-    blocks = torch.tensor(used, dtype=torch.long)
+        frame_length = max(frame_length, row_length)
+    F = _padded_frame_length(frame_length, B, pad_to_multiple_of)
+    clean = _clean_stream(rows, ids_cpu, pos_cpu, F, pad_token_id)
+    canvas = _canvas_blocks(rows, pos_cpu, B)
+    blocks = torch.tensor(_decoder_block_indices(canvas, F // B, canvas_blocks_multiple_of), dtype=torch.long)
+    noisy = _canvas_stream(canvas, blocks, ids_cpu, B, fill_token_id)
     nc = int(blocks.numel()) * B
-    offsets = torch.arange(B)
-    canvas_positions = torch.zeros((b, nc), dtype=torch.long)
-    canvas_source = torch.full((b, nc), -1, dtype=torch.long)
-    canvas_block_source = torch.full((b, nc), -1, dtype=torch.long)
-    canvas_target = torch.full((b, nc), fill_token_id, dtype=torch.long)
-    canvas_supervised = torch.zeros((b, nc), dtype=torch.bool)
-    canvas_doc = torch.full((b, nc), PAD_DOCUMENT, dtype=torch.long)
-    slot = {int(blk): k for k, blk in enumerate(blocks.tolist())}
-    for (i, blk), (d, q0, r1, rope0, cut) in canvas.items():
-        sl = slice(slot[blk] * B, slot[blk] * B + B)
-        q = q0 + offsets
-        in_response = q < r1
-        canvas_positions[i, sl] = rope0 + offsets
-        canvas_source[i, sl] = q
-        canvas_block_source[i, sl] = q0
-        canvas_target[i, sl] = torch.where(in_response, ids_cpu[i, q.clamp(max=length - 1)], fill_token_id)
-        canvas_supervised[i, sl] = in_response | (not cut)
-        canvas_doc[i, sl] = d
-    canvas_pos = (blocks[:, None] * B + offsets).flatten()
+    canvas_pos = (blocks[:, None] * B + torch.arange(B)).flatten()
     frame = CanvasFrame(
         block_size=B,
-        clean_ids=clean_ids,
-        clean_positions=clean_positions,
-        clean_source=clean_source,
-        ar_pairs=ar_pairs,
+        clean_ids=clean.ids,
+        clean_positions=clean.positions,
+        clean_source=clean.source,
+        ar_pairs=clean.ar_pairs,
         canvas_blocks=blocks,
-        canvas_positions=canvas_positions,
-        canvas_source=canvas_source,
-        canvas_block_source=canvas_block_source,
-        canvas_target=canvas_target,
-        canvas_supervised=canvas_supervised,
-        clean_rows=RowMeta(torch.full((F,), CLEAN, dtype=torch.long), torch.arange(F), clean_doc),
-        canvas_rows=RowMeta(torch.full((nc,), NOISY, dtype=torch.long), canvas_pos, canvas_doc),
+        canvas_positions=noisy.positions,
+        canvas_source=noisy.source,
+        canvas_block_source=noisy.block_source,
+        canvas_target=noisy.target,
+        canvas_supervised=noisy.supervised,
+        clean_rows=RowMeta(torch.full((F,), CLEAN, dtype=torch.long), torch.arange(F), clean.doc),
+        canvas_rows=RowMeta(torch.full((nc,), NOISY, dtype=torch.long), canvas_pos, noisy.doc),
     )
-    return frame.to(device)
+    return frame.to(input_ids.device)
 
 
 # --- the layout: what the attention function does with the rows ---------------------------------------------------

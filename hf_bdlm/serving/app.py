@@ -16,8 +16,9 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,38 +62,104 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     scheduler = BatchScheduler(engine.run_batch, config.max_batch_size, config.max_queue,
                                config.batch_wait_ms / 1000)
     created = int(time.time())
+    app = FastAPI(title="hf-bdlm", lifespan=_scheduler_lifespan(scheduler))
+    app.state.engine, app.state.scheduler, app.state.config = engine, scheduler, config
+    _add_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    _add_info_routes(app, engine, scheduler, created)
+    _add_chat_route(app, engine, scheduler, config)
+    _add_completion_route(app, engine, scheduler, config)
+    return app
+
+
+# --- the app and its error handlers ----------------------------------------------------------------------------
+def _scheduler_lifespan(scheduler: BatchScheduler) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app lifespan that runs the scheduler's worker while the app serves."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
         try:
             yield
         finally:
             scheduler.stop()
 
-    app = FastAPI(title="hf-bdlm", lifespan=lifespan)
-    app.state.engine, app.state.scheduler, app.state.config = engine, scheduler, config
+    return lifespan
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
 
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, err: ClientGone):
-        return Response(status_code=499)  # nobody reads it; keeps the log free of tracebacks
+async def _api_error(request: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, err: StarletteHTTPException):
-        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, err: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(err).__name__}", type="server_error").body(),
-                            status_code=500)
+async def _client_gone(request: Request, err: ClientGone) -> Response:
+    return Response(status_code=499)  # nobody reads it; keeps the log free of tracebacks
 
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+
+async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(APIError(500, f"internal error: {type(err).__name__}", type="server_error").body(),
+                        status_code=500)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer every error in OpenAI's JSON error shape (a vanished client gets a bare 499)."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+# --- request checks and job submission -------------------------------------------------------------------------
+def _check_model(engine: Engine, name: str) -> None:
+    """Raise the 404 for a model id this server does not serve."""
+    if name != engine.name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {engine.name!r}.",
+                       param="model", code="model_not_found")
+
+
+async def _read_json(request: Request, max_body_bytes: int) -> Any:
+    """The request body parsed as JSON; 413 past `max_body_bytes`, 400 when it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_body_bytes:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {max_body_bytes}.")
+    body = bytearray()
+    # The declared length may be absent or false: the limit is enforced on what actually arrives too.
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise APIError(413, f"the request body exceeds the limit of {max_body_bytes} bytes.")
+    try:
+        return json.loads(bytes(body))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+
+
+def _build_job(engine: Engine, config: ServerConfig, request: Any, prompt_ids: list[int]) -> Job:
+    """A scheduler job for one prompt, with the server's token limits applied."""
+    return engine.make_job(request, prompt_ids, config.max_tokens_limit, config.default_max_tokens,
+                           config.max_prompt_tokens or engine.context_length - 1)
+
+
+def _submit(scheduler: BatchScheduler, jobs: list[Job]) -> None:
+    """Queue jobs whose events come back on this event loop; a full queue is a 429."""
+    loop = asyncio.get_running_loop()
+    for job in jobs:
+        job.loop, job.events = loop, asyncio.Queue()
+    try:
+        scheduler.submit(jobs)
+    except QueueFull as err:
+        raise APIError(429, f"the server is busy ({err}); retry later.", type="rate_limit_exceeded",
+                       code="rate_limit_exceeded") from None
+
+
+# --- routes ------------------------------------------------------------------------------------------------------
+def _add_info_routes(app: FastAPI, engine: Engine, scheduler: BatchScheduler, created: int) -> None:
+    """`GET /health` (scheduler counters) and the model listing routes."""
 
     @app.get("/health")
     async def health():
@@ -108,72 +175,47 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        check_model(model_id)
+        _check_model(engine, model_id)
         return protocol.model_card(engine.name, created)
 
-    def check_model(name: str) -> None:
-        if name != engine.name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {engine.name!r}.",
-                           param="model", code="model_not_found")
 
-    async def read_json(request: Request):
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise APIError(413, f"the request body has {declared} bytes; the limit is {config.max_body_bytes}.")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > config.max_body_bytes:
-                raise APIError(413, f"the request body exceeds the limit of {config.max_body_bytes} bytes.")
-        try:
-            return json.loads(bytes(body))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise APIError(400, f"the request body is not valid JSON: {err}") from None
-
-    def submit(jobs: list[Job]) -> None:
-        loop = asyncio.get_running_loop()
-        for job in jobs:
-            job.loop, job.events = loop, asyncio.Queue()
-        try:
-            scheduler.submit(jobs)
-        except QueueFull as err:
-            raise APIError(429, f"the server is busy ({err}); retry later.", type="rate_limit_exceeded",
-                           code="rate_limit_exceeded") from None
-
-    def build_job(request, prompt_ids: list[int]) -> Job:
-        return engine.make_job(request, prompt_ids, config.max_tokens_limit, config.default_max_tokens,
-                               config.max_prompt_tokens or engine.context_length - 1)
+def _add_chat_route(app: FastAPI, engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> None:
+    """`POST /v1/chat/completions`: one chat prompt, answered whole or streamed."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = protocol.parse_request(ChatCompletionRequest, await read_json(request))
-        check_model(req.model)
+        req = protocol.parse_request(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
+        _check_model(engine, req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        job = build_job(req, engine.chat_prompt(messages))
-        submit([job])
+        job = _build_job(engine, config, req, engine.chat_prompt(messages))
+        _submit(scheduler, [job])
         rid = protocol.new_id("chatcmpl")
         if req.stream:
-            return sse(chat_events(job, rid, req.include_usage))
-        text, finish = await collect(request, job)
+            return _sse(_chat_events(engine, job, rid, req.include_usage))
+        text, finish = await _collect(request, job)
         return protocol.chat_response(rid, engine.name, text, finish, len(job.prompt_ids), job.completion_tokens)
+
+
+def _add_completion_route(app: FastAPI, engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> None:
+    """`POST /v1/completions`: one or more text prompts answered whole, or a single prompt streamed."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = protocol.parse_request(CompletionRequest, await read_json(request))
-        check_model(req.model)
+        req = protocol.parse_request(CompletionRequest, await _read_json(request, config.max_body_bytes))
+        _check_model(engine, req.model)
         prompts = req.prompts()
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes a single prompt.", param="prompt")
         if len(prompts) > config.max_batch_size:
             raise APIError(400, f"at most {config.max_batch_size} prompts per request.", param="prompt")
-        jobs = [build_job(req, engine.text_prompt(p)) for p in prompts]
-        submit(jobs)
+        jobs = [_build_job(engine, config, req, engine.text_prompt(p)) for p in prompts]
+        _submit(scheduler, jobs)
         rid = protocol.new_id("cmpl")
         if req.stream:
             echo = prompts[0] if req.echo else ""
-            return sse(completion_events(jobs[0], rid, req.include_usage, echo))
+            return _sse(_completion_events(engine, jobs[0], rid, req.include_usage, echo))
         try:
-            results = await asyncio.gather(*(collect(request, job) for job in jobs))
+            results = await asyncio.gather(*(_collect(request, job) for job in jobs))
         finally:
             for job in jobs:  # one failed prompt: the others stop too
                 if not job.finished:
@@ -182,78 +224,88 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return protocol.completion_response(rid, engine.name, choices, sum(len(j.prompt_ids) for j in jobs),
                                             sum(j.completion_tokens for j in jobs))
 
-    async def collect(request: Request, job: Job) -> tuple[str, str]:
-        """Wait for a job's text; a client that disconnects cancels it."""
-        parts = []
-        checked = time.monotonic()
-        try:
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    kind = None
-                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # text may arrive faster than the poll
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        raise ClientGone
-                if kind is None:
-                    continue
-                if kind == "text":
-                    parts.append(payload)
-                elif kind == "done":
-                    return "".join(parts), payload
-                else:
-                    raise APIError(500, payload, type="server_error")
-        finally:
-            if not job.finished:
-                job.cancelled.set()
 
-    async def job_events(job: Job) -> AsyncIterator[tuple[str, str]]:
-        try:
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "error":
-                    raise APIError(500, payload, type="server_error")
-                yield kind, payload
-                if kind == "done":
-                    return
-        finally:
-            if not job.finished:  # the client went away mid-stream
-                job.cancelled.set()
-
-    async def chat_events(job: Job, rid: str, include_usage: bool) -> AsyncIterator[dict]:
-        yield protocol.chat_chunk(rid, engine.name, {"role": "assistant", "content": ""})
-        async for kind, payload in job_events(job):
-            if kind == "text":
-                yield protocol.chat_chunk(rid, engine.name, {"content": payload})
-            else:
-                yield protocol.chat_chunk(rid, engine.name, {}, finish=payload)
-        if include_usage:
-            yield protocol.chat_chunk(rid, engine.name, {}, usage_=protocol.usage(len(job.prompt_ids),
-                                                                                   job.completion_tokens))
-
-    async def completion_events(job: Job, rid: str, include_usage: bool, echo: str) -> AsyncIterator[dict]:
-        if echo:
-            yield protocol.completion_chunk(rid, engine.name, echo)
-        async for kind, payload in job_events(job):
-            if kind == "text":
-                yield protocol.completion_chunk(rid, engine.name, payload)
-            else:
-                yield protocol.completion_chunk(rid, engine.name, "", finish=payload)
-        if include_usage:
-            yield protocol.completion_chunk(rid, engine.name, "", usage_=protocol.usage(len(job.prompt_ids),
-                                                                                         job.completion_tokens))
-
-    def sse(events: AsyncIterator[dict]) -> StreamingResponse:
-        async def body():
+# --- answers: whole, or streamed as server-sent events ---------------------------------------------------------
+async def _collect(request: Request, job: Job) -> tuple[str, str]:
+    """Wait for a job's text; a client that disconnects cancels it."""
+    parts = []
+    checked = time.monotonic()
+    try:
+        while True:
             try:
-                async for event in events:
-                    yield f"data: {json.dumps(event)}\n\n"
-            except APIError as err:  # headers are sent already: report the error in the stream
-                yield f"data: {json.dumps(err.body())}\n\n"
-            yield "data: [DONE]\n\n"
+                kind, payload = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                kind = None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:  # text may arrive faster than the poll
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    raise ClientGone
+            if kind is None:
+                continue
+            if kind == "text":
+                parts.append(payload)
+            elif kind == "done":
+                return "".join(parts), payload
+            else:
+                raise APIError(500, payload, type="server_error")
+    finally:
+        if not job.finished:
+            job.cancelled.set()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    return app
+async def _job_events(job: Job) -> AsyncIterator[tuple[str, str]]:
+    """A job's `("text", piece)` events, then its `("done", finish_reason)`; a generation error raises a 500."""
+    try:
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "error":
+                raise APIError(500, payload, type="server_error")
+            yield kind, payload
+            if kind == "done":
+                return
+    finally:
+        if not job.finished:  # the client went away mid-stream
+            job.cancelled.set()
+
+
+async def _chat_events(engine: Engine, job: Job, rid: str, include_usage: bool) -> AsyncIterator[dict]:
+    """The chat completion chunks of a streamed job: the role, the text pieces, the finish, optionally usage."""
+    yield protocol.chat_chunk(rid, engine.name, {"role": "assistant", "content": ""})
+    async for kind, payload in _job_events(job):
+        if kind == "text":
+            yield protocol.chat_chunk(rid, engine.name, {"content": payload})
+        else:
+            yield protocol.chat_chunk(rid, engine.name, {}, finish=payload)
+    if include_usage:
+        yield protocol.chat_chunk(rid, engine.name, {}, usage_=protocol.usage(len(job.prompt_ids),
+                                                                               job.completion_tokens))
+
+
+async def _completion_events(engine: Engine, job: Job, rid: str, include_usage: bool,
+                             echo: str) -> AsyncIterator[dict]:
+    """The text completion chunks of a streamed job: the echo, the text pieces, the finish, optionally usage."""
+    if echo:
+        yield protocol.completion_chunk(rid, engine.name, echo)
+    async for kind, payload in _job_events(job):
+        if kind == "text":
+            yield protocol.completion_chunk(rid, engine.name, payload)
+        else:
+            yield protocol.completion_chunk(rid, engine.name, "", finish=payload)
+    if include_usage:
+        yield protocol.completion_chunk(rid, engine.name, "", usage_=protocol.usage(len(job.prompt_ids),
+                                                                                     job.completion_tokens))
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """A server-sent-event response of the given chunks, closed by `data: [DONE]`."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except APIError as err:  # headers are sent already: report the error in the stream
+            yield f"data: {json.dumps(err.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
