@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from .bench import add_bench_parser
+from .benchmarks.cli import add_bench_parser
 
 
 def add_serve_parser(subparsers) -> None:

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import report
-from benchmarks.max_context import search_max_context
 from hf_bdlm import cli
-from hf_bdlm.bench import checkout_root, parse_size
+from hf_bdlm.benchmarks import report
+from hf_bdlm.benchmarks.cli import parse_size
+from hf_bdlm.benchmarks.max_context import search_max_context
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 
@@ -192,7 +191,7 @@ def test_bench_bad_values_are_refused_before_anything_runs(argv, message, tmp_pa
     (2, 5.0, 12.0, 2),  # long steps: never fewer than --steps
 ])
 def test_short_steps_are_timed_more_often(steps, min_time, warmup, timed):
-    from benchmarks.parallel_modes import timed_steps
+    from hf_bdlm.benchmarks.parallel_modes import timed_steps
 
     assert timed_steps(steps, min_time, warmup) == timed
 
@@ -201,11 +200,11 @@ def test_short_steps_are_timed_more_often(steps, min_time, warmup, timed):
 def test_short_configurations_keep_the_median_of_three_launches(first, launches, monkeypatch, tmp_path):
     import argparse
 
-    from benchmarks import parallel_modes
+    from hf_bdlm.benchmarks import parallel_modes
 
     steps = iter([first, 0.6, 1.4])
     monkeypatch.setattr(parallel_modes, "_launch_once", lambda *a, **k: dict(mode="cp", step_s=next(steps)))
-    rec = parallel_modes._launch("cp", 2, 1024, argparse.Namespace(min_time=5.0), tmp_path)
+    rec = parallel_modes.launch("cp", 2, 1024, argparse.Namespace(min_time=5.0), tmp_path)
     if launches == 3:  # 1.0 s < 5 s / 2: launched three times, the median launch kept
         assert rec == dict(mode="cp", step_s=1.0, launch_step_s=[0.6, 1.0, 1.4])
     else:
@@ -226,10 +225,6 @@ def test_report_only_redraws_plots_and_markdown_from_the_json(tmp_path, capsys):
     assert "| csbp ring | 4 | 4096 |" in md and "| bp contiguous | 2 |" in md
     assert all(_is_png(tmp_path / n) for n in ("modes_tokens_per_s.png", "modes_comm_wait.png", "growth.png"))
     assert "--- summary.md ---" in capsys.readouterr().out
-
-
-def test_the_checkout_holds_the_benchmarks():
-    assert checkout_root() == ROOT
 
 
 @pytest.mark.distributed

@@ -1,7 +1,7 @@
 """The layout planner (``hf_bdlm.planner``, ``hf-bdlm plan``): counts against brute force, bytes against the design
 formulas and the ByteMeter's measurements, memory bookkeeping, layout validity, the recommendation, CLI errors.
 
-No processes are launched: the measured bytes come from a committed ``benchmarks/parallel_modes.py`` run.
+No processes are launched: the measured bytes come from a committed ``hf_bdlm.benchmarks.parallel_modes`` run.
 """
 
 import json

@@ -15,7 +15,7 @@ Three parts, one JSON file (``--out``/``runbook.json``) and a short table on std
    vectorized rows): forward + backward time (median of 3 after a warm-up) and peak allocator memory per
    backend and length. ``dense`` builds the ``2L x 2L`` mask and is timed up to ``--dense-max-len``;
    ``flex`` runs eagerly (not under ``torch.compile``) and is timed up to the same length.
-3. **Parallel modes**: ``benchmarks/parallel_modes.py`` with ``--device cuda --dtype bfloat16`` (NCCL, one
+3. **Parallel modes**: :mod:`hf_bdlm.benchmarks.parallel_modes` with ``--device cuda --dtype bfloat16`` (NCCL, one
    rank per GPU) over all visible GPUs: the single-GPU step, then ``cp``/``csbp`` with both transports and
    ``bp`` with both schedules at P = number of GPUs, at each ``--lengths``. With one GPU only the
    single-GPU step runs (the parallel modes need at least two) and the JSON says so.
@@ -166,7 +166,7 @@ def run_timings(lengths, dense_max_len: int, deadline: float) -> list[dict]:
 def run_parallel(lengths, layers: int, steps: int, backend: str, deadline: float, timeout: float) -> dict:
     import torch
 
-    from benchmarks import parallel_modes
+    from hf_bdlm.benchmarks import parallel_modes
 
     gpus = torch.cuda.device_count()
     args = parallel_modes.launch_args(layers, steps, timeout, "cuda", "bfloat16", backend)
@@ -179,8 +179,8 @@ def run_parallel(lengths, layers: int, steps: int, backend: str, deadline: float
             if time.time() > deadline:
                 skipped.append(dict(mode=mode, P=P, L=L, transport=transport, schedule=schedule))
                 continue
-            rec = parallel_modes._launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
-            print("  " + parallel_modes._table([rec]).splitlines()[-1], flush=True)
+            rec = parallel_modes.launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
+            print("  " + parallel_modes.table([rec]).splitlines()[-1], flush=True)
             records.append(rec)
     note = None if gpus >= 2 else f"{gpus} GPU visible: the parallel modes need at least 2; single-GPU steps only"
     return dict(gpus=gpus, attention_backend=backend, layers=layers, records=records, skipped_for_time=skipped,
@@ -204,11 +204,11 @@ def table(report: dict) -> str:
             lines.append(f"{name} {t['fwd_bwd_s'] * 1e3:9.2f} ms  peak {t['peak_mem_bytes'] / 2**30:7.2f} GiB")
         else:
             lines.append(f"{name} {t.get('skipped') or t.get('error')}")
-    from benchmarks import parallel_modes
+    from hf_bdlm.benchmarks import parallel_modes
 
     par = report["parallel"]
     lines.append(f"parallel modes (NCCL, bf16, {par['gpus']} GPUs, {par['attention_backend']}):")
-    lines += ["  " + line for line in parallel_modes._table(par["records"]).splitlines()]
+    lines += ["  " + line for line in parallel_modes.table(par["records"]).splitlines()]
     if par["note"]:
         lines.append(f"  note: {par['note']}")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from .card import as_list, write_model_card
+from .card import write_model_card
+from .card_parts import as_list
 
 
 def save_for_hub(model, tokenizer, output_dir: str | os.PathLike, info: dict | None = None, **save_kwargs) -> Path:

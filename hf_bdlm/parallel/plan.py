@@ -258,12 +258,17 @@ class RankPlan:
         return sum(e - s for s, e in self.clean_positions)
 
     @property
+    def noisy_ranges(self) -> tuple[Range, ...]:
+        """Position ranges of the owned noisy blocks, adjacent blocks merged."""
+        return _block_ranges(self.noisy_blocks, self.block_size)
+
+    @property
     def num_rows(self) -> int:
         return self.local_noisy_rows + self.local_clean_rows
 
     def noisy_positions(self) -> torch.LongTensor:
         """Global positions of the local noisy rows, in layout order."""
-        return _range_index(_block_ranges(self.noisy_blocks, self.block_size))
+        return _range_index(self.noisy_ranges)
 
     def clean_position_index(self) -> torch.LongTensor:
         """Global positions of the local clean rows, in layout order."""
@@ -329,7 +334,7 @@ class GroupPlan:
         """Position ranges of :meth:`sent_rows`: the clean ranges, preceded under ``cp`` by the noisy blocks' (a
         position may then appear in both streams)."""
         rp = self.ranks[rank]
-        noisy = list(_block_ranges(rp.noisy_blocks, rp.block_size)) if self.config.mode.sends_noisy_kv else []
+        noisy = list(rp.noisy_ranges) if self.config.mode.sends_noisy_kv else []
         return noisy + list(rp.clean_positions)
 
     def sent_row_start(self, rank: int) -> int:

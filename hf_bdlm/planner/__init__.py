@@ -3,7 +3,8 @@
 - :mod:`.model`: a backbone's sizes from a transformers config (dense and MoE), and the paper's presets.
 - :mod:`.hardware`: named GPUs (datasheet figures) times named achievable fractions, or measured figures.
 - :mod:`.cost`: attention pairs, K/V bytes, memory and step time per rank, read from the project's plan.
-- :mod:`.calibrate`: CPU rates measured once; predictions of ``benchmarks/parallel_modes.py`` records.
+- :mod:`.calibrate`: CPU rates measured once; predictions of :mod:`hf_bdlm.benchmarks.parallel_modes`
+  records.
 - :mod:`.cli`: ``hf-bdlm plan``.
 
     hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200

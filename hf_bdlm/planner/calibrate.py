@@ -1,4 +1,5 @@
-"""The planner on this machine: CPU rates measured once, and predictions of ``benchmarks/parallel_modes.py`` records.
+"""The planner on this machine: CPU rates measured once, and predictions of :mod:`hf_bdlm.benchmarks.parallel_modes`
+records.
 
 :func:`measure_cpu` times, in single-threaded processes all timing at once: (1) the benchmarked model's matrix
 multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse attention
@@ -14,11 +15,11 @@ and synchronization figures from as many processes as the records' ranks. Cached
 (``--remeasure`` measures again).
 
 :func:`validate` predicts each record's step time and K/V bytes with that device and the benchmark's own
-model config (``benchmarks.parallel_modes.model_config``); the attention work of each rank is what the
+model config (:func:`hf_bdlm.benchmarks.parallel_modes.model_config`); the attention work of each rank is what the
 ``blockwise`` kernel computes there (:func:`~hf_bdlm.attention.tiles.plan_attention` over the sources the sharded
 layout attends to). Bytes must equal ``bytes_per_step`` exactly; step times are compared by relative error.
 
-    hf-bdlm plan --validate /tmp/pm.json          # after python -m benchmarks.parallel_modes --out /tmp/pm.json
+    hf-bdlm plan --validate /tmp/pm.json      # after python -m hf_bdlm.benchmarks.parallel_modes --out /tmp/pm.json
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..benchmarks import parallel_modes
+from ..benchmarks.processes import child_env
 from ..cache import cache_home, update_json
 from ..parallel.dims import ParallelDims
-from .cost import Cluster, Recipe, _members, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
+from .cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
 from .hardware import DeviceSpec
 from .model import AttentionShape, ModelSpec, spec_from_config
 
@@ -43,24 +46,9 @@ def default_rates_path() -> Path:
     return cache_home() / RATES_FILE
 
 
-def _parallel_modes():
-    """The repository's ``benchmarks.parallel_modes`` (a source checkout holds benchmarks/ beside hf_bdlm/)."""
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    if (root / "benchmarks" / "parallel_modes.py").exists() and str(root) not in sys.path:
-        sys.path.append(str(root))
-    try:
-        from benchmarks import parallel_modes
-    except ImportError as err:
-        raise ValueError("--validate needs the repository's benchmarks package on the path (run from the "
-                         f"repository root): {err}") from err
-    return parallel_modes
-
-
 def benchmark_model(layers: int, window: int | None = None) -> ModelSpec:
-    """The model of ``benchmarks/parallel_modes.py``, read from its own config builder."""
-    cfg = _parallel_modes().model_config(layers, window)
+    """The model of :mod:`hf_bdlm.benchmarks.parallel_modes`, read from its own config builder."""
+    cfg = parallel_modes.model_config(layers, window)
     return spec_from_config(cfg.to_dict(), f"parallel_modes ({layers} layers)")
 
 
@@ -126,8 +114,8 @@ CALIBRATION_ROUNDS = 3
 
 
 def _benchmark_step_time(layers: int, seq_len: int = STEP_TOKENS) -> float:
-    """One-sequence forward and backward of the benchmark's own model (``benchmarks.parallel_modes``)."""
-    net, objective, corrupted = _parallel_modes()._build(seq_len, layers)
+    """One-sequence forward and backward of the benchmark's own model (:mod:`hf_bdlm.benchmarks.parallel_modes`)."""
+    net, objective, corrupted = parallel_modes.build(seq_len, layers)
 
     def step():
         net.zero_grad(set_to_none=True)
@@ -269,12 +257,12 @@ def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0)
     with tempfile.TemporaryDirectory() as tmp:
         out, spec = os.path.join(tmp, "rates.json"), os.path.join(tmp, "spec.json")
         Path(spec).write_text(json.dumps(asdict(model)))
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # the same hf_bdlm as this process
         code = ("import sys; from hf_bdlm.planner.calibrate import rates_worker; "
                 "rates_worker(int(sys.argv[1]), *sys.argv[2:])")
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), os.path.join(tmp, "store"),
                                    out, spec, str(benchmark_layers)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(processes)]
         errors = [p.communicate(timeout=600)[1] for p in procs]
         if any(p.returncode for p in procs) or not os.path.exists(out):
@@ -399,7 +387,7 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
     for r, (rp, w) in enumerate(zip(plan.ranks, works)):
         q = rp.rows()
         gathered = dims.mode != "bp" and dims.block_parallel_size > 1 and w.sent_rows > 0
-        members = _members(plan, r)
+        members = plan.exchange_members(r)
 
         def sent(m):
             rows = plan.ranks[m].rows()

@@ -3,7 +3,7 @@
     hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200
     hf-bdlm plan --model path/to/config.json --context 131072 --gpus 8 --gpu-spec measured_h100.json
     hf-bdlm plan --paper                         # the paper's settings next to its published ratios
-    hf-bdlm plan --validate /tmp/pm.json         # predict benchmarks/parallel_modes.py records on this CPU
+    hf-bdlm plan --validate /tmp/pm.json         # predict hf_bdlm.benchmarks.parallel_modes records on this CPU
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from .model import PRESETS, model_spec
 
 GIB = 2 ** 30
 
-# The paper's settings and published figures (docs/design.md, README: "Block Parallelism For Efficient Distributed
-# Long-Context Diffusion Language Model Training"), printed next to the planner's predictions, never fitted to.
+# The paper's settings and published figures (docs/design.md, docs/benchmarks.md: "Block Parallelism For Efficient
+# Distributed Long-Context Diffusion Language Model Training"), printed next to the planner's predictions, never fitted
+# to.
 PAPER_SETTINGS = (
     ("AR->BDLM conversion", "gemma3-27b", 262144, "CSBP / best baseline throughput 1.27-1.33x, equal or lower memory"),
     ("AR->BDLM conversion", "gemma3-27b", 524288, "1.61x full-model speedup at 512K"),
@@ -53,7 +54,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--json", default=None, help="also write every prediction to this JSON file")
     p.add_argument("--paper", action="store_true", help="the paper's settings on 16 H200 (2 nodes of 8)")
     p.add_argument("--validate", metavar="RECORDS_JSON", default=None,
-                   help="predict the step times and bytes of benchmarks/parallel_modes.py records on this machine")
+                   help="predict the step times and bytes of parallel-mode records (hf-bdlm bench, "
+                        "python -m hf_bdlm.benchmarks.parallel_modes) on this machine")
     p.add_argument("--rates-cache", default=None,
                    help="CPU figures for --validate (default: the cpu_rates.json hf-bdlm bench wrote beside the "
                         "records, measured with them; else cpu_rates.json in $HF_BDLM_HOME (default ~/.cache/hf_bdlm), "
@@ -171,7 +173,7 @@ def run_validate(args) -> int:
     with open(args.validate) as f:
         records = json.load(f)
     if not isinstance(records, list):
-        raise ValueError(f"{args.validate} must hold a JSON list of benchmarks/parallel_modes.py records.")
+        raise ValueError(f"{args.validate} must hold a JSON list of hf_bdlm.benchmarks.parallel_modes records.")
     ok = [r for r in records if "error" not in r and "step_s" in r]
     if not ok:
         raise ValueError(f"{args.validate} has no successful record (each needs mode, P, C, L, layers, step_s).")

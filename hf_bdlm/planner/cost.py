@@ -34,7 +34,7 @@ import torch
 
 from ..attention.masks import CLEAN, NOISY, MaskRule, keys_in_window, window_key_range
 from ..parallel.dims import ParallelDims, divisors
-from ..parallel.plan import GroupPlan, PlanConfig, _block_ranges, make_plan
+from ..parallel.plan import GroupPlan, PlanConfig, make_plan
 from .hardware import DeviceSpec
 from .model import ModelSpec
 from .schedule import Compute, Send, Wait, simulate
@@ -187,9 +187,9 @@ def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, i
     clean rows (in member order)."""
     rp = plan.ranks[rank]
     noisy_cum, clean_cum = _cumulative_counts(rp.seq_len, rule)
-    runs = ((NOISY, _block_ranges(rp.noisy_blocks, rp.block_size)), (CLEAN, rp.clean_positions))
+    runs = ((NOISY, rp.noisy_ranges), (CLEAN, rp.clean_positions))
     total = sum(int(cum[e] - cum[s]) for cum, (_, r) in zip((noisy_cum, clean_cum), runs) for s, e in r)
-    members = _members(plan, rank)
+    members = plan.exchange_members(rank)
     intervals = _position_intervals(rp.seq_len, rule)
     # A noisy query's noisy keys are its own block, always owned; its clean keys, and a clean query's, lie in the
     # clean rows of the gather members (the whole clean stream, split among them).
@@ -209,11 +209,6 @@ def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, i
     return total, local, noisy_keys, tuple(clean_keys)
 
 
-def _members(plan: GroupPlan, rank: int) -> tuple[int, ...]:
-    """The ranks ``rank`` exchanges K/V with, itself included (the plan's :meth:`~GroupPlan.exchange_members`)."""
-    return plan.exchange_members(rank)
-
-
 def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]:
     """Rows each rank receives from / sends to its peers on a sliding layer: the peers' sent rows inside the
     window of its queries (:func:`keys_in_window`, as the sharded layout selects them)."""
@@ -222,7 +217,7 @@ def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]
     if not plan.config.mode.exchanges_kv or rule.sliding_window is None:
         return recv, sent
     for me in range(P):
-        peers = [p for p in _members(plan, me) if p != me]
+        peers = [p for p in plan.exchange_members(me) if p != me]
         if not peers:
             continue
         # Which positions some query of this rank reaches (the window is an interval per query), as prefix sums:
@@ -253,7 +248,7 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) 
             pairs[r][w], local[r][w], noisy_keys, clean_keys = _rank_pairs(plan, r, r_w)
             if w is None and gather_size(dims) > 1:
                 # The ring: csbp's noisy rows are a local source; cp's own shard carries them.
-                own = _members(plan, r).index(r)
+                own = plan.exchange_members(r).index(r)
                 travels = dims.mode.sends_noisy_kv
                 source[r] = 0 if travels else noisy_keys
                 shards[r] = tuple(n + (noisy_keys if travels and j == own else 0) for j, n in enumerate(clean_keys))
@@ -266,7 +261,7 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) 
         # What the engine sends (GroupPlan.sent_rows), to a ring of more than itself.
         sent_rows = rp.num_rows - plan.sent_row_start(r) if len(plan.exchange_members(r)) > 1 else 0
         out.append(RankWork(rp.local_noisy_rows, rp.local_clean_rows, pairs[r], local[r], sent_rows, recv[r], sent[r],
-                            source[r], shards[r], _members(plan, r)))
+                            source[r], shards[r], plan.exchange_members(r)))
     return tuple(out)
 
 

@@ -1,6 +1,6 @@
 """Longest trainable context under a per-rank memory cap, found by real training steps (``hf-bdlm bench``).
 
-A probe of length ``L`` is one fresh ``benchmarks/parallel_modes.py`` run (a warm-up step and one timed step,
+A probe of length ``L`` is one fresh :mod:`.parallel_modes` run (a warm-up step and one timed step,
 forward + backward) whose peak memory per rank is the step's RSS high-water mark above the RSS once model and batch
 are built, max over ranks (the worker's ``peak_mem_bytes``; Python, torch and the model itself are not counted).
 ``L`` fits when that peak is at most the cap. The search works on a grid of lengths (multiples of ``2 * P * B``, which
@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
-from benchmarks import parallel_modes, report
+from . import parallel_modes, report
 
 MiB = 2**20
 
@@ -131,7 +131,7 @@ def run_study(nprocs, modes, cap: int, layers: int, limit: int, timeout: float, 
             name = report.variant(dict(mode=mode, transport=transport, schedule=schedule))
 
             def probe(length: int) -> int:
-                rec = parallel_modes._launch(mode, P, length, args, pathlib.Path(tmp), transport, schedule)
+                rec = parallel_modes.launch(mode, P, length, args, pathlib.Path(tmp), transport, schedule)
                 records.append(rec)
                 if "error" in rec:
                     raise RuntimeError(f"{name} P={P} L={length} failed: {rec['error'].strip()[-600:]}")

@@ -1,10 +1,10 @@
 """Tables, markdown, power-law fits and plots of the bench records (``hf-bdlm bench``); pure functions of the JSON.
 
-Records are those of ``benchmarks/parallel_modes.py`` (one dict per (mode, transport, schedule, P, L)), the growth
-and max-context studies of ``benchmarks/suite.py`` and the attention records of ``benchmarks/attention.py``.
+Records are those of :mod:`.parallel_modes` (one dict per (mode, transport, schedule, P, L)), the growth
+and max-context studies of :mod:`.suite` and the attention records of :mod:`.attention`.
 Plots are PNG files drawn with matplotlib (the ``bench`` extra).
 
-    python -c "from benchmarks import report; print(report.fit_power_law([1024, 2048], [1.0, 4.0]))"   # (2.0, ...)
+    python -c "from hf_bdlm.benchmarks.report import fit_power_law as f; print(f([1024, 2048], [1, 4]))"  # (2.0, ...)
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def max_context_table(results: list[dict], markdown: bool = False) -> str:
 
 
 def attention_table(records: list[dict], markdown: bool = False) -> str:
-    """Time and peak memory of each attention backend / training step (``benchmarks/attention.py`` records)."""
+    """Time and peak memory of each attention backend / training step (:mod:`.attention` records)."""
     head = ["measurement", "L", "time s", "peak MiB"]
     rows = []
     for r in records:
@@ -156,7 +156,7 @@ def pyplot():
         import matplotlib
     except ImportError:
         raise ImportError("hf-bdlm bench draws its plots with matplotlib, which is not installed: "
-                          "pip install -e \".[bench]\"") from None
+                          "pip install \"hf-bdlm[bench]\"") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -4,8 +4,9 @@ One training step (forward + backward, no optimizer) of a small Llama-style BDLM
 8 heads, 2 KV heads, head dim 32, intermediate 512, vocab 1024, ``--layers`` layers, block 64,
 ``blockwise`` attention, float32) on one sequence of length ``L``, all tokens supervised,
 objective ``standard``. For every (mode, P, L) the driver launches a fresh ``torchrun`` (so each
-configuration's peak RSS is its own) running this same file with ``--worker``; the single-process
-baseline (``single``: plain ``objective.loss``) runs in a fresh process too. One thread per rank.
+configuration's peak RSS is its own) running this same module with ``--worker``
+(``-m hf_bdlm.benchmarks.parallel_modes``); the single-process baseline (``single``: plain ``objective.loss``) runs
+in a fresh process too. One thread per rank.
 
 Per configuration: step time (median over ``--steps``, or as many as fill ``--min-time`` seconds up to 10, after
 one warm-up; the group's step time is the slowest rank's; with ``--min-time``, steps under half of it are launched
@@ -20,10 +21,10 @@ one at each length. ``--window W`` makes every layer a sliding-window layer (a Q
 same sizes), whose halo rows travel by all-to-all. ``--device cuda`` runs one rank per GPU with NCCL (peak
 memory from the CUDA allocator, times after a device synchronize; ``wait_s`` then counts host-side waits
 only, which NCCL's stream-ordered collectives make near zero), ``--dtype bfloat16`` the step under bf16
-autocast, ``--attention-backend`` another backend (``benchmarks/gpu/`` uses these).
+autocast, ``--attention-backend`` another backend (the repository's ``benchmarks/gpu/`` runbook uses these).
 
-    python -m benchmarks.parallel_modes --quick --out /tmp/pm.json          # < 3 min
-    python -m benchmarks.parallel_modes --lengths 4096 8192 16384 --nprocs 2 4 --out results.json
+    python -m hf_bdlm.benchmarks.parallel_modes --quick --out /tmp/pm.json          # < 3 min
+    python -m hf_bdlm.benchmarks.parallel_modes --lengths 4096 8192 16384 --nprocs 2 4 --out results.json
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve()
-ROOT = HERE.parent.parent
+from .processes import child_env, module_command, module_name
+
 BLOCK, MASK, PAD = 64, 1023, 0
 
 
@@ -74,7 +75,7 @@ def model_config(layers: int, window: int | None = None, backend: str = "blockwi
                                 attention_backend=backend)
 
 
-def _build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise"):
+def build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise"):
     import dataclasses
 
     import torch
@@ -164,7 +165,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     L, mode = args.lengths[0], args.mode
     dev = _Device(args.device, args.dtype)
-    model, objective, corrupted = _build(L, args.layers, args.window, dev.name, args.attention_backend)
+    model, objective, corrupted = build(L, args.layers, args.window, dev.name, args.attention_backend)
     base_rss = dev.mark()
     times, bytes_steps, waits, fwd_waits = [], [], [], []
 
@@ -285,7 +286,7 @@ def configurations(modes, nprocs, transports=("allgather", "ring"), bp_schedules
 def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dtype: str = "float32",
                 attention_backend: str = "blockwise", window: int | None = None,
                 min_time: float = 0.0) -> argparse.Namespace:
-    """The arguments :func:`_launch` reads, for callers other than this file's driver."""
+    """The arguments :func:`launch` reads, for callers other than this file's driver."""
     return argparse.Namespace(steps=steps, layers=layers, window=window, timeout=timeout, device=device, dtype=dtype,
                               attention_backend=attention_backend, min_time=min_time)
 
@@ -293,7 +294,7 @@ def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dt
 SHORT_LAUNCHES = 3
 
 
-def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str = "allgather",
+def launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str = "allgather",
             schedule: str = "dual_end") -> dict:
     """One configuration's record. With ``--min-time``, a configuration whose step is under half of it is launched
     :data:`SHORT_LAUNCHES` times and the launch with the median step time is kept (all launches' step times in
@@ -312,25 +313,26 @@ def _launch(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str =
 
 def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: str = "allgather",
                  schedule: str = "dual_end") -> dict:
+    tmp = pathlib.Path(tmp).resolve()  # the processes' working directory: the paths they get are absolute
     out = tmp / f"{mode}_{transport}_{schedule}_P{P}_L{L}.json"
-    common = [str(HERE), "--worker", "--mode", mode, "--transport", transport, "--schedule", schedule,
+    common = ["--worker", "--mode", mode, "--transport", transport, "--schedule", schedule,
               "--lengths", str(L), "--steps", str(args.steps), "--min-time", str(args.min_time),
               "--layers", str(args.layers), "--out", str(out),
               "--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend]
     if args.window:
         common += ["--window", str(args.window)]
     if mode == "single":
-        cmd = [sys.executable, *common]
+        cmd = [*module_command("parallel_modes"), *common]
     else:
         # --standalone picks a free rendezvous port: other jobs on the machine cannot collide.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(P), *common]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(P), "-m",
+               module_name("parallel_modes"), *common]
+    env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     base = dict(mode=mode, transport=None if mode == "single" else transport, schedule=schedule, P=P,
                 C=1 if mode in ("bp", "single") else P, L=L)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return dict(base, error=f"timed out after {args.timeout}s")
     if proc.returncode or not out.exists():
@@ -344,7 +346,7 @@ def _fmt_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}MiB"
 
 
-def _table(records) -> str:
+def table(records) -> str:
     head = (f"{'mode':7} {'transport':9} {'schedule':10} {'P':>2} {'C':>2} {'L':>6} {'step_s':>8} {'tok/s':>9} "
             f"{'peakMem':>11} {'bytes/step':>11} {'wait_s':>7} {'fwd':>6} {'bwd':>6}")
     lines = [head, "-" * len(head)]
@@ -414,7 +416,7 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="make every layer a sliding-window layer of this width (Qwen3 backbone, same sizes)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda: one GPU per rank, NCCL, peaks from the CUDA allocator (benchmarks/gpu/)")
+                        help="cuda: one GPU per rank, NCCL, peaks from the CUDA allocator")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: the step under bf16 autocast over float32 weights")
     parser.add_argument("--attention-backend", default="blockwise", choices=["blockwise", "flex", "flash", "dense"])
@@ -442,13 +444,13 @@ def main(argv=None) -> None:
         for L in args.lengths:
             configs = configurations(args.modes, args.nprocs, args.transports, args.bp_schedules, not args.no_single)
             for mode, P, transport, schedule in configs:
-                rec = _launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
+                rec = launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
                 records.append(rec)
-                print(_table([rec]).splitlines()[-1], flush=True)
+                print(table([rec]).splitlines()[-1], flush=True)
                 # Write as we go: a long run interrupted still leaves its measurements.
                 pathlib.Path(args.out).write_text(json.dumps(records, indent=1))
     print()
-    print(_table(records))
+    print(table(records))
     print()
     for line in _ratios(records, args.lengths, args.nprocs):
         print(line)

@@ -21,8 +21,8 @@ with other jobs, OpenMP's spin-waiting otherwise dominates every small parallel 
 A measurement whose estimated memory exceeds ``--max-gb``, or whose time extrapolated from the
 previous length exceeds ``--max-seconds``, is skipped and says why.
 
-    python -m benchmarks.attention --quick                       # < 3 min, L <= 2K
-    python -m benchmarks.attention --lengths 1024 2048 4096 8192 16384 --out results.json
+    python -m hf_bdlm.benchmarks.attention --quick                       # < 3 min, L <= 2K
+    python -m hf_bdlm.benchmarks.attention --lengths 1024 2048 4096 8192 16384 --out results.json
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
+import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from .processes import child_env, module_command
+
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 2, 64
 MODEL = dict(
     vocab_size=32000,
@@ -186,12 +187,11 @@ def estimate_gb(backend: str, length: int) -> float:
 
 
 def run_child(spec: dict, timeout: float, omp_wait_policy: str) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.attention", "--child", json.dumps(spec)]
-    env = dict(os.environ)
-    if omp_wait_policy:
-        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    cmd = [*module_command("attention"), "--child", json.dumps(spec)]
+    env = child_env(**({"OMP_WAIT_POLICY": omp_wait_policy} if omp_wait_policy else {}))
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        with tempfile.TemporaryDirectory() as cwd:
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(skipped=f"timed out after {timeout:.0f} s")
     if proc.returncode != 0:

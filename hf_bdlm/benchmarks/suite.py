@@ -2,21 +2,22 @@
 
 Studies (``--only`` picks some; all by default), each measured in fresh processes, one thread per rank:
 
-- ``modes``: ``benchmarks/parallel_modes.py`` for cp and csbp with both transports (allgather, ring), bp with both
+- ``modes``: :mod:`.parallel_modes` for cp and csbp with both transports (allgather, ring), bp with both
   noisy-block schedules (dual_end, contiguous) and the single process, at every (P, L). Records, unchanged, in
   ``parallel_modes.json`` (a JSON list); plots ``modes_*.png``.
-- ``attention``: ``benchmarks/attention.py`` (backends, AR vs BDLM step) into ``attention.json``, ``attention.png``.
+- ``attention``: :mod:`.attention` (backends, AR vs BDLM step) into ``attention.json``, ``attention.png``.
 - ``growth``: per-rank step time against L for the single process, cp (allgather), bp (dual_end), csbp (allgather)
   at each P, with the least-squares exponent of log time on log L. Lengths the modes study measured with the same
   model are reused; the others run. ``growth.json``, ``growth.png``.
 - ``max-context``: the longest L under ``--mem-cap`` per rank for P = 1 and csbp / cp / bp at each P, by real steps
-  (``benchmarks/max_context.py``). ``max_context.json``, ``max_context.png``.
+  (:mod:`.max_context`). ``max_context.json``, ``max_context.png``.
 
 ``summary.json`` holds the machine and, per study, the command, wall time and load average (1-minute, at its start and
 end; a study run again into the same folder replaces its entry), and the plots; ``summary.md`` the
 markdown tables (``--markdown`` prints them). ``--report-only`` re-draws everything from the JSON in ``--out``.
+The command's arguments are declared in :mod:`.cli`.
 
-    python -m benchmarks.suite --quick --out /tmp/bench        # same as: hf-bdlm bench --quick --out /tmp/bench
+    hf-bdlm bench --quick --out /tmp/bench
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from benchmarks import max_context, parallel_modes, report
-from hf_bdlm.bench import STUDIES
+from . import max_context, parallel_modes, report
+from .processes import child_env, module_command
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+STUDIES = ("modes", "attention", "growth", "max-context")
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
@@ -155,7 +156,7 @@ def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list,
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mode, P, L, transport, schedule) in enumerate(configs, 1):
-            rec = parallel_modes._launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
+            rec = parallel_modes.launch(mode, P, L, args, pathlib.Path(tmp), transport, schedule)
             rec.setdefault("layers", layers)
             sink.append(rec)
             _progress(f"  [{label} {i}/{len(configs)}, {time.perf_counter() - started:5.0f} s] {_line(rec)}")
@@ -211,15 +212,15 @@ def run_growth(cfg: BenchConfig, modes_records: list[dict]) -> dict:
 
 
 def run_attention(cfg: BenchConfig) -> list[dict]:
-    path = cfg.out / "attention.json"
-    cmd = [sys.executable, "-m", "benchmarks.attention", *cfg.attention, "--out", str(path)]
+    path = (cfg.out / "attention.json").resolve()  # the script runs in a temporary folder
+    cmd = [*module_command("attention"), *cfg.attention, "--out", str(path)]
     _progress(f"attention: {' '.join(cmd[2:])}")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with tempfile.TemporaryDirectory() as cwd, subprocess.Popen(
+            cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
             _progress("  " + line.rstrip())
     if proc.returncode:
-        raise RuntimeError(f"benchmarks.attention exited with {proc.returncode} (its output is above)")
+        raise RuntimeError(f"{cmd[2]} exited with {proc.returncode} (its output is above)")
     return json.loads(path.read_text())
 
 
@@ -265,7 +266,7 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
     if attention is not None:
         if any("time_s" in r for r in attention):
             plots.append(report.plot_attention(attention, out))
-        sections.append(("Attention backends and training step (benchmarks/attention.py)",
+        sections.append(("Attention backends and training step (hf_bdlm.benchmarks.attention)",
                          report.attention_table(attention, True), report.attention_table(attention)))
     md = []
     for s in sections:
@@ -353,15 +354,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: some measurements failed ({failed}); their records carry the error", file=sys.stderr)
         return 1
     return 0
-
-
-def main(argv=None) -> int:
-    from hf_bdlm.bench import configure_parser
-
-    parser = configure_parser(argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
-                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

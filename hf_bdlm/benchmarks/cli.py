@@ -1,14 +1,13 @@
-"""`hf-bdlm bench`: the benchmark suite of a source checkout, as one command that writes JSON, plots and tables.
+"""`hf-bdlm bench`: the benchmark suite as one command that writes JSON, plots and tables.
 
     hf-bdlm bench --quick --out bench_quick                       # < 5 min on 2 idle CPU cores
-    hf-bdlm bench --out benchmarks/results                        # everything the README's Performance section shows
+    hf-bdlm bench --out benchmarks/results/bench                  # everything docs/benchmarks.md shows
     hf-bdlm bench --only max-context --mem-cap 256MiB --out mc    # one study
-    hf-bdlm bench --report-only --out benchmarks/results --markdown   # re-draw plots and tables from the JSON there
+    hf-bdlm bench --report-only --out benchmarks/results/bench --markdown   # re-draw plots and tables from the JSON
 
-The studies run the scripts in ``benchmarks/`` (``parallel_modes``, ``attention``) with fresh processes per
-measurement (see ``benchmarks/suite.py``). Those scripts are not part of the installed package: the command runs
-from a source checkout installed with ``pip install -e .`` and says so when the checkout is not there.
-This module only declares the command's arguments, so ``hf-bdlm --help`` needs neither torch nor the checkout.
+The studies (:mod:`.suite`) run the package's own benchmarks (:mod:`.parallel_modes`, :mod:`.attention`) with fresh
+processes per measurement, so the installed wheel runs them from any folder. This module declares the command's
+arguments; torch loads only when a study runs.
 """
 
 from __future__ import annotations
@@ -16,9 +15,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 
-STUDIES = ("modes", "attention", "growth", "max-context")
+from . import suite
+
 MODES = ("cp", "bp", "csbp")
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -46,16 +45,16 @@ def _positive_int(text: str) -> int:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The bench arguments (shared by ``hf-bdlm bench`` and ``python -m benchmarks.suite``). ``None`` defaults are
-    filled from the quick or the full preset (``benchmarks/suite.py``), so an explicit value always wins."""
+    """The ``hf-bdlm bench`` arguments. ``None`` defaults are filled from the quick or the full preset
+    (:data:`.suite.QUICK`, :data:`.suite.FULL`), so an explicit value always wins."""
     p.add_argument("--out", default="bench_results",
                    help="folder for the JSON, PNG and markdown (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="small preset (< 5 min on 2 idle cores): modes at L=1K,2K and P=2, 1 layer, 1 step; attention "
                         "at L<=2K; growth from those records; max-context under a 128 MiB cap for the single process "
                         "and csbp at P=2")
-    p.add_argument("--only", nargs="+", choices=STUDIES, default=None, metavar="STUDY",
-                   help=f"run these studies only (of {', '.join(STUDIES)}; default: all)")
+    p.add_argument("--only", nargs="+", choices=suite.STUDIES, default=None, metavar="STUDY",
+                   help=f"run these studies only (of {', '.join(suite.STUDIES)}; default: all)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: re-draw the plots and tables from the JSON already in --out")
     p.add_argument("--markdown", action="store_true", help="also print the markdown tables (written to summary.md)")
@@ -96,21 +95,9 @@ def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="run the benchmarks: JSON, plots and tables",
         description="Parallel modes (cp / bp / csbp, P = 2 and 4), attention backends, cost growth with context "
-                    "length and the longest trainable context under a memory cap, on this machine (gloo on CPU). "
-                    "Runs from a source checkout (pip install -e .).")
+                    "length and the longest trainable context under a memory cap, on this machine (gloo on CPU).")
     configure_parser(p)
     p.set_defaults(func=run_bench)
-
-
-def checkout_root() -> Path:
-    """The source checkout that holds ``benchmarks/`` beside this package (an editable install)."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "parallel_modes.py").is_file():
-        raise FileNotFoundError(
-            f"hf-bdlm bench runs the benchmark scripts of a source checkout (benchmarks/ beside hf_bdlm/), and "
-            f"{root / 'benchmarks'} has none: the installed wheel does not ship them. Clone the repository and "
-            f"install it with `pip install -e .`, then run hf-bdlm bench from that environment.")
-    return root
 
 
 def run_bench(args) -> int:
@@ -118,14 +105,6 @@ def run_bench(args) -> int:
 
     if importlib.util.find_spec("matplotlib") is None:
         print("error: hf-bdlm bench draws its plots with matplotlib, which is not installed: "
-              "pip install -e \".[bench]\"", file=sys.stderr)
+              "pip install \"hf-bdlm[bench]\"", file=sys.stderr)
         return 2
-    root = checkout_root()
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks import suite
-
-    if Path(suite.__file__).resolve().parent != root / "benchmarks":
-        raise FileNotFoundError(f"`benchmarks` imports from {suite.__file__}, not from the checkout {root}; "
-                                f"another package named `benchmarks` shadows it: uninstall it or run from {root}.")
     return suite.run(args)

@@ -1,0 +1,18 @@
+"""The benchmarks ``hf-bdlm bench`` runs and ``hf-bdlm plan --validate`` predicts, shipped in the package.
+
+- :mod:`.parallel_modes`: one training step of cp / bp / csbp (and the single process) per fresh launch; its model
+  (:func:`~.parallel_modes.model_config`) is the one the planner's validation predicts.
+- :mod:`.attention`: attention backends and a BDLM against an AR training step.
+- :mod:`.max_context`: the longest trainable context under a per-rank memory cap.
+- :mod:`.report`: fits, tables and plots of the records (pure functions of the JSON).
+- :mod:`.suite`: the studies of ``hf-bdlm bench`` and their summary.
+- :mod:`.cli`: ``hf-bdlm bench``'s arguments.
+- :mod:`.processes`: how measurements start their fresh processes.
+
+Each measurement runs in fresh processes started as ``python -m hf_bdlm.benchmarks.<module>`` (under torchrun for
+the parallel modes), so an installed wheel runs them from any working directory. The committed records stay in the
+repository's ``benchmarks/results/``.
+
+    hf-bdlm bench --quick --out bench_quick
+    python -m hf_bdlm.benchmarks.parallel_modes --quick --out /tmp/pm.json
+"""
