@@ -37,7 +37,7 @@ LAYOUTS = [("cp", 2, 2, "dual_end"), ("bp", 2, 1, "dual_end"), ("csbp", 2, 2, "d
 def _canvas_plan(mode, P, C, schedule, subset):
     dims = ParallelDims(P, C, mode, schedule)
     L = 8 * subset_sequence_multiple(dims, B)
-    return make_plan(PlanConfig(L, B, P, C, mode, schedule, noisy_blocks=subset))
+    return make_plan(PlanConfig(ParallelDims(P, C, mode, schedule), L, B, noisy_blocks=subset))
 
 
 def _subsets(mode, P, C, schedule):
@@ -94,11 +94,11 @@ def test_canvas_plan_balances_the_decoder_and_the_encoder(layout):
 
 def test_canvas_plan_rejects_a_subset_it_cannot_deal_evenly():
     with pytest.raises(ValueError, match=r"noisy_blocks has 3 blocks; .* multiple of 4: pad the subset"):
-        PlanConfig(64, B, 2, 2, "csbp", noisy_blocks=(4, 5, 6))
+        PlanConfig(ParallelDims(2, 2, "csbp"), 64, B, noisy_blocks=(4, 5, 6))
     with pytest.raises(ValueError, match=r"ascending, distinct block indices in \[0, 16\)"):
-        PlanConfig(64, B, 2, 2, "csbp", noisy_blocks=(5, 4, 6, 7))
+        PlanConfig(ParallelDims(2, 2, "csbp"), 64, B, noisy_blocks=(5, 4, 6, 7))
     with pytest.raises(ValueError, match="multiple of 16"):  # cp on a subset cuts the clean stream head-tail over 2P
-        PlanConfig(40, B, 2, 2, "cp", noisy_blocks=(4, 5, 6, 7))
+        PlanConfig(ParallelDims(2, 2, "cp"), 40, B, noisy_blocks=(4, 5, 6, 7))
 
 
 def test_keys_in_window_with_streams_fetches_exactly_the_keys_the_rule_allows():

@@ -10,7 +10,7 @@ import torch
 
 from hf_bdlm.attention.masks import CLEAN, NOISY, MaskRule, count_allowed_pairs, dense_mask
 from hf_bdlm.attention.rows import vectorized_rows
-from hf_bdlm.parallel.plan import PlanConfig, make_plan, required_multiple
+from hf_bdlm.parallel.plan import ParallelDims, PlanConfig, make_plan, required_multiple
 
 SCHEDULES = ("dual_end", "contiguous")
 
@@ -33,7 +33,7 @@ HYBRID = [(4, 2), (8, 2), (8, 4)]
 
 def _plan(mode, P, C, schedule, block_size=4, blocks_per_multiple=2):
     L = blocks_per_multiple * required_multiple(mode, block_size, P, C, schedule)
-    return make_plan(PlanConfig(L, block_size, P, C, mode, schedule))
+    return make_plan(PlanConfig(ParallelDims(P, C, mode, schedule), L, block_size))
 
 
 def _ids(layout):
@@ -263,10 +263,10 @@ def test_gathered_key_count_matches_the_mode(layout):
 
 
 def test_ring_members_of_each_mode():
-    assert make_plan(PlanConfig(64, 4, 4, mode="cp")).ring_members(2) == (0, 1, 2, 3)
-    assert make_plan(PlanConfig(64, 4, 4, mode="bp")).ring_members(2) == (2,)
-    assert make_plan(PlanConfig(64, 4, 4, mode="csbp")).ring_members(2) == (0, 1, 2, 3)
-    assert make_plan(PlanConfig(64, 4, 4, 2, mode="csbp")).ring_members(3) == (2, 3)
+    assert make_plan(PlanConfig(ParallelDims(4, mode="cp"), 64, 4)).ring_members(2) == (0, 1, 2, 3)
+    assert make_plan(PlanConfig(ParallelDims(4, mode="bp"), 64, 4)).ring_members(2) == (2,)
+    assert make_plan(PlanConfig(ParallelDims(4, mode="csbp"), 64, 4)).ring_members(2) == (0, 1, 2, 3)
+    assert make_plan(PlanConfig(ParallelDims(4, 2, mode="csbp"), 64, 4)).ring_members(3) == (2, 3)
 
 
 # --- work balance ----------------------------------------------------------------------------
@@ -282,7 +282,7 @@ BALANCED += [("csbp", P, C) for P, C in HYBRID]
 def test_cp_and_csbp_dual_end_balance_attention_work_within_5_percent(mode, P, C, rule, blocks_per_rank):
     # Measured: exactly 1.000 — a zigzag chunk pair (or dual-end block pair) has the same cost
     # on every rank because per-block cost is linear in the block index.
-    plan = make_plan(PlanConfig(blocks_per_rank * P * 8, 8, P, C, mode))
+    plan = make_plan(PlanConfig(ParallelDims(P, C, mode), blocks_per_rank * P * 8, 8))
     assert _imbalance(_work(plan, rule)) <= 1.05
 
 
@@ -290,7 +290,7 @@ def test_cp_and_csbp_dual_end_balance_attention_work_within_5_percent(mode, P, C
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_bp_dual_end_balances_noisy_query_work_within_5_percent(P, rule):
     # Every pair (j, N-1-j) costs (N+1) B^2 noisy pairs, so this is exact at N = 4P already.
-    plan = make_plan(PlanConfig(4 * P * 8, 8, P, mode="bp"))
+    plan = make_plan(PlanConfig(ParallelDims(P, mode="bp"), 4 * P * 8, 8))
     assert _imbalance(_work(plan, rule, queries="noisy")) <= 1.05
 
 
@@ -302,14 +302,14 @@ def test_bp_dual_end_balances_total_work_within_5_percent_once_blocks_reach_20_p
     # P(P-1)/(N(P+1)) whatever the dealing: measured 1.08 / 1.16 / 1.22 at N = 4P for
     # P = 2 / 4 / 8, so 5% cannot hold there. Noisy work is exactly balanced (above), and
     # the replicated-prefix excess falls under 5% from N = 20P (measured 1.04 at P = 8).
-    plan = make_plan(PlanConfig(20 * P * 4, 4, P, mode="bp"))
+    plan = make_plan(PlanConfig(ParallelDims(P, mode="bp"), 20 * P * 4, 4))
     assert _imbalance(_work(plan, MaskRule(4, rule.clean_attention))) <= 1.05
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_bp_dual_end_imbalance_at_4_blocks_per_rank_is_only_the_replicated_prefix(P):
     rule = MaskRule(8)
-    plan = make_plan(PlanConfig(4 * P * 8, 8, P, mode="bp"))
+    plan = make_plan(PlanConfig(ParallelDims(P, mode="bp"), 4 * P * 8, 8))
     total, noisy = _work(plan, rule), _work(plan, rule, queries="noisy")
     N, B = plan.config.num_blocks, 8
     # Block-causal clean prefix through block m: sum_{i<=m} (i+1) B^2; rank r ends at N-1-r.
@@ -353,8 +353,10 @@ INVALID = [
 
 @pytest.mark.parametrize("kwargs,match", [pytest.param(k, m, id=i) for i, k, m in INVALID])
 def test_invalid_configuration_raises_value_error_naming_the_values(kwargs, match):
+    # The layout is checked where it is declared (ParallelDims), the sequence where the plan is made (PlanConfig).
+    layout = {("block_parallel_size" if k == "group_size" else k): v for k, v in kwargs.items() if k != "seq_len"}
     with pytest.raises(ValueError, match=match):
-        make_plan(PlanConfig(**{"seq_len": 64, "block_size": 4, **kwargs}))
+        make_plan(PlanConfig(ParallelDims(**layout), kwargs.get("seq_len", 64), 4))
 
 
 @pytest.mark.parametrize(
@@ -364,9 +366,9 @@ def test_invalid_configuration_raises_value_error_naming_the_values(kwargs, matc
 )
 def test_required_multiple_of_each_layout(mode, schedule, C, expected):
     assert required_multiple(mode, 8, 4, C, schedule) == expected
-    make_plan(PlanConfig(expected, 8, 4, C, mode, schedule))  # the multiple itself is accepted
+    make_plan(PlanConfig(ParallelDims(4, C, mode, schedule), expected, 8))  # the multiple itself is accepted
 
 
 def test_rank_out_of_range_raises_value_error():
     with pytest.raises(ValueError, match=r"rank must be in \[0, 4\).*got 4"):
-        make_plan(PlanConfig(64, 4, 4)).ring_members(4)
+        make_plan(PlanConfig(ParallelDims(4), 64, 4)).ring_members(4)

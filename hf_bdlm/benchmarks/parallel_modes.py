@@ -195,17 +195,17 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from hf_bdlm.parallel.collectives import ByteMeter
-    from hf_bdlm.parallel.plan import PlanConfig
+    from hf_bdlm.parallel.dims import ParallelDims
     from hf_bdlm.parallel.groups import BlockParallelGroups
+    from hf_bdlm.parallel.plan import PlanConfig
     from hf_bdlm.parallel.sharded import ShardedLayout
 
     dist.init_process_group(dev.backend)
     P, rank = dist.get_world_size(), dist.get_rank()
-    C = 1 if mode == "bp" else P
     meter = ByteMeter()
-    groups = BlockParallelGroups.create(P, C, meter, device_type=args.device)
-    plan_cfg = PlanConfig(seq_len=L, block_size=BLOCK, group_size=P, clean_ring_size=C, mode=mode,
-                          schedule=args.schedule)
+    groups = BlockParallelGroups.build(ParallelDims(P, None, mode, args.schedule), args.device, meter)
+    plan_cfg = PlanConfig.from_dims(groups.dims, L, BLOCK)
+    C = groups.dims.clean_ring_size
     # ``cp`` talks on the group, ``csbp`` on the ring (same ranks when C = P, but distinct
     # CommContexts): sum both wait counters so the mode does not matter here.
     comms = (groups.group, groups.ring)

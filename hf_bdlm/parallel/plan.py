@@ -58,8 +58,8 @@ Each clean block is counted by one of the ranks holding it, dealt round robin by
 
 Example (CPU, instant)::
 
-    python -c "from hf_bdlm.parallel.plan import PlanConfig, make_plan; \\
-print(make_plan(PlanConfig(seq_len=64, block_size=4, group_size=4, mode='csbp')).describe())"
+    python -c "from hf_bdlm.parallel.plan import ParallelDims, PlanConfig, make_plan; \\
+print(make_plan(PlanConfig(ParallelDims(4, mode='csbp'), seq_len=64, block_size=4)).describe())"
 """
 
 from __future__ import annotations
@@ -86,47 +86,34 @@ def required_multiple(
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """Layout of one block-parallel group.
+    """The plan of one batch: a group's declared layout applied to sequences of one length.
 
     Parameters:
-        seq_len (`int`): sequence length ``L`` (a multiple of :func:`required_multiple`).
+        dims (`ParallelDims`): the run's layout, held by reference (group size ``P``, clean ring ``C``, mode,
+            schedule; its world size is not part of the plan: equal layouts on any world share their plans).
+        seq_len (`int`): sequence length ``L`` (a multiple of ``dims.block_multiple()`` blocks).
         block_size (`int`): diffusion block size ``B``.
-        group_size (`int`): ranks ``P`` of the block-parallel group sharing one batch.
-        clean_ring_size (`int`, *optional*): ranks ``C`` of a clean ring, ``C | P``. ``None``
-            resolves to ``P`` for ``cp`` and ``csbp`` and to ``1`` for ``bp``; after
-            construction it is always an integer.
-        mode (`str`, defaults to ``"csbp"``): ``"cp"`` (zigzag context parallelism over the
-            ``2L`` rows), ``"bp"`` (block parallelism, replicated clean prefix) or ``"csbp"``
-            (context-sharded block parallelism).
-        schedule (`str`, defaults to ``"dual_end"``): noisy-block schedule, ``"dual_end"``
-            (balanced) or ``"contiguous"``; for ``csbp`` it also picks head-tail or contiguous
-            clean shards. ``cp`` is always zigzag and accepts only ``"dual_end"``.
         noisy_blocks (`tuple[int, ...]`, *optional*): the blocks that have noisy rows, ascending
             (DiffusionGemma's canvas blocks); ``None``: every block. Their number must be a
             multiple of :func:`noisy_subset_multiple`.
 
-    Invalid combinations raise ``ValueError`` at construction, naming the values and the fix.
+    What the sequence must satisfy under the layout is checked here, at construction, naming the values and the fix;
+    the layout's own rules were checked by ``ParallelDims``.
     """
 
+    dims: ParallelDims
     seq_len: int
     block_size: int
-    group_size: int
-    clean_ring_size: int | None = None
-    mode: Mode = Mode.CSBP
-    schedule: Schedule = Schedule.DUAL_END
     noisy_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if not isinstance(self.dims, ParallelDims):
+            raise TypeError(f"PlanConfig takes the layout as a ParallelDims, got {type(self.dims).__name__}.")
         for name in ("seq_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        # The layout's own rules live in ParallelDims; the plan adds what the sequence must satisfy.
-        dims = ParallelDims(self.group_size, self.clean_ring_size, self.mode, self.schedule)
-        for name in ("clean_ring_size", "mode", "schedule"):  # resolved and checked by ParallelDims
-            object.__setattr__(self, name, getattr(dims, name))
-        object.__setattr__(self, "_dims", dims)
-        mode, schedule = self.mode, self.schedule
+        dims, mode, schedule = self.dims, self.mode, self.schedule
         L, B = self.seq_len, self.block_size
         if L % B:
             raise ValueError(
@@ -157,17 +144,29 @@ class PlanConfig:
                   noisy_blocks: tuple[int, ...] | None = None) -> "PlanConfig":
         """The plan of one batch of sequences of length ``seq_len`` under a declared layout (noisy rows on
         ``noisy_blocks`` only, when given)."""
-        return cls(seq_len, block_size, dims.block_parallel_size, dims.clean_ring_size, dims.mode, dims.schedule,
-                   noisy_blocks)
+        return cls(dims, seq_len, block_size, noisy_blocks)
+
+    # The layout's values, read from the one ParallelDims.
+    @property
+    def group_size(self) -> int:
+        return self.dims.block_parallel_size
+
+    @property
+    def clean_ring_size(self) -> int:
+        return self.dims.clean_ring_size
+
+    @property
+    def mode(self) -> Mode:
+        return self.dims.mode
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.dims.schedule
 
     @property
     def num_blocks(self) -> int:
         return self.seq_len // self.block_size
 
-    @property
-    def dims(self) -> ParallelDims:
-        """The group's layout (without a world size)."""
-        return self._dims
 
 
 def _subset_rows_dims(dims: ParallelDims) -> ParallelDims:
@@ -426,15 +425,15 @@ def _subset_ranks(cfg: PlanConfig) -> list[RankPlan]:
     """Noisy rows on ``cfg.noisy_blocks`` only (see the module docstring)."""
     P, B, L = cfg.group_size, cfg.block_size, cfg.seq_len
     rows = _subset_rows_dims(cfg.dims)
-    C, mode = rows.clean_ring_size, rows.mode
+    mode = rows.mode
     subset = cfg.noisy_blocks
-    dealt = make_plan(PlanConfig(len(subset) * B, B, P, C, mode, cfg.schedule))
+    dealt = make_plan(PlanConfig(rows, len(subset) * B, B))
     owned = [tuple(subset[j] for j in r.noisy_blocks) for r in dealt.ranks]
     if mode is Mode.BP:
         last = max(range(P), key=lambda r: owned[r][-1])
         clean = [((0, L if r == last else (owned[r][-1] + 1) * B),) for r in range(P)]
     else:
-        clean = [r.clean_positions for r in make_plan(PlanConfig(L, B, P, C, mode, cfg.schedule)).ranks]
+        clean = [r.clean_positions for r in make_plan(PlanConfig(rows, L, B)).ranks]
     held = torch.zeros(P, L // B, dtype=torch.bool)
     for r in range(P):
         for s, e in clean[r]:

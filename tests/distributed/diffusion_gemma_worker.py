@@ -100,7 +100,7 @@ def run_case(case, groups, world):
     sharded = objective(case["self_conditioning"], dims)
     corrupted = sharded.corrupt(make_batch(case["batch"], seed=groups.group_index), seed=SEED, step=STEP)
     frame = corrupted.frame
-    plan = groups.plan(PlanConfig(frame.frame_length, B, P, C, mode, noisy_blocks=tuple(frame.canvas_blocks.tolist())))
+    plan = groups.plan(PlanConfig(dims, frame.frame_length, B, noisy_blocks=tuple(frame.canvas_blocks.tolist())))
     layout = ShardedDiffusionGemmaLayout(plan, groups, frame, diffusion_gemma_rule(B), "blockwise", case["transport"])
     meter = groups.group.meter
     meter.next_step()

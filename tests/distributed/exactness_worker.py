@@ -23,7 +23,7 @@ from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.parallel.collectives import ByteMeter
-from hf_bdlm.parallel.plan import PlanConfig
+from hf_bdlm.parallel.plan import ParallelDims, PlanConfig
 from hf_bdlm.parallel.groups import BlockParallelGroups
 from hf_bdlm.parallel.sharded import ShardedLayout
 
@@ -120,7 +120,7 @@ def run_case(case, groups_by_shape, world, rank):
     corrupted = objective.corrupt(batch, seed=7, step=3)
     meter = groups.group.meter
     meter.next_step()
-    plan_cfg = PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=C, mode=mode)
+    plan_cfg = PlanConfig(ParallelDims(P, C, mode), seq_len=L, block_size=B)
     layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), case["backend"], corrupted.document_ids,
                                  transport=case.get("transport", "allgather"))
     model.zero_grad()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hf_bdlm.attention.masks import MaskRule
 from hf_bdlm.parallel.collectives import ByteMeter, CollectiveTimeout, start_gather
-from hf_bdlm.parallel.plan import PlanConfig
+from hf_bdlm.parallel.plan import ParallelDims, PlanConfig
 from hf_bdlm.parallel.groups import BlockParallelGroups
 from hf_bdlm.parallel.sharded import ShardedLayout
 
@@ -34,7 +34,7 @@ def main():
     if args.case == "disagree":
         seq_len = 64 if rank == 0 else 128  # rank 1 got a different batch
         try:
-            ShardedLayout.build(PlanConfig(seq_len=seq_len, block_size=4, group_size=2, mode="csbp"), groups,
+            ShardedLayout.build(PlanConfig(ParallelDims(2, mode="csbp"), seq_len=seq_len, block_size=4), groups,
                                 MaskRule(4))
         except ValueError as err:
             error = str(err)

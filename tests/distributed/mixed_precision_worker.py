@@ -22,7 +22,7 @@ from transformers import Gemma3TextConfig, Qwen3Config
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.parallel.collectives import ByteMeter
-from hf_bdlm.parallel.plan import PlanConfig
+from hf_bdlm.parallel.plan import ParallelDims, PlanConfig
 from hf_bdlm.parallel.groups import BlockParallelGroups
 from hf_bdlm.parallel.sharded import ShardedLayout
 
@@ -63,7 +63,7 @@ def reference(m, objective, corrupted):
 
 
 def sharded(m, objective, corrupted, groups, P, C, mode, transport):
-    cfg = PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=C, mode=mode)
+    cfg = PlanConfig(ParallelDims(P, C, mode), seq_len=L, block_size=B)
     layout = ShardedLayout.build(cfg, groups, m.mask_rule(), "blockwise", None, transport=transport)
     m.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):

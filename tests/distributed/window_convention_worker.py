@@ -20,7 +20,7 @@ from transformers import Gemma3TextConfig
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.parallel.collectives import ByteMeter
-from hf_bdlm.parallel.plan import PlanConfig
+from hf_bdlm.parallel.plan import ParallelDims, PlanConfig
 from hf_bdlm.parallel import BlockParallelGroups, ShardedLayout
 
 VOCAB, MASK, L, B = 64, 63, 64, 4
@@ -47,8 +47,7 @@ def run_case(case: dict, groups: BlockParallelGroups) -> dict:
 
     P = groups.group.size
     groups.group.meter.next_step()
-    layout = ShardedLayout.build(PlanConfig(seq_len=L, block_size=B, group_size=P, clean_ring_size=P,
-                                            mode=case["mode"]), groups, model.mask_rule(), "blockwise")
+    layout = ShardedLayout.build(PlanConfig(ParallelDims(P, P, case["mode"]), seq_len=L, block_size=B), groups, model.mask_rule(), "blockwise")
     model.zero_grad()
     loss, _ = objective.loss(model, corrupted, layout)
     loss.backward()
