@@ -81,7 +81,8 @@ def install_dir(path: str | os.PathLike, build: Callable[[pathlib.Path], None],
             os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the entry is an ordinary folder
             build(tmp)
             if not is_complete(tmp):
-                raise RuntimeError(f"building the cache entry {path} left an incomplete folder: {sorted(os.listdir(tmp))}")
+                raise RuntimeError(
+                    f"building the cache entry {path} left an incomplete folder: {sorted(os.listdir(tmp))}")
             _remove(path)  # an incomplete entry (written by an older version, or by hand)
             os.rename(tmp, path)
         except BaseException:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-QWEN3_FSDP = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]})
+QWEN3_FSDP = dict(fsdp="full_shard",
+                  fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]})
 DG_FSDP = dict(fsdp="full_shard", fsdp_config={
     "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["DiffusionGemmaEncoderTextLayer", "DiffusionGemmaDecoderTextLayer"]})
 
