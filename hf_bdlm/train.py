@@ -114,7 +114,8 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
     if model_args.dtype is not None:
         init_kwargs.setdefault("dtype", model_args.dtype)
     training_args.model_init_kwargs = init_kwargs or None
-    train, test = load_datasets(script_args)
+    with training_args.main_process_first(local=True, desc="loading the dataset"):  # datasets writes its cache once
+        train, test = load_datasets(script_args)
     use_eval = training_args.eval_strategy != "no" and test is not None
     trainer = BDLMSFTTrainer(
         model=model_path,
