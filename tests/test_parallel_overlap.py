@@ -116,7 +116,7 @@ class _Comm:
 def _layout(mode, P=2, rank=0, window=None):
     dims = ParallelDims(P, mode=mode)
     comm = _Comm(P, rank)
-    groups = SimpleNamespace(dims=dims, group_rank=rank, group=comm, ring=comm, kv_exchange=comm)
+    groups = SimpleNamespace(dims=dims, group_rank=rank, group=comm, ring=comm, kv_exchange=lambda mode: comm)
     plan = make_plan(PlanConfig.from_dims(dims, L, B))
     return sharded.ShardedLayout(plan, groups, MaskRule(B, "block_causal", sliding_window=window))
 

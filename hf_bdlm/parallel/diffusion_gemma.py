@@ -129,7 +129,7 @@ class ShardedDiffusionGemmaLayout:
             raise ValueError("the plan was made for other canvas blocks than this frame's; build it from the frame.")
         self.mode = plan.config.mode
         me = groups.group_rank
-        self.comm = groups.kv_exchange
+        self.comm = groups.kv_exchange(self.mode)
         members = list(plan.ring_members(me))
 
         def clean(r: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch.distributed as dist
 
 from .collectives import ByteMeter, CommContext
-from .dims import ParallelDims
+from .dims import Mode, ParallelDims
 from .plan import GroupPlan, PlanConfig, make_plan
 
 
@@ -105,11 +105,10 @@ class BlockParallelGroups:
     def meter(self) -> ByteMeter:
         return self.group.meter
 
-    @property
-    def kv_exchange(self) -> CommContext:
-        """Where K/V travel: the clean ring (``csbp``), whose members are ``plan.ring_members``; under ``cp`` the ring
-        is the whole group and its exchange is named as the group's."""
-        return self.group if self.dims.mode.sends_noisy_kv else self.ring
+    def kv_exchange(self, mode: Mode) -> CommContext:
+        """Where K/V travel under the plan's ``mode``: the clean ring (``csbp``), whose members are
+        ``plan.ring_members``; under ``cp`` the ring is the whole group and its exchange is named as the group's."""
+        return self.group if mode.sends_noisy_kv else self.ring
 
     def plan(self, config: PlanConfig) -> GroupPlan:
         """The (cached) plan of ``config``; the group checks agreement the first time it meets a config."""

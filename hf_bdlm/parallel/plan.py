@@ -168,7 +168,6 @@ class PlanConfig:
         return self.seq_len // self.block_size
 
 
-
 def _subset_rows_dims(dims: ParallelDims) -> ParallelDims:
     """The layout whose clean shards and dealing a plan with ``noisy_blocks`` uses: ``cp`` as ``csbp`` with ``C = P``
     (both passes of an encoder-decoder cut head-tail), the others as declared."""
@@ -351,7 +350,8 @@ class GroupPlan:
         self._check_rank(rank)
         if not self.config.mode.exchanges_kv:
             return torch.empty(0, dtype=torch.long)
-        return torch.cat([self.ranks[m].global_row_index()[self.sent_row_start(m):] for m in self.ring_members(rank)])
+        return torch.cat([self.ranks[m].global_row_index()[self.sent_row_start(m):]
+                          for m in self.ring_members(rank)])
 
     def describe(self) -> str:
         """One line per rank: ring, owned noisy blocks, clean ranges, row counts."""

@@ -66,7 +66,8 @@ class ShardedLayout:
         self.q_rows = self.rank_plan.rows(self.doc)
         self.num_noisy = self.rank_plan.local_noisy_rows
         self.gathered_rows = self.plan.gathered_key_rows(self.groups.group_rank, self.doc)
-        self.comm = self.groups.kv_exchange
+        self.comm = self.groups.kv_exchange(self.mode)
+        self.sent_start = self.plan.sent_row_start(self.groups.group_rank)  # this rank's rows before those it sends
 
     @classmethod
     def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="blockwise",
@@ -98,7 +99,7 @@ class ShardedLayout:
     def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
         if not self.mode.exchanges_kv:
             return attend(self.backend, query, [(key, value)], self.q_rows, [self.q_rows], rule, scale, self.cache)
-        n = self.plan.sent_row_start(self.groups.group_rank)
+        n = self.sent_start
         if rule.sliding_window is not None:
             return self._attend_window(query, key, value, rule, scale, n)
         if self.transport == "ring" and self.comm.size > 1:

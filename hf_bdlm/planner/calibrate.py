@@ -386,17 +386,12 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
     out = []
     for r, (rp, w) in enumerate(zip(plan.ranks, works)):
         q = rp.rows()
-        gathered = dims.mode != "bp" and dims.block_parallel_size > 1 and w.sent_rows > 0
+        gathered = dims.mode.exchanges_kv and dims.block_parallel_size > 1 and w.sent_rows > 0
         members = plan.exchange_members(r)
-
-        def sent(m):
-            rows = plan.ranks[m].rows()
-            return rows.slice(plan.ranks[m].local_noisy_rows if dims.mode == "csbp" else 0, rows.num_rows)
-
         if gathered and dims.transport == "ring":
-            n = rp.local_noisy_rows if dims.mode == "csbp" else 0
+            n = plan.sent_row_start(r)
             source = computed_pairs(plan_attention(q, [q.slice(0, n)], rule)) if n else 0
-            shards = tuple(computed_pairs(plan_attention(q, [sent(m)], rule)) for m in members)
+            shards = tuple(computed_pairs(plan_attention(q, [plan.sent_rows(m)], rule)) for m in members)
             total, local = source + sum(shards), source + shards[members.index(r)]
             out.append(replace(w, pairs={**w.pairs, None: total}, local_pairs={**w.local_pairs, None: local},
                                source_pairs=source, shard_pairs=shards))
@@ -404,7 +399,7 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
         elif gathered:
             from ..attention.rows import RowMeta
 
-            tiles = plan_attention(q, [q, RowMeta.cat([sent(m) for m in members if m != r])], rule)
+            tiles = plan_attention(q, [q, RowMeta.cat([plan.sent_rows(m) for m in members if m != r])], rule)
             total, local = computed_pairs(tiles), computed_pairs(tiles, 0)
         else:
             total = local = computed_pairs(plan_attention(q, [q], rule))

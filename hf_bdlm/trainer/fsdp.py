@@ -148,7 +148,7 @@ def _fully_shard_kwargs(model: nn.Module, mesh, plugin) -> dict:
                 mp_policy=_mixed_precision_policy(plugin.mixed_precision_policy) or MixedPrecisionPolicy())
 
 
-def shard_model(model: nn.Module, mesh, plugin) -> list[str]:
+def shard_model(model: nn.Module, mesh, plugin) -> dict[str, str]:
     """Apply ``fully_shard`` over ``mesh`` to every unit (bottom-up), then to ``model`` (the root), in place.
 
     Returns ``{qualified name: class name}`` of the units below the root, read before sharding: ``fully_shard``
