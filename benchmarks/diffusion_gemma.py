@@ -17,7 +17,8 @@ quantity a fixed training budget buys), all tokens per second, and peak memory (
 the RSS once model and batch are built; each configuration runs in a fresh process). One thread per process.
 
 ``--parallel P``: the same step on a block-parallel group of ``P`` ranks (``torchrun``, gloo) in each mode of
-``hf_bdlm.parallel.diffusion_gemma`` (``csbp``, ``cp``, ``bp``; all-gather transport), against ``ours`` at P = 1. Per
+``hf_bdlm.models.diffusion_gemma.sharded`` (``csbp``, ``cp``, ``bp``; all-gather transport), against ``ours`` at
+P = 1. Per
 rank: its rows of the frame, the loss of its targets, backward (the gradient all-reduce every data-parallel run adds
 is left out, the same in every mode). Reported: the group's step time (slowest rank), supervised tokens per second,
 peak memory per rank (max over ranks) and K/V bytes received per rank per step (ByteMeter, max over ranks).
@@ -167,7 +168,7 @@ def parallel_worker(mode: str, length: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     from hf_bdlm.objectives import get_objective
     from hf_bdlm.parallel import BlockParallelGroups, ParallelDims
-    from hf_bdlm.parallel.diffusion_gemma import diffusion_gemma_layout, frame_padding
+    from hf_bdlm.models.diffusion_gemma.sharded import diffusion_gemma_layout, frame_padding
 
     dist.init_process_group("gloo")
     P = dist.get_world_size()

@@ -10,9 +10,12 @@ from __future__ import annotations
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-from .attention.backends import BACKENDS
-from .attention.masks import CLEAN_ATTENTION_KINDS, WINDOW_CONVENTIONS
-
+# The option names the config validates. This module imports nothing of the package: the attention code reads its
+# option names from here (``hf_bdlm.attention.backends`` implements each backend, ``hf_bdlm.attention.masks`` each
+# clean-attention kind and window convention).
+BACKENDS = ("dense", "blockwise", "flex", "flash")
+CLEAN_ATTENTION_KINDS = ("block_causal", "causal")
+WINDOW_CONVENTIONS = ("per_query", "block_start")
 OBJECTIVES = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean", "diffusion_gemma", "dflash")
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
 # The clean stream an objective's reference trains (objectives absent here accept both kinds).

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import DiffusionGemmaForBlockDiffusion
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
-from hf_bdlm.diffusion_gemma import (
+from hf_bdlm.models.diffusion_gemma.modeling import (
     DIFFUSION_GEMMA_LORA_TARGETS,
     DiffusionGemmaLayout,
     build_canvas_frame,
@@ -28,7 +28,7 @@ from hf_bdlm.diffusion_gemma import (
     softcapped_logits,
 )
 from hf_bdlm.objectives import get_objective
-from hf_bdlm.objectives.diffusion_gemma import DiffusionGemmaObjective
+from hf_bdlm.models.diffusion_gemma.objective import DiffusionGemmaObjective
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_diffusion_gemma import B, EOS, PAD, TURN_END, VOCAB, W, conversations, tiny_tokenizer  # noqa: E402
@@ -207,7 +207,7 @@ def test_mean_loo_scores_the_bayes_posterior_of_the_leave_one_out_prediction():
 
 
 def test_generate_is_unchanged_by_the_training_attention():
-    from hf_bdlm.diffusion_gemma import use_block_diffusion_attention
+    from hf_bdlm.models.diffusion_gemma.modeling import use_block_diffusion_attention
 
     pristine = tiny_model()
     routed = copy.deepcopy(pristine)
@@ -415,5 +415,5 @@ def test_packaged_card_template_is_the_model_cards_copy():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    packaged = (root / "hf_bdlm" / "hub" / "diffusion_gemma_model_card.md").read_text()
+    packaged = (root / "hf_bdlm" / "models" / "diffusion_gemma" / "model_card.md").read_text()
     assert (root / "model_cards" / "diffusion_gemma_model_card.md").read_text() == packaged

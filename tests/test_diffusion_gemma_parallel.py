@@ -1,4 +1,4 @@
-"""DiffusionGemma under block parallelism (hf_bdlm/parallel/diffusion_gemma.py): the plan of a frame's canvas blocks,
+"""DiffusionGemma under block parallelism (hf_bdlm/models/diffusion_gemma/sharded.py): the plan of a frame's canvas blocks,
 the whole-model exactness of every layout, the bytes each rank receives, and the 26B recipe's CSBP + FSDP2 training
 run under `accelerate launch` (scaled down) that follows the single process step by step.
 
@@ -22,9 +22,9 @@ from tiny_diffusion_gemma import B, EOS, TURN_END, VOCAB, W, conversations, make
 
 from hf_bdlm.attention.masks import CLEAN, NOISY, MaskRule, count_allowed_pairs, dense_mask, keys_in_window
 from hf_bdlm.attention.rows import RowMeta
-from hf_bdlm.diffusion_gemma import diffusion_gemma_rule
+from hf_bdlm.models.diffusion_gemma.modeling import diffusion_gemma_rule
 from hf_bdlm.objectives import get_objective
-from hf_bdlm.parallel.diffusion_gemma import frame_padding
+from hf_bdlm.models.diffusion_gemma.sharded import frame_padding
 from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.parallel.plan import PlanConfig, make_plan, noisy_subset_multiple, subset_sequence_multiple
 from torchrun import ROOT, run_torchrun  # noqa: E402
@@ -140,10 +140,10 @@ def test_diffusion_gemma_refuses_deepspeed_and_fsdp_in_one_process(tmp_path, mon
     from types import SimpleNamespace
 
     from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
-    from hf_bdlm.trainer.inputs import _check_diffusion_gemma_distribution
+    from hf_bdlm.models.diffusion_gemma.family import _refuse_deepspeed
 
     with pytest.raises(NotImplementedError, match="trains with DDP or FSDP2 .* not with DeepSpeed"):
-        _check_diffusion_gemma_distribution(SimpleNamespace(deepspeed="ds_config.json"))
+        _refuse_deepspeed(SimpleNamespace(deepspeed="ds_config.json"))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     args = BDLMSFTConfig(str(tmp_path), report_to="none", max_length=64, objective="diffusion_gemma")

@@ -302,10 +302,10 @@ def test_card_needs_a_saved_model_folder(tmp_path):
 
 
 def test_packaged_template_is_the_model_cards_copy_and_is_package_data():
-    packaged = (REPO / "hf_bdlm" / "hub" / "model_card.md").read_text()
+    packaged = (REPO / "hf_bdlm" / "models" / "block_diffusion" / "model_card.md").read_text()
     assert (REPO / "model_cards" / "bdlm_model_card.md").read_text() == packaged
     package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "hub/*.md" in package_data["hf_bdlm"]
+    assert "models/*/*.md" in package_data["hf_bdlm"]
 
 
 # --- uploads (no network: HfApi's repo and commit calls are captured) -------------------------------------

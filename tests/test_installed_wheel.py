@@ -221,8 +221,8 @@ def test_the_wheel_holds_every_module_and_imports_from_its_own_folder(site, prob
     outside = {n: f for n, f in probe["files"].items() if f is None or site.resolve() not in Path(f).resolve().parents}
     assert not outside, f"modules not imported from the wheel: {outside}"
     # Package data the commands read.
-    for data in ("data/arith_train.jsonl", "hub/model_card.md", "hub/diffusion_gemma_model_card.md",
-                 "evaluation/tasks/swebench_offline.jsonl"):
+    for data in ("data/arith_train.jsonl", "models/block_diffusion/model_card.md",
+                 "models/diffusion_gemma/model_card.md", "evaluation/tasks/swebench_offline.jsonl"):
         assert (site / PACKAGE / data).is_file(), data
 
 

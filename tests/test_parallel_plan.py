@@ -10,7 +10,7 @@ import torch
 
 from hf_bdlm.attention.masks import CLEAN, NOISY, MaskRule, count_allowed_pairs, dense_mask
 from hf_bdlm.attention.rows import vectorized_rows
-from hf_bdlm.parallel.plan import ParallelDims, PlanConfig, make_plan, required_multiple
+from hf_bdlm.parallel.plan import ParallelDims, PlanConfig, make_plan
 
 SCHEDULES = ("dual_end", "contiguous")
 
@@ -32,7 +32,7 @@ HYBRID = [(4, 2), (8, 2), (8, 4)]
 
 
 def _plan(mode, P, C, schedule, block_size=4, blocks_per_multiple=2):
-    L = blocks_per_multiple * required_multiple(mode, block_size, P, C, schedule)
+    L = blocks_per_multiple * ParallelDims(P, C, mode, schedule).required_multiple(block_size)
     return make_plan(PlanConfig(ParallelDims(P, C, mode, schedule), L, block_size))
 
 
@@ -365,7 +365,7 @@ def test_invalid_configuration_raises_value_error_naming_the_values(kwargs, matc
      ("csbp", "dual_end", 4, 2 * 4 * 8), ("csbp", "dual_end", 2, 2 * 4 * 8), ("csbp", "contiguous", 2, 4 * 8)],
 )
 def test_required_multiple_of_each_layout(mode, schedule, C, expected):
-    assert required_multiple(mode, 8, 4, C, schedule) == expected
+    assert ParallelDims(4, C, mode, schedule).required_multiple(8) == expected
     make_plan(PlanConfig(ParallelDims(4, C, mode, schedule), expected, 8))  # the multiple itself is accepted
 
 

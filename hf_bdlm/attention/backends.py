@@ -29,12 +29,11 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from ..configuration import BACKENDS  # every backend attend() dispatches to
 from .kernels import BackendUnavailable, block_sparse_attention
 from .masks import MaskRule, allowed, dense_mask
 from .rows import RowMeta
 from .tiles import batch_plans
-
-BACKENDS = ("dense", "blockwise", "flex", "flash")
 
 
 def _cat_sources(sources, k_rows: list[RowMeta]):

@@ -14,8 +14,8 @@ inference over a KV cache, and every sharded layout of ``hf_bdlm.parallel``:
 | clean | noisy | never                                                             |
 
 and always the same document. This is BD3-LM's ``block_diff_mask`` (and Fast-dLLM v2's) with
-``block_causal``; ``causal`` keeps the clean stream token-causal, as a causal LM or
-DiffusionGemma's encoder computes it.
+``block_causal``; ``causal`` keeps the clean stream token-causal, as a causal LM or a causal
+encoder computes it.
 
 Sliding-window layers of width ``W`` add a window, whose meaning for a block of queries is a
 *convention* of the model (``window_convention``); it must be the one the model runs at
@@ -28,7 +28,7 @@ inference. With ``s_b = blk(q) * B`` the start of the query's block:
 | ``block_start`` | clean under ``causal``                 | ``q - W + 1 <= k <= q``                   |
 
 ``block_start`` is what a canvas block sees over a sliding cache holding the ``W - 1``
-positions before its start, plus its whole block (transformers' DiffusionGemma, Turbo-dLLM); a
+positions before its start, plus its whole block (an encoder-decoder's canvas, Turbo-dLLM); a
 token-causal clean row keeps the causal encoder's own window. ``per_query`` applies the
 distance of transformers' sliding masks to every row (a noisy query at ``p`` sees clean keys
 from ``p - W + 1`` on, and its own block only within distance ``W``). The window of a query is an
@@ -46,10 +46,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..configuration import CLEAN_ATTENTION_KINDS, WINDOW_CONVENTIONS  # the names; their rules are below
+
 CLEAN = 0
 NOISY = 1
-CLEAN_ATTENTION_KINDS = ("block_causal", "causal")
-WINDOW_CONVENTIONS = ("per_query", "block_start")
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,15 @@
     # `AutoModel.from_pretrained("out", trust_remote_code=True)`.
     push_to_hub(model, "me/my-bdlm", tokenizer, info)   # the same files, uploaded in one commit
 
-- `card.py`: the model card (`README.md`) rendered from the packaged template `model_card.md`;
-- `diffusion_gemma_card.py`: the card of a fine-tuned DiffusionGemma (`diffusion_gemma_model_card.md`), which
-  `card.py` renders for a `diffusion_gemma` config; `card_parts.py`: what both cards share (imports neither);
+- `card.py`: the model card (`README.md`) of a saved folder, rendered by the model family that owns its
+  `model_type` (each family's `card.py` and template under `hf_bdlm/models/`);
 - `remote_code.py`: the bundler that writes `configuration_block_diffusion.py` / `modeling_block_diffusion.py`
   (called by `BlockDiffusionForMaskedLM.save_pretrained`);
 - `checkpoint.py`: `save_for_hub`, `push_to_hub`, `push_folder_to_hub`.
 """
 
 from .card import render_model_card, write_model_card
-from .card_parts import CARD_INFO_KEYS, hub_repo_id
+from ..models.card_parts import CARD_INFO_KEYS, hub_repo_id
 from .checkpoint import folder_files, push_folder_to_hub, push_to_hub, save_for_hub
 from .remote_code import AUTO_MAP, bundle_remote_code, write_remote_code
 

@@ -168,11 +168,40 @@ class Objective:
             loss_weighting=config.loss_weighting,
         )
 
+    @classmethod
+    def build(cls, config_or_kwargs: Any) -> "Objective":
+        """The objective from a model config (:meth:`config_kwargs`) or a mapping of constructor arguments."""
+        kwargs = dict(config_or_kwargs) if isinstance(config_or_kwargs, Mapping) else cls.config_kwargs(
+            config_or_kwargs)
+        required = getattr(cls, "required_kwargs", ("block_size", "mask_token_id"))
+        missing = [k for k in required if kwargs.get(k) is None]
+        if missing:
+            given = sorted(k for k, v in kwargs.items() if v is not None)
+            raise ValueError(f"objective {cls.name!r} needs {missing}; got {given}.")
+        return cls(**kwargs)
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(block_size={self.block_size}, mask_token_id={self.mask_token_id}, "
             f"noise_eps=[{self.noise_eps_min}, {self.noise_eps_max}], loss_weighting={self.loss_weighting!r})"
         )
+
+    # --- what the trainer asks of every objective ------------------------------------------
+    def card_settings(self) -> dict[str, Any]:
+        """Settings for the model card that the saved config does not record (none: they are in the config)."""
+        return {}
+
+    # Whether the objective has a pass that runs for some samples only (drawn per sample), which every rank must run
+    # when any needs it under FSDP2 (each layer call gathers over the world).
+    has_optional_pass: ClassVar[bool] = False
+
+    def needs_optional_pass(self, corrupted) -> bool:
+        """Whether this corrupted batch runs the optional pass."""
+        return False
+
+    def set_step_normalizers(self, held: list, sum_over_replicas) -> None:
+        """Set loss normalizers of the whole optimizer step on this step's corrupted batches ``held``, beyond the
+        supervised-token count the trainer sums (``sum_over_replicas(float) -> float``); none by default."""
 
     # --- corruption --------------------------------------------------------------------------
     def corrupt(self, batch: Mapping[str, torch.Tensor], *, seed: int, step: int) -> CorruptedBatch:

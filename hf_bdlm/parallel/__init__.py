@@ -5,16 +5,17 @@
 - :mod:`.plan`: pure functions of a layout and a sequence length: which rows each rank holds;
 - :mod:`.groups`: the process groups of a rank and the cached, agreed plan of each batch;
 - :mod:`.collectives`, :mod:`.ring`: communication whose results exist only after their wait;
-- :mod:`.sharded`: the ``cp`` / ``bp`` / ``csbp`` attention of one rank;
-- :mod:`.diffusion_gemma`: the same for DiffusionGemma's encoder-decoder (clean rows, canvas blocks);
+- :mod:`.engine`: the exchange of K/V between the ranks of a group (all-gather, halo all-to-all, ring), written
+  once for every layout;
+- :mod:`.sharded`: the ``cp`` / ``bp`` / ``csbp`` layout of one rank for the vectorized ``[noisy ; clean]`` batch
+  (a model family with another batch layout builds its own on the same plan and engine: ``hf_bdlm.models``);
 - :mod:`.plugin`: the trainer's side (data sharding, reductions).
 """
 
 from .collectives import ByteMeter, CollectiveTimeout, CommContext
-from .diffusion_gemma import ShardedDiffusionGemmaLayout
 from .dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
 from .groups import BlockParallelGroups, verify_plan_agreement
-from .plan import GroupPlan, PlanConfig, RankPlan, make_plan, required_multiple
+from .plan import GroupPlan, PlanConfig, RankPlan, make_plan
 from .plugin import BlockParallelPlugin
 from .sharded import ShardedLayout
 
@@ -31,9 +32,7 @@ __all__ = [
     "ParallelDims",
     "PlanConfig",
     "RankPlan",
-    "ShardedDiffusionGemmaLayout",
     "ShardedLayout",
     "make_plan",
-    "required_multiple",
     "verify_plan_agreement",
 ]

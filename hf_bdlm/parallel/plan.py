@@ -44,8 +44,8 @@ Every row's loss must count once per group, but ``bp`` and hybrid ``csbp`` compu
 rows on several ranks. :attr:`RankPlan.loss_clean_positions` names the clean positions whose
 loss a rank counts: the positions of its own noisy blocks (``cp``: its own clean chunk).
 
-**Noisy rows on a subset of the blocks** (``PlanConfig.noisy_blocks``; DiffusionGemma, whose
-decoder denoises only the response blocks of a frame: :mod:`hf_bdlm.parallel.diffusion_gemma`).
+**Noisy rows on a subset of the blocks** (``PlanConfig.noisy_blocks``; an encoder-decoder family whose
+decoder denoises only the response blocks of a frame: its own layout, under ``hf_bdlm/models/``).
 The clean stream is laid out as above over all ``N`` blocks (``cp`` as ``csbp`` with ``C = P``:
 an encoder-decoder has two passes, each balanced on its own, so both are cut head-tail). The
 subset is dealt as if it were a sequence of its own: the plan of ``len(noisy_blocks)`` blocks in
@@ -75,15 +75,6 @@ from .dims import MODES, SCHEDULES, Mode, ParallelDims, Schedule  # noqa: F401  
 Range = tuple[int, int]
 
 
-def required_multiple(
-    mode: str, block_size: int, group_size: int, clean_ring_size: int | None = None, schedule: str = "dual_end"
-) -> int:
-    """The multiple of which ``seq_len`` must be for a layout: pad sequences to it (see
-    :meth:`ParallelDims.required_multiple <hf_bdlm.parallel.dims.ParallelDims.required_multiple>`)."""
-    dims = ParallelDims(group_size, clean_ring_size, mode, schedule)
-    return dims.block_multiple()[0] * block_size
-
-
 @dataclass(frozen=True)
 class PlanConfig:
     """The plan of one batch: a group's declared layout applied to sequences of one length.
@@ -94,7 +85,7 @@ class PlanConfig:
         seq_len (`int`): sequence length ``L`` (a multiple of ``dims.block_multiple()`` blocks).
         block_size (`int`): diffusion block size ``B``.
         noisy_blocks (`tuple[int, ...]`, *optional*): the blocks that have noisy rows, ascending
-            (DiffusionGemma's canvas blocks); ``None``: every block. Their number must be a
+            (an encoder-decoder's canvas blocks); ``None``: every block. Their number must be a
             multiple of :func:`noisy_subset_multiple`.
 
     What the sequence must satisfy under the layout is checked here, at construction, naming the values and the fix;
@@ -183,7 +174,8 @@ def noisy_subset_multiple(dims: ParallelDims) -> int:
 
 
 def subset_sequence_multiple(dims: ParallelDims, block_size: int) -> int:
-    """The multiple a sequence (DiffusionGemma's frame) is padded to when its noisy rows cover a subset of blocks."""
+    """The multiple a sequence (an encoder-decoder's frame) is padded to when its noisy rows cover a subset of
+    blocks."""
     return _subset_rows_dims(dims).required_multiple(block_size)
 
 

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ..attention.interface import LocalLayout
-from .diffusion_gemma import diffusion_gemma_layout
 from .dims import Mode, ParallelDims, Schedule, Transport
 from .groups import BlockParallelGroups
 from .plan import PlanConfig
@@ -242,11 +241,11 @@ class BlockParallelPlugin:
                 self._layouts[key] = found
         return found
 
-    def diffusion_gemma_layout(self, frame, backend: str):
-        """DiffusionGemma's rows of this rank for one batch (its canvas frame): a
-        :class:`~.diffusion_gemma.ShardedDiffusionGemmaLayout`, or with ``P = 1`` the whole frame."""
+    def sharding_groups(self) -> BlockParallelGroups | None:
+        """The groups this rank shares its batch with, for a model family that builds its own sharded layout
+        (``hf_bdlm.models``); ``None`` when the batch is not sharded (``P = 1``)."""
         self._check_ready()
-        return diffusion_gemma_layout(frame, self.groups if self.is_active else None, backend)
+        return self.groups if self.is_active else None
 
     # --- reductions ----------------------------------------------------------------------------
     def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:

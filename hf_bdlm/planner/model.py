@@ -36,6 +36,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from ..models import family_for_model_type
+
 
 @dataclass(frozen=True)
 class AttentionShape:
@@ -189,10 +191,10 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
     overrides = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
     global_dim = _get(cfg, "global_head_dim", default=head_dim)
     global_kv = _get(cfg, "num_global_key_value_heads", default=kv)
-    # Global layers share K and V when the config says so (Gemma 4's attention_k_eq_v; DiffusionGemma's text config
-    # has no such field and its global layers have no v_proj).
-    diffusion_gemma = "diffusion_gemma" in str(outer.get("model_type", ""))
-    k_eq_v = bool(cfg.get("attention_k_eq_v", diffusion_gemma))
+    # What the model's family adds to the decoder config (hf_bdlm.models: ModelFamily.cost_traits). Global layers
+    # share K and V when the config says so (Gemma 4's attention_k_eq_v), else as the family's models do.
+    traits = family_for_model_type(outer.get("model_type")).cost_traits(cfg)
+    k_eq_v = bool(cfg.get("attention_k_eq_v", traits["k_eq_v"]))
     layers = []
     for i, t in enumerate(types):
         if i in overrides:
@@ -220,13 +222,13 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
         intermediate = intermediate if cfg.get("enable_moe_block") else _get(
             cfg, "shared_expert_intermediate_size", default=0)
     B = block_size or _get(outer, "block_size", "canvas_length", default=32)
-    clean = outer.get("clean_attention") or ("causal" if diffusion_gemma else "block_causal")
-    convention = outer.get("sliding_window_convention") or ("block_start" if diffusion_gemma else "per_query")
+    clean = outer.get("clean_attention") or traits["clean_attention"]
+    convention = outer.get("sliding_window_convention") or traits["window_convention"]
     return ModelSpec(name=name, hidden=h, vocab=cfg["vocab_size"], layers=layers, intermediate=intermediate,
                      num_experts=experts, top_k=top_k, moe_intermediate=moe_i,
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), block_size=B,
-                     clean_attention=clean, window_convention=convention, head_on_clean=diffusion_gemma,
-                     extra_params=3 * h * _get(cfg, "intermediate_size", default=0) + h if diffusion_gemma else 0)
+                     clean_attention=clean, window_convention=convention, head_on_clean=traits["head_on_clean"],
+                     extra_params=traits["extra_params"])
 
 
 def _gemma_layer_types(n: int, pattern: int = 6) -> list[str]:

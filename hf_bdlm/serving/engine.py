@@ -46,10 +46,13 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, name: str | None = None, dtype: torch.dtype | None = None,
                         device: str | None = None, block_size: int = 32) -> "Engine":
-        """Load a BDLM checkpoint folder; a causal-LM folder (or `embedded:smollm2`) is converted on the fly."""
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
+        """Load a checkpoint folder through its model family (``hf_bdlm.models``); a causal-LM folder (or
+        `embedded:smollm2`) is converted on the fly."""
+        from transformers import AutoConfig
 
         import hf_bdlm  # noqa: F401  (registers the Auto classes)
+
+        from ..models import family_for_config
 
         path = str(path)
         if path == "embedded:smollm2":
@@ -59,19 +62,8 @@ class Engine:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model folder {path!r} does not exist (pass a saved checkpoint folder).")
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        if AutoConfig.from_pretrained(path).model_type == "block_diffusion":
-            model = AutoModel.from_pretrained(path, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        else:
-            from ..conversion import convert_causal_lm
-            from transformers import AutoModelForCausalLM
-
-            logger.warning("%s is a causal LM: converting it to a block diffusion LM (block size %d, no training)",
-                           path, block_size)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            causal = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            model, tokenizer = convert_causal_lm(causal, tokenizer, block_size=block_size)
-            model.generation_config.eos_token_id = causal.generation_config.eos_token_id
+        config = AutoConfig.from_pretrained(path)
+        model, tokenizer = family_for_config(config).load_for_serving(path, config, kwargs, block_size)
         if device:
             model = model.to(device)
         return cls(model, tokenizer, name or Path(path).name)

@@ -196,7 +196,7 @@ class BlockAlignedCollator:
             Diffusion block size; each sequence is right-padded to a multiple of it.
         pad_to_multiple_of (`int`, *optional*):
             Pad the batch length to a multiple of this instead (a multiple of `block_size`): block-parallel layouts
-            need `P * B` or `2 * P * B` (see `hf_bdlm.parallel.plan.required_multiple`).
+            need `P * B` or `2 * P * B` (see `hf_bdlm.parallel.dims.ParallelDims.required_multiple`).
 
     An empty list of rows (a data-parallel replica whose share of the last global batch is empty) gives a batch of
     one all-pad row with `sample_ids = -1` and nothing supervised: the trainer runs it for a zero contribution, so

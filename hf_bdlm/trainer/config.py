@@ -17,8 +17,7 @@ import torch
 from trl import SFTConfig
 
 from ..configuration import check_diffusion_fields
-from ..objectives import OBJECTIVE_CLASSES, PLANNED_OBJECTIVES
-from ..objectives.diffusion_gemma import MODEL_PREDICTION_TYPES
+from ..models import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_named
 from ..parallel.dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
@@ -193,34 +192,25 @@ class BDLMSFTConfig(SFTConfig):
         if self.objective in PLANNED_OBJECTIVES:
             raise ValueError(
                 f"objective={self.objective!r} is planned but not implemented yet; available now: "
-                f"{sorted(OBJECTIVE_CLASSES)}."
+                f"{sorted(all_objectives())}."
             )
         check_diffusion_fields(block_size=self.block_size, objective=self.objective,
-                               objectives=tuple(sorted(OBJECTIVE_CLASSES)), noise_eps_min=self.noise_eps_min,
+                               objectives=tuple(sorted(all_objectives())), noise_eps_min=self.noise_eps_min,
                                noise_eps_max=self.noise_eps_max, loss_weighting=self.loss_weighting,
                                attention_backend=self.attention_backend)
-        self._check_diffusion_gemma_fields()
+        self._check_family_fields()
 
-    def _check_diffusion_gemma_fields(self) -> None:
-        fields = {"self_conditioning_prob": self.self_conditioning_prob, "ar_loss_weight": self.ar_loss_weight,
-                  "model_prediction_type": self.model_prediction_type, "freeze_router": self.freeze_router}
-        given = sorted(k for k, v in fields.items() if v is not None)
-        if given and self.objective not in (None, "diffusion_gemma"):
-            raise ValueError(f"{given} apply to objective='diffusion_gemma' only, got objective={self.objective!r}.")
-        if self.objective == "diffusion_gemma" and self.loss_weighting is not None:
-            raise ValueError(
-                f"loss_weighting={self.loss_weighting!r} does not apply to objective='diffusion_gemma' (a flat "
-                "cross-entropy over the canvas); leave it unset."
-            )
-        p = self.self_conditioning_prob
-        if p is not None and not 0.0 <= p <= 1.0:
-            raise ValueError(f"self_conditioning_prob must lie in [0, 1], got {p!r}.")
-        if self.ar_loss_weight is not None and self.ar_loss_weight < 0:
-            raise ValueError(f"ar_loss_weight must be >= 0, got {self.ar_loss_weight!r}.")
-        if self.model_prediction_type is not None and self.model_prediction_type not in MODEL_PREDICTION_TYPES:
-            raise ValueError(
-                f"model_prediction_type must be one of {MODEL_PREDICTION_TYPES}, got {self.model_prediction_type!r}."
-            )
+    def _check_family_fields(self) -> None:
+        """Fields that only one model family's objectives read are rejected with another objective; the family checks
+        their values (``ModelFamily.check_args``)."""
+        for entry in REGISTRY:
+            family = family_named(entry.name)
+            given = sorted(name for name in family.config_fields if getattr(self, name) is not None)
+            if given and self.objective is not None and self.objective not in family.objectives:
+                names = " or ".join(f"objective={o!r}" for o in family.objectives)
+                raise ValueError(f"{given} apply to {names} only, got objective={self.objective!r}.")
+            if given or self.objective in family.objectives:
+                family.check_args(self)
 
     def _check_data_fields(self) -> None:
         if self.overlong_samples not in OVERLONG_POLICIES:

@@ -9,13 +9,12 @@ transformers' own. One optimizer step:
    depend on how the step's global batch is split over block-parallel ranks, data-parallel replicas or
    accumulation micro-batches. The supervised-token count of the whole optimizer step becomes the loss
    normalizer (as TRL does with ``num_items_in_batch``): the step's gradient is that of one big batch.
-2. ``compute_loss``: with ``block_parallel_size > 1`` the rank runs only its rows of the layout
-   (:class:`~hf_bdlm.parallel.ShardedLayout`; DiffusionGemma:
-   :class:`~hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`) and scores the targets it owns; the loss
-   is scaled by the world size so that DDP's / FSDP2's mean over ranks is the single-device gradient. DiffusionGemma's
-   step runs the encoder and decoder itself, so it runs as the forward of a :class:`~.step.TrainingStep`, which is
-   what Accelerate prepares (DDP, autocast) in its place, and under FSDP2 the root unit
-   (:func:`~.fsdp.shard_diffusion_gemma`: the tied encoder/decoder layer pairs are the units below it).
+2. ``compute_loss``: the model's family (``hf_bdlm.models``) gives the rows this rank runs for the batch (its
+   layout, sharded by the block-parallel plugin) and the loss of the targets it owns; the loss is scaled by the world
+   size so that DDP's / FSDP2's mean over ranks is the single-device gradient. A family whose objective drives the
+   model's parts itself (``owns_step``) runs as the forward of a :class:`~hf_bdlm.models.step.TrainingStep`, which is
+   what Accelerate prepares (DDP, autocast) in its place, and under FSDP2 the root unit (the family's own units
+   below it: :meth:`~hf_bdlm.models.ModelFamily.shard_fsdp`).
 3. Logged ``loss`` and ``mean_token_accuracy`` are those of the whole global batch: the same numbers
    whatever the parallel layout.
 
@@ -46,9 +45,9 @@ from transformers.trainer_utils import has_length
 from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
-from ..diffusion_gemma import canvas_length, is_diffusion_gemma
-from ..modeling import BlockDiffusionForMaskedLM
-from ..objectives import DiffusionGemmaObjective, Objective, supervised_mask
+from ..models import ModelFamily, family_for_model
+from ..models.step import TrainingStep
+from ..objectives import Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
 from .config import BDLMSFTConfig
@@ -56,6 +55,7 @@ from .fsdp import (
     fsdp_request,
     full_model_state_dict,
     full_optimizer_state_dict,
+    fully_shard_kwargs,
     hidden_from_accelerate,
     is_sharded_checkpoint,
     load_full_checkpoint,
@@ -64,7 +64,6 @@ from .fsdp import (
     load_sharded_optimizer,
     save_sharded_model,
     save_sharded_optimizer,
-    shard_diffusion_gemma,
     shard_model,
     state_dict_type,
 )
@@ -73,11 +72,9 @@ from .inputs import (
     check_dataset_format,
     check_lora_targets,
     check_peft_config,
-    configure_objective,
     dataset_name,
     load_diffusion_model,
 )
-from .step import TrainingStep, run_step
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +138,13 @@ class BDLMSFTTrainer(SFTTrainer):
             check_dataset_format(dataset, args, formatting_func, name)
         peft_config = check_peft_config(peft_config)
 
-        model, processing_class, self._base_model_name = load_diffusion_model(model, processing_class, args)
-        diffusion = _diffusion_model(model)
+        model, processing_class, self._base_model_name, family = load_diffusion_model(model, processing_class, args)
+        self.family: ModelFamily = family
         if peft_config is not None:
-            check_lora_targets(peft_config, diffusion)
-        self.objective: Objective = configure_objective(diffusion, args, getattr(processing_class, "tokenizer",
-                                                                                 processing_class))
-        self.block_size = canvas_length(diffusion) if is_diffusion_gemma(diffusion) else diffusion.config.block_size
+            check_lora_targets(peft_config, model)
+        self.objective: Objective = family.configure(model, args, getattr(processing_class, "tokenizer",
+                                                                          processing_class))
+        self.block_size = family.block_size(model)
         if (args.packing or args.eval_packing) and args.max_length % self.block_size:
             raise ValueError(
                 f"with packing=True, max_length={args.max_length} must be a multiple of the block size "
@@ -173,10 +170,10 @@ class BDLMSFTTrainer(SFTTrainer):
         elif eval_dataset is not None:
             eval_dataset = add_sample_ids(eval_dataset, "eval")
 
-        self._fsdp_step: TrainingStep | None = None  # DiffusionGemma under FSDP2: the root unit the step runs through
+        self._fsdp_step: TrainingStep | None = None  # a family owning its step, under FSDP2: the root unit
         self.data_report: dict[str, dict] = {}
         self.model_card_info: dict[str, Any] = {"dataset": dataset_name(train_dataset)}
-        if isinstance(self.objective, DiffusionGemmaObjective):
+        if self.objective.card_settings():  # settings the saved config does not record
             self.model_card_info["training"] = self.objective.card_settings()
         self._pack = {"train": args.packing, "eval": args.packing if args.eval_packing is None else args.eval_packing}
         # TRL's packing is token-level (documents not block-aligned) and forces its padding-free collator; ours
@@ -223,10 +220,11 @@ class BDLMSFTTrainer(SFTTrainer):
                 "FSDP2 was requested (fsdp / fsdp_config, or an accelerate FSDP config) but this is a single process: "
                 "launch at least 2 processes with torchrun or accelerate launch, or remove the FSDP setting."
             )
-        if isinstance(self.objective, DiffusionGemmaObjective):
-            # The step runs the encoder and decoder itself: the FSDP2 root is the TrainingStep it runs through, the
-            # units are the tied encoder/decoder layer pairs (hf_bdlm.trainer.fsdp.shard_diffusion_gemma).
-            self._fsdp_step, units = shard_diffusion_gemma(self.model, plugin.groups.world_mesh, self.fsdp2)
+        kwargs = fully_shard_kwargs(self.model, plugin.groups.world_mesh, self.fsdp2)
+        own = self.family.shard_fsdp(self.model, kwargs, self.fsdp2)
+        if own is not None:
+            # The family's own units; the FSDP2 root is the TrainingStep its objective runs through.
+            self._fsdp_step, units = own
             self.model_wrapped = self._fsdp_step
             described = f"{len(units)} units ({', '.join(units[:2])}{', ...' if len(units) > 2 else ''})"
         else:
@@ -409,12 +407,11 @@ class BDLMSFTTrainer(SFTTrainer):
             batch[CORRUPTED_KEY] = corrupted
             normalizer += 0.0 if corrupted is None else corrupted.normalizer
         total = torch.tensor(normalizer, dtype=torch.float64, device=self.args.device)
-        if isinstance(self.objective, DiffusionGemmaObjective):  # its encoder's next-token loss has its own normalizer
-            held = [b[CORRUPTED_KEY] for b in batches if b[CORRUPTED_KEY] is not None]
-            pairs = torch.tensor(sum(c.ar_normalizer for c in held), dtype=torch.float64, device=self.args.device)
-            step_pairs = self.plugin.sum_over_replicas(pairs).item()
-            for c in held:
-                c.ar_step_normalizer = step_pairs
+        # Objectives with a second loss term normalized over the step (an encoder's next-token loss) sum it too.
+        self.objective.set_step_normalizers([b[CORRUPTED_KEY] for b in batches if b[CORRUPTED_KEY] is not None],
+                                            lambda value: self.plugin.sum_over_replicas(
+                                                torch.tensor(value, dtype=torch.float64, device=self.args.device)
+                                            ).item())
         return batches, self.plugin.sum_over_replicas(total).item()
 
     def _corrupt(self, batch, step: int):
@@ -428,25 +425,18 @@ class BDLMSFTTrainer(SFTTrainer):
         corrupted = inputs.pop(CORRUPTED_KEY, _MISSING)
         if corrupted is _MISSING:
             corrupted = self._corrupt(inputs, step=self.state.global_step if mode == "train" else 0)
-        self_conditioning = self._agreed_self_conditioning_pass(corrupted)
+        optional_pass = self._agreed_optional_pass(corrupted)
         if corrupted is None:
-            loss = self._zero_loss(model, inputs, bool(self_conditioning))
+            loss = self.family.zero_loss(self._step_runner(model), self.model, self.objective, inputs,
+                                         optional_pass=optional_pass)
             self._record(mode, None, inputs)
             return (loss, None) if return_outputs else loss
         if mode == "train" and num_items_in_batch is not None:
             corrupted = replace(corrupted, normalizer=max(float(num_items_in_batch), 1.0))
-        if isinstance(self.objective, DiffusionGemmaObjective):  # runs transformers' encoder-decoder itself
-            # The same step on every rank, P = 1 included; in training through the TrainingStep DDP wraps (under FSDP2
-            # always through the root TrainingStep).
-            layout = self.plugin.diffusion_gemma_layout(corrupted.frame, self.objective.attention_backend)
-            loss, metrics = run_step(self._step_runner(model), self.objective.loss, corrupted, layout,
-                                     self_conditioning_pass=self_conditioning)
-        else:
-            # The same step on every rank, P = 1 included: the rows of this rank's layout, the targets it owns.
-            diffusion = _diffusion_model(self.model)
-            layout = self.plugin.layout(corrupted.seq_len, self.block_size, diffusion.mask_rule(),
-                                        diffusion.config.attention_backend, corrupted.document_ids)
-            loss, metrics = self.objective.loss(model, corrupted, layout, scorer=diffusion)
+        # The same step on every rank, P = 1 included: the rows of this rank's layout, the targets it owns.
+        layout = self.family.layout(self.plugin, self.model, self.objective, corrupted)
+        loss, metrics = self.family.loss(self._step_runner(model), self.model, self.objective, corrupted, layout,
+                                         optional_pass=optional_pass)
         self._record(mode, metrics, inputs)
         if mode == "train":
             # Each rank holds the loss of its own rows of the global batch; DDP / FSDP2 average over all ranks.
@@ -456,42 +446,32 @@ class BDLMSFTTrainer(SFTTrainer):
         return (loss, None) if return_outputs else loss
 
     def _step_runner(self, model):
-        """What DiffusionGemma's step runs through: under FSDP2 always the root TrainingStep (its forward gathers the
-        root's parameters; evaluation too), else the model the Trainer passes (DDP-wrapped step, or the model)."""
+        """What the step runs through: under FSDP2 with a family's own root, always that TrainingStep (its forward
+        gathers the root's parameters; evaluation too), else the model the Trainer passes (DDP-wrapped, or not)."""
         return self._fsdp_step if self._fsdp_step is not None else model
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
-        # DiffusionGemma's step is not the model's forward: the forward Accelerate prepares (DDP, autocast) is a
-        # TrainingStep around the model (hf_bdlm/trainer/step.py); the model itself is still what is saved. Under
-        # FSDP2 that TrainingStep is the root unit, built when the model was sharded.
+        # A family owning its step does not train through the model's forward: the forward Accelerate prepares (DDP,
+        # autocast) is a TrainingStep around the model (hf_bdlm/models/step.py); the model itself is still what is
+        # saved. Under FSDP2 that TrainingStep is the root unit, built when the model was sharded.
         if training and self._fsdp_step is not None:
             return self._fsdp_step
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        if training and isinstance(self.objective, DiffusionGemmaObjective) and unwrapped is model:
+        if training and self.family.owns_step and unwrapped is model:
             if not isinstance(model, TrainingStep):
                 return self.accelerator.prepare_model(TrainingStep(model))
         return super()._wrap_model(model, training, dataloader)
 
-    def _agreed_self_conditioning_pass(self, corrupted) -> bool | None:
-        """Whether DiffusionGemma's step runs its self-conditioning decoder pass, when every rank must agree: under
-        FSDP2 each call of a layer gathers its unit over the whole world, so data-parallel replicas (each its own
-        batch, self-conditioning drawn per sample) run the pass when any of them needs it. ``None``: each batch
-        decides (DDP; FSDP2 with one block-parallel group, whose ranks share the batch)."""
-        if (self._fsdp_step is None or self.plugin.data_parallel_size == 1
-                or self.objective.self_conditioning_prob == 0):
+    def _agreed_optional_pass(self, corrupted) -> bool | None:
+        """Whether the step runs its objective's optional pass (e.g. a self-conditioning decoder pass), when
+        every rank must agree: under FSDP2 each call of a layer gathers its unit over the whole world, so data-parallel
+        replicas (each its own batch, the pass drawn per sample) run it when any of them needs it. ``None``: each batch
+        decides (DDP; FSDP2 with one block-parallel group, whose ranks share the batch; no optional pass)."""
+        if self._fsdp_step is None or self.plugin.data_parallel_size == 1 or not self.objective.has_optional_pass:
             return None
-        local = corrupted is not None and bool(corrupted.self_conditioning.any())
+        local = corrupted is not None and self.objective.needs_optional_pass(corrupted)
         flag = torch.tensor([float(local)], device=self.args.device)
         return bool(self.plugin.sum_over_world(flag).item() > 0)
-
-    def _zero_loss(self, model, inputs, self_conditioning_pass: bool = False):
-        """A zero reaching every parameter: DDP's hooks fire as on ranks with targets."""
-        if isinstance(self.objective, DiffusionGemmaObjective):
-            return run_step(self._step_runner(model), self.objective.zero_loss, inputs,
-                            self_conditioning_pass=self_conditioning_pass)
-        ids = inputs["input_ids"]
-        hidden = model(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
-        return (hidden.sum() + _diffusion_model(self.model).lm_logits(hidden[:, :1]).sum()) * 0.0
 
     def _record(self, mode: str, metrics, inputs) -> None:
         """Add this micro-batch's metric sums, summed over every rank, to the logging window."""
@@ -581,7 +561,7 @@ class BDLMSFTTrainer(SFTTrainer):
         return info
 
     def _write_model_card(self, output_dir: str) -> None:
-        # The card is rendered by hf_bdlm.hub.write_model_card (template in model_cards/); without that module,
+        # The card is rendered by hf_bdlm.hub.write_model_card (the model family's template); without that module,
         # TRL's card from create_model_card is what a checkpoint carries.
         writer = _hub_model_card_writer()
         # A PEFT checkpoint holds only the adapter (no config.json): the card describes full models.
@@ -622,11 +602,3 @@ def _as_bdlm_config(args, model) -> BDLMSFTConfig:
 def _torch_optimizer(optimizer):
     """The ``torch.optim`` optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
-
-
-def _diffusion_model(model) -> BlockDiffusionForMaskedLM:
-    """The BlockDiffusionForMaskedLM (or transformers' DiffusionGemmaForBlockDiffusion) inside wrappers (PEFT)."""
-    inner = model.get_base_model() if is_peft_model(model) else model
-    if not isinstance(inner, BlockDiffusionForMaskedLM) and not is_diffusion_gemma(inner):
-        raise TypeError(f"expected a BlockDiffusionForMaskedLM (possibly inside PEFT), got {type(inner).__name__}.")
-    return inner

@@ -2,7 +2,7 @@
 
 The model is transformers' ``DiffusionGemmaForBlockDiffusion`` (a causal encoder reads clean tokens into a KV cache,
 a bidirectional decoder denoises canvases of ``canvas_length`` = B tokens over it); the attention glue and the frame
-are in :mod:`hf_bdlm.diffusion_gemma`. Per sample (per document of a packed row):
+are in :mod:`hf_bdlm.models.diffusion_gemma.modeling`. Per sample (per document of a packed row):
 
 - the response is the last contiguous supervised span (earlier assistant turns are context, as in TRL's reference
   recipe); it is cut into canvas blocks of B tokens starting at its first token; the last block is filled with the
@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..diffusion_gemma import (
+from .modeling import (
     CanvasFrame,
     DiffusionGemmaLayout,
     build_canvas_frame,
@@ -59,8 +59,8 @@ from ..diffusion_gemma import (
     softcapped_logits,
     unwrap_diffusion_gemma,
 )
-from .base import Objective, supervised_mask
-from .noise import hash_uniform
+from ...objectives.base import Objective, supervised_mask
+from ...objectives.noise import hash_uniform
 
 MODEL_PREDICTION_TYPES = ("mean", "mean_loo")
 DEFAULT_NOISE_EPS = 1e-4
@@ -76,7 +76,7 @@ class DiffusionGemmaBatch:
     """A corrupted DiffusionGemma batch.
 
     Args:
-        frame (:class:`~hf_bdlm.diffusion_gemma.CanvasFrame`): rows, clean canvas targets, next-token pairs.
+        frame (:class:`~hf_bdlm.models.diffusion_gemma.modeling.CanvasFrame`): rows, clean canvas targets, next-token pairs.
         noisy_ids (`torch.LongTensor` of shape `[b, Nc]`): the corrupted canvases (the decoder's input).
         canvas_t (`torch.DoubleTensor` of shape `[b, Nc]`): corruption rate of each canvas token's block.
         self_conditioning (`torch.BoolTensor` of shape `[b]`): samples conditioned on a first pass.
@@ -121,7 +121,7 @@ class DiffusionGemmaObjective(Objective):
         loss_chunk_size (`int`, defaults to 8192): rows per LM-head call (chunks recomputed in backward).
         pad_to_multiple_of (`int`, *optional*): frame length multiple (parallel layouts).
         canvas_blocks_multiple_of (`int`, *optional*): canvas blocks padded to a multiple of this count (parallel
-            layouts deal them in equal shares; see `hf_bdlm.parallel.diffusion_gemma.frame_padding`).
+            layouts deal them in equal shares; see `hf_bdlm.models.diffusion_gemma.sharded.frame_padding`).
     """
 
     name = "diffusion_gemma"
@@ -208,6 +208,20 @@ class DiffusionGemmaObjective(Objective):
             "model_prediction_type": self.model_prediction_type,
         }
 
+    @property
+    def has_optional_pass(self) -> bool:
+        """The self-conditioning decoder pass runs for a sample with probability ``self_conditioning_prob``."""
+        return self.self_conditioning_prob > 0
+
+    def needs_optional_pass(self, corrupted: DiffusionGemmaBatch) -> bool:
+        return bool(corrupted.self_conditioning.any())
+
+    def set_step_normalizers(self, held: list, sum_over_replicas) -> None:
+        """The encoder's next-token loss is normalized by the next-token pairs of the whole optimizer step."""
+        step_pairs = sum_over_replicas(float(sum(c.ar_normalizer for c in held)))
+        for c in held:
+            c.ar_step_normalizer = step_pairs
+
     # --- corruption ---------------------------------------------------------------------------------------------
     def corrupt(self, batch: Mapping[str, torch.Tensor], *, seed: int, step: int) -> DiffusionGemmaBatch:
         if "input_ids" not in batch:
@@ -258,7 +272,7 @@ class DiffusionGemmaObjective(Objective):
         (twice for the samples that self-condition), the LM head only on scored rows.
 
         ``layout`` defaults to every row on this device (:meth:`DiffusionGemmaLayout.local`); a rank of a
-        block-parallel group passes its :class:`~hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`, and
+        block-parallel group passes its :class:`~hf_bdlm.models.diffusion_gemma.sharded.ShardedDiffusionGemmaLayout`, and
         the ranks' losses add up to the single-device loss. ``self_conditioning_pass`` (default: whether a sample
         self-conditions) runs the decoder's first pass or not; with ``True`` and no sample self-conditioning it runs
         and is discarded (FSDP2 with data-parallel replicas: every rank calls the decoder as often as the others).

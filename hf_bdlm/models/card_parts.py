@@ -1,6 +1,5 @@
-"""What the model cards of `card.py` (block-diffusion checkpoints) and `diffusion_gemma_card.py` (fine-tuned
-DiffusionGemma) share: the info dict's keys and checks, the label tables and the pieces of text read from a saved
-folder. It imports neither card module.
+"""What every model family's card (``hf_bdlm/models/*/card.py``) shares: the info dict's keys and checks, the label
+tables and the pieces of text read from a saved folder. It imports no family.
 """
 
 from __future__ import annotations

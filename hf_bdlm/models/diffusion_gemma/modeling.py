@@ -51,10 +51,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .attention.backends import attend
-from .attention.interface import bdlm_attention_forward
-from .attention.masks import CLEAN, NOISY, MaskRule
-from .attention.rows import RowMeta
+from ...attention.backends import attend
+from ...attention.interface import bdlm_attention_forward
+from ...attention.masks import CLEAN, NOISY, MaskRule
+from ...attention.rows import RowMeta
 
 ATTENTION_PREFIX = "bdlm_diffusion_gemma"
 # LoRA of the reference fine-tune: attention and dense-MLP linears of the encoder and decoder layers (separate adapters
@@ -484,7 +484,7 @@ class DiffusionGemmaLayout:
     ``attend`` is called by every attention module of the model (through the registered attention function): an
     encoder module attends its clean queries over the clean keys; a decoder module receives ``[clean ; canvas]`` keys
     (the cache, then its own) and attends its canvas queries over both sources. A block-parallel rank's layout
-    (:class:`hf_bdlm.parallel.diffusion_gemma.ShardedDiffusionGemmaLayout`) keeps this interface with only its rows:
+    (:class:`hf_bdlm.models.diffusion_gemma.sharded.ShardedDiffusionGemmaLayout`) keeps this interface with only its rows:
     the encoder runs over its clean rows (the cache holds their K/V, which its layout gathers over the clean ring),
     the decoder over its canvas blocks, and ``DiffusionGemmaObjective.loss`` scores what it counts
     (``clean_index`` / ``canvas_index`` / ``clean_loss_index``).

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 
-from .card_parts import (
+from ..card_parts import (
     METRIC_LABELS,
     OBJECTIVES,
     as_list,
@@ -29,7 +29,7 @@ from .card_parts import (
     unique,
 )
 
-TEMPLATE_FILE = "diffusion_gemma_model_card.md"
+TEMPLATE_FILE = "model_card.md"
 SETTING_LABELS = {
     "objective": "Objective",
     "canvas_length": "Canvas length",
@@ -41,7 +41,7 @@ SETTING_LABELS = {
 
 
 def template_text() -> str:
-    return importlib.resources.files("hf_bdlm.hub").joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
+    return importlib.resources.files(__package__).joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
 
 
 def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None) -> str:

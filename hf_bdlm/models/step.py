@@ -1,7 +1,8 @@
 """`TrainingStep`: a training step that is not the model's forward, as a module forward DDP and Accelerate see.
 
-DiffusionGemma's step (`hf_bdlm.objectives.diffusion_gemma`) calls the model's encoder and decoder itself (twice
-when it self-conditions) and its LM head on the scored rows only; it never calls the model's top-level forward. A
+A family that ``owns_step`` (`hf_bdlm.models.family`) trains with an objective that calls the model's parts itself
+(an encoder-decoder's: its encoder, its decoder once or twice, its LM head on the scored rows only) and never the
+model's top-level forward. A
 `DistributedDataParallel` wrapper synchronizes gradients only for a forward that went through it (its reducer
 expects the parameters' gradient hooks after its own forward), and Accelerate's mixed precision is an autocast
 around the model's forward, so both would miss such a step: silently unsynchronized gradients, silently float32.
@@ -13,9 +14,10 @@ under ``bf16``), and ``compute_loss`` calls ``model(objective.loss, corrupted, l
 reducer sees the step's graph, its ``no_sync`` covers gradient accumulation, and the loss each rank returns (scaled
 by the world size) averages to the single-device gradient. Saving, PEFT and generation keep using the model itself.
 
-Under FSDP2 the same module is the root unit (``hf_bdlm.trainer.fsdp.shard_diffusion_gemma``): its forward gathers the
-root's parameters (embeddings = LM head, final norm, self-conditioning) for the whole step, the layer pairs inside
-gather their own around each call, and training and evaluation both run through it.
+Under FSDP2 the same module is the root unit (the family's ``shard_fsdp``, e.g.
+the tied encoder/decoder layer pairs of an encoder-decoder): its forward gathers the root's parameters (e.g.
+embeddings = LM head, final norm) for the whole step, the units inside gather their own around each call, and
+training and evaluation both run through it.
 """
 
 from __future__ import annotations

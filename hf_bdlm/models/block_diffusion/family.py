@@ -1,0 +1,141 @@
+"""The block-diffusion family: causal LMs converted into `BlockDiffusionForMaskedLM` (Llama, Qwen, Gemma, ...).
+
+A checkpoint of this family has ``model_type: block_diffusion``; any other causal LM (object or folder) is converted
+on load (:func:`hf_bdlm.conversion.convert_causal_lm`). The run's diffusion fields (block size, objective, noise,
+attention backend) are written into the model's config, so the saved checkpoint records what it was trained with.
+Each batch is the vectorized ``[noisy ; clean]`` sequence, sharded by the block-parallel plugin
+(:class:`hf_bdlm.parallel.ShardedLayout`); the objective calls the model's forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ...configuration import TOKEN_SHIFT_OBJECTIVES, BlockDiffusionConfig
+from ...modeling import BlockDiffusionForMaskedLM
+from ...objectives import OBJECTIVE_CLASSES
+from ..family import ModelFamily
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONVERSION_BLOCK_SIZE = 32
+
+
+class BlockDiffusionFamily(ModelFamily):
+    name = "block_diffusion"
+    model_types = (BlockDiffusionConfig.model_type,)
+    objectives = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean")
+    converts_causal_lms = True
+
+    # --- recognising and loading -------------------------------------------------------------------------------
+    def claims_model(self, model) -> bool:
+        inner = _unwrapped(model)
+        return isinstance(inner, BlockDiffusionForMaskedLM)
+
+    def load(self, path, config, args, processing_class, init_kwargs):
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        if config.model_type == BlockDiffusionConfig.model_type:
+            return AutoModel.from_pretrained(path, **init_kwargs), processing_class
+        causal = AutoModelForCausalLM.from_pretrained(path, **init_kwargs)
+        return self._convert(causal, processing_class, args, path)
+
+    def load_for_serving(self, path, config, init_kwargs, block_size):
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if config.model_type == BlockDiffusionConfig.model_type:
+            return AutoModel.from_pretrained(path, **init_kwargs), tokenizer
+        from ...conversion import convert_causal_lm
+
+        logger.warning("%s is a causal LM: converting it to a block diffusion LM (block size %d, no training)", path,
+                       block_size)
+        causal = AutoModelForCausalLM.from_pretrained(path, **init_kwargs)
+        model, tokenizer = convert_causal_lm(causal, tokenizer, block_size=block_size)
+        model.generation_config.eos_token_id = causal.generation_config.eos_token_id
+        return model, tokenizer
+
+    def adopt(self, model, processing_class, args):
+        from transformers import PreTrainedModel
+
+        if self.claims_model(model):
+            return model, processing_class
+        if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None:
+            return self._convert(model, processing_class, args, type(model).__name__)
+        raise TypeError(
+            f"{type(model).__name__} is neither a model of a family hf_bdlm trains nor a causal LM with an LM head; "
+            "pass a model of a registered family (hf_bdlm.models.family_names()), a *ForCausalLM model to convert, "
+            "or a local checkpoint folder."
+        )
+
+    def _convert(self, causal, processing_class, args, source):
+        from ...conversion import convert_causal_lm
+
+        kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE, "seed": args.seed}
+        if args.objective is not None:
+            kwargs["objective"] = args.objective
+        if args.attention_backend is not None:
+            kwargs["attention_backend"] = args.attention_backend
+        model, processing_class = convert_causal_lm(causal, processing_class, **kwargs)
+        logger.info("converted causal LM %s into a block diffusion model (block size %d, mask token id %d)",
+                    source, model.config.block_size, model.config.mask_token_id)
+        return model, processing_class
+
+    def objective_class(self, name: str):
+        return OBJECTIVE_CLASSES[name]
+
+    # --- training ---------------------------------------------------------------------------------------------
+    def block_size(self, model) -> int:
+        return int(_unwrapped(model).config.block_size)
+
+    def configure(self, model, args, tokenizer):
+        """Apply the config's diffusion fields to the model's config and build the objective from it."""
+        cfg = _unwrapped(model).config
+        updates = {
+            "block_size": args.block_size,
+            "objective": args.objective,
+            "noise_eps_min": args.noise_eps_min,
+            "noise_eps_max": args.noise_eps_max,
+            "attention_backend": args.attention_backend,
+        }
+        if args.loss_weighting is not None and (args.objective or cfg.objective) not in TOKEN_SHIFT_OBJECTIVES:
+            updates["loss_weighting"] = args.loss_weighting
+        for name, value in updates.items():
+            if value is not None and getattr(cfg, name) != value:
+                logger.info("model config: %s %r -> %r (from BDLMSFTConfig)", name, getattr(cfg, name), value)
+                setattr(cfg, name, value)
+        cfg.validate_diffusion_fields()
+        return self.objective_class(cfg.objective).build(cfg)
+
+    def layout(self, plugin, model, objective, corrupted):
+        """This rank's rows of the vectorized batch (:meth:`BlockParallelPlugin.layout`)."""
+        inner = _unwrapped(model)
+        return plugin.layout(corrupted.seq_len, self.block_size(inner), inner.mask_rule(),
+                             inner.config.attention_backend, corrupted.document_ids)
+
+    def loss(self, runner, model, objective, corrupted, layout, optional_pass=None):
+        return objective.loss(runner, corrupted, layout, scorer=_unwrapped(model))
+
+    def zero_loss(self, runner, model, objective, inputs, optional_pass=None):
+        ids = inputs["input_ids"]
+        hidden = runner(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
+        return (hidden.sum() + _unwrapped(model).lm_logits(hidden[:, :1]).sum()) * 0.0
+
+    # --- the hub ----------------------------------------------------------------------------------------------
+    def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
+        from .card import render_block_diffusion_card
+
+        return render_block_diffusion_card(directory, config, info)
+
+
+def _unwrapped(model):
+    """The model inside PEFT / DDP wrappers."""
+    from accelerate.utils import is_peft_model
+
+    inner = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, a TrainingStep
+        inner = inner.module
+    return inner.get_base_model() if is_peft_model(inner) else inner

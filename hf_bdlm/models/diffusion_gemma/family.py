@@ -1,0 +1,165 @@
+"""The DiffusionGemma family: transformers' `DiffusionGemmaForBlockDiffusion`, fine-tuned as it is.
+
+The checkpoint stays a plain transformers DiffusionGemma one (the objective's settings go to the model card, not to
+its config). What this family brings to the trainer: the `diffusion_gemma` objective built from the model, its
+tokenizer and the run's arguments (:meth:`DiffusionGemmaFamily.configure`); the canvas-frame layout of each batch,
+sharded by the block-parallel plugin (:mod:`.sharded`); a step that drives the encoder and decoder itself (through a
+:class:`~hf_bdlm.models.step.TrainingStep`); FSDP2 units that keep the tied encoder/decoder layers together
+(:mod:`.fsdp`); LoRA's reference targets; and its model card (:mod:`.card`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from ..family import ModelFamily
+from ..step import run_step
+from .modeling import (
+    DIFFUSION_GEMMA_LORA_TARGETS,
+    diffusion_gemma_class,
+    unwrap_diffusion_gemma,
+    use_block_diffusion_attention,
+)
+from .objective import DEFAULT_NOISE_EPS, MODEL_PREDICTION_TYPES, DiffusionGemmaObjective
+
+# The objective feeds text only: the vision tower never gets a gradient (frozen, so that DDP expects none).
+VISION_PARAMETER_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+# BDLMSFTConfig fields that only this family's objective reads, with their defaults.
+OBJECTIVE_DEFAULTS = {"noise_eps_min": DEFAULT_NOISE_EPS, "noise_eps_max": 1.0 - DEFAULT_NOISE_EPS,
+                      "self_conditioning_prob": 0.5, "ar_loss_weight": 1.0, "model_prediction_type": "mean",
+                      "attention_backend": "blockwise"}
+
+
+class DiffusionGemmaFamily(ModelFamily):
+    name = "diffusion_gemma"
+    model_types = ("diffusion_gemma",)
+    objectives = ("diffusion_gemma",)
+    owns_step = True
+    config_fields: ClassVar[tuple[str, ...]] = ("self_conditioning_prob", "ar_loss_weight", "model_prediction_type",
+                                                "freeze_router")
+
+    # --- recognising and loading -------------------------------------------------------------------------------
+    def claims_model(self, model) -> bool:
+        return unwrap_diffusion_gemma(model) is not None
+
+    def load(self, path, config, args, processing_class, init_kwargs):
+        return diffusion_gemma_class().from_pretrained(path, **init_kwargs), processing_class
+
+    def objective_class(self, name: str):
+        return DiffusionGemmaObjective
+
+    def check_args(self, args) -> None:
+        """The fields only this objective reads, and the distribution it supports (DDP, FSDP2, block parallelism;
+        not DeepSpeed)."""
+        if args.objective in self.objectives and args.loss_weighting is not None:
+            raise ValueError(
+                f"loss_weighting={args.loss_weighting!r} does not apply to objective='diffusion_gemma' (a flat "
+                "cross-entropy over the canvas); leave it unset."
+            )
+        p = args.self_conditioning_prob
+        if p is not None and not 0.0 <= p <= 1.0:
+            raise ValueError(f"self_conditioning_prob must lie in [0, 1], got {p!r}.")
+        if args.ar_loss_weight is not None and args.ar_loss_weight < 0:
+            raise ValueError(f"ar_loss_weight must be >= 0, got {args.ar_loss_weight!r}.")
+        if args.model_prediction_type is not None and args.model_prediction_type not in MODEL_PREDICTION_TYPES:
+            raise ValueError(
+                f"model_prediction_type must be one of {MODEL_PREDICTION_TYPES}, got {args.model_prediction_type!r}."
+            )
+
+    # --- training ---------------------------------------------------------------------------------------------
+    def block_size(self, model) -> int:
+        return int(unwrap_diffusion_gemma(model).config.canvas_length)
+
+    def configure(self, model, args, tokenizer):
+        """The `diffusion_gemma` objective for the model, from the config's fields.
+
+        The canvas length is the model's; the fill token is the tokenizer's EOS (else the model's first EOS id); a
+        response that does not end with an EOS id of the tokenizer, the text config or the generation config counts
+        as truncated (its fill is not supervised). With `freeze_router` (default) the MoE routers stop training. The
+        model's attention is routed through hf_bdlm when a layout is passed (``generate`` is unchanged).
+        """
+        from .sharded import frame_padding
+
+        dg = unwrap_diffusion_gemma(model)
+        canvas = dg.config.canvas_length
+        if args.block_size is not None and args.block_size != canvas:
+            raise ValueError(
+                f"block_size={args.block_size} differs from the DiffusionGemma model's canvas_length={canvas} (the "
+                "block its generate denoises); leave block_size unset."
+            )
+        _refuse_deepspeed(args)
+        kwargs = DiffusionGemmaObjective.config_kwargs(dg.config)
+        ends = set(kwargs.pop("end_token_ids") or [])
+        generation_eos = getattr(getattr(dg, "generation_config", None), "eos_token_id", None)
+        ends |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos or [])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            kwargs["fill_token_id"] = tokenizer.eos_token_id
+            ends.add(tokenizer.eos_token_id)
+        if tokenizer is not None and tokenizer.pad_token_id is not None:
+            kwargs["pad_token_id"] = tokenizer.pad_token_id
+        if kwargs.get("fill_token_id") is None:
+            raise ValueError("neither the tokenizer nor the DiffusionGemma config names an EOS token to fill canvases "
+                             "with.")
+        for name, default in OBJECTIVE_DEFAULTS.items():
+            value = getattr(args, name)
+            kwargs[name] = default if value is None else value
+        frame_multiple, canvas_multiple = frame_padding(args.parallel_dims, canvas)
+        objective = DiffusionGemmaObjective(end_token_ids=ends or None, pad_to_multiple_of=frame_multiple,
+                                            canvas_blocks_multiple_of=canvas_multiple, **kwargs)
+        freeze_router = args.freeze_router is None or args.freeze_router
+        for name, param in dg.named_parameters():
+            if (freeze_router and ".router." in name) or name.startswith(VISION_PARAMETER_PREFIXES):
+                param.requires_grad_(False)
+        use_block_diffusion_attention(dg)
+        return objective
+
+    def default_lora_targets(self, model):
+        """The reference fine-tune's: the attention and dense-MLP linears of the encoder and decoder layers (router,
+        experts, self-conditioning and vision frozen)."""
+        return DIFFUSION_GEMMA_LORA_TARGETS
+
+    def layout(self, plugin, model, objective, corrupted):
+        """This rank's rows of the batch's canvas frame (:func:`.sharded.diffusion_gemma_layout`)."""
+        from .sharded import diffusion_gemma_layout
+
+        return diffusion_gemma_layout(corrupted.frame, plugin.sharding_groups(), objective.attention_backend)
+
+    def loss(self, runner, model, objective, corrupted, layout, optional_pass=None):
+        return run_step(runner, objective.loss, corrupted, layout, self_conditioning_pass=optional_pass)
+
+    def zero_loss(self, runner, model, objective, inputs, optional_pass=None):
+        return run_step(runner, objective.zero_loss, inputs, self_conditioning_pass=bool(optional_pass))
+
+    def shard_fsdp(self, model, fully_shard_kwargs, fsdp_plugin):
+        from .fsdp import shard_diffusion_gemma
+
+        return shard_diffusion_gemma(model, fully_shard_kwargs, fsdp_plugin)
+
+    # --- the planner -------------------------------------------------------------------------------------------
+    def cost_traits(self, text_config: dict) -> dict:
+        """The text config has no ``attention_k_eq_v`` and its global layers no ``v_proj`` (K = V); the encoder is
+        causal and its loss scores the clean rows; a canvas block's window is ``block_start``; the self-conditioning
+        block is a dense MLP of the model's width (``3 h I + h``)."""
+        h = text_config["hidden_size"]
+        return {"k_eq_v": True, "clean_attention": "causal", "window_convention": "block_start",
+                "head_on_clean": True, "extra_params": 3 * h * (text_config.get("intermediate_size") or 0) + h}
+
+    # --- the hub ----------------------------------------------------------------------------------------------
+    def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
+        from .card import render_diffusion_gemma_card
+
+        return render_diffusion_gemma_card(directory, config, info)
+
+
+def _refuse_deepspeed(args) -> None:
+    """DDP, FSDP2 (units: the tied encoder/decoder layer pairs) and block parallelism are supported; DeepSpeed is
+    not."""
+    deepspeed = bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+    if deepspeed:
+        raise NotImplementedError(
+            "objective='diffusion_gemma' trains with DDP or FSDP2 (any world size, with block parallelism), not with "
+            "DeepSpeed: its ZeRO partitioning would have to keep the tied encoder and decoder layers together, which "
+            "is not built. Launch without the DeepSpeed setting, with fsdp='full_shard' and fsdp_config="
+            "{'fsdp_version': 2} (or an accelerate FSDP2 config) to shard the model."
+        )

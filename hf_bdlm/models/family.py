@@ -1,0 +1,117 @@
+"""`ModelFamily`: what the rest of hf_bdlm needs from a model family, and nothing more.
+
+A family is one kind of model the project trains: converted causal LMs (`block_diffusion`), transformers'
+DiffusionGemma (`diffusion_gemma`). Everything specific to a family lives in its folder under ``hf_bdlm/models/``
+(its batch layout, objectives, sharded attention layout, FSDP units, model card); the trainer, the plugin, the
+planner, the server and the hub talk to it through this interface, found in the registry
+(:mod:`hf_bdlm.models`), and never name a family. A new family is a new folder with a subclass of
+`ModelFamily`, plus one line in the registry (``docs/design.md``, "Adding a model family").
+
+The trainer's step with a family ``f`` (``model``: the family's model inside wrappers such as PEFT)::
+
+    objective = f.configure(model, args, tokenizer)          # once: settings written, frozen parts frozen
+    layout = f.layout(plugin, model, objective, corrupted)   # per batch: the rows this rank runs
+    loss, metrics = f.loss(runner, model, objective, corrupted, layout)
+
+``runner`` is what the step runs through: the model (or its DDP wrapper) for a family whose objective calls the
+model's forward, a :class:`~hf_bdlm.models.step.TrainingStep` for one whose objective drives the model's parts
+itself (``owns_step``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+
+class ModelFamily:
+    """One model family (see the module docstring). Subclasses set the class attributes and override what differs."""
+
+    name: ClassVar[str] = ""
+    # ``config.model_type`` values whose checkpoints belong to this family.
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # Objectives this family trains (``BDLMSFTConfig.objective``); ``None`` in the config means the model's own.
+    objectives: ClassVar[tuple[str, ...]] = ()
+    # Whether the objective runs the model's parts itself (not its forward): the trainer then prepares a
+    # TrainingStep around the model for DDP / autocast / FSDP2 to see the step.
+    owns_step: ClassVar[bool] = False
+    # BDLMSFTConfig fields only this family's objectives read (rejected with another objective).
+    config_fields: ClassVar[tuple[str, ...]] = ()
+    # Whether any causal LM checkpoint can be turned into this family (the family of last resort when loading).
+    converts_causal_lms: ClassVar[bool] = False
+
+    # --- recognising and loading -------------------------------------------------------------------------------
+    def claims_model(self, model) -> bool:
+        """Whether ``model`` (already unwrapped from PEFT / DDP) is one of this family's models."""
+        raise NotImplementedError
+
+    def load(self, path: str, config, args, processing_class, init_kwargs: dict[str, Any]):
+        """Load the checkpoint at ``path`` (its ``config`` read already); returns ``(model, processing_class)``."""
+        raise NotImplementedError
+
+    def adopt(self, model, processing_class, args):
+        """A model object the user passed; returns ``(model, processing_class)`` (converted where needed)."""
+        return model, processing_class
+
+    def objective_class(self, name: str):
+        """The class of objective ``name`` (one of :attr:`objectives`)."""
+        raise NotImplementedError
+
+    def check_args(self, args) -> None:
+        """Raise for training arguments this family cannot honour (before anything is loaded)."""
+
+    def load_for_serving(self, path: str, config, init_kwargs: dict[str, Any], block_size: int):
+        """``(model, tokenizer)`` for ``hf-bdlm serve`` (``block_size``: the conversion's, for a causal LM)."""
+        raise NotImplementedError(
+            f"hf-bdlm serve does not serve {self.name!r} checkpoints yet ({path}); it serves block-diffusion "
+            "checkpoints and converts causal LMs."
+        )
+
+    # --- training ---------------------------------------------------------------------------------------------
+    def block_size(self, model) -> int:
+        raise NotImplementedError
+
+    def configure(self, model, args, tokenizer):
+        """The objective this run trains ``model`` with, built from ``args``; applies what the run changes in the
+        model (its config's diffusion fields, frozen parameters, the attention routing)."""
+        raise NotImplementedError
+
+    def default_lora_targets(self, model):
+        """LoRA ``target_modules`` when the user names none, or ``None`` (PEFT must be told)."""
+        return None
+
+    def layout(self, plugin, model, objective, corrupted):
+        """The rows this rank runs for one corrupted batch, and how its attention reaches the other ranks' rows."""
+        raise NotImplementedError
+
+    def loss(self, runner, model, objective, corrupted, layout, **step_kwargs):
+        """``(loss, metrics)`` of this rank's rows; ``runner`` as in the module docstring."""
+        raise NotImplementedError
+
+    def zero_loss(self, runner, model, objective, inputs, **step_kwargs):
+        """A zero that reaches every trained parameter (a rank whose share supervises nothing still joins DDP's
+        reduction)."""
+        raise NotImplementedError
+
+    def shard_fsdp(self, model, fully_shard_kwargs: dict, fsdp_plugin):
+        """FSDP2 units of a family whose weights need their own grouping: ``(root step, unit names)``, or ``None``
+        for the ordinary per-layer units (``hf_bdlm.trainer.fsdp.shard_model``)."""
+        return None
+
+    # --- the planner -------------------------------------------------------------------------------------------
+    def cost_traits(self, text_config: dict) -> dict:
+        """What the planner's cost model (``hf_bdlm.planner.model``) adds to a decoder config (``text_config``: the
+        parsed config of the language model) for this family's models: ``k_eq_v`` (global layers share K and V when
+        the config does not say), the default ``clean_attention`` and ``window_convention``, ``head_on_clean``
+        (the LM head also scores the clean rows) and ``extra_params`` (parameters outside the layers and
+        embeddings)."""
+        return {"k_eq_v": False, "clean_attention": "block_causal", "window_convention": "per_query",
+                "head_on_clean": False, "extra_params": 0}
+
+    # --- the hub ----------------------------------------------------------------------------------------------
+    def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
+        """The model card (``README.md``) of a saved folder whose parsed ``config.json`` is ``config``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<model family {self.name!r}>"

@@ -1,0 +1,108 @@
+"""The model-family registry: every family found from a checkpoint's config and from a model object, objectives
+built by name whatever their family, a clear error for an objective of another family, and the rest of the package
+naming no family (each is named only in its own folder under hf_bdlm/models/)."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig
+
+from hf_bdlm.models import (
+    REGISTRY,
+    family_for_config,
+    family_for_model,
+    family_for_model_type,
+    family_named,
+    get_objective,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+from tiny_bdlm import tiny_bdlm  # noqa: E402
+from tiny_diffusion_gemma import tiny_model as tiny_diffusion_gemma  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_each_family_is_found_from_its_model_type_and_other_causal_lms_are_converted():
+    assert family_for_config(AutoConfig.for_model("block_diffusion")).name == "block_diffusion"
+    assert family_for_config(tiny_diffusion_gemma().config).name == "diffusion_gemma"
+    assert family_for_config(LlamaConfig()).name == "block_diffusion"  # the family that converts causal LMs
+    assert family_for_model_type("qwen3").converts_causal_lms
+    assert [e.name for e in REGISTRY] == ["block_diffusion", "diffusion_gemma"]
+    with pytest.raises(ValueError, match=r"no model family named 'dflash2'; the registered ones are"):
+        family_named("dflash2")
+
+
+def test_each_family_claims_its_models_and_only_them_also_inside_peft():
+    from peft import LoraConfig, get_peft_model
+
+    bdlm, dg = tiny_bdlm(), tiny_diffusion_gemma()
+    assert family_for_model(bdlm).name == "block_diffusion"
+    assert family_for_model(dg).name == "diffusion_gemma"
+    assert family_for_model(torch.nn.Linear(2, 2)) is None
+    wrapped = get_peft_model(dg, LoraConfig(target_modules=family_named("diffusion_gemma").default_lora_targets(dg)))
+    assert family_for_model(wrapped).name == "diffusion_gemma"
+    assert family_named("block_diffusion").block_size(bdlm) == bdlm.config.block_size
+    assert family_named("diffusion_gemma").block_size(wrapped) == dg.config.canvas_length
+
+
+def test_objectives_of_every_family_are_built_by_name():
+    from hf_bdlm.models.diffusion_gemma.objective import DiffusionGemmaObjective
+    from hf_bdlm.objectives import StandardObjective
+    from hf_bdlm.objectives import get_objective as from_objectives
+
+    assert isinstance(get_objective("standard", dict(block_size=4, mask_token_id=9)), StandardObjective)
+    dg = from_objectives("diffusion_gemma", dict(block_size=4, vocab_size=64, fill_token_id=1))
+    assert isinstance(dg, DiffusionGemmaObjective) and dg.block_size == 4
+    with pytest.raises(ValueError, match=r"unknown objective 'bd3'; valid names: \['diffusion_gemma', "):
+        get_objective("bd3", {})
+    with pytest.raises(NotImplementedError, match="planned"):
+        get_objective("dflash", {})
+
+
+def test_an_objective_of_another_family_is_refused_before_anything_is_trained(tmp_path):
+    from hf_bdlm import BDLMSFTConfig
+    from hf_bdlm.trainer.inputs import load_diffusion_model
+
+    args = BDLMSFTConfig(str(tmp_path), report_to="none", max_length=32, objective="diffusion_gemma")
+    with pytest.raises(ValueError, match=r"objective='diffusion_gemma' trains the 'diffusion_gemma' family .* got a "
+                                         r"'block_diffusion' model of the 'block_diffusion' family, which trains "
+                                         r"\['standard', 'fast_dllm_v2', 'fast_dllm_v2_causal_clean'\]"):
+        load_diffusion_model(tiny_bdlm(), object(), args)
+    args = BDLMSFTConfig(str(tmp_path), report_to="none", max_length=32, objective="standard")
+    with pytest.raises(ValueError, match=r"objective='standard' trains the 'block_diffusion' family"):
+        load_diffusion_model(tiny_diffusion_gemma(), object(), args)
+
+
+def test_the_server_refuses_a_family_it_does_not_serve_by_name(tmp_path):
+    from hf_bdlm.serving.engine import Engine
+
+    tiny_diffusion_gemma().save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match=r"does not serve 'diffusion_gemma' checkpoints yet"):
+        Engine.from_pretrained(tmp_path)
+
+
+# The shared code talks to families through hf_bdlm.models only: no family is named outside its own folder, except
+# in these places (user-facing text and data, each for a stated reason).
+ALLOWED = {
+    "hf_bdlm/configuration.py",  # BlockDiffusionConfig's objective trait tables (see docs/design.md §4)
+    "hf_bdlm/trainer/config.py",  # the documentation of the user's fields (the objective names, their settings)
+    "hf_bdlm/planner/model.py",  # config formats read and the paper's model preset (data)
+    "hf_bdlm/planner/cli.py",  # the paper's published settings (data)
+    "hf_bdlm/models/card_parts.py",  # the card's label of each objective (data)
+}
+FAMILY_NAMES = re.compile(r"diffusion_?gemma", re.IGNORECASE)
+
+
+def test_no_shared_module_names_a_model_family_outside_the_allowed_places():
+    naming = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "hf_bdlm").rglob("*.py")
+        if FAMILY_NAMES.search(p.read_text())
+        and "hf_bdlm/models/diffusion_gemma/" not in p.relative_to(ROOT).as_posix()
+        # the registry (its line per family) and the interface's description of the families
+        and p.relative_to(ROOT).as_posix() not in ("hf_bdlm/models/__init__.py", "hf_bdlm/models/family.py")
+    )
+    assert set(naming) <= ALLOWED, sorted(set(naming) - ALLOWED)
