@@ -16,21 +16,16 @@ from transformers.configuration_utils import SubConfigSpec
 BACKENDS = ("dense", "blockwise", "flex", "flash")
 CLEAN_ATTENTION_KINDS = ("block_causal", "causal")
 WINDOW_CONVENTIONS = ("per_query", "block_start")
-OBJECTIVES = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean", "diffusion_gemma", "dflash")
+# The objectives a BlockDiffusionConfig trains (the block-diffusion family's; other families keep their own configs).
+OBJECTIVES = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean", "dflash")
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
 # The clean stream an objective's reference trains (objectives absent here accept both kinds).
 OBJECTIVE_CLEAN_ATTENTION = {
     "fast_dllm_v2": "block_causal",
     "fast_dllm_v2_causal_clean": "causal",
-    "diffusion_gemma": "causal",
 }
 # Objectives whose row i - 1 predicts token i (generate shifts its logits for them).
 TOKEN_SHIFT_OBJECTIVES = ("fast_dllm_v2", "fast_dllm_v2_causal_clean")
-# The sliding-window convention an objective's model runs at inference (others: "per_query", what hf_bdlm's generate
-# has always applied).
-OBJECTIVE_WINDOW_CONVENTION = {"diffusion_gemma": "block_start"}
-# Objectives whose noise range may include 0 (uniform-state noise: t = 0 is a clean canvas, 0 / 0 no corruption).
-ZERO_NOISE_OBJECTIVES = ("diffusion_gemma",)
 
 
 def _is_positive_int(value) -> bool:
@@ -48,6 +43,7 @@ def check_diffusion_fields(
     noise_eps_max=None,
     loss_weighting=None,
     attention_backend=None,
+    zero_noise_ok: bool = False,
 ) -> None:
     """The one validator of the block-diffusion fields: checks every argument that is not ``None``.
 
@@ -67,7 +63,7 @@ def check_diffusion_fields(
             )
     if objective is not None and objective not in objectives:
         raise ValueError(f"objective must be one of {objectives}, got {objective!r}.")
-    zero_ok = objective in ZERO_NOISE_OBJECTIVES
+    zero_ok = zero_noise_ok  # an objective whose noise includes t = 0 (Objective.allows_zero_noise)
     for name, value in (("noise_eps_min", noise_eps_min), ("noise_eps_max", noise_eps_max)):
         if value is None:
             continue
@@ -75,7 +71,8 @@ def check_diffusion_fields(
             raise ValueError(f"{name} must lie in [0, 1] for objective={objective!r}, got {value!r}.")
         if not zero_ok and not 0.0 < value <= 1.0:
             raise ValueError(
-                f"{name} must lie in (0, 1], got {value!r} (0 is allowed with objective='diffusion_gemma')."
+                f"{name} must lie in (0, 1], got {value!r} (0 is allowed with an objective whose noise includes "
+                "t = 0, i.e. uniform-state noise)."
             )
     if noise_eps_min is not None and noise_eps_max is not None and noise_eps_min > noise_eps_max:
         raise ValueError(
@@ -107,19 +104,19 @@ class BlockDiffusionConfig(PreTrainedConfig):
             model (a config without it exists only as a template).
         clean_attention (`str`, *optional*):
             Attention among clean tokens: `"block_causal"` (a clean token sees its whole block and the earlier ones:
-            BD3-LM and Fast-dLLM v2) or `"causal"` (token-causal, as the causal LM: DiffusionGemma's encoder and
+            BD3-LM and Fast-dLLM v2) or `"causal"` (token-causal, as the causal LM and
             `fast_dllm_v2_causal_clean`). Defaults to the objective's (`"block_causal"` for `"standard"`); an
             objective with a reference clean stream rejects the other kind.
         objective (`str`, defaults to `"standard"`):
             Default training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"` (Fast-dLLM v2),
-            `"fast_dllm_v2_causal_clean"` (its variant whose clean stream stays the causal LM), `"diffusion_gemma"`,
-            `"dflash"`.
+            `"fast_dllm_v2_causal_clean"` (its variant whose clean stream stays the causal LM); `"dflash"` is
+            planned.
         sliding_window_convention (`str`, *optional*):
             What a sliding window of width `W` means for a block of queries, on the backbone's sliding-window layers:
             `"per_query"` (every query sees keys within distance `W`, as in the causal LM; what `generate` has
             always applied) or `"block_start"` (a noisy block sees the `W - 1` clean positions before its start and
-            its whole block, what a sliding cache holds: DiffusionGemma, Turbo-dLLM). Training and `generate` use
-            the same one. Defaults to the objective's (`"per_query"` except for `"diffusion_gemma"`). See
+            its whole block, what a sliding cache holds, as Turbo-dLLM trains). Training and `generate` use
+            the same one. Defaults to `"per_query"`. See
             `hf_bdlm.attention.masks`.
         noise_eps_min (`float`, defaults to 1e-3), noise_eps_max (`float`, defaults to 1.0):
             Range the per-block masking rate `t` is clipped to.
@@ -187,7 +184,7 @@ class BlockDiffusionConfig(PreTrainedConfig):
                 f"an objective made for a {self.clean_attention!r} clean stream: {variants + ['standard']}."
             )
         if self.sliding_window_convention is None:
-            self.sliding_window_convention = OBJECTIVE_WINDOW_CONVENTION.get(self.objective, "per_query")
+            self.sliding_window_convention = "per_query"  # what generate has always applied
         if self.sliding_window_convention not in WINDOW_CONVENTIONS:
             raise ValueError(
                 f"sliding_window_convention must be one of {WINDOW_CONVENTIONS}, got "

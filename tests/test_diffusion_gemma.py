@@ -403,7 +403,8 @@ def test_the_26b_recipe_scaled_down_to_a_tiny_model_trains_and_saves_a_diffusion
 def test_config_accepts_zero_noise_only_for_diffusion_gemma_and_rejects_its_knobs_elsewhere(tmp_path):
     args = trainer_args(tmp_path, "cfg", noise_eps_min=0.0, noise_eps_max=0.0, self_conditioning_prob=0.0)
     assert (args.noise_eps_min, args.noise_eps_max) == (0.0, 0.0)
-    with pytest.raises(ValueError, match=r"must lie in \(0, 1\], got 0.0 \(0 is allowed with"):
+    with pytest.raises(ValueError, match=r"must lie in \(0, 1\], got 0.0 \(0 is allowed with an objective whose "
+                                         r"noise includes t = 0"):
         trainer_args(tmp_path, "cfg", objective="standard", noise_eps_min=0.0)
     with pytest.raises(ValueError, match=r"\['ar_loss_weight'\] apply to objective='diffusion_gemma' only"):
         trainer_args(tmp_path, "cfg", objective="standard", ar_loss_weight=0.5)

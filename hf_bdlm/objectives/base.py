@@ -135,6 +135,8 @@ class Objective:
     block_rate_sampling: ClassVar[str] = "stratified"
     # Whether the [MASK] logit is left out of the softmax of the loss (BD3-LM's SUBS parameterization).
     exclude_mask_logit: ClassVar[bool] = True
+    # Whether the noise range may include 0 (uniform-state noise: t = 0 is a clean canvas, 0 / 0 no corruption).
+    allows_zero_noise: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -147,7 +149,8 @@ class Objective:
         loss_chunk_size: int = 8192,
     ):
         check_diffusion_fields(block_size=block_size, mask_token_id=mask_token_id, objective=self.name or None,
-                               noise_eps_min=noise_eps_min, noise_eps_max=noise_eps_max, loss_weighting=loss_weighting)
+                               noise_eps_min=noise_eps_min, noise_eps_max=noise_eps_max, loss_weighting=loss_weighting,
+                               zero_noise_ok=self.allows_zero_noise)
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size must be positive, got {loss_chunk_size}.")
         self.block_size = block_size

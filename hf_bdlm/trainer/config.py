@@ -17,7 +17,7 @@ import torch
 from trl import SFTConfig
 
 from ..configuration import check_diffusion_fields
-from ..models import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_named
+from ..models import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
 from ..parallel.dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
@@ -194,10 +194,12 @@ class BDLMSFTConfig(SFTConfig):
                 f"objective={self.objective!r} is planned but not implemented yet; available now: "
                 f"{sorted(all_objectives())}."
             )
+        zero_noise_ok = self.objective in all_objectives() and family_named(
+            family_for_objective(self.objective).name).objective_class(self.objective).allows_zero_noise
         check_diffusion_fields(block_size=self.block_size, objective=self.objective,
                                objectives=tuple(sorted(all_objectives())), noise_eps_min=self.noise_eps_min,
                                noise_eps_max=self.noise_eps_max, loss_weighting=self.loss_weighting,
-                               attention_backend=self.attention_backend)
+                               attention_backend=self.attention_backend, zero_noise_ok=zero_noise_ok)
         self._check_family_fields()
 
     def _check_family_fields(self) -> None:

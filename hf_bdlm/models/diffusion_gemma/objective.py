@@ -125,6 +125,7 @@ class DiffusionGemmaObjective(Objective):
     """
 
     name = "diffusion_gemma"
+    allows_zero_noise = True  # uniform-state noise: t = 0 leaves the canvas clean
     required_kwargs = ("block_size", "vocab_size", "fill_token_id")
 
     def __init__(
