@@ -10,7 +10,6 @@ the value received and what to do. Tiny CPU example::
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch

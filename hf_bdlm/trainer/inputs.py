@@ -174,9 +174,10 @@ def check_lora_targets(peft_config, model: torch.nn.Module) -> None:
     if targets is None:
         if getattr(peft_config, "target_parameters", None):
             return
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise ValueError(
-            "peft_config.target_modules is not set, and PEFT cannot infer LoRA targets for model_type "
-            "'block_diffusion'. Name them, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'] or "
+            f"peft_config.target_modules is not set, and PEFT cannot infer LoRA targets for model_type "
+            f"{model_type!r}. Name them, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'] or "
             "'all-linear'."
         )
     if targets == "all-linear":

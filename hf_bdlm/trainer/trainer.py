@@ -45,7 +45,7 @@ from transformers.trainer_utils import has_length
 from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
-from ..models import ModelFamily, family_for_model
+from ..models import ModelFamily
 from ..models.step import TrainingStep
 from ..objectives import Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
