@@ -193,35 +193,12 @@ def plan_attention(
         kc = split_chunks(k_rows, rule.block_size)
         if kc.count == 0 or qc.count == 0:
             continue
-        classes = tile_classes(qc, kc, rule)
-        # Per-tile bookkeeping in int32 (a tile holds at most B x B pairs): at 256K tokens the tile matrix is large.
-        q_len = (qc.end - qc.start).to(torch.int32)
-        k_len = (kc.end - kc.start).to(torch.int32)
-        pairs = torch.zeros(classes.shape, dtype=torch.int32)  # allowed pairs of every tile
-        tiles: dict[tuple[int, int], torch.Tensor] = {}
-        for qi, kj in (classes == TILE_PARTIAL).nonzero().tolist():
-            qs, qe, ks, ke = int(qc.start[qi]), int(qc.end[qi]), int(kc.start[kj]), int(kc.end[kj])
-            tile = _tile_mask(q_rows, qs, qe, k_rows, ks, ke, rule)
-            count = int(tile.sum())
-            if count == tile.numel():
-                classes[qi, kj] = TILE_FULL
-            else:
-                classes[qi, kj] = TILE_NONE
-                if count:
-                    tiles[(qi, kj)] = tile
-                    pairs[qi, kj] = count
-        full = classes == TILE_FULL
-        pairs[full] = (q_len[:, None] * k_len[None, :])[full]
+        full, pairs, tiles = _classify_tiles(q_rows, qc, k_rows, kc, rule)
         # Groups of tiles: all full -> one unmasked range; dense enough -> one masked call; else tile by tile.
         k_group = _groups(kc, group_rows)
         nkg = int(k_group.max()) + 1
         k_lo, k_hi = _bounds(kc, k_group, nkg)
-        g_pairs = _group_sum(pairs, q_group, k_group, nqg, nkg)
-        g_tiles = torch.bincount(q_group, minlength=nqg)[:, None] * torch.bincount(k_group, minlength=nkg)[None, :]
-        g_full = _group_sum(full.to(torch.int32), q_group, k_group, nqg, nkg) == g_tiles
-        q_size = torch.tensor(q_hi) - torch.tensor(q_lo)
-        area = q_size[:, None] * (torch.tensor(k_hi) - torch.tensor(k_lo))
-        g_masked = ~g_full & (g_tiles > 1) & (g_pairs >= _MIN_DENSITY * area) & (g_pairs > 0)
+        g_full, g_masked = _classify_groups(pairs, full, q_group, k_group, q_lo, q_hi, k_lo, k_hi)
         for qg, kg0, kg1 in _runs(g_full):
             shared[(source, k_lo[kg0], k_hi[kg1])].append(torch.arange(q_lo[qg], q_hi[qg]))
         for qg, kg in g_masked.nonzero().tolist():
@@ -229,21 +206,96 @@ def plan_attention(
             masked.append((torch.arange(qs, qe), source, ks, ke, _tile_mask(q_rows, qs, qe, k_rows, ks, ke, rule)))
         # Tile by tile where a group is neither.
         fine = ~(g_full | g_masked)[q_group][:, k_group]
-        for qi, kj0, kj1 in _runs(full & fine):
-            q_range = torch.arange(int(qc.start[qi]), int(qc.end[qi]))
-            shared[(source, int(kc.start[kj0]), int(kc.end[kj1]))].append(q_range)
-        for (qi, kj), tile in tiles.items():
-            if fine[qi, kj]:
-                masked.append((torch.arange(int(qc.start[qi]), int(qc.end[qi])), source, int(kc.start[kj]),
-                               int(kc.end[kj]), tile))
+        _add_fine_tiles(source, qc, kc, full, fine, tiles, shared, masked)
+    calls, batchable = _unmasked_calls(shared, _BATCH_MAX_KEY_BLOCKS * rule.block_size)
+    masks = _file_masked_tiles(masked, batchable)
+    calls += _batched_calls(batchable, masks)
+    # Calls run in source order: sources listed first (local K/V) are computed while later ones
+    # (gathered K/V) may still be in flight.
+    calls.sort(key=lambda c: c.source)
+    return TilePlan(tuple(calls), q_rows.num_rows, tuple(k.num_rows for k in k_sources))
+
+
+def _classify_tiles(
+    q_rows: RowMeta, qc: Chunks, k_rows: RowMeta, kc: Chunks, rule: MaskRule
+) -> tuple[torch.Tensor, torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
+    """Which (query chunk, key chunk) tiles are fully allowed, the allowed pairs of every tile, and the masks of the
+    partially allowed ones.
+
+    Every partially allowed tile gets its exact mask: one that allows every pair counts as full, one that allows
+    none as empty; the others are returned by ``(query chunk, key chunk)``. Returns ``(full, pairs, tiles)``.
+    """
+    classes = tile_classes(qc, kc, rule)
+    # Per-tile bookkeeping in int32 (a tile holds at most B x B pairs): at 256K tokens the tile matrix is large.
+    q_len = (qc.end - qc.start).to(torch.int32)
+    k_len = (kc.end - kc.start).to(torch.int32)
+    pairs = torch.zeros(classes.shape, dtype=torch.int32)  # allowed pairs of every tile
+    tiles: dict[tuple[int, int], torch.Tensor] = {}
+    for qi, kj in (classes == TILE_PARTIAL).nonzero().tolist():
+        qs, qe, ks, ke = int(qc.start[qi]), int(qc.end[qi]), int(kc.start[kj]), int(kc.end[kj])
+        tile = _tile_mask(q_rows, qs, qe, k_rows, ks, ke, rule)
+        count = int(tile.sum())
+        if count == tile.numel():
+            classes[qi, kj] = TILE_FULL
+        else:
+            classes[qi, kj] = TILE_NONE
+            if count:
+                tiles[(qi, kj)] = tile
+                pairs[qi, kj] = count
+    full = classes == TILE_FULL
+    pairs[full] = (q_len[:, None] * k_len[None, :])[full]
+    return full, pairs, tiles
+
+
+def _classify_groups(
+    pairs: torch.Tensor, full: torch.Tensor, q_group: torch.Tensor, k_group: torch.Tensor,
+    q_lo: list[int], q_hi: list[int], k_lo: list[int], k_hi: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which (query group, key group) tiles are all full (``g_full``) and which are dense enough to run as one masked
+    call (``g_masked``: several chunk tiles, some pairs allowed, at least :data:`_MIN_DENSITY` of the area)."""
+    nqg, nkg = len(q_lo), len(k_lo)
+    g_pairs = _group_sum(pairs, q_group, k_group, nqg, nkg)
+    g_tiles = torch.bincount(q_group, minlength=nqg)[:, None] * torch.bincount(k_group, minlength=nkg)[None, :]
+    g_full = _group_sum(full.to(torch.int32), q_group, k_group, nqg, nkg) == g_tiles
+    q_size = torch.tensor(q_hi) - torch.tensor(q_lo)
+    area = q_size[:, None] * (torch.tensor(k_hi) - torch.tensor(k_lo))
+    g_masked = ~g_full & (g_tiles > 1) & (g_pairs >= _MIN_DENSITY * area) & (g_pairs > 0)
+    return g_full, g_masked
+
+
+def _add_fine_tiles(
+    source: int, qc: Chunks, kc: Chunks, full: torch.Tensor, fine: torch.Tensor,
+    tiles: dict[tuple[int, int], torch.Tensor], shared: dict[tuple, list[torch.Tensor]], masked: list,
+) -> None:
+    """Plans the chunk tiles of the ``fine`` groups one by one: runs of full key chunks join the unmasked ranges of
+    ``shared``, partial tiles join ``masked`` with their mask."""
+    for qi, kj0, kj1 in _runs(full & fine):
+        q_range = torch.arange(int(qc.start[qi]), int(qc.end[qi]))
+        shared[(source, int(kc.start[kj0]), int(kc.end[kj1]))].append(q_range)
+    for (qi, kj), tile in tiles.items():
+        if fine[qi, kj]:
+            masked.append((torch.arange(int(qc.start[qi]), int(qc.end[qi])), source, int(kc.start[kj]),
+                           int(kc.end[kj]), tile))
+
+
+def _unmasked_calls(
+    shared: dict[tuple, list[torch.Tensor]], limit: int
+) -> tuple[list[KernelCall], dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """One call per unmasked key range shared by several query chunks or longer than ``limit`` rows; the others are
+    left in the returned ``batchable`` (by source and shape) to be batched with equally shaped tiles."""
     calls: list[KernelCall] = []
     batchable: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-    limit = _BATCH_MAX_KEY_BLOCKS * rule.block_size
     for (source, ks, ke), q_parts in shared.items():
         if len(q_parts) == 1 and ke - ks <= limit:
             batchable[(source, q_parts[0].numel(), ke - ks, None)].append((q_parts[0], torch.arange(ks, ke)))
         else:
             calls.append(KernelCall(_rows_spec(q_parts), source, (ks, ke)))
+    return calls, batchable
+
+
+def _file_masked_tiles(masked: list, batchable: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]]) -> list:
+    """Adds every masked tile to ``batchable`` by source, shape and mask; returns the distinct masks (equal masks
+    share one index)."""
     mask_index: dict[bytes, int] = {}
     masks: list[torch.Tensor] = []
     for q_idx, source, ks, ke, tile in masked:
@@ -251,27 +303,39 @@ def plan_attention(
         if mi == len(masks):
             masks.append(tile)
         batchable[(source, q_idx.numel(), ke - ks, mi)].append((q_idx, torch.arange(ks, ke)))
+    return masks
+
+
+def _batched_calls(
+    batchable: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]], masks: list[torch.Tensor]
+) -> list[KernelCall]:
+    """The calls of every batchable group of equally shaped tiles, one per round of :func:`_rounds`."""
+    calls: list[KernelCall] = []
     for (source, _, _, mi), group in batchable.items():
         mask = None if mi is None else masks[mi]
         empty = None
         if mask is not None and not bool(mask.any(-1).all()):
             empty = ~mask.any(-1)
-        # A batched call merges its results into its query rows at once, so a query chunk may
-        # appear only once per call: pairs repeating a chunk go to a later call.
-        rounds: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        seen: dict[int, int] = defaultdict(int)
-        for pair in group:
-            r = seen[int(pair[0][0])]
-            seen[int(pair[0][0])] += 1
-            if r == len(rounds):
-                rounds.append([])
-            rounds[r].append(pair)
-        for pairs in rounds:
+        for pairs in _rounds(group):
             calls.append(_batched_call(pairs, source, mask, empty))
-    # Calls run in source order: sources listed first (local K/V) are computed while later ones
-    # (gathered K/V) may still be in flight.
-    calls.sort(key=lambda c: c.source)
-    return TilePlan(tuple(calls), q_rows.num_rows, tuple(k.num_rows for k in k_sources))
+    return calls
+
+
+def _rounds(group: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Splits a group of (query rows, key rows) pairs into rounds in which every query chunk appears at most once.
+
+    A batched call merges its results into its query rows at once, so a query chunk may appear only once per call:
+    pairs repeating a chunk go to a later call.
+    """
+    rounds: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    seen: dict[int, int] = defaultdict(int)
+    for pair in group:
+        r = seen[int(pair[0][0])]
+        seen[int(pair[0][0])] += 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(pair)
+    return rounds
 
 
 def _tile_mask(q_rows: RowMeta, qs: int, qe: int, k_rows: RowMeta, ks: int, ke: int, rule: MaskRule) -> torch.Tensor:

@@ -160,52 +160,89 @@ def timed_steps(steps: int, min_time: float, warmup_s: float) -> int:
 
 
 def worker(args) -> None:
+    """One configuration's process (``--worker``): builds the model and batch, runs one warm-up step and the timed
+    steps, and writes the record to ``args.out``. ``single`` runs the plain loss in this process; the other modes run
+    one rank of a ``torchrun`` group, whose rank 0 writes the group's record."""
     import torch
 
     torch.set_num_threads(1)
-    L, mode = args.lengths[0], args.mode
+    L = args.lengths[0]
     dev = _Device(args.device, args.dtype)
     model, objective, corrupted = build(L, args.layers, args.window, dev.name, args.attention_backend)
     base_rss = dev.mark()
-    times, bytes_steps, waits, fwd_waits = [], [], [], []
-
-    if mode == "single":
-        timed, step = args.steps, 0
-        while step <= timed:
-            model.zero_grad(set_to_none=True)
-            t0 = dev.now()
-            with dev.autocast():
-                loss, _ = objective.loss(model, corrupted)
-            loss.backward()
-            dt = dev.now() - t0
-            if step:  # step 0 is the warm-up
-                times.append(dt)
-            else:
-                timed = timed_steps(args.steps, args.min_time, dt)
-            step += 1
+    if args.mode == "single":
+        times = _single_steps(args, dev, model, objective, corrupted)
         peak, peak_abs = dev.peak() - base_rss, dev.peak()
-        rec = dict(mode="single", device=args.device, dtype=args.dtype, transport=None, schedule=None, P=1, C=1, L=L, layers=args.layers,
-                   window=args.window, steps=len(times),
-                   step_s=statistics.median(times), step_times=times, tokens_per_s=L / statistics.median(times),
-                   peak_mem_bytes=peak, peak_rss_bytes=peak_abs, bytes_per_step=0, bytes_by_name={},
-                   comm_wait_s=0.0, comm_wait_fwd_s=0.0, comm_wait_bwd_s=0.0)
-        pathlib.Path(args.out).write_text(json.dumps(rec))
+        pathlib.Path(args.out).write_text(json.dumps(_single_record(args, L, times, peak, peak_abs)))
         return
+    _rank_worker(args, L, dev, model, objective, corrupted, base_rss)
 
+
+def _single_steps(args, dev: _Device, model, objective, corrupted) -> list[float]:
+    """Step times of the single process (plain ``objective.loss``), after one warm-up step."""
+    times: list[float] = []
+    timed, step = args.steps, 0
+    while step <= timed:
+        model.zero_grad(set_to_none=True)
+        t0 = dev.now()
+        with dev.autocast():
+            loss, _ = objective.loss(model, corrupted)
+        loss.backward()
+        dt = dev.now() - t0
+        if step:  # step 0 is the warm-up
+            times.append(dt)
+        else:
+            timed = timed_steps(args.steps, args.min_time, dt)
+        step += 1
+    return times
+
+
+def _single_record(args, L: int, times: list[float], peak: int, peak_abs: int) -> dict:
+    """The record of the single-process baseline: no communication."""
+    return dict(mode="single", device=args.device, dtype=args.dtype, transport=None, schedule=None, P=1, C=1, L=L,
+                layers=args.layers, window=args.window, steps=len(times),
+                step_s=statistics.median(times), step_times=times, tokens_per_s=L / statistics.median(times),
+                peak_mem_bytes=peak, peak_rss_bytes=peak_abs, bytes_per_step=0, bytes_by_name={},
+                comm_wait_s=0.0, comm_wait_fwd_s=0.0, comm_wait_bwd_s=0.0)
+
+
+def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_rss: int) -> None:
+    """One rank of a ``cp``/``bp``/``csbp`` group: joins the process group, runs the steps, gathers every rank's
+    measurements on rank 0, which writes the group's record."""
     import torch.distributed as dist
 
     from hf_bdlm.parallel.collectives import ByteMeter
     from hf_bdlm.parallel.dims import ParallelDims
     from hf_bdlm.parallel.groups import BlockParallelGroups
     from hf_bdlm.parallel.plan import PlanConfig
-    from hf_bdlm.parallel.sharded import ShardedLayout
 
     dist.init_process_group(dev.backend)
     P, rank = dist.get_world_size(), dist.get_rank()
     meter = ByteMeter()
-    groups = BlockParallelGroups.build(ParallelDims(P, None, mode, args.schedule), args.device, meter)
+    groups = BlockParallelGroups.build(ParallelDims(P, None, args.mode, args.schedule), args.device, meter)
     plan_cfg = PlanConfig.from_dims(groups.dims, L, BLOCK)
     C = groups.dims.clean_ring_size
+    mine = _rank_steps(args, dev, model, objective, corrupted, meter, groups, plan_cfg)
+    peak, peak_abs = dev.peak() - base_rss, dev.peak()
+    mine.update(peak=peak, peak_abs=peak_abs)
+    everyone: list = [None] * P
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        rec = _group_record(args, L, P, C, len(mine["times"]), everyone)
+        pathlib.Path(args.out).write_text(json.dumps(rec))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _rank_steps(args, dev: _Device, model, objective, corrupted, meter, groups, plan_cfg) -> dict:
+    """This rank's timed steps after one warm-up: step times, bytes received by collective name, and the time blocked
+    in waits (in all and up to the loss), one entry per timed step."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_bdlm.parallel.sharded import ShardedLayout
+
+    times, bytes_steps, waits, fwd_waits = [], [], [], []
     # ``cp`` talks on the group, ``csbp`` on the ring (same ranks when C = P, but distinct
     # CommContexts): sum both wait counters so the mode does not matter here.
     comms = (groups.group, groups.ring)
@@ -236,34 +273,33 @@ def worker(args) -> None:
             timed = timed_steps(args.steps, args.min_time, float(slowest))
         step += 1
         del loss, layout
-    peak, peak_abs = dev.peak() - base_rss, dev.peak()
-    mine = dict(times=times, bytes=bytes_steps, waits=waits, fwd_waits=fwd_waits, peak=peak, peak_abs=peak_abs)
-    everyone: list = [None] * P
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        # The group advances at the pace of its slowest rank, step by step.
-        step_times = [max(r["times"][i] for r in everyone) for i in range(len(times))]
-        step_s = statistics.median(step_times)
-        by_name: dict[str, int] = {}
-        for name in sorted({n for r in everyone for n in r["bytes"][-1]}):
-            by_name[name] = max(r["bytes"][-1].get(name, 0) for r in everyone)
-        per_rank_bytes = [sum(r["bytes"][-1].values()) for r in everyone]
-        # Exposed communication: time blocked in waits, max over ranks (median over steps), split at the loss.
-        fwd = max(statistics.median(r["fwd_waits"]) for r in everyone)
-        bwd = max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])]) for r in everyone)
-        rec = dict(mode=mode, device=args.device, dtype=args.dtype, transport=args.transport, schedule=args.schedule, P=P, C=C, L=L, layers=args.layers,
-                   window=args.window, steps=len(times), comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
-                   step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
-                   step_s_per_rank=[statistics.median(r["times"]) for r in everyone],
-                   peak_mem_bytes=max(r["peak"] for r in everyone),
-                   peak_mem_per_rank=[r["peak"] for r in everyone],
-                   peak_rss_bytes=max(r["peak_abs"] for r in everyone),
-                   bytes_per_step=max(per_rank_bytes), bytes_per_rank=per_rank_bytes, bytes_by_name=by_name,
-                   comm_wait_s=max(statistics.median(r["waits"]) for r in everyone),
-                   comm_wait_per_rank=[statistics.median(r["waits"]) for r in everyone])
-        pathlib.Path(args.out).write_text(json.dumps(rec))
-    dist.barrier()
-    dist.destroy_process_group()
+    return dict(times=times, bytes=bytes_steps, waits=waits, fwd_waits=fwd_waits)
+
+
+def _group_record(args, L: int, P: int, C: int, steps: int, everyone: list[dict]) -> dict:
+    """The group's record from every rank's measurements: per step the slowest rank's time, bytes and waits as the
+    max over ranks."""
+    # The group advances at the pace of its slowest rank, step by step.
+    step_times = [max(r["times"][i] for r in everyone) for i in range(steps)]
+    step_s = statistics.median(step_times)
+    by_name: dict[str, int] = {}
+    for name in sorted({n for r in everyone for n in r["bytes"][-1]}):
+        by_name[name] = max(r["bytes"][-1].get(name, 0) for r in everyone)
+    per_rank_bytes = [sum(r["bytes"][-1].values()) for r in everyone]
+    # Exposed communication: time blocked in waits, max over ranks (median over steps), split at the loss.
+    fwd = max(statistics.median(r["fwd_waits"]) for r in everyone)
+    bwd = max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])]) for r in everyone)
+    return dict(mode=args.mode, device=args.device, dtype=args.dtype, transport=args.transport,
+                schedule=args.schedule, P=P, C=C, L=L, layers=args.layers,
+                window=args.window, steps=steps, comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
+                step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
+                step_s_per_rank=[statistics.median(r["times"]) for r in everyone],
+                peak_mem_bytes=max(r["peak"] for r in everyone),
+                peak_mem_per_rank=[r["peak"] for r in everyone],
+                peak_rss_bytes=max(r["peak_abs"] for r in everyone),
+                bytes_per_step=max(per_rank_bytes), bytes_per_rank=per_rank_bytes, bytes_by_name=by_name,
+                comm_wait_s=max(statistics.median(r["waits"]) for r in everyone),
+                comm_wait_per_rank=[statistics.median(r["waits"]) for r in everyone])
 
 
 # ----------------------------------------------------------------------------------------------
