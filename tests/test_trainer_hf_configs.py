@@ -103,3 +103,17 @@ def test_lora_trains_adapters_only_and_matches_p1(runs, family):
     run, reference = runs["p2"][f"{family}/lora"], runs["p1"][f"{family}/lora"]
     assert run["lora_parameters"] > 0 and run["trainable"] == run["lora_parameters"]
     _check_against_p1(run, reference, FLOAT32_TOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_emulated_cluster_link_delays_the_exchange_and_changes_no_loss(runs, family):
+    """block_parallel_link="h200-ib": every K/V transfer waits for the stretched link (at least its latency for each
+    of the 3 steps' forward gathers of 2 layers), and the losses are P = 1's."""
+    run = runs["p2"][f"{family}/emulated_link"]
+    name, latency = run["link"]
+    assert name == "h200-ib" and latency > 0
+    assert run["comm_wait_s"] >= 3 * 2 * latency
+    assert runs["accelerate_fsdp"][f"{family}/plain"]["comm_wait_s"] < run["comm_wait_s"] / 10  # no link
+    _check_against_p1(run, runs["p1"][f"{family}/plain"], FLOAT32_TOL)
+

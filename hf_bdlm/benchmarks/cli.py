@@ -74,6 +74,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--no-calibrate", action="store_true",
                        help="do not measure the planner's CPU figures (cpu_rates.json beside the records, which "
                             "hf-bdlm plan --validate reads; about 80 s; the full preset measures them, --quick not)")
+    modes.add_argument("--link", default=None, metavar="NAME",
+                       help="run the modes study through an emulated cluster link (h100-nvlink, h100-ib, "
+                            "h200-nvlink, h200-ib), stretched by this machine's compute rate so that a step's "
+                            "communication : compute ratio is the cluster's (docs/benchmarks.md)")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
     growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
     growth.add_argument("--growth-lengths", type=_positive_int, nargs="+", default=None, metavar="L")

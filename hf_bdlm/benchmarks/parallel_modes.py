@@ -39,8 +39,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from .processes import child_env, module_command, module_name
+
+if TYPE_CHECKING:
+    from ..parallel.link import LinkModel
 
 BLOCK, MASK, PAD = 64, 1023, 0
 
@@ -219,7 +223,8 @@ def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_r
     dist.init_process_group(dev.backend)
     P, rank = dist.get_world_size(), dist.get_rank()
     meter = ByteMeter()
-    groups = BlockParallelGroups.build(ParallelDims(P, None, args.mode, args.schedule), args.device, meter)
+    groups = BlockParallelGroups.build(ParallelDims(P, None, args.mode, args.schedule), args.device, meter,
+                                       link=_link(args))
     plan_cfg = PlanConfig.from_dims(groups.dims, L, BLOCK)
     C = groups.dims.clean_ring_size
     mine = _rank_steps(args, dev, model, objective, corrupted, meter, groups, plan_cfg)
@@ -299,7 +304,7 @@ def _group_record(args, L: int, P: int, C: int, steps: int, everyone: list[dict]
                 peak_rss_bytes=max(r["peak_abs"] for r in everyone),
                 bytes_per_step=max(per_rank_bytes), bytes_per_rank=per_rank_bytes, bytes_by_name=by_name,
                 comm_wait_s=max(statistics.median(r["waits"]) for r in everyone),
-                comm_wait_per_rank=[statistics.median(r["waits"]) for r in everyone])
+                comm_wait_per_rank=[statistics.median(r["waits"]) for r in everyone], link=_link_record(args))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,10 +326,27 @@ def configurations(modes, nprocs, transports=("allgather", "ring"), bp_schedules
 
 def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dtype: str = "float32",
                 attention_backend: str = "blockwise", window: int | None = None,
-                min_time: float = 0.0) -> argparse.Namespace:
+                min_time: float = 0.0, link: LinkModel | None = None) -> argparse.Namespace:
     """The arguments :func:`launch` reads, for callers other than this file's driver."""
     return argparse.Namespace(steps=steps, layers=layers, window=window, timeout=timeout, device=device, dtype=dtype,
-                              attention_backend=attention_backend, min_time=min_time)
+                              attention_backend=attention_backend, min_time=min_time,
+                              link_bytes_per_s=link and link.bytes_per_s, link_latency_s=link and link.latency_s,
+                              link_name=link and link.name)
+
+
+def _link(args) -> LinkModel | None:
+    """The emulated link the ranks' collectives go through (``--link-bytes-per-s``), or ``None``."""
+    if not getattr(args, "link_bytes_per_s", None):
+        return None
+    from ..parallel.link import LinkModel
+
+    return LinkModel(args.link_bytes_per_s, args.link_latency_s or 0.0, args.link_name or "custom")
+
+
+def _link_record(args) -> dict | None:
+    link = _link(args)
+    return None if link is None else {"name": link.name, "bytes_per_s": link.bytes_per_s,
+                                      "latency_s": link.latency_s}
 
 
 SHORT_LAUNCHES = 3
@@ -357,6 +379,9 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
               "--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend]
     if args.window:
         common += ["--window", str(args.window)]
+    if _link(args) is not None and mode != "single":
+        common += ["--link-bytes-per-s", repr(args.link_bytes_per_s), "--link-latency-s", repr(args.link_latency_s),
+                   "--link-name", args.link_name]
     if mode == "single":
         cmd = [*module_command("parallel_modes"), *common]
     else:
@@ -456,6 +481,11 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: the step under bf16 autocast over float32 weights")
     parser.add_argument("--attention-backend", default="blockwise", choices=["blockwise", "flex", "flash", "dense"])
+    parser.add_argument("--link-bytes-per-s", type=float, default=None,
+                        help="emulated link: every collective of a rank takes at least latency + bytes / this "
+                             "(hf_bdlm.parallel.link; hf-bdlm bench --link NAME sets it from a named cluster link)")
+    parser.add_argument("--link-latency-s", type=float, default=0.0, help="emulated link: latency per transfer")
+    parser.add_argument("--link-name", default=None, help="emulated link: its name in the records")
     parser.add_argument("--transport", default="allgather", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="dual_end", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -78,6 +78,7 @@ class BenchConfig:
     max_context_layers: int
     max_context_limit: int
     attention: tuple[str, ...]
+    link: str | None = None  # a named cluster link the modes study runs through (hf_bdlm.planner.link)
 
 
 def _check_lengths(option: str, lengths, nprocs) -> None:
@@ -115,7 +116,12 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         growth_nprocs=pick("growth_nprocs"), mem_cap=pick("mem_cap"), max_context_nprocs=pick("max_context_nprocs"),
         max_context_modes=pick("max_context_modes"),
         max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
-        attention=tuple(preset["attention"]))
+        attention=tuple(preset["attention"]), link=getattr(args, "link", None))
+    if cfg.link is not None:
+        from hf_bdlm.planner.link import LINKS
+
+        if cfg.link not in LINKS:
+            raise ValueError(f"--link {cfg.link}: unknown link; the named links are {', '.join(LINKS)}")
     if cfg.min_time < 0:
         raise ValueError(f"--min-time {cfg.min_time}: must be 0 (a fixed --steps) or a positive number of seconds")
     if args.timeout <= 0:
@@ -151,8 +157,9 @@ def _line(rec: dict) -> str:
             f"wait {rec['comm_wait_s']:.3f} s  (run {rec.get('wall_s', 0):.0f} s)")
 
 
-def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list, path: pathlib.Path | None) -> None:
-    args = parallel_modes.launch_args(layers, cfg.steps, cfg.timeout, min_time=cfg.min_time)
+def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list, path: pathlib.Path | None,
+                 link=None) -> None:
+    args = parallel_modes.launch_args(layers, cfg.steps, cfg.timeout, min_time=cfg.min_time, link=link)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mode, P, L, transport, schedule) in enumerate(configs, 1):
@@ -181,8 +188,15 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
                               benchmark_layers=cfg.layers)
         _progress(f"  planner CPU figures for {', '.join(map(str, devices))} process(es) -> {cfg.out / RATES_FILE} "
                   f"({time.perf_counter() - t0:.0f} s)")
+    link = None
+    if cfg.link is not None:
+        from hf_bdlm.planner.link import link_for_this_machine
+
+        link = link_for_this_machine(cfg.link, cfg.layers)
+        _progress(f"  emulated link {link.describe()} (the named link stretched by this machine's compute rate: "
+                  "docs/benchmarks.md)")
     records: list[dict] = []
-    _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json")
+    _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json", link)
     return records
 
 

@@ -38,6 +38,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .link import LinkModel
+
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time (a peer died, hangs or disagrees on the layout)."""
@@ -71,13 +73,26 @@ class ByteMeter:
 
 @dataclass
 class CommContext:
-    """A process group with a name, a timeout, the byte meter and the wait-time counter."""
+    """A process group with a name, a timeout, the byte meter, the wait-time counter and an optional emulated link
+    (:class:`~.link.LinkModel`: every transfer then takes at least its modelled time)."""
 
     group: dist.ProcessGroup | None
     name: str
     meter: ByteMeter
     timeout: timedelta = timedelta(seconds=300)
     wait_seconds: float = 0.0
+    link: LinkModel | None = None
+
+    def started(self, label: str, nbytes: int) -> float | None:
+        """Record a transfer that delivers ``nbytes`` to this rank; the time its emulated link lets it complete at
+        (``None`` without a link)."""
+        self.meter.record(label, nbytes)
+        return None if self.link is None else self.link.schedule(nbytes)
+
+    def hold(self, ready_at: float | None) -> None:
+        """Wait for an emulated transfer to complete (counted as waiting)."""
+        if ready_at is not None:
+            self.wait_seconds += LinkModel.hold(ready_at)
 
     @property
     def size(self) -> int:
@@ -108,20 +123,23 @@ class InFlight:
 
     ``works`` are the ``torch.distributed`` work objects; ``finish`` builds the result from the
     completed buffers (a view, a list); ``keep`` holds buffers the transfer still reads (the send
-    side) until it completes. ``wait()`` is idempotent and returns the same result every time.
+    side) until it completes; ``ready_at``: when an emulated link lets the transfer complete (``wait`` sleeps
+    until then). ``wait()`` is idempotent and returns the same result every time.
     """
 
-    __slots__ = ("_comm", "_works", "_what", "_finish", "_keep", "_result", "_done")
+    __slots__ = ("_comm", "_works", "_what", "_finish", "_keep", "_ready_at", "_result", "_done")
 
-    def __init__(self, comm: CommContext, works: list, what: str, finish: Callable[[], Any], keep: tuple = ()):
+    def __init__(self, comm: CommContext, works: list, what: str, finish: Callable[[], Any], keep: tuple = (),
+                 ready_at: float | None = None):
         self._comm, self._works, self._what = comm, list(works), what
-        self._finish, self._keep = finish, keep
+        self._finish, self._keep, self._ready_at = finish, keep, ready_at
         self._result, self._done = None, False
 
     def wait(self) -> Any:
         if not self._done:
             for work in self._works:
                 self._comm.wait(work, self._what)
+            self._comm.hold(self._ready_at)
             self._result = self._finish()
             self._works, self._finish, self._keep, self._done = [], None, (), True
         return self._result
@@ -150,13 +168,13 @@ def start_gather(x: torch.Tensor, comm: CommContext, name: str, peers_only: bool
     shard = x.detach().permute(2, 0, 1, 3).contiguous()  # [T, b, H, d]
     buffer = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
     work = _all_gather_single(buffer, shard, group=comm.group, async_op=True)
-    comm.meter.record(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size())
+    ready_at = comm.started(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size())
 
     def finish():
         rows = _without_own_slot(buffer, rank, world) if peers_only else buffer
         return rows.permute(1, 2, 0, 3)
 
-    return InFlight(comm, [work], f"all_gather({name})", finish, keep=(shard,))
+    return InFlight(comm, [work], f"all_gather({name})", finish, keep=(shard,), ready_at=ready_at)
 
 
 def start_reduce_scatter(full: torch.Tensor, comm: CommContext, name: str, peers_only: bool = False) -> InFlight:
@@ -174,8 +192,9 @@ def start_reduce_scatter(full: torch.Tensor, comm: CommContext, name: str, peers
         rows = full.detach().permute(2, 0, 1, 3).contiguous()  # [C*T, b, H, d]
     shard = rows.new_empty((rows.shape[0] // world, *rows.shape[1:]))
     work = _reduce_scatter_single(shard, rows, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
-    comm.meter.record(f"{name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size())
-    return InFlight(comm, [work], f"reduce_scatter({name})", lambda: shard.permute(1, 2, 0, 3), keep=(rows,))
+    ready_at = comm.started(f"{name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size())
+    return InFlight(comm, [work], f"reduce_scatter({name})", lambda: shard.permute(1, 2, 0, 3), keep=(rows,),
+                    ready_at=ready_at)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -325,8 +344,8 @@ def _start_all_to_all(rows: torch.Tensor, comm: CommContext, label: str, recv_co
     out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
     work = dist.all_to_all_single(out, rows, recv_counts, send_counts, group=comm.group, async_op=True)
     per_row = math.prod(rows.shape[1:]) * rows.element_size()
-    comm.meter.record(label, (sum(recv_counts) - recv_counts[comm.rank]) * per_row)
-    return InFlight(comm, [work], label, lambda: out.permute(1, 2, 0, 3), keep=(rows,))
+    ready_at = comm.started(label, (sum(recv_counts) - recv_counts[comm.rank]) * per_row)
+    return InFlight(comm, [work], label, lambda: out.permute(1, 2, 0, 3), keep=(rows,), ready_at=ready_at)
 
 
 def exchange_rows(x, comm: CommContext, name: str, send_index, send_counts, recv_counts) -> torch.Tensor:

@@ -19,6 +19,7 @@ from functools import lru_cache
 import torch.distributed as dist
 
 from .collectives import ByteMeter, CommContext
+from .link import LinkModel
 from .dims import Mode, ParallelDims
 from .plan import GroupPlan, PlanConfig, make_plan
 
@@ -70,8 +71,11 @@ class BlockParallelGroups:
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str = "cpu", meter: ByteMeter | None = None,
-              timeout: timedelta | None = None, verify: bool = True) -> "BlockParallelGroups":
-        """Create the mesh and this rank's groups (every rank calls it, in the same order)."""
+              timeout: timedelta | None = None, verify: bool = True, link: LinkModel | None = None
+              ) -> "BlockParallelGroups":
+        """Create the mesh and this rank's groups (every rank calls it, in the same order). ``link``: an emulated
+        link (:class:`~.link.LinkModel`) every K/V transfer of this rank goes through, both communicators sharing
+        it as they share the rank's network interface."""
         if timeout is not None:
             # DeviceMesh builds its groups with the default timeout; the waits below use ours.
             timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -81,6 +85,7 @@ class BlockParallelGroups:
         rank, P, C = dist.get_rank(), dims.block_parallel_size, dims.clean_ring_size
         gi = rank // P
         kw = {} if timeout is None else {"timeout": timeout}
+        kw["link"] = link
         return cls(
             dims=dims,
             group=CommContext(bp_mesh.get_group(), f"block_parallel[{gi}]", meter, **kw),

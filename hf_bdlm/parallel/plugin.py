@@ -31,6 +31,7 @@ from torch.utils.data import Sampler
 from ..attention.interface import LocalLayout
 from .dims import Mode, ParallelDims, Schedule, Transport
 from .groups import BlockParallelGroups
+from .link import LinkModel
 from .plan import PlanConfig
 from .sharded import ShardedLayout
 
@@ -131,6 +132,8 @@ class BlockParallelPlugin:
         dims (`ParallelDims`, *optional*):
             A layout declared already (the trainer passes its config's ``parallel_dims``); when given, the five
             layout fields above are read from it.
+        link (`LinkModel`, *optional*):
+            An emulated link every K/V transfer of this rank goes through (:mod:`~.link`; measurements only).
 
     The values are validated once, by :class:`~hf_bdlm.parallel.dims.ParallelDims` (``plugin.dims``). Call
     :meth:`setup` once the distributed world exists (the trainer does it).
@@ -144,6 +147,7 @@ class BlockParallelPlugin:
     timeout: timedelta | None = None
     verify_layout: bool = True
     dims: ParallelDims | None = None
+    link: LinkModel | None = None
     # Set by setup()
     world_size: int = field(default=1, init=False)
     rank: int = field(default=0, init=False)
@@ -162,10 +166,11 @@ class BlockParallelPlugin:
         self._layouts: dict = {}
 
     @classmethod
-    def from_config(cls, args) -> "BlockParallelPlugin":
-        """The plugin of a :class:`~hf_bdlm.BDLMSFTConfig`: it holds the config's ``parallel_dims`` by reference."""
+    def from_config(cls, args, link: LinkModel | None = None) -> "BlockParallelPlugin":
+        """The plugin of a :class:`~hf_bdlm.BDLMSFTConfig`: it holds the config's ``parallel_dims`` by reference
+        (``link``: the emulated link its ``block_parallel_link`` names, resolved by the caller)."""
         timeout = getattr(args, "ddp_timeout", None)
-        return cls(dims=args.parallel_dims, timeout=timedelta(seconds=timeout) if timeout else None)
+        return cls(dims=args.parallel_dims, timeout=timedelta(seconds=timeout) if timeout else None, link=link)
 
     # --- world ---------------------------------------------------------------------------------
     def setup(self, device_type: str = "cpu") -> "BlockParallelPlugin":
@@ -178,7 +183,7 @@ class BlockParallelPlugin:
         self.dims = self.dims.with_world(self.world_size)  # raises if P does not divide the world
         if distributed and self.world_size > 1:
             self.groups = BlockParallelGroups.build(self.dims, device_type, timeout=self.timeout,
-                                                    verify=self.verify_layout)
+                                                    verify=self.verify_layout, link=self.link)
             self.device_mesh = self.groups.mesh
         self._ready = True
         return self

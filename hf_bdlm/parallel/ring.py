@@ -40,9 +40,10 @@ class _Rotation:
             ops.append(dist.P2POp(dist.isend, t, self.next, self.comm.group))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.comm.group))
         works = dist.batch_isend_irecv(ops)
-        self.comm.meter.record(f"{self.name}.ring_{label}", sum(r.numel() * r.element_size() for r in received))
+        ready_at = self.comm.started(f"{self.name}.ring_{label}", sum(r.numel() * r.element_size() for r in received))
         # The sent buffers must live until the transfer completes: the handle keeps them.
-        return InFlight(self.comm, works, f"ring_{label}({self.name})", lambda: received, keep=tuple(sent))
+        return InFlight(self.comm, works, f"ring_{label}({self.name})", lambda: received, keep=tuple(sent),
+                        ready_at=ready_at)
 
 
 class RingAttention(torch.autograd.Function):

@@ -84,6 +84,11 @@ class BDLMSFTConfig(SFTConfig):
             peer; bounds transient memory to two shards).
         block_schedule (`str`, *optional*, defaults to `"dual_end"`):
             Noisy-block schedule: `"dual_end"` (balanced block pairs `(j, N-1-j)`) or `"contiguous"`.
+        block_parallel_link (`str`, *optional*):
+            For measurements: run every K/V transfer of the block-parallel layout through an emulated cluster link,
+            `"h100-nvlink"`, `"h100-ib"`, `"h200-nvlink"` or `"h200-ib"`, stretched by this machine's compute rate so
+            that communication takes the share of a step it would take on that cluster (`hf_bdlm.planner.link`;
+            `docs/benchmarks.md`). Only the K/V exchange is emulated, not the data-parallel gradient reduction.
 
         > Parameters that control the data
 
@@ -145,6 +150,10 @@ class BDLMSFTConfig(SFTConfig):
     )
     block_schedule: str = field(
         default="dual_end", metadata={"help": "'dual_end' or 'contiguous'.", "choices": list(SCHEDULES)}
+    )
+    block_parallel_link: str | None = field(
+        default=None, metadata={"help": "emulated cluster link for measurements: 'h100-nvlink', 'h100-ib', "
+                                        "'h200-nvlink' or 'h200-ib' (default: none)."}
     )
 
     # Training. TRL turns checkpointing on by default under the name transformers now deprecates (a FutureWarning on
@@ -242,6 +251,12 @@ class BDLMSFTConfig(SFTConfig):
             )
 
     def _check_block_parallel_fields(self, world_size: int) -> None:
+        if self.block_parallel_link is not None:
+            from ..planner.link import LINKS
+
+            if self.block_parallel_link not in LINKS:
+                raise ValueError(f"block_parallel_link={self.block_parallel_link!r} is not a named link; use one of "
+                                 f"{list(LINKS)}, or leave it unset (no emulation).")
         self.parallel_dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.block_parallel_mode,
                                           self.block_schedule, self.block_parallel_transport, world_size)
         self.clean_ring_size = self.parallel_dims.clean_ring_size

@@ -158,7 +158,7 @@ class BDLMSFTTrainer(SFTTrainer):
             tokenizer.pad_token = tokenizer.eos_token
         self._pad_token_id = tokenizer.pad_token_id
 
-        self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args)
+        self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args, _emulated_link(args))
         self.plugin.setup(args.device.type)
         if data_collator is None:
             data_collator = BlockAlignedCollator(
@@ -602,3 +602,14 @@ def _as_bdlm_config(args, model) -> BDLMSFTConfig:
 def _torch_optimizer(optimizer):
     """The ``torch.optim`` optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def _emulated_link(args):
+    """The emulated link ``args.block_parallel_link`` names, at this machine's compute rate (or ``None``)."""
+    if args.block_parallel_link is None:
+        return None
+    from ..planner.link import link_for_this_machine
+
+    link = link_for_this_machine(args.block_parallel_link)
+    logger.warning("block_parallel_link: every K/V transfer goes through the emulated link %s", link.describe())
+    return link
