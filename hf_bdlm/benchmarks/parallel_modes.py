@@ -67,7 +67,7 @@ def model_config(layers: int, window: int | None = None, backend: str = "blockwi
     """The benchmarked model's ``BlockDiffusionConfig`` (also what ``hf-bdlm plan --validate`` predicts)."""
     from transformers import LlamaConfig, Qwen3Config
 
-    from hf_bdlm import BlockDiffusionConfig
+    from ..configuration import BlockDiffusionConfig
 
     dims = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, intermediate_size=512, pad_token_id=PAD)
@@ -84,7 +84,7 @@ def build(L: int, layers: int, window: int | None = None, device: str = "cpu", b
 
     import torch
 
-    from hf_bdlm import BlockDiffusionForMaskedLM
+    from ..modeling import BlockDiffusionForMaskedLM
     from hf_bdlm.objectives import get_objective
 
     # Same seed on every rank: identical weights and batch, as the group shares one batch.
