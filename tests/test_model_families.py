@@ -88,8 +88,6 @@ def test_the_server_refuses_a_family_it_does_not_serve_by_name(tmp_path):
 # The shared code talks to families through hf_bdlm.models only: no family is named outside its own folder, except
 # in these places (user-facing text and data, each for a stated reason).
 ALLOWED = {
-    "hf_bdlm/trainer/config.py",  # the documentation of the user's fields (the objective names, their settings)
-    "hf_bdlm/planner/model.py",  # config formats read and the paper's model preset (data)
     "hf_bdlm/planner/cli.py",  # the paper's published settings (data)
     "hf_bdlm/models/card_parts.py",  # the card's label of each objective (data)
 }

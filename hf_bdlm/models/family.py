@@ -108,6 +108,10 @@ class ModelFamily:
         return {"k_eq_v": False, "clean_attention": "block_causal", "window_convention": "per_query",
                 "head_on_clean": False, "extra_params": 0}
 
+    def planner_presets(self) -> dict[str, dict]:
+        """Named configs (``config.json`` dicts) of this family's models that ``hf-bdlm plan --model`` accepts."""
+        return {}
+
     # --- the hub ----------------------------------------------------------------------------------------------
     def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
         """The model card (``README.md``) of a saved folder whose parsed ``config.json`` is ``config``."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .cost import Cluster, Prediction, Recipe, plan_all, recommend
 from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec
-from .model import PRESETS, model_spec
+from .model import model_spec, presets
 
 GIB = 2 ** 30
 
@@ -35,7 +35,7 @@ def add_plan_parser(subparsers) -> None:
                     "FSDP2 over the world, with and without activation checkpointing) predict per-rank peak memory "
                     "and step time from counted FLOPs, the K/V byte formulas and the device's rates; mark what does "
                     "not fit and recommend the fastest layout that does. The model is in docs/design.md §6.")
-    p.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}), a config.json, or a folder holding one")
+    p.add_argument("--model", help=f"a preset ({', '.join(presets())}), a config.json, or a folder holding one")
     p.add_argument("--context", type=int, help="sequence length L (tokens)")
     p.add_argument("--gpus", type=int, default=16)
     p.add_argument("--gpus-per-node", type=int, default=8)

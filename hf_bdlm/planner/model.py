@@ -4,27 +4,20 @@
 ``PreTrainedConfig``, or a BDLM config with a ``backbone_config``; multimodal configs are read
 from their ``text_config``): Llama / Qwen / Mistral / Gemma 3-style dense models and MoE models
 (``num_experts`` with ``top_k_experts`` or ``num_experts_per_tok`` and ``moe_intermediate_size``;
-Gemma 4 / DiffusionGemma's ``enable_moe_block`` keeps the dense MLP beside the experts). Per-layer
+Gemma 4's ``enable_moe_block`` keeps the dense MLP beside the experts). Per-layer
 attention shapes follow ``layer_types`` (sliding layers get ``sliding_window``; Gemma 4's global
 layers ``global_head_dim`` / ``num_global_key_value_heads``).
 
-Two presets stand for the paper's settings (:data:`PRESETS`):
-
-- ``gemma3-27b`` (AR -> BDLM conversion): Gemma 3 27B's published sizes (the ``config.json`` of
-  ``google/gemma-3-27b-pt``): hidden 5376, 62 layers, 32 heads, 16 K/V heads, head dim 128,
-  MLP 21504, vocabulary 262208, window 1024 on five of every six layers. Block size 32
-  (Fast-dLLM v2's), token shift and a block-causal clean stream.
-- ``diffusiongemma-26b-a4b`` (MoE SFT). **Assumed sizes**, chosen to be consistent with the name
-  (about 25-26B parameters, about 4B active per token) and the Gemma 4 config fields; they are not
-  a published config: hidden 2816, 30 layers, 16 heads, 8 K/V heads of dim 256 on sliding layers
-  (window 1024, five of six layers), 2 K/V heads of dim 512 on global layers (V = K), 128 experts, top 8,
-  expert MLP 704, dense MLP 2112 beside the experts, vocabulary 262144. Block (canvas) 256, a
-  token-causal clean stream (the encoder) and the ``block_start`` window convention.
+Presets stand for the paper's settings (:func:`presets`): ``gemma3-27b`` here (AR -> BDLM conversion: Gemma 3
+27B's published sizes, the ``config.json`` of ``google/gemma-3-27b-pt``: hidden 5376, 62 layers, 32 heads, 16 K/V
+heads, head dim 128, MLP 21504, vocabulary 262208, window 1024 on five of every six layers; block size 32, Fast-dLLM
+v2's, token shift and a block-causal clean stream), and those each model family declares
+(:meth:`hf_bdlm.models.ModelFamily.planner_presets`).
 
 The training step modelled is the vectorized BDLM step (docs/design.md §1): ``2L`` rows, noisy rows
 on every block (SFT whose completion spans the sequence); the loss runs the LM head on the noisy
-rows (DiffusionGemma's encoder loss adds the clean rows: ``head_on_clean``). Self-conditioning's
-second decoder pass is not modelled.
+rows (a family whose loss also scores the clean rows says so: ``head_on_clean``). A second decoder pass
+(self-conditioning) is not modelled.
 
     python -c "from hf_bdlm.planner.model import model_spec; s = model_spec('gemma3-27b'); \\
 print(s.name, s.total_params() / 1e9, s.active_params() / 1e9)"
@@ -36,7 +29,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ..models import family_for_model_type
+from ..models import REGISTRY, family_for_model_type, family_named
 
 
 @dataclass(frozen=True)
@@ -47,7 +40,7 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     window: int | None = None
-    value_is_key: bool = False  # no v_proj: V = K (Gemma 4 / DiffusionGemma global layers); K and V still travel
+    value_is_key: bool = False  # no v_proj: V = K (Gemma 4-style global layers); K and V still travel
 
 
 @dataclass(frozen=True)
@@ -66,8 +59,8 @@ class ModelSpec:
         clean_attention (`str`): ``"block_causal"`` or ``"causal"`` (the clean stream's rule).
         window_convention (`str`): ``"per_query"`` or ``"block_start"`` (docs/design.md §1).
         head_on_clean (`bool`): the loss also runs the LM head on the clean rows (an AR loss).
-        extra_params (`int`): parameters outside the decoder layers and embeddings (DiffusionGemma's
-            self-conditioning MLP); stored and sharded, their FLOPs neglected.
+        extra_params (`int`): parameters outside the decoder layers and embeddings (a family's own blocks,
+            e.g. a self-conditioning MLP: ``ModelFamily.cost_traits``); stored and sharded, their FLOPs neglected.
     """
 
     name: str
@@ -159,7 +152,7 @@ def _load_config(source) -> tuple[dict, str]:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"--model {source!r} is neither a known preset ({', '.join(PRESETS)}) nor a config.json file or a "
+            f"--model {source!r} is neither a known preset ({', '.join(presets())}) nor a config.json file or a "
             "folder holding one.")
     with open(path) as f:
         return json.load(f), os.path.basename(os.path.dirname(os.path.abspath(path))) or path
@@ -170,7 +163,7 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
     outer = cfg
     if isinstance(cfg.get("backbone_config"), dict):  # a BlockDiffusionConfig
         cfg = cfg["backbone_config"]
-    if isinstance(cfg.get("text_config"), dict):  # Gemma 3/4, DiffusionGemma
+    if isinstance(cfg.get("text_config"), dict):  # Gemma 3/4 and the multimodal or encoder-decoder configs
         cfg = cfg["text_config"]
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
     if missing:
@@ -186,7 +179,7 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
         types = ["sliding_attention" if sliding else "full_attention"] * n_layers
     if len(types) != n_layers:
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n_layers}.")
-    # Gemma 4 / DiffusionGemma: per-layer overrides (``per_layer_config``, what the config object writes), or the
+    # Gemma 4-style configs: per-layer overrides (``per_layer_config``, what the config object writes), or the
     # global layers' sizes as config.json fields.
     overrides = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
     global_dim = _get(cfg, "global_head_dim", default=head_dim)
@@ -217,7 +210,7 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
     intermediate = _get(cfg, "intermediate_size", default=4 * h)
     if experts:
         moe_i = moe_i or intermediate
-        # Gemma 4 / DiffusionGemma keep the dense MLP beside the experts; Qwen-MoE / Mixtral replace it (a shared
+        # Gemma 4-style configs keep the dense MLP beside the experts; Qwen-MoE / Mixtral replace it (a shared
         # expert, when declared, is a dense MLP of its own width).
         intermediate = intermediate if cfg.get("enable_moe_block") else _get(
             cfg, "shared_expert_intermediate_size", default=0)
@@ -242,21 +235,18 @@ GEMMA3_27B = dict(
                          head_dim=128, intermediate_size=21504, vocab_size=262208, sliding_window=1024,
                          layer_types=_gemma_layer_types(62), tie_word_embeddings=True))
 
-# DiffusionGemma 26B-A4B-like: ASSUMED sizes (see the module docstring), not a published config.
-DIFFUSIONGEMMA_26B_A4B = dict(
-    model_type="diffusion_gemma", canvas_length=256,
-    text_config=dict(hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
-                     head_dim=256, global_head_dim=512, num_global_key_value_heads=2, intermediate_size=2112,
-                     enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
-                     vocab_size=262144, sliding_window=1024, layer_types=_gemma_layer_types(30),
-                     attention_k_eq_v=True, tie_word_embeddings=True))
-
-PRESETS = {"gemma3-27b": GEMMA3_27B, "diffusiongemma-26b-a4b": DIFFUSIONGEMMA_26B_A4B}
+def presets() -> dict[str, dict]:
+    """The named configs ``--model`` accepts: ``gemma3-27b`` and every model family's
+    (:meth:`~hf_bdlm.models.ModelFamily.planner_presets`)."""
+    found = {"gemma3-27b": GEMMA3_27B}
+    for entry in REGISTRY:
+        found.update(family_named(entry.name).planner_presets())
+    return found
 
 
 def model_spec(source, block_size: int | None = None) -> ModelSpec:
-    """A preset name (:data:`PRESETS`), a config dict / ``PreTrainedConfig``, or a ``config.json`` path / folder."""
-    if isinstance(source, str) and source in PRESETS:
-        return spec_from_config(PRESETS[source], source, block_size)
+    """A preset name (:func:`presets`), a config dict / ``PreTrainedConfig``, or a ``config.json`` path / folder."""
+    if isinstance(source, str) and source in presets():
+        return spec_from_config(presets()[source], source, block_size)
     cfg, name = _load_config(source)
     return spec_from_config(cfg, name, block_size)

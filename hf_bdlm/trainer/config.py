@@ -40,13 +40,13 @@ class BDLMSFTConfig(SFTConfig):
         objective (`str`, *optional*):
             Training objective: `"standard"` (BD3-LM), `"fast_dllm_v2"` (AR -> BDLM conversion as in Fast-dLLM v2:
             token shift, complementary masks, block-causal clean stream), `"fast_dllm_v2_causal_clean"` (its variant
-            whose clean stream stays the causal LM's, token-causal) or `"diffusion_gemma"` (DiffusionGemma SFT on
-            transformers' `DiffusionGemmaForBlockDiffusion`: uniform-state noise, self-conditioning, the encoder's
-            next-token loss; the default for such a model). `"dflash"` is planned. Defaults to the model's.
+            whose clean stream stays the causal LM's, token-causal), or an objective of another model family
+            (`hf_bdlm.models.all_objectives()`; each family's objectives are documented in its folder and in
+            `docs/`). Defaults to the model's.
         noise_eps_min (`float`, *optional*), noise_eps_max (`float`, *optional*):
             Range the per-block masking rate `t` is clipped to, `0 < noise_eps_min <= noise_eps_max <= 1`.
-            Default to the model's. With `"diffusion_gemma"` (the per-block replacement rate, defaults `1e-4` and
-            `1 - 1e-4`) `0` is allowed: `0` / `0` trains without corruption.
+            Default to the model's. With an objective whose noise includes `t = 0` (`Objective.allows_zero_noise`:
+            uniform-state noise) `0` is allowed: `0` / `0` trains without corruption.
         loss_weighting (`str`, *optional*):
             `"inverse_t"` (`1/t`, the ELBO) or `"unit"`; the `fast_dllm_v2` objectives always use `"unit"`. Defaults to
             the model's.
@@ -54,7 +54,8 @@ class BDLMSFTConfig(SFTConfig):
             `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`). Defaults to the
             model's. CPU training needs `"blockwise"` or `"dense"`.
 
-        > Parameters of the `"diffusion_gemma"` objective (rejected with any other)
+        > Parameters of a self-conditioning encoder-decoder family's objective (its `ModelFamily.config_fields`;
+        > rejected with any other objective; documented with that family in `docs/`)
 
         self_conditioning_prob (`float`, *optional*):
             Per-sample probability of the self-conditioning pass (a first decoder pass without gradient whose soft
@@ -115,8 +116,8 @@ class BDLMSFTConfig(SFTConfig):
     block_size: int | None = field(default=None, metadata={"help": "Tokens per diffusion block (default: the model's)."})
     objective: str | None = field(
         default=None,
-        metadata={"help": "Training objective: 'standard', 'fast_dllm_v2', 'fast_dllm_v2_causal_clean' or "
-                          "'diffusion_gemma' (default: the model's)."},
+        metadata={"help": "Training objective: 'standard', 'fast_dllm_v2', 'fast_dllm_v2_causal_clean' or another "
+                          "family's (hf_bdlm.models.all_objectives(); default: the model's)."},
     )
     noise_eps_min: float | None = field(default=None, metadata={"help": "Lowest per-block masking rate."})
     noise_eps_max: float | None = field(default=None, metadata={"help": "Highest per-block masking rate."})
@@ -125,16 +126,19 @@ class BDLMSFTConfig(SFTConfig):
         default=None, metadata={"help": "'dense', 'blockwise', 'flex' or 'flash' (default: the model's)."}
     )
     self_conditioning_prob: float | None = field(
-        default=None, metadata={"help": "diffusion_gemma: per-sample probability of self-conditioning (default 0.5)."}
+        default=None,
+        metadata={"help": "encoder-decoder objective: per-sample probability of self-conditioning (default 0.5)."}
     )
     ar_loss_weight: float | None = field(
-        default=None, metadata={"help": "diffusion_gemma: weight of the encoder's next-token loss (default 1.0)."}
+        default=None,
+        metadata={"help": "encoder-decoder objective: weight of the encoder's next-token loss (default 1.0)."}
     )
     model_prediction_type: str | None = field(
-        default=None, metadata={"help": "diffusion_gemma: 'mean' or 'mean_loo' (default 'mean')."}
+        default=None, metadata={"help": "encoder-decoder objective: 'mean' or 'mean_loo' (default 'mean')."}
     )
     freeze_router: bool | None = field(
-        default=None, metadata={"help": "diffusion_gemma: keep MoE routers frozen in full fine-tuning (default True)."}
+        default=None,
+        metadata={"help": "encoder-decoder objective: keep MoE routers frozen in full fine-tuning (default True)."}
     )
 
     # Block parallelism

@@ -145,6 +145,21 @@ class DiffusionGemmaFamily(ModelFamily):
         return {"k_eq_v": True, "clean_attention": "causal", "window_convention": "block_start",
                 "head_on_clean": True, "extra_params": 3 * h * (text_config.get("intermediate_size") or 0) + h}
 
+    def planner_presets(self) -> dict[str, dict]:
+        """``diffusiongemma-26b-a4b``, the paper's MoE SFT setting. **Assumed sizes**, chosen to be consistent with
+        the name (about 25-26B parameters, about 4B active per token) and the Gemma 4 config fields; they are not a
+        published config: hidden 2816, 30 layers, 16 heads, 8 K/V heads of dim 256 on sliding layers (window 1024,
+        five of six layers), 2 K/V heads of dim 512 on global layers (V = K), 128 experts, top 8, expert MLP 704,
+        dense MLP 2112 beside the experts, vocabulary 262144; canvas 256."""
+        layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)]
+        return {"diffusiongemma-26b-a4b": dict(
+            model_type="diffusion_gemma", canvas_length=256,
+            text_config=dict(hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                             head_dim=256, global_head_dim=512, num_global_key_value_heads=2, intermediate_size=2112,
+                             enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                             vocab_size=262144, sliding_window=1024, layer_types=layer_types,
+                             attention_k_eq_v=True, tie_word_embeddings=True))}
+
     # --- the hub ----------------------------------------------------------------------------------------------
     def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
         from .card import render_diffusion_gemma_card
