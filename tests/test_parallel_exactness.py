@@ -2,7 +2,7 @@
 
 Each launch runs the whole matrix of tests/distributed/exactness_worker.py under torchrun (gloo):
 backbones (Llama GQA, Gemma 3 sliding+full, Qwen3) x objectives (standard, fast_dllm_v2) x
-modes (cp, bp, csbp with C in {1, 2, P}) x batches (plain, padded, packed documents), float64 and
+modes (cp, bp, csbp with C in {1, 2, P}, and cp in the paper's baseline layout) x batches (plain, padded, packed documents), float64 and
 float32 (every layout), plus data parallelism (4 processes = 2 groups x P 2). Loss and every parameter gradient
 must match; K/V bytes recorded by the meter must equal the formulas of docs/design.md §3.
 """
@@ -38,6 +38,12 @@ def test_matrix_covers_every_mode_backbone_objective_and_batch_kind(results):
     if world == 4:
         expected |= {(4, "cp", 4), (4, "bp", 1), (4, "csbp", 1), (4, "csbp", 2), (4, "csbp", 4)}
     assert expected <= seen
+    paper = {(c["P"], c["backbone"], c["objective"], c["dtype"]) for c in cases if c.get("cp_layout") == "paper"}
+    Ps = {2, world}
+    # The paper's CP baseline layout: every backbone and objective in float64, and float32, at every P.
+    assert {(P, bb, obj, "float64") for P in Ps for bb in ("llama", "gemma3", "qwen3")
+            for obj in ("standard", "fast_dllm_v2")} <= paper
+    assert {P for P, _, _, dtype in paper if dtype == "float32"} == Ps
     assert {c["backbone"] for c in cases} == {"llama", "gemma3", "qwen3"}
     assert {c["objective"] for c in cases} == {"standard", "fast_dllm_v2"}
     assert {c["batch"] for c in cases} == {"plain", "padded", "packed"}
@@ -87,6 +93,7 @@ def test_csbp_moves_half_the_bytes_of_cp(results):
         (c["P"], c["mode"], c["C"], c["dtype"], c["backbone"], c["batch"]): c["fwd_bytes"]
         for c in cases
         if "expect_bytes" in c and c["transport"] == "allgather" and c["backend"] == "blockwise"
+        and c.get("cp_layout", "balanced") == "balanced"
     }
     compared = 0
     for (P, mode, C, dtype, bb, batch), nbytes in by.items():

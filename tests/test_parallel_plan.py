@@ -372,3 +372,40 @@ def test_required_multiple_of_each_layout(mode, schedule, C, expected):
 def test_rank_out_of_range_raises_value_error():
     with pytest.raises(ValueError, match=r"rank must be in \[0, 4\).*got 4"):
         make_plan(PlanConfig(ParallelDims(4), 64, 4)).ring_members(4)
+
+
+# --- the paper's CP baseline layout ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("P,B", [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_paper_cp_layout_holds_every_noisy_token_once_and_contiguous_clean_shards(P, B):
+    L = 4 * P * B
+    plan = make_plan(PlanConfig(ParallelDims(P, mode="cp", cp_layout="paper"), seq_len=L, block_size=B))
+    noisy = torch.cat([r.noisy_positions() for r in plan.ranks])
+    assert sorted(noisy.tolist()) == list(range(L))  # every noisy row on exactly one rank
+    for r in plan.ranks:
+        assert r.noisy_blocks == tuple(range(L // B))  # a slice of every block
+        assert r.local_noisy_rows == L // P and r.local_clean_rows == L // P
+        assert r.clean_positions == ((r.rank * L // P, (r.rank + 1) * L // P),)
+        offsets = r.noisy_offset_index().tolist()
+        if (B // P) % 2 == 0 and P > 1:  # two-ended: offset k and B-1-k together
+            assert sorted(offsets) == sorted(B - 1 - o for o in offsets)
+    assert all(m.loss_row_mask().sum() == 2 * L // P for m in plan.ranks)
+
+
+def test_paper_cp_layout_is_unbalanced_on_clean_work_as_the_paper_baseline_is():
+    # Clean->clean causal pairs of rank r's contiguous shard: the last rank does (2P-1)/P of the mean.
+    P, B = 4, 8
+    L = 64 * P
+    plan = make_plan(PlanConfig(ParallelDims(P, mode="cp", cp_layout="paper"), seq_len=L, block_size=B))
+    pairs = [sum(p + 1 for p in r.clean_position_index().tolist()) for r in plan.ranks]
+    assert max(pairs) / (sum(pairs) / P) == pytest.approx((2 * P - 1) / P, rel=0.02)
+
+
+def test_paper_cp_layout_errors_name_the_fix():
+    with pytest.raises(ValueError, match="block_size=6 must be a multiple of 4"):
+        PlanConfig(ParallelDims(4, mode="cp", cp_layout="paper"), seq_len=96, block_size=6)
+    with pytest.raises(ValueError, match="layout of mode='cp'.*use mode='cp'"):
+        ParallelDims(2, mode="csbp", cp_layout="paper")
+    with pytest.raises(ValueError, match="blocking all-gathers.*Use 'allgather'"):
+        ParallelDims(2, mode="cp", transport="ring", cp_layout="paper")
+    with pytest.raises(ValueError, match="block_parallel_cp_layout must be one of"):
+        ParallelDims(2, mode="cp", cp_layout="zigzag")

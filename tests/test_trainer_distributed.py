@@ -1,6 +1,7 @@
 """BDLMSFTTrainer with the block-parallel plugin under torchrun (gloo): the acceptance tests of issue 4.
 
-- P = 2 (csbp with the all-gather and the ring transport, bp, cp) logs the same per-step losses as P = 1, ends
+- P = 2 (csbp with the all-gather and the ring transport, bp, cp, cp in the paper's baseline layout; and P = 4 in
+  that layout) logs the same per-step losses as P = 1, ends
   with the same weights (float32) and evaluates the same held-out loss; also with gradient accumulation +
   gradient checkpointing + block-aligned packing, and with LoRA.
 - Resume: from a checkpoint of the same layout, exactly the uninterrupted losses; a P = 2 csbp checkpoint
@@ -52,7 +53,7 @@ def _weights_rel(path_a, path_b):
     return max((a[k] - b[k]).abs().max().item() / max(b[k].abs().max().item(), 1e-30) for k in a)
 
 
-@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/csbp_ring", "accum_ckpt_packed/csbp",
+@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/cp_paper", "plain/csbp_ring", "accum_ckpt_packed/csbp",
                                  "lora/csbp", "resume/csbp"])
 def test_p2_logs_the_single_process_losses(runs, run):
     layouts, reference, _ = runs
@@ -72,14 +73,14 @@ def test_p2_under_bf16_autocast_logs_the_single_process_losses(runs, run):
     assert other_rank[run]["losses"] == got["losses"]
 
 
-@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/csbp_ring", "accum_ckpt_packed/csbp",
+@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/cp_paper", "plain/csbp_ring", "accum_ckpt_packed/csbp",
                                  "lora/csbp"])
 def test_p2_ends_with_the_single_process_weights(runs, run):
     layouts, reference, _ = runs
     assert _weights_rel(layouts[run]["weights"], reference[run.split("/")[0] + "/p1"]["weights"]) <= TOL
 
 
-@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/csbp_ring"])
+@pytest.mark.parametrize("run", ["plain/csbp", "plain/bp", "plain/cp", "plain/cp_paper", "plain/csbp_ring"])
 def test_p2_evaluates_the_single_process_held_out_loss(runs, run):
     layouts, reference, other_rank = runs
     assert layouts[run]["eval_loss"] == pytest.approx(reference["plain/p1"]["eval_loss"], rel=TOL)
@@ -104,6 +105,16 @@ def test_a_p2_csbp_checkpoint_resumes_with_p1(runs):
     resumed, p2 = reference["resume/p1_from_p2_csbp"], layouts["resume/csbp"]
     assert resumed["steps"][-2:] == [3, 4]
     assert _rel(resumed["losses"][-2:], p2["losses"][-2:]) <= TOL
+
+
+def test_p4_in_the_paper_cp_layout_trains_as_the_single_process(runs, data_parallel):
+    """One group of P = 4, cp in the paper's baseline layout: the single process's losses and final weights."""
+    _, reference, _ = runs
+    got, want = data_parallel[0]["plain/cp_paper_p4"], reference["plain/p1"]
+    assert got["steps"] == want["steps"] == [1, 2, 3, 4]
+    assert _rel(got["losses"], want["losses"]) <= TOL, (got["losses"], want["losses"])
+    assert _weights_rel(got["weights"], want["weights"]) <= TOL
+    assert all(rank["plain/cp_paper_p4"]["losses"] == got["losses"] for rank in data_parallel)
 
 
 def test_ranks_of_a_group_get_the_same_batches_and_groups_disjoint_ones(data_parallel):

@@ -1,6 +1,6 @@
 """Block parallelism: the layout declaration, the plan (who owns which rows), the collectives, the sharded attention.
 
-- :mod:`.dims`: :class:`ParallelDims`, the layout (P, C, mode, schedule, transport, world) validated once,
+- :mod:`.dims`: :class:`ParallelDims`, the layout (P, C, mode, schedule, transport, cp layout, world) validated once,
   and its DeviceMesh;
 - :mod:`.plan`: pure functions of a layout and a sequence length: which rows each rank holds;
 - :mod:`.groups`: the process groups of a rank and the cached, agreed plan of each batch;
@@ -13,13 +13,14 @@
 """
 
 from .collectives import ByteMeter, CollectiveTimeout, CommContext
-from .dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
+from .dims import CP_LAYOUTS, MODES, SCHEDULES, TRANSPORTS, ParallelDims
 from .groups import BlockParallelGroups, verify_plan_agreement
 from .plan import GroupPlan, PlanConfig, RankPlan, make_plan
 from .plugin import BlockParallelPlugin
 from .sharded import ShardedLayout
 
 __all__ = [
+    "CP_LAYOUTS",
     "MODES",
     "SCHEDULES",
     "TRANSPORTS",

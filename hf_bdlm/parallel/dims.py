@@ -1,8 +1,8 @@
 """The block-parallel layout, declared once: :class:`ParallelDims` validates it and builds its mesh.
 
-A run's parallel layout is six numbers and names: the block-parallel group size ``P``, the clean
+A run's parallel layout is seven numbers and names: the block-parallel group size ``P``, the clean
 ring size ``C`` (``C | P``), the mode (``cp`` | ``bp`` | ``csbp``), the noisy-block schedule, the
-K/V transport, and the world (``W = D x P``, ``D`` data-parallel replicas). They are checked
+K/V transport, ``cp``'s layout (``balanced`` | ``paper``), and the world (``W = D x P``, ``D`` data-parallel replicas). They are checked
 here and nowhere else; the trainer config, the plugin, the plan and the sharded attention all
 take a :class:`ParallelDims`.
 
@@ -61,6 +61,21 @@ class Schedule(_Choice):
     CONTIGUOUS = "contiguous"
 
 
+class CPLayout(_Choice):
+    """How ``cp`` lays out and moves a group's rows (``docs/design.md`` §3, "The paper's CP baseline").
+
+    ``balanced``: the zigzag chunks of the ``2L`` rows (rank ``r`` holds chunk ``r`` and ``2P-1-r``: noisy blocks and
+    a clean chunk of equal cost), the K/V gather overlapped with the local attention, window halos on sliding layers.
+    ``paper``: the CP-only layout of the paper's reference code, the baseline its published ratios are measured
+    against: a contiguous clean shard per rank (the last rank does ``(2P-1)/P`` of the mean clean work), a two-ended
+    token slice of every noisy block, the K/V all-gathered before any attention and the dK/dV reduce-scattered after
+    every gradient (blocking), and the whole sequence gathered on sliding-window layers too.
+    """
+
+    BALANCED = "balanced"
+    PAPER = "paper"
+
+
 class Transport(_Choice):
     """How gathered K/V travel: one all-gather per layer, or shards rotating peer to peer."""
 
@@ -69,6 +84,7 @@ class Transport(_Choice):
 
 
 MODES = tuple(Mode)
+CP_LAYOUTS = tuple(CPLayout)
 SCHEDULES = tuple(Schedule)
 TRANSPORTS = tuple(Transport)
 
@@ -104,6 +120,9 @@ class ParallelDims:
         schedule (`str`, defaults to `"dual_end"`): `"dual_end"` (balanced block pairs) or `"contiguous"`.
         transport (`str`, defaults to `"allgather"`): `"allgather"` or `"ring"` (K/V shards rotate peer to peer).
         world_size (`int`, *optional*): total ranks `W`; must be a multiple of `P`. `None` when not known yet.
+        cp_layout (`str`, defaults to `"balanced"`): under `"cp"`, `"balanced"` (zigzag, overlapped, window halos) or
+            `"paper"` (the paper's CP baseline: contiguous clean shards, token slices of every noisy block, blocking
+            transfers, whole-sequence gathers on sliding layers); see :class:`CPLayout`.
 
     Invalid combinations raise `ValueError` naming the values and the fix.
     """
@@ -114,6 +133,7 @@ class ParallelDims:
     schedule: Schedule = Schedule.DUAL_END
     transport: Transport = Transport.ALLGATHER
     world_size: int | None = field(default=None, compare=False)
+    cp_layout: CPLayout = CPLayout.BALANCED
 
     def __post_init__(self):
         P = self.block_parallel_size
@@ -124,6 +144,18 @@ class ParallelDims:
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "schedule", schedule)
         object.__setattr__(self, "transport", _member(Transport, self.transport, "block_parallel_transport"))
+        cp_layout = _member(CPLayout, self.cp_layout, "block_parallel_cp_layout")
+        object.__setattr__(self, "cp_layout", cp_layout)
+        if cp_layout is CPLayout.PAPER and mode is not Mode.CP:
+            raise ValueError(
+                f"block_parallel_cp_layout='paper' is a layout of mode='cp' (the paper's CP baseline), got "
+                f"mode={mode!r}; use mode='cp', or leave block_parallel_cp_layout='balanced'."
+            )
+        if cp_layout is CPLayout.PAPER and self.transport is not Transport.ALLGATHER:
+            raise ValueError(
+                "block_parallel_cp_layout='paper' moves K/V by blocking all-gathers, as the paper's baseline does; "
+                f"got block_parallel_transport={self.transport!r}. Use 'allgather' with it."
+            )
         C = self.clean_ring_size
         if C is None:
             C = 1 if mode is Mode.BP else P
@@ -172,12 +204,19 @@ class ParallelDims:
         """Whether a batch is split over several ranks (``P > 1``)."""
         return self.block_parallel_size > 1
 
+    @property
+    def is_paper_cp(self) -> bool:
+        """Whether this is the paper's CP baseline layout (``mode='cp'``, ``cp_layout='paper'``)."""
+        return self.cp_layout is CPLayout.PAPER
+
     def with_world(self, world_size: int) -> "ParallelDims":
         return replace(self, world_size=world_size)
 
     def block_multiple(self) -> tuple[int, str]:
         """How many blocks a sequence must be a multiple of under this layout, and why (for error messages)."""
         P, C = self.block_parallel_size, self.clean_ring_size
+        if self.is_paper_cp:
+            return P, f"each of the group_size={P} contiguous clean shards must hold whole blocks"
         if self.mode is Mode.CP:
             return P, f"each of the 2*group_size={2 * P} zigzag chunks of the 2L rows must hold whole blocks"
         if self.schedule is Schedule.CONTIGUOUS:
@@ -192,7 +231,7 @@ class ParallelDims:
     def required_multiple(self, block_size: int) -> int:
         """The multiple sequences are padded to: ``B`` when nothing is sharded, else what the layout needs.
 
-        ``cp``: ``P * B``; ``bp`` and ``csbp``: ``2 * P * B`` with ``dual_end``, ``P * B`` with ``contiguous``.
+        ``cp`` (either layout): ``P * B``; ``bp`` and ``csbp``: ``2 * P * B`` with ``dual_end``, ``P * B`` with ``contiguous``.
         """
         return self.block_multiple()[0] * block_size if self.is_sharded else block_size
 

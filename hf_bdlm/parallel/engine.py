@@ -19,6 +19,11 @@ communicator's rank order. :meth:`ExchangePass.attend` then runs the attention o
   batch item when the items' documents differ); the unsent part of the key tensor is the only local source. The ring
   runs the block-sparse kernels, so it needs ``attention_backend="blockwise"``.
 
+- **blocking** (``blocking=True``, the paper's CP baseline, :class:`~.dims.CPLayout`): on every layer, sliding ones
+  included, the sent rows of all members are all-gathered (own slot included) before any attention runs, and in
+  backward their dK/dV are reduce-scattered after every gradient is computed: nothing overlaps, and a sliding layer
+  moves the whole sequence instead of its halo.
+
 With a communicator of one rank nothing travels: the key tensor is the only source. The result of an asynchronous
 collective is reachable only after its wait: the deferred sources hand their rows over through the handles of
 :mod:`.collectives`, so computing on the local source while they travel never reads a half-written buffer.
@@ -37,7 +42,7 @@ from ..attention.backends import attend, common_dtype
 from ..attention.masks import MaskRule
 from ..attention.rows import RowMeta
 from ..attention.tiles import plan_attention
-from .collectives import CommContext, ExchangedKV, GatheredKV
+from .collectives import CommContext, ExchangedKV, GatheredKV, gather_rows
 from .plan import window_exchange
 from .ring import ring_attention
 
@@ -61,7 +66,8 @@ class ExchangePass:
     its rank order) the query rows it runs and the rows it sends; ``me``: this rank's index among them. ``name``:
     prefix of the collectives' names in the byte meter (``{name}_k``, ``{name}_k_window``, ...; ``None``: the
     collectives' own names). ``key_streams``: whether the window lists cut each query's reach per key stream
-    (:func:`~.plan.window_exchange`). ``cache`` holds what depends only on the rows and the rule (plans, window lists).
+    (:func:`~.plan.window_exchange`). ``blocking``: move K/V as the paper's CP baseline does (module docstring).
+    ``cache`` holds what depends only on the rows and the rule (plans, window lists).
     """
 
     comm: CommContext
@@ -75,10 +81,13 @@ class ExchangePass:
     me: int
     name: str | None = None
     key_streams: bool = False
+    blocking: bool = False
     cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
         check_transport(self.transport, self.backend)
+        if self.blocking and self.transport != "allgather":
+            raise ValueError(f"blocking K/V transfers are all-gathers; got transport={self.transport!r}.")
         start, stop, total = self.sent.start or 0, self.sent.stop, self.keys.num_rows
         stop = total if stop is None else stop
         if not (0 <= start <= stop <= total and (start == 0 or stop == total)) or self.sent.step not in (None, 1):
@@ -98,6 +107,8 @@ class ExchangePass:
         """``query [b, H, queries, d]`` over the key tensor ``[b, H_kv, keys, d]`` (local) and the peers' rows."""
         if self.comm.size == 1:
             return attend(self.backend, query, [(key, value)], self.queries, [self.keys], rule, scale, self.cache)
+        if self.blocking:
+            return self._attend_blocking(query, key, value, rule, scale)
         if rule.sliding_window is None and self.transport == "ring":
             return self._attend_ring(query, key, value, rule, scale)
         sent = _rows(key, self.sent), _rows(value, self.sent)
@@ -107,6 +118,19 @@ class ExchangePass:
         else:
             peers, peer_rows = GatheredKV(*sent, self.comm, peers_only=True, **self._names()), self.peer_rows
         return attend(self.backend, query, [(key, value), peers], self.queries, [self.keys, peer_rows], rule, scale,
+                      self.cache)
+
+    def _attend_blocking(self, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
+        """Every member's sent rows, gathered before the attention runs (autograd: the reduce-scatter of their
+        gradients runs after the kernel's backward); the unsent rows are a local source."""
+        k_name, v_name = (f"{self.name}_k", f"{self.name}_v") if self.name else ("k", "v")
+        gathered = gather_rows(_rows(key, self.sent), self.comm, k_name), gather_rows(_rows(value, self.sent),
+                                                                                       self.comm, v_name)
+        rows = self.cache.get("all_sent_rows")
+        if rows is None:
+            rows = self.cache["all_sent_rows"] = RowMeta.cat(self.member_sent)
+        unsent = [(key[:, :, self.unsent], value[:, :, self.unsent])] if self._has_unsent else []
+        return attend(self.backend, query, unsent + [gathered], self.queries, self._unsent_rows() + [rows], rule, scale,
                       self.cache)
 
     def _names(self, suffix: str = "") -> dict:

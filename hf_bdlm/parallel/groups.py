@@ -33,11 +33,11 @@ def cached_plan(config: PlanConfig) -> GroupPlan:
 def verify_plan_agreement(config: PlanConfig, comm: CommContext) -> None:
     """Every rank of the group must run the same plan; raise the same error on all ranks if not."""
     mine = (config.seq_len, config.block_size, config.group_size, config.clean_ring_size, config.mode, config.schedule,
-            config.noisy_blocks)
+            config.dims.cp_layout, config.noisy_blocks)
     everyone: list = [None] * comm.size
     dist.all_gather_object(everyone, mine, group=comm.group)
     if any(other != everyone[0] for other in everyone):
-        fields = "(seq_len, block_size, group_size, clean_ring_size, mode, schedule, noisy_blocks)"
+        fields = "(seq_len, block_size, group_size, clean_ring_size, mode, schedule, cp_layout, noisy_blocks)"
         listing = "; ".join(f"rank {i}: {p}" for i, p in enumerate(everyone))
         raise ValueError(
             f"ranks of process group '{comm.name}' disagree on the block-parallel plan {fields}: {listing}. "

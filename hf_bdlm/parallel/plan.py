@@ -37,6 +37,12 @@ dealing whole pairs balances noisy work exactly, whatever the dealing order.
 - ``csbp``, ``contiguous``: ring rank ``c`` holds clean blocks ``[c N/C, (c+1) N/C)`` and
   the ``P/C`` ranks with ring rank ``c`` split them into contiguous runs, ring ``i`` taking
   run ``i``. (A comparison baseline: it is not balanced.)
+- ``cp`` with ``cp_layout="paper"`` (the paper's CP baseline, :class:`~.dims.CPLayout`): rank ``r`` holds the
+  contiguous clean shard ``[r L/P, (r+1) L/P)`` and, in *every* noisy block, the two-ended token slice of offsets
+  ``[r h, (r+1) h)`` and ``[B-(r+1) h, B-r h)`` with ``h = B/(2P)`` (one contiguous run of ``B/P`` offsets when
+  ``B/P`` is odd), as the reference's ``active_query_offsets_for_context_rank`` deals them. Its noisy work is
+  balanced exactly; its clean work is not: clean rows at the end of the sequence attend to the longest prefix, so the
+  last rank does ``(2P-1)/P`` of the mean clean->clean work. ``B`` must be a multiple of ``P``.
 - ``csbp`` with ``C = 1`` is valid (each rank holds the whole clean stream and gathers
   nothing); it is what ``P = 1`` needs, though ``bp`` is cheaper for ``P > 1``.
 
@@ -129,6 +135,13 @@ class PlanConfig:
             )
         if self.noisy_blocks is not None:
             _check_noisy_blocks(self.noisy_blocks, L // B, noisy_subset_multiple(dims))
+        if dims.is_paper_cp and B % dims.block_parallel_size:
+            P = dims.block_parallel_size
+            raise ValueError(
+                f"block_parallel_cp_layout='paper' gives each of the group_size={P} ranks a token slice of every noisy "
+                f"block, so block_size={B} must be a multiple of {P}; use a block size that is, a smaller group, or "
+                "block_parallel_cp_layout='balanced'."
+            )
 
     @classmethod
     def from_dims(cls, dims: ParallelDims, seq_len: int, block_size: int,
@@ -161,8 +174,8 @@ class PlanConfig:
 
 def _subset_rows_dims(dims: ParallelDims) -> ParallelDims:
     """The layout whose clean shards and dealing a plan with ``noisy_blocks`` uses: ``cp`` as ``csbp`` with ``C = P``
-    (both passes of an encoder-decoder cut head-tail), the others as declared."""
-    if dims.mode is not Mode.CP:
+    (both passes of an encoder-decoder cut head-tail), the others (and the paper's CP baseline) as declared."""
+    if dims.mode is not Mode.CP or dims.is_paper_cp:
         return dims
     return ParallelDims(dims.block_parallel_size, dims.block_parallel_size, Mode.CSBP, Schedule.DUAL_END)
 
@@ -203,6 +216,31 @@ def _block_ranges(blocks: tuple[int, ...], block_size: int) -> tuple[Range, ...]
     return tuple((s, e) for s, e in ranges)
 
 
+def _offset_ranges(blocks: tuple[int, ...], block_size: int, offsets: tuple[Range, ...]) -> tuple[Range, ...]:
+    """Position ranges of the token ``offsets`` inside each of ``blocks``, ascending, adjacent ranges merged."""
+    ranges: list[list[int]] = []
+    for b in blocks:
+        for s, e in offsets:
+            start, stop = b * block_size + s, b * block_size + e
+            if ranges and ranges[-1][1] == start:
+                ranges[-1][1] = stop
+            else:
+                ranges.append([start, stop])
+    return tuple((s, e) for s, e in ranges)
+
+
+def paper_cp_offsets(block_size: int, group_size: int, rank: int) -> tuple[Range, ...]:
+    """The token offsets of every noisy block that ``rank`` holds under the paper's CP baseline: a two-ended slice of
+    ``B/P`` offsets (``[r h, (r+1) h)`` and ``[B-(r+1) h, B-r h)``, ``h = B/(2P)``), or one contiguous run when ``B/P``
+    is odd. Over the group every offset is held exactly once."""
+    per_rank = block_size // group_size
+    if per_rank % 2:
+        return ((rank * per_rank, (rank + 1) * per_rank),)
+    h = per_rank // 2
+    head, tail = (rank * h, (rank + 1) * h), (block_size - (rank + 1) * h, block_size - rank * h)
+    return (head, tail) if head[1] < tail[0] else ((head[0], tail[1]),)
+
+
 def _range_index(ranges: tuple[Range, ...]) -> torch.Tensor:
     if not ranges:
         return torch.empty(0, dtype=torch.long)
@@ -228,6 +266,8 @@ class RankPlan:
         loss_clean_positions (`tuple[tuple[int, int], ...]`): clean positions whose loss this
             rank counts; over the group every position is counted exactly once.
         seq_len (`int`), block_size (`int`): ``L`` and ``B`` of the plan.
+        noisy_offsets (`tuple[tuple[int, int], ...]`, *optional*): the token offsets of each owned noisy block that
+            the rank holds (the paper's CP baseline holds a slice of every block); ``None``: whole blocks.
     """
 
     rank: int
@@ -238,10 +278,20 @@ class RankPlan:
     loss_clean_positions: tuple[Range, ...]
     seq_len: int
     block_size: int
+    noisy_offsets: tuple[Range, ...] | None = None
+
+    @property
+    def noisy_rows_per_block(self) -> int:
+        """Rows this rank holds of each of its noisy blocks: ``B``, or the width of its token slice."""
+        return self.block_size if self.noisy_offsets is None else sum(e - s for s, e in self.noisy_offsets)
 
     @property
     def local_noisy_rows(self) -> int:
-        return len(self.noisy_blocks) * self.block_size
+        return len(self.noisy_blocks) * self.noisy_rows_per_block
+
+    def noisy_offset_index(self) -> torch.LongTensor:
+        """Offsets inside a block of the rows this rank holds of each of its noisy blocks, ascending."""
+        return _range_index(((0, self.block_size),) if self.noisy_offsets is None else self.noisy_offsets)
 
     @property
     def local_clean_rows(self) -> int:
@@ -249,8 +299,10 @@ class RankPlan:
 
     @property
     def noisy_ranges(self) -> tuple[Range, ...]:
-        """Position ranges of the owned noisy blocks, adjacent blocks merged."""
-        return _block_ranges(self.noisy_blocks, self.block_size)
+        """Position ranges of the held noisy rows (owned blocks, or their token slices), adjacent ranges merged."""
+        if self.noisy_offsets is None:
+            return _block_ranges(self.noisy_blocks, self.block_size)
+        return _offset_ranges(self.noisy_blocks, self.block_size, self.noisy_offsets)
 
     @property
     def num_rows(self) -> int:
@@ -349,12 +401,13 @@ class GroupPlan:
         """One line per rank: ring, owned noisy blocks, clean ranges, row counts."""
         c = self.config
         lines = [
-            f"mode={c.mode} schedule={c.schedule} L={c.seq_len} B={c.block_size} N={c.num_blocks} "
+            f"mode={c.mode}{' (paper layout)' if c.dims.is_paper_cp else ''} schedule={c.schedule} L={c.seq_len} B={c.block_size} N={c.num_blocks} "
             f"P={c.group_size} C={c.clean_ring_size}"
         ]
         for r in self.ranks:
+            sliced = "" if r.noisy_offsets is None else f" offsets {list(r.noisy_offsets)}"
             lines.append(
-                f"rank {r.rank}: ring {r.ring}.{r.ring_rank} noisy blocks {list(r.noisy_blocks)} "
+                f"rank {r.rank}: ring {r.ring}.{r.ring_rank} noisy blocks {list(r.noisy_blocks)}{sliced} "
                 f"clean {list(r.clean_positions)} rows {r.local_noisy_rows}+{r.local_clean_rows} "
                 f"gathered {self.gathered_key_global_index(r.rank).numel()}"
             )
@@ -369,6 +422,18 @@ def _cp_ranks(cfg: PlanConfig) -> list[RankPlan]:
         # Chunk r (< P) is noisy blocks [rk, (r+1)k); chunk 2P-1-r is clean chunk P-1-r.
         clean = (((P - 1 - r) * k * B, (P - r) * k * B),)
         ranks.append(RankPlan(r, 0, r, tuple(range(r * k, (r + 1) * k)), clean, clean, cfg.seq_len, B))
+    return ranks
+
+
+def _paper_cp_ranks(cfg: PlanConfig) -> list[RankPlan]:
+    """The paper's CP baseline: contiguous clean shards, a token slice of every noisy block (module docstring)."""
+    P, B, N = cfg.group_size, cfg.block_size, cfg.num_blocks
+    k = N // P
+    blocks = tuple(range(N))
+    ranks = []
+    for r in range(P):
+        clean = ((r * k * B, (r + 1) * k * B),)
+        ranks.append(RankPlan(r, 0, r, blocks, clean, clean, cfg.seq_len, B, paper_cp_offsets(B, P, r)))
     return ranks
 
 
@@ -435,7 +500,7 @@ def _subset_ranks(cfg: PlanConfig) -> list[RankPlan]:
     counted = held & (held.long().cumsum(0) == choice)
     return [
         RankPlan(r, dealt.ranks[r].ring, dealt.ranks[r].ring_rank, owned[r], clean[r],
-                 _block_ranges(tuple(counted[r].nonzero().flatten().tolist()), B), L, B)
+                 _block_ranges(tuple(counted[r].nonzero().flatten().tolist()), B), L, B, dealt.ranks[r].noisy_offsets)
         for r in range(P)
     ]
 
@@ -444,6 +509,8 @@ def make_plan(cfg: PlanConfig) -> GroupPlan:
     """Build the layout of every rank of a group. ``cfg`` is validated when constructed."""
     if cfg.noisy_blocks is not None:
         return GroupPlan(cfg, tuple(_subset_ranks(cfg)))
+    if cfg.dims.is_paper_cp:
+        return GroupPlan(cfg, tuple(_paper_cp_ranks(cfg)))
     build = {Mode.CP: _cp_ranks, Mode.BP: _bp_ranks, Mode.CSBP: _csbp_ranks}[cfg.mode]
     return GroupPlan(cfg, tuple(build(cfg)))
 

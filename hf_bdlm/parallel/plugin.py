@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ..attention.interface import LocalLayout
-from .dims import Mode, ParallelDims, Schedule, Transport
+from .dims import CPLayout, Mode, ParallelDims, Schedule, Transport
 from .groups import BlockParallelGroups
 from .link import LinkModel
 from .plan import PlanConfig
@@ -125,6 +125,8 @@ class BlockParallelPlugin:
         mode (`str`, defaults to `"csbp"`): `"csbp"`, `"bp"` or `"cp"`.
         schedule (`str`, defaults to `"dual_end"`): `"dual_end"` or `"contiguous"`.
         transport (`str`, defaults to `"allgather"`): `"allgather"` or `"ring"` (passed on to the layout).
+        cp_layout (`str`, defaults to `"balanced"`): under `"cp"`, `"balanced"` or `"paper"` (the paper's CP
+            baseline, :class:`~.dims.CPLayout`).
         timeout (`timedelta`, *optional*): timeout of the block-parallel collectives.
         verify_layout (`bool`, defaults to `True`):
             The first time the ranks of a group meet a plan, check that they agree on it (one small all-gather);
@@ -144,6 +146,7 @@ class BlockParallelPlugin:
     mode: Mode = Mode.CSBP
     schedule: Schedule = Schedule.DUAL_END
     transport: Transport = Transport.ALLGATHER
+    cp_layout: CPLayout = CPLayout.BALANCED
     timeout: timedelta | None = None
     verify_layout: bool = True
     dims: ParallelDims | None = None
@@ -157,11 +160,11 @@ class BlockParallelPlugin:
     def __post_init__(self):
         if self.dims is None:
             self.dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.mode, self.schedule,
-                                     self.transport)
+                                     self.transport, cp_layout=self.cp_layout)
         # The fields show the resolved layout; the plugin holds the one ParallelDims of the run.
         d = self.dims
         self.block_parallel_size, self.clean_ring_size = d.block_parallel_size, d.clean_ring_size
-        self.mode, self.schedule, self.transport = d.mode, d.schedule, d.transport
+        self.mode, self.schedule, self.transport, self.cp_layout = d.mode, d.schedule, d.transport, d.cp_layout
         self._ready = False
         self._layouts: dict = {}
 

@@ -22,6 +22,10 @@ block-sparse kernel. Backward starts the reduce-scatter of the peers' dK/dV firs
 local gradients while it travels. With ``block_parallel_transport="ring"`` the sent rows rotate
 through the ring instead, and the noisy rows (``csbp``) are the local source.
 
+The paper's CP baseline (``cp_layout="paper"``, :class:`~.dims.CPLayout`) holds a contiguous clean shard and a token
+slice of every noisy block, and moves K/V blocking: its exchange gathers all members' rows before attending, on every
+layer (:class:`~.engine.ExchangePass` with ``blocking``).
+
 On sliding-window layers a rank needs only the peers' rows within the window of its queries (the
 halo): instead of the all-gather it fetches exactly those rows from their owners (all-to-all),
 deferred and overlapped the same way.
@@ -71,7 +75,7 @@ class ShardedLayout:
             self.comm, self.transport, self.backend, self.q_rows, self.q_rows,
             slice(self.plan.sent_row_start(me), self.q_rows.num_rows),
             [self.plan.ranks[m].rows(self.doc) for m in members], [self.plan.sent_rows(m, self.doc) for m in members],
-            members.index(me), cache=self.cache)
+            members.index(me), blocking=self.plan.config.dims.is_paper_cp, cache=self.cache)
 
     @classmethod
     def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="blockwise",

@@ -17,7 +17,7 @@ from trl import SFTConfig
 
 from ..configuration import check_diffusion_fields
 from ..models import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
-from ..parallel.dims import MODES, SCHEDULES, TRANSPORTS, ParallelDims
+from ..parallel.dims import CP_LAYOUTS, MODES, SCHEDULES, TRANSPORTS, ParallelDims
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 PACKING_STRATEGIES = ("bfd",)
@@ -80,6 +80,12 @@ class BDLMSFTConfig(SFTConfig):
         block_parallel_mode (`str`, *optional*, defaults to `"csbp"`):
             `"csbp"` (context-sharded block parallelism), `"bp"` (block parallelism, replicated clean prefix) or
             `"cp"` (zigzag context parallelism over both streams, the baseline).
+        block_parallel_cp_layout (`str`, *optional*, defaults to `"balanced"`):
+            Under `"cp"`: `"balanced"` (zigzag chunks, K/V gathers overlapped with attention, window halos on sliding
+            layers) or `"paper"`, the CP baseline of the paper's reference code that its published speed-ups are
+            measured against (a contiguous clean shard per rank, a token slice of every noisy block, blocking
+            all-gathers and reduce-scatters, whole-sequence gathers on sliding layers; `block_size` a multiple of
+            `P`). For comparisons; `"balanced"` is never slower.
         block_parallel_transport (`str`, *optional*, defaults to `"allgather"`):
             How clean K/V travel: `"allgather"` (async all-gather over the ring) or `"ring"` (shards rotate peer to
             peer; bounds transient memory to two shards).
@@ -151,6 +157,10 @@ class BDLMSFTConfig(SFTConfig):
     )
     block_parallel_transport: str = field(
         default="allgather", metadata={"help": "'allgather' or 'ring'.", "choices": list(TRANSPORTS)}
+    )
+    block_parallel_cp_layout: str = field(
+        default="balanced", metadata={"help": "under cp: 'balanced' or 'paper' (the paper's CP baseline).",
+                                      "choices": list(CP_LAYOUTS)}
     )
     block_schedule: str = field(
         default="dual_end", metadata={"help": "'dual_end' or 'contiguous'.", "choices": list(SCHEDULES)}
@@ -262,7 +272,8 @@ class BDLMSFTConfig(SFTConfig):
                 raise ValueError(f"block_parallel_link={self.block_parallel_link!r} is not a named link; use one of "
                                  f"{list(LINKS)}, or leave it unset (no emulation).")
         self.parallel_dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.block_parallel_mode,
-                                          self.block_schedule, self.block_parallel_transport, world_size)
+                                          self.block_schedule, self.block_parallel_transport, world_size,
+                                          self.block_parallel_cp_layout)
         self.clean_ring_size = self.parallel_dims.clean_ring_size
 
     @property

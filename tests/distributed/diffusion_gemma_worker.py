@@ -64,13 +64,16 @@ def expected_bytes(case, layout, corrupted, dtype) -> dict:
     n = layout.comm.size
     share = (n - 1) / n
     per_row = 2 * HKV * HEAD_DIM * s * b  # K and V of one row, every sequence of the batch
-    encoder = share * F * per_row
-    decoder = share * (F + Nc if case["mode"] == "cp" else F) * per_row
+    # The paper's CP baseline gathers whole layers on the sliding layer too (the tiny model: one sliding, one full).
+    paper = case.get("cp_layout") == "paper"
+    layers = 2 if paper else 1
+    encoder = layers * share * F * per_row
+    decoder = layers * share * (F + Nc if case["mode"] == "cp" else F) * per_row
     passes = 2 if SELF_CONDITIONING[case["self_conditioning"]] > 0 and bool(corrupted.self_conditioning.any()) else 1
     rp = layout.plan.ranks[layout.groups.group_rank]
     held = set(rp.clean_position_index().tolist())
     window = 0
-    if n > 1:
+    if n > 1 and not paper:
         clean_starts = [start for start, _ in rp.clean_positions]
         block_starts = [blk * B for blk in rp.noisy_blocks]
         window = (halo_rows(rp.clean_positions, clean_starts, held)
@@ -96,7 +99,7 @@ def run_case(case, groups, world):
             if p.grad is not None:
                 ref_grads[n] += p.grad / num_groups
     # Sharded: this rank's rows of its group's batch, the frame padded as the layout needs.
-    dims = ParallelDims(P, C, mode, transport=case["transport"])
+    dims = ParallelDims(P, C, mode, transport=case["transport"], cp_layout=case.get("cp_layout", "balanced"))
     sharded = objective(case["self_conditioning"], dims)
     corrupted = sharded.corrupt(make_batch(case["batch"], seed=groups.group_index), seed=SEED, step=STEP)
     frame = corrupted.frame
@@ -150,6 +153,9 @@ def cases(world: int) -> list[dict]:
     for mode, C, transport in layouts:
         for dtype, sc, batch in VARIANTS:
             out.append(dict(P=P, C=C, mode=mode, transport=transport, dtype=dtype, self_conditioning=sc, batch=batch))
+    for dtype, sc, batch in VARIANTS:  # the paper's CP baseline layout (token slices of every canvas block)
+        out.append(dict(P=P, C=P, mode="cp", transport="allgather", cp_layout="paper", dtype=dtype,
+                        self_conditioning=sc, batch=batch))
     if world == 4:  # data parallelism: two groups of P = 2, each its own batch, gradients averaged over the world
         for mode, C, transport, (dtype, sc, batch) in (("csbp", 2, "allgather", VARIANTS[0]),
                                                        ("cp", 2, "ring", VARIANTS[2]), ("bp", 1, "allgather", VARIANTS[3])):

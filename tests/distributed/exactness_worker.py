@@ -120,7 +120,7 @@ def run_case(case, groups_by_shape, world, rank):
     corrupted = objective.corrupt(batch, seed=7, step=3)
     meter = groups.group.meter
     meter.next_step()
-    plan_cfg = PlanConfig(ParallelDims(P, C, mode), seq_len=L, block_size=B)
+    plan_cfg = PlanConfig(ParallelDims(P, C, mode, cp_layout=case.get("cp_layout", "balanced")), seq_len=L, block_size=B)
     layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), case["backend"], corrupted.document_ids,
                                  transport=case.get("transport", "allgather"))
     model.zero_grad()
@@ -138,8 +138,9 @@ def run_case(case, groups_by_shape, world, rank):
     grad_err, worst_param = max(errs)
     loss_err = abs(total - ref_loss) / abs(ref_loss)
     result = dict(case, loss_err=loss_err, grad_err=grad_err, worst_param=worst_param, bytes=meter.by_name())
-    # Expected K/V bytes received per rank (full-attention layers only; forward + backward).
-    if case["backbone"] != "gemma3":
+    # Expected K/V bytes received per rank (full-attention layers only; forward + backward). The paper's CP baseline
+    # gathers the whole sequence on sliding layers too, so every layer of every backbone counts.
+    if case["backbone"] != "gemma3" or case.get("cp_layout") == "paper":
         s = torch.finfo(dtype).bits // 8
         layers = cfg.backbone_config.num_hidden_layers
         per_kv = {"cp": (P - 1) / P * 2 * (2 * L), "csbp": (C - 1) / C * 2 * L, "bp": 0}[mode]
@@ -188,6 +189,19 @@ def cases(world: int):
                                 batch="padded", dtype="float32", backend="blockwise", transport="allgather"))
                 out.append(dict(P=P, C=C, mode=mode, backbone="gemma3", objective="fast_dllm_v2", clean="causal",
                                 batch="padded", dtype="float64", backend="dense", transport="allgather"))
+        # The paper's CP baseline (contiguous clean shards, token slices of every noisy block, blocking gathers): every
+        # backbone and objective, each batch kind, float64 and float32, and the dense backend once.
+        paper = dict(P=P, C=P, mode="cp", cp_layout="paper", backend="blockwise", transport="allgather")
+        for i, (bb, obj) in enumerate((b, o) for b in ("llama", "gemma3", "qwen3") for o in ("standard", "fast_dllm_v2")):
+            clean = "causal" if obj == "fast_dllm_v2" else "block_causal"
+            for batch in (("plain", "padded", "packed")[i % 3], ("plain", "padded", "packed")[(i + 1) % 3]):
+                out.append(dict(paper, backbone=bb, objective=obj, clean=clean, batch=batch, dtype="float64"))
+        out.append(dict(paper, backbone="llama", objective="standard", clean="block_causal", batch="packed",
+                        dtype="float32"))
+        out.append(dict(paper, backbone="gemma3", objective="fast_dllm_v2", clean="causal", batch="padded",
+                        dtype="float32"))
+        out.append(dict(paper, backbone="gemma3", objective="fast_dllm_v2", clean="causal", batch="padded",
+                        dtype="float64", backend="dense"))
     return out
 
 

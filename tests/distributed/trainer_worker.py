@@ -102,6 +102,7 @@ def scenario_layouts(out: Path) -> dict:
     results["bf16/cp"] = run("bf16", out / "bf16" / "p2_cp", 2, "cp")
     results["plain/csbp_ring"] = run("plain", out / "plain" / "p2_csbp_ring", 2, "csbp",
                                      block_parallel_transport="ring")
+    results["plain/cp_paper"] = run("plain", out / "plain" / "p2_cp_paper", 2, "cp", block_parallel_cp_layout="paper")
     return results
 
 
@@ -160,6 +161,8 @@ def scenario_data(out: Path) -> dict:
                   "targets": sum(1 for i, lab in enumerate(row["labels"]) if lab != -100 and i > 0)}
                  for row in trainer.train_dataset],
     )
+    # One group of P = 4 in the paper's CP baseline layout: the single process's run (scenario "reference").
+    result["plain/cp_paper_p4"] = run("plain", out / "plain_p4_cp_paper", 4, "cp", block_parallel_cp_layout="paper")
     return result
 
 

@@ -71,12 +71,13 @@ def frame_padding(dims: ParallelDims, block_size: int) -> tuple[int | None, int 
     return subset_sequence_multiple(dims, block_size), noisy_subset_multiple(dims)
 
 
-def canvas_slots(frame: CanvasFrame, blocks) -> torch.Tensor:
-    """Canvas rows (columns of ``frame.canvas_target``) of the given frame blocks, ascending."""
+def canvas_slots(frame: CanvasFrame, blocks, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Canvas rows (columns of ``frame.canvas_target``) of the given frame blocks, ascending; ``offsets``: only these
+    token offsets of each block (the paper's CP baseline holds a slice of every block), default all."""
     blocks = torch.as_tensor(blocks, dtype=torch.long)
     slots = torch.searchsorted(frame.canvas_blocks.cpu(), blocks)
     B = frame.block_size
-    return (slots[:, None] * B + torch.arange(B)).flatten()
+    return (slots[:, None] * B + (torch.arange(B) if offsets is None else offsets)).flatten()
 
 
 class ShardedDiffusionGemmaLayout:
@@ -103,7 +104,7 @@ class ShardedDiffusionGemmaLayout:
             return plan.ranks[r].clean_position_index()
 
         def canvas(r: int) -> torch.Tensor:
-            return canvas_slots(frame, plan.ranks[r].noisy_blocks)
+            return canvas_slots(frame, plan.ranks[r].noisy_blocks, plan.ranks[r].noisy_offset_index())
 
         def clean_rows(r: int) -> RowMeta:
             return frame.clean_rows.select(clean(r).to(frame.clean_rows.pos.device))
@@ -127,7 +128,7 @@ class ShardedDiffusionGemmaLayout:
             # Collectives named after the pass; window lists cut per key stream (a canvas block reaches no canvas
             # key of another block).
             return ExchangePass(self.comm, self.transport, backend, queries, keys, sent, member_queries, member_sent,
-                                at, name, key_streams=True)
+                                at, name, key_streams=True, blocking=plan.config.dims.is_paper_cp)
 
         self.encoder = exchange("encoder", clean_of[at], clean_of[at], slice(0, self.num_clean), clean_of, clean_of)
         decoder_keys = RowMeta.cat([clean_of[at], canvas_of[at]])  # the decoder's keys: [cache ; canvas]
