@@ -75,13 +75,20 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="do not measure the planner's CPU figures (cpu_rates.json beside the records, which "
                             "hf-bdlm plan --validate reads; about 80 s; the full preset measures them, --quick not)")
     modes.add_argument("--link", default=None, metavar="NAME",
-                       help="run the modes study through an emulated cluster link (h100-nvlink, h100-ib, "
+                       help="run the modes and baselines studies through an emulated cluster link (h100-nvlink, h100-ib, "
                             "h200-nvlink, h200-ib), stretched by this machine's compute rate so that a step's "
                             "communication : compute ratio is the cluster's (docs/benchmarks.md)")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
     growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
     growth.add_argument("--growth-lengths", type=_positive_int, nargs="+", default=None, metavar="L")
     growth.add_argument("--growth-nprocs", type=_positive_int, nargs="+", default=None, metavar="P")
+    base = p.add_argument_group("csbp against both CP baselines (this project's balanced cp, the paper's cp) and bp")
+    base.add_argument("--baseline-lengths", type=_positive_int, nargs="+", default=None, metavar="L",
+                      help="lengths (default: 8192 16384 32768; --quick: 2048)")
+    base.add_argument("--baseline-nprocs", type=_positive_int, nargs="+", default=None, metavar="P",
+                      help="group sizes (default: 2 4; --quick: 2)")
+    base.add_argument("--baseline-models", nargs="+", choices=("dense", "sliding"), default=None,
+                      help="dense: 2 full-attention layers; sliding: 6 layers in Gemma 3's 5:1 pattern (default: both)")
     cap = p.add_argument_group("longest trainable context under a per-rank memory cap")
     cap.add_argument("--mem-cap", type=parse_size, default=None, metavar="SIZE",
                      help="per-rank cap on the step's peak memory above the built model and batch, e.g. 256MiB")

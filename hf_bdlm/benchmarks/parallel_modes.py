@@ -18,7 +18,9 @@ max over ranks), split into forward (``fwd``, up to the loss) and backward (``bw
 ``csbp`` run with both transports (``--transports allgather ring``); ``bp`` has no communication
 and runs with both noisy-block schedules (``--bp-schedules``): the ratios compare against the faster
 one at each length. ``--window W`` makes every layer a sliding-window layer (a Qwen3 backbone of the
-same sizes), whose halo rows travel by all-to-all. ``--device cuda`` runs one rank per GPU with NCCL (peak
+same sizes), whose halo rows travel by all-to-all; with ``--full-every K`` every ``K``-th layer stays full attention
+(Gemma 3's pattern is ``K = 6``: five sliding layers, then a full one). The mode ``cp-paper`` is ``cp`` in the paper's
+baseline layout (``block_parallel_cp_layout="paper"``; its records say ``mode: "cp"``, ``cp_layout: "paper"``). ``--device cuda`` runs one rank per GPU with NCCL (peak
 memory from the CUDA allocator, times after a device synchronize; ``wait_s`` then counts host-side waits
 only, which NCCL's stream-ordered collectives make near zero), ``--dtype bfloat16`` the step under bf16
 autocast, ``--attention-backend`` another backend (the repository's ``benchmarks/gpu/`` runbook uses these).
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from ..parallel.link import LinkModel
 
 BLOCK, MASK, PAD = 64, 1023, 0
+PAPER_CP = "cp-paper"  # the driver's name of cp in the paper's baseline layout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,15 +66,19 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def model_config(layers: int, window: int | None = None, backend: str = "blockwise"):
-    """The benchmarked model's ``BlockDiffusionConfig`` (also what ``hf-bdlm plan --validate`` predicts)."""
+def model_config(layers: int, window: int | None = None, backend: str = "blockwise", full_every: int | None = None):
+    """The benchmarked model's ``BlockDiffusionConfig`` (also what ``hf-bdlm plan --validate`` predicts): with
+    ``window``, sliding-window layers, every ``full_every``-th one full attention when given."""
     from transformers import LlamaConfig, Qwen3Config
 
     from ..configuration import BlockDiffusionConfig
 
     dims = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, intermediate_size=512, pad_token_id=PAD)
-    if window:  # every layer a sliding-window layer (Qwen3 with max_window_layers=0)
+    if window and full_every:  # e.g. Gemma 3's 5:1 pattern with full_every=6
+        types = ["full_attention" if (i + 1) % full_every == 0 else "sliding_attention" for i in range(layers)]
+        backbone = Qwen3Config(**dims, use_sliding_window=True, sliding_window=window, layer_types=types)
+    elif window:  # every layer a sliding-window layer (Qwen3 with max_window_layers=0)
         backbone = Qwen3Config(**dims, use_sliding_window=True, sliding_window=window, max_window_layers=0)
     else:
         backbone = LlamaConfig(**dims)
@@ -79,7 +86,8 @@ def model_config(layers: int, window: int | None = None, backend: str = "blockwi
                                 attention_backend=backend)
 
 
-def build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise"):
+def build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise",
+          full_every: int | None = None):
     import dataclasses
 
     import torch
@@ -89,7 +97,7 @@ def build(L: int, layers: int, window: int | None = None, device: str = "cpu", b
 
     # Same seed on every rank: identical weights and batch, as the group shares one batch.
     torch.manual_seed(0)
-    cfg = model_config(layers, window, backend)
+    cfg = model_config(layers, window, backend, full_every)
     model = BlockDiffusionForMaskedLM(cfg).float().to(device)
     objective = get_objective("standard", cfg)
     g = torch.Generator().manual_seed(1)
@@ -172,7 +180,8 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     L = args.lengths[0]
     dev = _Device(args.device, args.dtype)
-    model, objective, corrupted = build(L, args.layers, args.window, dev.name, args.attention_backend)
+    model, objective, corrupted = build(L, args.layers, args.window, dev.name, args.attention_backend,
+                                        args.full_every)
     base_rss = dev.mark()
     if args.mode == "single":
         times = _single_steps(args, dev, model, objective, corrupted)
@@ -204,7 +213,7 @@ def _single_steps(args, dev: _Device, model, objective, corrupted) -> list[float
 def _single_record(args, L: int, times: list[float], peak: int, peak_abs: int) -> dict:
     """The record of the single-process baseline: no communication."""
     return dict(mode="single", device=args.device, dtype=args.dtype, transport=None, schedule=None, P=1, C=1, L=L,
-                layers=args.layers, window=args.window, steps=len(times),
+                layers=args.layers, window=args.window, full_every=args.full_every, steps=len(times),
                 step_s=statistics.median(times), step_times=times, tokens_per_s=L / statistics.median(times),
                 peak_mem_bytes=peak, peak_rss_bytes=peak_abs, bytes_per_step=0, bytes_by_name={},
                 comm_wait_s=0.0, comm_wait_fwd_s=0.0, comm_wait_bwd_s=0.0)
@@ -223,8 +232,8 @@ def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_r
     dist.init_process_group(dev.backend)
     P, rank = dist.get_world_size(), dist.get_rank()
     meter = ByteMeter()
-    groups = BlockParallelGroups.build(ParallelDims(P, None, args.mode, args.schedule), args.device, meter,
-                                       link=_link(args))
+    dims = ParallelDims(P, None, args.mode, args.schedule, cp_layout=args.cp_layout)
+    groups = BlockParallelGroups.build(dims, args.device, meter, link=_link(args))
     plan_cfg = PlanConfig.from_dims(groups.dims, L, BLOCK)
     C = groups.dims.clean_ring_size
     mine = _rank_steps(args, dev, model, objective, corrupted, meter, groups, plan_cfg)
@@ -295,8 +304,8 @@ def _group_record(args, L: int, P: int, C: int, steps: int, everyone: list[dict]
     fwd = max(statistics.median(r["fwd_waits"]) for r in everyone)
     bwd = max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])]) for r in everyone)
     return dict(mode=args.mode, device=args.device, dtype=args.dtype, transport=args.transport,
-                schedule=args.schedule, P=P, C=C, L=L, layers=args.layers,
-                window=args.window, steps=steps, comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
+                schedule=args.schedule, P=P, C=C, L=L, layers=args.layers, cp_layout=args.cp_layout,
+                window=args.window, full_every=args.full_every, steps=steps, comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
                 step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
                 step_s_per_rank=[statistics.median(r["times"]) for r in everyone],
                 peak_mem_bytes=max(r["peak"] for r in everyone),
@@ -319,6 +328,8 @@ def configurations(modes, nprocs, transports=("allgather", "ring"), bp_schedules
         for m in modes:
             if m == "bp":
                 configs += [(m, P, "allgather", s) for s in bp_schedules]
+            elif m == PAPER_CP:  # blocking all-gathers only
+                configs.append((m, P, "allgather", "dual_end"))
             else:
                 configs += [(m, P, t, "dual_end") for t in transports]
     return configs
@@ -326,9 +337,11 @@ def configurations(modes, nprocs, transports=("allgather", "ring"), bp_schedules
 
 def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dtype: str = "float32",
                 attention_backend: str = "blockwise", window: int | None = None,
-                min_time: float = 0.0, link: LinkModel | None = None) -> argparse.Namespace:
+                min_time: float = 0.0, link: LinkModel | None = None,
+                full_every: int | None = None) -> argparse.Namespace:
     """The arguments :func:`launch` reads, for callers other than this file's driver."""
-    return argparse.Namespace(steps=steps, layers=layers, window=window, timeout=timeout, device=device, dtype=dtype,
+    return argparse.Namespace(steps=steps, layers=layers, window=window, full_every=full_every, timeout=timeout,
+                              device=device, dtype=dtype,
                               attention_backend=attention_backend, min_time=min_time,
                               link_bytes_per_s=link and link.bytes_per_s, link_latency_s=link and link.latency_s,
                               link_name=link and link.name)
@@ -373,12 +386,16 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
                  schedule: str = "dual_end") -> dict:
     tmp = pathlib.Path(tmp).resolve()  # the processes' working directory: the paths they get are absolute
     out = tmp / f"{mode}_{transport}_{schedule}_P{P}_L{L}.json"
-    common = ["--worker", "--mode", mode, "--transport", transport, "--schedule", schedule,
+    cp_layout = "paper" if mode == PAPER_CP else "balanced"
+    mode = "cp" if mode == PAPER_CP else mode
+    common = ["--worker", "--mode", mode, "--cp-layout", cp_layout, "--transport", transport, "--schedule", schedule,
               "--lengths", str(L), "--steps", str(args.steps), "--min-time", str(args.min_time),
               "--layers", str(args.layers), "--out", str(out),
               "--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend]
     if args.window:
         common += ["--window", str(args.window)]
+    if getattr(args, "full_every", None):
+        common += ["--full-every", str(args.full_every)]
     if _link(args) is not None and mode != "single":
         common += ["--link-bytes-per-s", repr(args.link_bytes_per_s), "--link-latency-s", repr(args.link_latency_s),
                    "--link-name", args.link_name]
@@ -390,7 +407,7 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
                module_name("parallel_modes"), *common]
     env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     base = dict(mode=mode, transport=None if mode == "single" else transport, schedule=schedule, P=P,
-                C=1 if mode in ("bp", "single") else P, L=L)
+                C=1 if mode in ("bp", "single") else P, L=L, cp_layout=cp_layout)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
@@ -403,16 +420,21 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
     return rec
 
 
+def mode_name(rec: dict) -> str:
+    """A record's mode as the driver names it: ``cp-paper`` for cp in the paper's baseline layout."""
+    return PAPER_CP if rec.get("cp_layout") == "paper" else rec["mode"]
+
+
 def _fmt_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}MiB"
 
 
 def table(records) -> str:
-    head = (f"{'mode':7} {'transport':9} {'schedule':10} {'P':>2} {'C':>2} {'L':>6} {'step_s':>8} {'tok/s':>9} "
+    head = (f"{'mode':8} {'transport':9} {'schedule':10} {'P':>2} {'C':>2} {'L':>6} {'step_s':>8} {'tok/s':>9} "
             f"{'peakMem':>11} {'bytes/step':>11} {'wait_s':>7} {'fwd':>6} {'bwd':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
-        name = f"{r['mode']:7} {str(r['transport']):9} {str(r.get('schedule')):10} {r['P']:>2} {r['C']:>2} {r['L']:>6}"
+        name = f"{mode_name(r):8} {str(r['transport']):9} {str(r.get('schedule')):10} {r['P']:>2} {r['C']:>2} {r['L']:>6}"
         if "error" in r:
             lines.append(f"{name}  ERROR: {r['error'].strip().splitlines()[-1][:80]}")
             continue
@@ -429,7 +451,7 @@ def _ratios(records, lengths, nprocs) -> list[str]:
     for r in records:
         if "error" in r or r.get("transport") not in (None, "allgather"):
             continue
-        key = (r["mode"], r["P"], r["L"])
+        key = (mode_name(r), r["P"], r["L"])
         if key not in ok or r["step_s"] < ok[key]["step_s"]:
             ok[key] = r
 
@@ -443,10 +465,12 @@ def _ratios(records, lengths, nprocs) -> list[str]:
         single = ok.get(("single", 1, L))
         for P in nprocs:
             cs, cp, bp = ok.get(("csbp", P, L)), ok.get(("cp", P, L)), ok.get(("bp", P, L))
+            paper = ok.get((PAPER_CP, P, L))
             parts = [f"L={L} P={P}:" + (f" (bp {bp['schedule']})" if bp else ""),
                      f"CSBP/CP bytes {ratio(cs, cp, 'bytes_per_step')} (expect 0.50)",
                      f"CSBP/BP tok/s {ratio(cs, bp, 'tokens_per_s')}",
                      f"CSBP/CP tok/s {ratio(cs, cp, 'tokens_per_s')}",
+                     f"CSBP/paper-CP tok/s {ratio(cs, paper, 'tokens_per_s')}",
                      f"CSBP/CP mem {ratio(cs, cp, 'peak_mem_bytes')}",
                      f"CSBP/BP mem {ratio(cs, bp, 'peak_mem_bytes')}"]
             if single is not None and cs is not None:
@@ -461,7 +485,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="L=2048, P=2, 1 step (< 3 min)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--modes", nargs="+", default=["cp", "bp", "csbp"], choices=["cp", "bp", "csbp"])
+    parser.add_argument("--modes", nargs="+", default=["cp", "bp", "csbp"], choices=["cp", "bp", "csbp", PAPER_CP],
+                        help=f"{PAPER_CP}: cp in the paper's baseline layout (blocking, contiguous clean shards)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
     parser.add_argument("--min-time", type=float, default=0.0,
                         help=f"time more steps when they are short: enough to fill this many seconds (at most "
@@ -476,6 +501,8 @@ def main(argv=None) -> None:
                         "is bp in the ratios)")
     parser.add_argument("--window", type=int, default=None,
                         help="make every layer a sliding-window layer of this width (Qwen3 backbone, same sizes)")
+    parser.add_argument("--full-every", type=int, default=None,
+                        help="with --window: every K-th layer is full attention (Gemma 3: 6, i.e. 5 sliding : 1 full)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: one GPU per rank, NCCL, peaks from the CUDA allocator")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -490,6 +517,7 @@ def main(argv=None) -> None:
     parser.add_argument("--schedule", default="dual_end", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="csbp", help=argparse.SUPPRESS)
+    parser.add_argument("--cp-layout", default="balanced", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)

@@ -23,6 +23,8 @@ def variant(rec: dict) -> str:
     """``"csbp ring"``, ``"bp contiguous"``, ``"single"``: the mode and what distinguishes its runs."""
     if rec["mode"] == "single":
         return "single"
+    if rec.get("cp_layout") == "paper":
+        return "cp-paper"
     return f"{rec['mode']} {rec['schedule'] if rec['mode'] == 'bp' else rec['transport']}"
 
 

@@ -11,6 +11,9 @@ Studies (``--only`` picks some; all by default), each measured in fresh processe
   model are reused; the others run. ``growth.json``, ``growth.png``.
 - ``max-context``: the longest L under ``--mem-cap`` per rank for P = 1 and csbp / cp / bp at each P, by real steps
   (:mod:`.max_context`). ``max_context.json``, ``max_context.png``.
+- ``baselines``: csbp against this project's balanced cp, the paper's CP baseline (``cp-paper``) and bp, for a dense
+  model and one in Gemma 3's 5:1 sliding-window pattern, with exposed waits and per-rank attention work
+  (:mod:`.baselines`). ``baselines.json`` (``baselines_<link>.json`` with ``--link``).
 
 ``summary.json`` holds the machine and, per study, the command, wall time and load average (1-minute, at its start and
 end; a study run again into the same folder replaces its entry), and the plots; ``summary.md`` the
@@ -36,20 +39,22 @@ from dataclasses import asdict, dataclass
 from . import max_context, parallel_modes, report
 from .processes import child_env, module_command
 
-STUDIES = ("modes", "attention", "growth", "max-context")
+STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
             transports=("allgather", "ring"), layers=2, steps=2, min_time=5.0, calibrate=True,
             growth_lengths=(2048, 4096, 8192, 16384, 32768), growth_nprocs=(2, 4), mem_cap=256 * 2**20,
             max_context_nprocs=(2, 4), max_context_modes=("csbp", "cp", "bp"), max_context_layers=1,
-            max_context_limit=65536,
+            max_context_limit=65536, baseline_lengths=(8192, 16384, 32768), baseline_nprocs=(2, 4),
+            baseline_models=("dense", "sliding"),
             attention=["--lengths", "1024", "2048", "4096", "8192", "16384", "--step-lengths", "1024", "2048", "4096",
                        "8192"])
 QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), transports=("allgather", "ring"),
              layers=1, steps=1, min_time=0.0, calibrate=False,
              growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=128 * 2**20,
              max_context_nprocs=(2,), max_context_modes=("csbp",), max_context_layers=1, max_context_limit=8192,
+             baseline_lengths=(2048,), baseline_nprocs=(2,), baseline_models=("dense", "sliding"),
              attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
                         "dense", "--repeats", "0"])
 
@@ -78,6 +83,9 @@ class BenchConfig:
     max_context_layers: int
     max_context_limit: int
     attention: tuple[str, ...]
+    baseline_lengths: tuple[int, ...] = ()
+    baseline_nprocs: tuple[int, ...] = ()
+    baseline_models: tuple[str, ...] = ()
     link: str | None = None  # a named cluster link the modes study runs through (hf_bdlm.planner.link)
 
 
@@ -116,7 +124,9 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         growth_nprocs=pick("growth_nprocs"), mem_cap=pick("mem_cap"), max_context_nprocs=pick("max_context_nprocs"),
         max_context_modes=pick("max_context_modes"),
         max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
-        attention=tuple(preset["attention"]), link=getattr(args, "link", None))
+        attention=tuple(preset["attention"]), baseline_lengths=pick("baseline_lengths"),
+        baseline_nprocs=pick("baseline_nprocs"), baseline_models=pick("baseline_models"),
+        link=getattr(args, "link", None))
     if cfg.link is not None:
         from hf_bdlm.planner.link import LINKS
 
@@ -131,6 +141,8 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     _check_nprocs("--max-context-nprocs", cfg.max_context_nprocs)
     _check_lengths("--lengths", cfg.lengths, cfg.nprocs)
     _check_lengths("--growth-lengths", cfg.growth_lengths, cfg.growth_nprocs)
+    _check_nprocs("--baseline-nprocs", cfg.baseline_nprocs)
+    _check_lengths("--baseline-lengths", cfg.baseline_lengths, cfg.baseline_nprocs)
     grid = max_context.grid(cfg.max_context_nprocs)
     if cfg.max_context_limit < grid:
         raise ValueError(f"--max-context-limit {cfg.max_context_limit}: must be at least the search grid {grid} "
@@ -171,6 +183,24 @@ def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list,
                 path.write_text(json.dumps(sink, indent=1))
 
 
+def _emulated_link(cfg: BenchConfig):
+    if cfg.link is None:
+        return None
+    from hf_bdlm.planner.link import link_for_this_machine
+
+    link = link_for_this_machine(cfg.link, cfg.layers)
+    _progress(f"  emulated link {link.describe()} (the named link stretched by this machine's compute rate: "
+              "docs/benchmarks.md)")
+    return link
+
+
+def run_baselines(cfg: BenchConfig) -> list[dict]:
+    from . import baselines
+
+    return baselines.run_study(cfg.baseline_models, cfg.baseline_nprocs, cfg.baseline_lengths, cfg.steps, cfg.timeout,
+                               _emulated_link(cfg), cfg.out / baselines.out_name(cfg.link), log=_progress)
+
+
 def run_modes(cfg: BenchConfig) -> list[dict]:
     configs = [(m, P, L, t, s) for L in cfg.lengths
                for (m, P, t, s) in parallel_modes.configurations(cfg.modes, cfg.nprocs, cfg.transports)]
@@ -188,13 +218,7 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
                               benchmark_layers=cfg.layers)
         _progress(f"  planner CPU figures for {', '.join(map(str, devices))} process(es) -> {cfg.out / RATES_FILE} "
                   f"({time.perf_counter() - t0:.0f} s)")
-    link = None
-    if cfg.link is not None:
-        from hf_bdlm.planner.link import link_for_this_machine
-
-        link = link_for_this_machine(cfg.link, cfg.layers)
-        _progress(f"  emulated link {link.describe()} (the named link stretched by this machine's compute rate: "
-                  "docs/benchmarks.md)")
+    link = _emulated_link(cfg)
     records: list[dict] = []
     _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json", link)
     return records
@@ -249,9 +273,10 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
     """Plots, plain tables (printed) and ``summary.md`` from whatever study JSON is in ``out``."""
     modes, attention = _read(out / "parallel_modes.json"), _read(out / "attention.json")
     growth, mc = _read(out / "growth.json"), _read(out / "max_context.json")
-    if not any(x is not None for x in (modes, attention, growth, mc)):
+    base = [r for path in sorted(out.glob("baselines*.json")) for r in _read(path)]
+    if not any(x is not None for x in (modes, attention, growth, mc)) and not base:
         raise FileNotFoundError(f"{out} holds none of parallel_modes.json, attention.json, growth.json, "
-                                f"max_context.json: run hf-bdlm bench --out {out} first")
+                                f"max_context.json, baselines*.json: run hf-bdlm bench --out {out} first")
     summary = _read(out / "summary.json") or {}
     plots, sections = [], []
     machine = summary.get("machine")
@@ -277,6 +302,11 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
         sections.append((f"Longest trainable context under {mc['cap_bytes'] / 2**20:.0f} MiB per rank "
                          f"({mc['layers']} layer(s); grid {mc['grid']} tokens; {mc['memory']})",
                          report.max_context_table(mc["results"], True), report.max_context_table(mc["results"])))
+    if base:
+        from . import baselines
+
+        sections.append(("CSBP against both CP baselines and BP (step seconds; CSBP's speed-up; exposed waits; slowest "
+                         "rank's attention pairs over the mean)", baselines.table(base, True), baselines.table(base)))
     if attention is not None:
         if any("time_s" in r for r in attention):
             plots.append(report.plot_attention(attention, out))
@@ -311,6 +341,8 @@ def _run_study(study: str, cfg: BenchConfig, out: pathlib.Path, modes_records: l
     if study == "modes":
         modes_records[:] = run_modes(cfg)
         return sum("error" in r for r in modes_records)
+    if study == "baselines":
+        return sum("error" in r for r in run_baselines(cfg))
     if study == "attention":
         # "skipped (needs / predicted ...)" is the script's own size limit; failures and timeouts count.
         return sum(r.get("skipped", "").startswith(("failed", "timed out")) for r in run_attention(cfg))

@@ -24,6 +24,8 @@ layout attends to). Bytes must equal ``bytes_per_step`` exactly; step times are 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import os
 import tempfile
@@ -46,9 +48,9 @@ def default_rates_path() -> Path:
     return cache_home() / RATES_FILE
 
 
-def benchmark_model(layers: int, window: int | None = None) -> ModelSpec:
+def benchmark_model(layers: int, window: int | None = None, full_every: int | None = None) -> ModelSpec:
     """The model of :mod:`hf_bdlm.benchmarks.parallel_modes`, read from its own config builder."""
-    cfg = parallel_modes.model_config(layers, window)
+    cfg = parallel_modes.model_config(layers, window, full_every=full_every)
     return spec_from_config(cfg.to_dict(), f"parallel_modes ({layers} layers)")
 
 
@@ -349,7 +351,7 @@ def record_dims(rec: dict) -> ParallelDims:
     if rec["mode"] == "single":
         return ParallelDims(1, 1, "bp", "dual_end", "allgather", 1)
     return ParallelDims(rec["P"], rec["C"], rec["mode"], rec.get("schedule") or "dual_end",
-                        rec.get("transport") or "allgather", rec["P"])
+                        rec.get("transport") or "allgather", rec["P"], rec.get("cp_layout") or "balanced")
 
 
 def benchmark_recipe(rec: dict) -> Recipe:
@@ -396,6 +398,11 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
             out.append(replace(w, pairs={**w.pairs, None: total}, local_pairs={**w.local_pairs, None: local},
                                source_pairs=source, shard_pairs=shards))
             continue
+        elif gathered and dims.is_paper_cp:  # blocking: every member's rows, one source gathered before attending
+            from ..attention.rows import RowMeta
+
+            total, local = computed_pairs(plan_attention(q, [RowMeta.cat([plan.sent_rows(m) for m in members])],
+                                                         rule)), 0
         elif gathered:
             from ..attention.rows import RowMeta
 
@@ -414,16 +421,21 @@ def validate(records: list[dict], device) -> list[dict]:
     for rec in records:
         if "error" in rec or "step_s" not in rec:
             continue
-        model = benchmark_model(rec["layers"], rec.get("window"))
+        model = benchmark_model(rec["layers"], rec.get("window"), rec.get("full_every"))
         dims = record_dims(rec)
         recipe = benchmark_recipe(rec)
         work = rank_work(dims, rec["L"], mask_rule_of(model), layer_windows(model))
         if all(a.window is None for a in model.layers):
             work = blockwise_work(dims, rec["L"], mask_rule_of(model), work)  # the CPU kernel's own tiles
         dev = device(dims.world_size) if callable(device) else device
+        link = rec.get("link")
+        if link and dims.block_parallel_size > 1:  # the record's collectives went through an emulated link
+            dev = replace(dev, intra_node_bytes_per_s=link["bytes_per_s"], inter_node_bytes_per_s=link["bytes_per_s"],
+                          link_latency_s=link["latency_s"])
         pred = predict(model, dims, rec["L"], dev, Cluster(dims.world_size, dims.world_size), recipe, work=work)
         by_name = [kv_bytes_by_name(model, dims, w, recipe.activation_bytes) for w in work]
-        rows.append(dict(label=pred.label if rec["mode"] != "single" else "single", L=rec["L"],
+        rows.append(dict(label=(pred.label if rec["mode"] != "single" else "single")
+                         + (f" [{link['name']}]" if link and dims.block_parallel_size > 1 else ""), L=rec["L"],
                          predicted_s=pred.step_s, measured_s=rec["step_s"],
                          rel_err=(pred.step_s - rec["step_s"]) / rec["step_s"],
                          predicted_bytes=pred.bytes_per_step, measured_bytes=rec.get("bytes_per_step", 0),

@@ -26,6 +26,11 @@ PAPER_SETTINGS = (
     ("MoE SFT", "diffusiongemma-26b-a4b", 262144, "CSBP / best baseline throughput 1.18-1.45x, equal or lower memory"),
     ("MoE SFT", "diffusiongemma-26b-a4b", 524288, "1.61x full-model speedup at 512K"),
 )
+# The paper's topology: 16 GPUs in 2 nodes of 8; tensor parallelism (the 27B conversion) or expert parallelism (the
+# 26B-A4B MoE) of 2 inside a node, and the CP/BP group of 8 ranks (each a pair of GPUs) across both nodes.
+PAPER_MODEL_PARALLEL = {"gemma3-27b": "tp", "diffusiongemma-26b-a4b": "ep"}
+PAPER_GROUP, PAPER_PAIR = 8, 2
+SENSITIVITY = (0.25, 0.5, 1.0, 2.0, 4.0)  # InfiniBand bandwidth, times the datasheet figure
 
 
 def add_plan_parser(subparsers) -> None:
@@ -136,8 +141,78 @@ def compare_modes(preds: list[Prediction], group: int | None = None) -> dict:
     return dict(csbp=csbp, baseline=base)
 
 
+def paper_topology(model, L: int, device, recipe: Recipe, checkpointing: bool = True) -> dict:
+    """The paper's topology (:data:`PAPER_MODEL_PARALLEL`): CSBP (its fastest clean ring), this project's balanced cp,
+    the paper's CP baseline and bp (its faster schedule) on a group of 8 ranks across two nodes, each rank a pair of
+    GPUs, and the breakdown of the paper-CP / CSBP difference, by pricing the layouts between them (the balanced cp
+    with the paper's blocking transfers and whole-sequence sliding gathers, then overlapped, then with halos)."""
+    from .cost import CommStyle, predict
+    from ..parallel.dims import ParallelDims, divisors
+
+    cluster = Cluster(PAPER_GROUP, PAPER_GROUP // 2)  # 4 ranks (pairs) per node
+    P = PAPER_GROUP
+
+    def run(mode, C=None, schedule="dual_end", cp_layout="balanced", style=None):
+        dims = ParallelDims(P, C, mode, schedule, "allgather", P, cp_layout)
+        return predict(model, dims, L, device, cluster, recipe, checkpointing, style=style)
+
+    csbp = {C: run("csbp", C) for C in divisors(P) if C > 1}
+    best_c = min(csbp, key=lambda C: csbp[C].step_s)
+    out = dict(csbp=csbp[best_c], csbp_full_ring=csbp[P], cp=run("cp"), paper=run("cp", cp_layout="paper"),
+               bp=min((run("bp", 1, s) for s in ("dual_end", "contiguous")), key=lambda p: p.step_s))
+    blocking_whole = run("cp", style=CommStyle(blocking=True, whole_sliding=True)).step_s
+    overlapped_whole = run("cp", style=CommStyle(blocking=False, whole_sliding=True)).step_s
+    out["breakdown"] = {
+        "imbalance (contiguous clean shards)": out["paper"].step_s - blocking_whole,
+        "exposed communication (blocking transfers)": blocking_whole - overlapped_whole,
+        "sliding-layer traffic (whole gathers, not halos)": overlapped_whole - out["cp"].step_s,
+        "noisy K/V traffic (cp, not csbp)": out["cp"].step_s - csbp[P].step_s,
+        "clean ring smaller than the group": csbp[P].step_s - out["csbp"].step_s,
+    }
+    return out
+
+
+def run_paper_topology(args, device) -> None:
+    from dataclasses import replace
+
+    print(f"The paper's topology: 16 {device.name.upper()} in 2 nodes of 8; tensor parallelism 2 (27B conversion) "
+          f"or expert parallelism 2 (26B-A4B) inside a node; one CP/BP group of 8 ranks (pairs of GPUs) across both "
+          "nodes; FSDP2; activation checkpointing on (the paper's recipes).\n")
+    head = (f"{'setting':20} {'context':>7} {'CSBP layout':24} {'CSBP s':>7} {'cp-paper s':>10} {'cp s':>6} "
+            f"{'bp s':>6} {'vs cp-paper':>11} {'vs cp':>6} {'vs bp':>6}  published")
+    print(head)
+    print("-" * len(head))
+    results = []
+    for setting, preset, L, published in PAPER_SETTINGS:
+        model = model_spec(preset, args.block_size)
+        recipe = replace(_recipe(args), model_parallel=PAPER_PAIR, model_parallel_kind=PAPER_MODEL_PARALLEL[preset])
+        r = paper_topology(model, L, device, recipe)
+        results.append((setting, preset, L, model, recipe, r))
+        cs = r["csbp"]
+        print(f"{setting:20} {L // 1024:>6}K {cs.label.split(' D=')[0]:24} {cs.step_s:7.2f} {r['paper'].step_s:10.2f} "
+              f"{r['cp'].step_s:6.2f} {r['bp'].step_s:6.2f} {r['paper'].step_s / cs.step_s:10.2f}x "
+              f"{r['cp'].step_s / cs.step_s:5.2f}x {r['bp'].step_s / cs.step_s:5.2f}x  {published}")
+    print("\nWhere the paper-CP / CSBP difference comes from (seconds per step; each line is the step-time difference "
+          "between two neighbouring layouts, so the lines add up to cp-paper - CSBP):")
+    for setting, preset, L, _, _, r in results:
+        total = r["paper"].step_s - r["csbp"].step_s
+        parts = "; ".join(f"{k} {v:+.2f} s ({v / total:.0%})" for k, v in r["breakdown"].items())
+        print(f"  {setting} {L // 1024}K: {total:.2f} s = {parts}")
+    print("\nSensitivity to the inter-node bandwidth (CSBP's speed-up over cp-paper / over this project's cp):")
+    print(f"  {'setting':20} {'context':>7} " + " ".join(f"{f'IB x{f:g}':>13}" for f in SENSITIVITY))
+    for setting, preset, L, model, recipe, _ in results:
+        cells = []
+        for f in SENSITIVITY:
+            scaled = replace(device, inter_node_bytes_per_s=device.inter_node_bytes_per_s * f)
+            r = paper_topology(model, L, scaled, recipe)
+            cells.append(f"{r['paper'].step_s / r['csbp'].step_s:.2f}/{r['cp'].step_s / r['csbp'].step_s:.2f}")
+        print(f"  {setting:20} {L // 1024:>6}K " + " ".join(f"{c:>13}" for c in cells))
+    print()
+
+
 def run_paper(args) -> int:
     device = _device(args)
+    run_paper_topology(args, device)
     cluster = Cluster(16, 8)
     print(f"The paper's settings on 16 {device.name.upper()} (2 nodes of 8), FSDP2 over the world; device "
           f"{device.matmul_flops / 1e12:.0f} TFLOP/s matmul, {device.attention_flops / 1e12:.0f} TFLOP/s attention, "

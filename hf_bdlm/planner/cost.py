@@ -17,6 +17,9 @@ whose validation is the only one. docs/design.md §6 states the formulas:
   (:mod:`.schedule`: compute, sends and waits in the order the kernels issue them; ``cp`` / ``csbp`` overlap the
   transfer with attention over the rank's own rows, the ring chains its rotations, ``bp`` has nothing to move;
   on a CPU with more ranks than cores they share the cores), summed, plus FSDP2's exposed traffic.
+- the paper's CP baseline (``cp_layout="paper"``): its plan's contiguous clean shards give the imbalance; its
+  transfers are blocking (the gather completes before any attention, the reduce-scatter after every gradient) and
+  its sliding layers gather the whole sequence like full ones.
 
     python -c "from hf_bdlm.planner.cost import *; from hf_bdlm.planner.model import model_spec; \\
 from hf_bdlm.planner.hardware import device_spec; from hf_bdlm.parallel.dims import ParallelDims; \\
@@ -85,6 +88,14 @@ class Recipe:
         activation_overhead (`float`, 1.0): multiplies the activation estimate (what autograd saves, counted
             tensor by tensor) to account for allocator retention and kernel workspaces; give a measured ratio
             (``--validate`` prints measured against predicted peaks).
+        model_parallel (`int`, 1): GPUs inside a node that share each rank of the block-parallel layout, as the
+            paper's runs put tensor parallelism (27B conversion) or expert parallelism (26B-A4B) inside a node and the
+            CP/BP group across nodes. A rank's compute, K/V bytes (each GPU sends its share over its own NIC) and
+            memory are divided among its ``t`` GPUs; their own traffic is added, exposed, over NVLink per layer and
+            pass: ``"tp"``, two all-reduces of the rank's activations (``2 (t-1)/t`` of ``rows x hidden`` each);
+            ``"ep"``, on MoE layers, the dispatch and combine all-to-alls of each GPU's ``top_k`` token copies
+            (``(t-1)/t`` of ``rows/t x top_k x hidden`` each).
+        model_parallel_kind (`str`, "tp"): ``"tp"`` or ``"ep"``.
     """
 
     param_bytes: int = 2
@@ -97,6 +108,26 @@ class Recipe:
     fsdp_prefetch_layers: int = 2
     gradient_sync: bool = True
     activation_overhead: float = 1.0
+    model_parallel: int = 1
+    model_parallel_kind: str = "tp"
+
+    def __post_init__(self):
+        if not isinstance(self.model_parallel, int) or self.model_parallel < 1:
+            raise ValueError(f"model_parallel must be a positive integer, got {self.model_parallel!r}.")
+        if self.model_parallel_kind not in ("tp", "ep"):
+            raise ValueError(f"model_parallel_kind must be 'tp' or 'ep', got {self.model_parallel_kind!r}.")
+
+    def model_parallel_seconds(self, model: "ModelSpec", rows: int, batch: int, nvlink_bytes_per_s: float) -> float:
+        """Exposed NVLink time of one layer's forward (or backward) pass for a rank of ``rows`` rows."""
+        t = self.model_parallel
+        if t == 1:
+            return 0.0
+        size = batch * rows * model.hidden * self.activation_bytes
+        if self.model_parallel_kind == "tp":
+            return 2 * 2 * (t - 1) / t * size / nvlink_bytes_per_s
+        if not model.num_experts:
+            return 0.0
+        return 2 * (t - 1) / t * size / t * model.top_k / nvlink_bytes_per_s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,25 +215,25 @@ def _cumulative_counts(seq_len: int, rule: MaskRule) -> tuple[torch.Tensor, torc
 
 def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, int, tuple[int, ...]]:
     """A rank's allowed pairs: all, among its own rows, against its noisy keys, and against each gather member's
-    clean rows (in member order)."""
+    clean rows (in member order). (The paper's CP baseline holds a slice of each noisy block, so its noisy keys are
+    not all its own; it computes nothing before its blocking gather, and the schedule does not read its local part.)"""
     rp = plan.ranks[rank]
     noisy_cum, clean_cum = _cumulative_counts(rp.seq_len, rule)
-    runs = ((NOISY, rp.noisy_ranges), (CLEAN, rp.clean_positions))
-    total = sum(int(cum[e] - cum[s]) for cum, (_, r) in zip((noisy_cum, clean_cum), runs) for s, e in r)
+    streams = ((NOISY, rp.noisy_positions(), noisy_cum), (CLEAN, rp.clean_position_index(), clean_cum))
+    total = sum(int((cum[idx + 1] - cum[idx]).sum()) for _, idx, cum in streams)
     members = plan.exchange_members(rank)
     intervals = _position_intervals(rp.seq_len, rule)
-    # A noisy query's noisy keys are its own block, always owned; its clean keys, and a clean query's, lie in the
-    # clean rows of the gather members (the whole clean stream, split among them).
+    # A noisy query's noisy keys are its own block; its clean keys, and a clean query's, lie in the clean rows of the
+    # gather members (the whole clean stream, split among them). Each stream's queries at once, by their positions.
     noisy_keys, clean_keys = 0, [0] * len(members)
-    for stream, stream_runs in runs:
-        clean_lo, clean_hi, noisy_lo, noisy_hi = intervals[stream]
-        for s, e in stream_runs:
-            noisy_keys += int(_overlap(noisy_lo[s:e], noisy_hi[s:e], 0, rp.seq_len).sum())
-            if len(members) == 1:
-                continue
-            for j, m in enumerate(members):
-                for a, b in plan.ranks[m].clean_positions:
-                    clean_keys[j] += int(_overlap(clean_lo[s:e], clean_hi[s:e], a, b).sum())
+    for stream, idx, _ in streams:
+        clean_lo, clean_hi, noisy_lo, noisy_hi = (x[idx] for x in intervals[stream])
+        noisy_keys += int(_overlap(noisy_lo, noisy_hi, 0, rp.seq_len).sum())
+        if len(members) == 1:
+            continue
+        for j, m in enumerate(members):
+            for a, b in plan.ranks[m].clean_positions:
+                clean_keys[j] += int(_overlap(clean_lo, clean_hi, a, b).sum())
     if len(members) == 1:
         return total, total, noisy_keys, (total,)
     local = noisy_keys + clean_keys[members.index(rank)]
@@ -232,9 +263,27 @@ def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]
     return recv, sent
 
 
+@dataclass(frozen=True)
+class CommStyle:
+    """How a layout's K/V move. ``blocking``: the gather completes before any attention, the reduce-scatter runs after
+    every gradient (nothing overlaps); ``whole_sliding``: sliding-window layers gather the whole sequence like full
+    ones instead of fetching their halos. Both hold for the paper's CP baseline, neither for the other layouts;
+    :func:`predict` takes another style to price a hypothetical one (e.g. the breakdown of ``hf-bdlm plan --paper``)."""
+
+    blocking: bool = False
+    whole_sliding: bool = False
+
+    @classmethod
+    def of(cls, dims: ParallelDims) -> "CommStyle":
+        return cls(dims.is_paper_cp, dims.is_paper_cp)
+
+
 @lru_cache(maxsize=256)
-def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) -> tuple[RankWork, ...]:
-    """Per rank of a group: rows, attention pairs (all, own) per window, K/V rows sent, halo rows."""
+def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple,
+              halos: bool | None = None) -> tuple[RankWork, ...]:
+    """Per rank of a group: rows, attention pairs (all, own) per window, K/V rows sent, halo rows (``halos``: whether
+    sliding layers fetch halos; default: all layouts but the paper's CP baseline)."""
+    halos = not dims.is_paper_cp if halos is None else halos
     plan = make_plan(PlanConfig.from_dims(dims, seq_len, rule.block_size))
     P = dims.block_parallel_size
     pairs = [dict() for _ in range(P)]
@@ -252,7 +301,7 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple) 
                 travels = dims.mode.sends_noisy_kv
                 source[r] = 0 if travels else noisy_keys
                 shards[r] = tuple(n + (noisy_keys if travels and j == own else 0) for j, n in enumerate(clean_keys))
-        if w is not None and P > 1:
+        if w is not None and P > 1 and halos:
             rc, sc = _halo_counts(plan, r_w)
             for r in range(P):
                 recv[r][w], sent[r][w] = rc[r], sc[r]
@@ -281,11 +330,18 @@ def gather_size(dims: ParallelDims) -> int:
     return {"cp": dims.block_parallel_size, "csbp": dims.clean_ring_size, "bp": 1}[dims.mode]
 
 
+def gathers_whole(style: CommStyle, window) -> bool:
+    """Whether a layer of this window moves its K/V by the all-gather (full layers; every layer when sliding layers
+    gather whole, as the paper's CP baseline does) rather than the halo exchange."""
+    return window is None or style.whole_sliding
+
+
 def kv_bytes_by_name(model: ModelSpec, dims: ParallelDims, work: RankWork, elem_bytes: int,
-                     batch: int = 1) -> dict[str, int]:
+                     batch: int = 1, style: CommStyle | None = None) -> dict[str, int]:
     """Bytes one rank receives per step, by the ``ByteMeter``'s collective names (forward and backward, every
     layer, ``batch`` sequences per group)."""
     G = gather_size(dims)
+    style = style or CommStyle.of(dims)
     out: dict[str, int] = {}
 
     def add(name, n):
@@ -296,7 +352,7 @@ def kv_bytes_by_name(model: ModelSpec, dims: ParallelDims, work: RankWork, elem_
         row = a.kv_heads * a.head_dim * elem_bytes  # one row of K (or of V)
         if G == 1 and a.window is None:
             continue
-        if a.window is not None:
+        if not gathers_whole(style, a.window):
             add("k_window.all_to_all", work.halo_recv.get(a.window, 0) * row)
             add("v_window.all_to_all", work.halo_recv.get(a.window, 0) * row)
             add("k_window.all_to_all_backward", work.halo_sent.get(a.window, 0) * row)
@@ -336,8 +392,10 @@ class Memory:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe, checkpointing: bool) -> Memory:
+def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe, checkpointing: bool,
+           style: CommStyle | None = None) -> Memory:
     """Per-rank peak memory: sharded states, the gathered FSDP units, activations, gathered K/V, LM-head chunk."""
+    style = style or CommStyle.of(dims)
     W = dims.world_size or dims.block_parallel_size
     n = model.total_params()
     shards = W if recipe.fsdp else 1
@@ -356,7 +414,7 @@ def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe,
 
     def gathered(i):
         a = model.layers[i]
-        if a.window is not None:
+        if not gathers_whole(style, a.window):
             return work.halo_recv.get(a.window, 0) * kv_row[i]
         if G == 1:
             return 0
@@ -420,15 +478,18 @@ class _LayerCost:
     transfer: float  # one K + V shard (all-gather / ring) or the whole halo (sliding layers), over the link
     comm_fwd: float  # transfer seconds of what the rank receives in one forward pass
     comm_bwd: float  # and in the backward pass
+    model_parallel: float = 0.0  # NVLink seconds of the model-parallel collectives of one pass (Recipe.model_parallel)
 
 
 def _layer_cost(model: ModelSpec, dims: ParallelDims, work: RankWork, i: int, device: DeviceSpec, bw: float,
-                recipe: Recipe, batch: int) -> _LayerCost:
+                recipe: Recipe, batch: int, style: CommStyle | None = None) -> _LayerCost:
     a = model.layers[i]
+    t = recipe.model_parallel  # a rank's GPUs share its work and its K/V bytes (each over its own NIC)
     hd = a.heads * a.head_dim
-    row = a.kv_heads * a.head_dim * recipe.activation_bytes * batch  # one row of K (or V)
+    row = a.kv_heads * a.head_dim * recipe.activation_bytes * batch / t  # one row of K (or V), per GPU
     G = gather_size(dims)
-    if a.window is not None:
+    style = style or CommStyle.of(dims)
+    if not gathers_whole(style, a.window):
         transfer = comm_fwd = 2 * work.halo_recv.get(a.window, 0) * row / bw
         comm_bwd = 2 * work.halo_sent.get(a.window, 0) * row / bw
     elif G > 1 and work.sent_rows:
@@ -439,31 +500,35 @@ def _layer_cost(model: ModelSpec, dims: ParallelDims, work: RankWork, i: int, de
     else:
         transfer = comm_fwd = comm_bwd = 0.0
     return _LayerCost(
-        matrices_fwd=batch * work.rows * 2 * model.layer_active_params(i) / device.matmul_flops,
+        matrices_fwd=batch * work.rows * 2 * model.layer_active_params(i) / device.matmul_flops / t,
         # Norms, rotary, activations, residuals: what the layer keeps, read and written.
         elementwise_fwd=batch * work.rows * model.activation_elements_per_row(i) * recipe.activation_bytes * 2
-        / device.hbm_bytes_per_s,
-        per_pair_fwd=batch * FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops,
-        per_pair_bwd=batch * BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops,
-        transfer=transfer, comm_fwd=comm_fwd, comm_bwd=comm_bwd)
+        / device.hbm_bytes_per_s / t,
+        per_pair_fwd=batch * FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops / t,
+        per_pair_bwd=batch * BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops / t,
+        transfer=transfer, comm_fwd=comm_fwd, comm_bwd=comm_bwd,
+        model_parallel=recipe.model_parallel_seconds(model, work.rows, batch, device.intra_node_bytes_per_s))
 
 
 def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequence[_LayerCost], window,
-                    latency: float) -> tuple[tuple, tuple]:
+                    latency: float, style: CommStyle | None = None) -> tuple[tuple, tuple]:
     """The forward and backward programs of one layer on each rank of a group, in the order the kernels issue
     them (docs/design.md §3): all-gather / halo exchange started, local rows computed, wait, peers' rows; backward
     the peers' rows first, their gradients sent home while the local rows compute. The ring rotates shard by shard:
     forward a received shard is passed on before it is computed on; backward the dK/dV accumulator of a shard
     follows it, so each rotation waits for the predecessor's compute."""
     G = gather_size(dims)
+    style = style or CommStyle.of(dims)
     fwd, bwd = [], []
     for r, (w, c) in enumerate(zip(works, costs)):
         pairs, local = w.pairs[window], w.local_pairs[window]
         f, b = c.per_pair_fwd, c.per_pair_bwd
         other = c.matrices_fwd + c.elementwise_fwd
-        pf, pb = [Compute(other)], [Compute(2 * other)]
+        # The model-parallel collectives (inside a node) hold the pass back: time busy, counted as communication.
+        pf, pb = [Compute(other + c.model_parallel)], [Compute(2 * other + c.model_parallel)]
         members = w.members
         exchanged = dims.mode.exchanges_kv and len(members) > 1 and (window is not None or w.sent_rows > 0)
+        whole = gathers_whole(style, window)
         if not exchanged:
             pf.append(Compute(pairs * f))
             pb.append(Compute(pairs * b))
@@ -488,11 +553,15 @@ def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequen
         else:
             # A collective completes for all members once the last has joined and the data has moved: each member's
             # contribution arrives the slowest member's transfer (and one latency) after it is posted.
-            hops = 1 if window is not None else G - 1  # an all-to-all; the all-gather's G - 1 shards
+            hops = G - 1 if whole else 1  # the all-gather's G - 1 shards; an all-to-all
             done = max(costs[m].transfer for m in members) * hops + latency
             keys = tuple(("c", m) for m in members)
-            pf += [Send(("c", r), done), Compute(local * f), Wait(keys), Compute((pairs - local) * f)]
-            pb += [Compute((pairs - local) * b), Send(("c", r), done), Compute(local * b), Wait(keys)]
+            if style.blocking:  # gather, then attend; every gradient, then reduce-scatter
+                pf += [Send(("c", r), done), Wait(keys), Compute(pairs * f)]
+                pb += [Compute(pairs * b), Send(("c", r), done), Wait(keys)]
+            else:
+                pf += [Send(("c", r), done), Compute(local * f), Wait(keys), Compute((pairs - local) * f)]
+                pb += [Compute((pairs - local) * b), Send(("c", r), done), Compute(local * b), Wait(keys)]
         fwd.append(tuple(pf))
         bwd.append(tuple(pb))
     return tuple(fwd), tuple(bwd)
@@ -506,20 +575,22 @@ def _segment(programs: tuple, cores: int, efficiency: float, sync_cost: float) -
 
 
 def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], device: DeviceSpec, cluster: Cluster,
-               recipe: Recipe, checkpointing: bool, batch: int = 1) -> tuple[RankTime, ...]:
+               recipe: Recipe, checkpointing: bool, batch: int = 1,
+               style: CommStyle | None = None) -> tuple[RankTime, ...]:
     """Every rank's step: each layer's forward (twice with checkpointing: the recomputation) and backward, then the
     LM head, scheduled across the group (:func:`~.schedule.simulate`; each segment starts when the previous one's
     slowest rank is done, which the collectives of ``cp`` / ``csbp`` enforce and which costs ``bp`` nothing when
     its ranks' shares are alike layer by layer), plus FSDP2's parameter and gradient traffic."""
     fwd_passes = 2 if checkpointing else 1
+    style = style or CommStyle.of(dims)
     G = gather_size(dims)
     bw = device.link_bytes_per_s(cluster.spans_nodes(G if dims.mode.exchanges_kv else 1))
     P = len(works)
-    compute, attention, linear, comm = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
+    compute, attention, linear, comm, mp = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
     segments = []
     for i, a in enumerate(model.layers):
-        costs = [_layer_cost(model, dims, w, i, device, bw, recipe, batch) for w in works]
-        fwd, bwd = _layer_programs(dims, works, costs, a.window, device.link_latency_s)
+        costs = [_layer_cost(model, dims, w, i, device, bw, recipe, batch, style) for w in works]
+        fwd, bwd = _layer_programs(dims, works, costs, a.window, device.link_latency_s, style)
         segments += [(fwd, fwd_passes), (bwd, 1)]
         for r, (w, c) in enumerate(zip(works, costs)):
             attn = w.pairs[a.window] * (c.per_pair_fwd * fwd_passes + c.per_pair_bwd)
@@ -527,10 +598,11 @@ def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], 
             linear[r] += c.matrices_fwd * (fwd_passes + 2)
             compute[r] += attn + (c.matrices_fwd + c.elementwise_fwd) * (fwd_passes + 2)
             comm[r] += c.comm_fwd * fwd_passes + c.comm_bwd
+            mp[r] += c.model_parallel * (fwd_passes + 1)
     head = []
     for r, w in enumerate(works):
         targets = w.noisy_rows * recipe.target_fraction + (w.clean_rows if model.head_on_clean else 0)
-        t = batch * targets * model.head_flops_per_row() * 3 / device.matmul_flops
+        t = batch * targets * model.head_flops_per_row() * 3 / device.matmul_flops / recipe.model_parallel
         head.append((Compute(t),))
         linear[r] += t
         compute[r] += t
@@ -551,11 +623,12 @@ def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], 
         frac = (W - 1) / W
         data = (2 * n * recipe.param_bytes + n * recipe.grad_bytes) * frac if recipe.fsdp else \
             2 * n * recipe.grad_bytes * frac
+        data /= recipe.model_parallel  # each GPU of a rank holds its share of the parameters
         fsdp_comm = data / device.link_bytes_per_s(cluster.spans_nodes(W))
         fsdp_exposed = max(0.0, fsdp_comm - min(compute) * (1 - 1 / max(1, len(model.layers))))
     # Wall time computing beyond the work itself is processor sharing (float residue aside).
-    return tuple(RankTime(compute[r], attention[r], linear[r], comm[r] + fsdp_comm, waited[r] + fsdp_exposed,
-                          busy[r] - compute[r], idle[r]) for r in range(P))
+    return tuple(RankTime(compute[r], attention[r], linear[r], comm[r] + mp[r] + fsdp_comm,
+                          waited[r] + mp[r] + fsdp_exposed, busy[r] - compute[r] - mp[r], idle[r]) for r in range(P))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -577,41 +650,50 @@ class Prediction:
     @property
     def label(self) -> str:
         d = self.dims
-        extra = f" {d.transport}" if d.mode.exchanges_kv and gather_size(d) > 1 else ""
+        extra = f" {d.transport}" if d.mode.exchanges_kv and gather_size(d) > 1 and not d.is_paper_cp else ""
         extra += "" if d.mode.exchanges_kv else f" {d.schedule}"
-        return f"{d.mode} P={d.block_parallel_size} C={d.clean_ring_size} D={d.data_parallel_size}{extra}"
+        mode = "cp-paper" if d.is_paper_cp else d.mode
+        return f"{mode} P={d.block_parallel_size} C={d.clean_ring_size} D={d.data_parallel_size}{extra}"
 
 
 def predict(model: ModelSpec, dims: ParallelDims, seq_len: int, device: DeviceSpec, cluster: Cluster,
             recipe: Recipe = Recipe(), checkpointing: bool = False, batch: int = 1,
-            work: tuple[RankWork, ...] | None = None) -> Prediction:
+            work: tuple[RankWork, ...] | None = None, style: CommStyle | None = None) -> Prediction:
     """Step time, throughput, peak memory and K/V bytes of one layout (``dims`` with its world size).
 
-    ``work`` replaces the per-rank work :func:`rank_work` counts (e.g. the pairs a particular kernel's tiles compute).
+    ``work`` replaces the per-rank work :func:`rank_work` counts (e.g. the pairs a particular kernel's tiles compute);
+    ``style`` how its K/V move (default: the layout's own, :meth:`CommStyle.of`).
     """
+    style = style or CommStyle.of(dims)
     if dims.world_size is None:
         dims = dims.with_world(cluster.gpus)
     if work is None:
         # The transport moves the same rows differently: the plan, pairs and halos are the allgather layout's.
-        work = rank_work(replace(dims, transport="allgather"), seq_len, mask_rule_of(model), layer_windows(model))
-    times = rank_times(model, dims, work, device, cluster, recipe, checkpointing, batch)
-    mems = [memory(model, dims, w, recipe, checkpointing) for w in work]
+        work = rank_work(replace(dims, transport="allgather"), seq_len, mask_rule_of(model), layer_windows(model),
+                         not style.whole_sliding)
+    times = rank_times(model, dims, work, device, cluster, recipe, checkpointing, batch, style)
+    mems = [memory(model, dims, w, recipe, checkpointing, style) for w in work]
+    if recipe.model_parallel > 1:  # a rank's states, activations and K/V are shared among its GPUs
+        mems = [Memory(**{k: v / recipe.model_parallel for k, v in m.parts().items()}) for m in mems]
     peak = max(mems, key=lambda m: m.total)
     step = max(t.step_s for t in times)
-    nbytes = max(sum(kv_bytes_by_name(model, dims, w, recipe.activation_bytes, batch).values()) for w in work)
+    nbytes = max(sum(kv_bytes_by_name(model, dims, w, recipe.activation_bytes, batch, style).values()) for w in work)
     mean = sum(t.compute_s for t in times) / len(times)
     return Prediction(dims, checkpointing, seq_len, step, dims.data_parallel_size * batch * seq_len / step, peak,
                       peak.total <= device.memory_bytes, nbytes, times, max(t.compute_s for t in times) / mean)
 
 
-def layouts(world: int, seq_len: int, block_size: int, ring_transport: bool = True) -> list[ParallelDims]:
+def layouts(world: int, seq_len: int, block_size: int, ring_transport: bool = True,
+            paper_cp: bool = False) -> list[ParallelDims]:
     """Every layout of ``world`` ranks that a sequence of ``seq_len`` fits: ``cp``, ``bp`` (both schedules) and
-    ``csbp`` with every clean ring ``C | P``, per group size ``P | world``; validity is :class:`ParallelDims`'s
-    (and the plan's, for the sequence length)."""
+    ``csbp`` with every clean ring ``C | P``, per group size ``P | world`` (with ``paper_cp``, also the paper's CP
+    baseline); validity is :class:`ParallelDims`'s (and the plan's, for the sequence length)."""
     out = []
     for P in divisors(world):
         cands = [("cp", P, "dual_end", "allgather"), ("bp", 1, "dual_end", "allgather"),
                  ("bp", 1, "contiguous", "allgather")]
+        if paper_cp and P > 1:
+            cands.append(("cp-paper", P, "dual_end", "allgather"))
         cands += [("csbp", C, "dual_end", "allgather") for C in divisors(P)]
         if ring_transport:
             cands += [("cp", P, "dual_end", "ring")] + [("csbp", C, "dual_end", "ring") for C in divisors(P) if C > 1]
@@ -619,7 +701,8 @@ def layouts(world: int, seq_len: int, block_size: int, ring_transport: bool = Tr
         for mode, C, schedule, transport in cands:
             if P == 1 and (mode, schedule, transport) != ("bp", "dual_end", "allgather"):
                 continue  # one rank per group: every mode is the same single-device step
-            dims = ParallelDims(P, C, mode, schedule, transport, world)
+            dims = ParallelDims(P, C, "cp" if mode == "cp-paper" else mode, schedule, transport, world,
+                                "paper" if mode == "cp-paper" else "balanced")
             if dims in seen:
                 continue
             try:
@@ -632,12 +715,12 @@ def layouts(world: int, seq_len: int, block_size: int, ring_transport: bool = Tr
 
 
 def plan_all(model: ModelSpec, seq_len: int, device: DeviceSpec, cluster: Cluster, recipe: Recipe = Recipe(),
-             ring_transport: bool = True) -> list[Prediction]:
+             ring_transport: bool = True, paper_cp: bool = False) -> list[Prediction]:
     """Predictions of every layout, with and without activation checkpointing, fastest (tokens/s) first."""
     if seq_len % model.block_size:
         raise ValueError(f"--context {seq_len} is not a multiple of the block size {model.block_size}; use a "
                          f"multiple of {model.block_size} (or --block-size).")
-    found = layouts(cluster.gpus, seq_len, model.block_size, ring_transport)
+    found = layouts(cluster.gpus, seq_len, model.block_size, ring_transport, paper_cp)
     if not found:
         raise ValueError(f"no layout of {cluster.gpus} GPUs fits --context {seq_len} with block size "
                          f"{model.block_size}: a sequence needs whole blocks per rank; use a context that is a "
@@ -659,7 +742,7 @@ def recommend(predictions: list[Prediction]) -> Prediction | None:
     return min((p for p in fitting if p.tokens_per_s >= top * (1 - TIE)), key=lambda p: p.memory.total)
 
 
-__all__ = ["Cluster", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "key_intervals",
+__all__ = ["Cluster", "CommStyle", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "key_intervals",
            "rank_work",
            "kv_bytes_by_name", "memory", "rank_times", "predict", "layouts", "plan_all", "recommend", "gather_size",
            "mask_rule_of", "layer_windows"]

@@ -1,0 +1,121 @@
+"""The ``baselines`` study of ``hf-bdlm bench``: CSBP against both CP baselines and BP, side by side.
+
+For each benchmark model, group size ``P`` and length ``L``, one fresh launch per layout (:mod:`.parallel_modes`, one
+thread per rank, the all-gather transport): ``csbp``; ``cp``, this project's balanced CP (zigzag chunks, K/V gathers
+overlapped with attention, window halos on sliding layers); ``cp-paper``, the CP baseline of the paper's reference
+code (``block_parallel_cp_layout="paper"``: contiguous clean shards, a token slice of every noisy block, blocking
+all-gathers and reduce-scatters, whole-sequence gathers on sliding layers); and ``bp`` (dual-end schedule).
+
+Models (hidden 256, 8 heads, 2 K/V heads of 32, block 64, float32): ``dense``, 2 full-attention layers; ``sliding``,
+6 layers in Gemma 3's 5:1 pattern (five sliding-window layers of width :data:`WINDOW`, then a full one).
+
+Each row of the table gives the step time of every layout, CSBP's throughput over each baseline, the exposed
+communication (time blocked in waits, slowest rank) and the per-rank attention work of each layout: allowed
+(query, key) pairs of the slowest rank over the mean, summed over the layers (:func:`hf_bdlm.planner.cost.rank_work`).
+With ``--link NAME`` every K/V transfer goes through the named emulated cluster link; the records go to
+``baselines_<link>.json`` beside the plain ``baselines.json``.
+
+Caveat of this machine: with more ranks than cores (P = 4 on 2 cores) the ranks share the cores, so a rank with
+less work yields its core to a busier one and the step time follows the group's total work more than its slowest
+rank; layout imbalance then costs less than it does with one device per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import tempfile
+import time
+
+from . import parallel_modes
+
+WINDOW = 1024
+MODELS = {"dense": dict(layers=2, window=None, full_every=None),
+          "sliding": dict(layers=6, window=WINDOW, full_every=6)}
+LAYOUTS = ("csbp", "cp", parallel_modes.PAPER_CP, "bp")
+
+
+def out_name(link: str | None) -> str:
+    return "baselines.json" if link is None else f"baselines_{link}.json"
+
+
+def attention_imbalance(mode: str, P: int, L: int, model: str) -> float:
+    """Slowest rank's allowed attention pairs over the mean, summed over the model's layers."""
+    from ..parallel.dims import ParallelDims
+    from ..planner.calibrate import benchmark_model
+    from ..planner.cost import layer_windows, mask_rule_of, rank_work
+
+    spec = benchmark_model(MODELS[model]["layers"], MODELS[model]["window"], MODELS[model]["full_every"])
+    dims = ParallelDims(P, None, "cp" if mode == parallel_modes.PAPER_CP else mode,
+                        cp_layout="paper" if mode == parallel_modes.PAPER_CP else "balanced")
+    works = rank_work(dims, L, mask_rule_of(spec), layer_windows(spec))
+    per_rank = [sum(w.pairs[a.window] for a in spec.layers) for w in works]
+    return max(per_rank) / (sum(per_rank) / len(per_rank))
+
+
+def run_study(models, nprocs, lengths, steps: int, timeout: float, link=None, out: pathlib.Path | None = None,
+              log=print) -> list[dict]:
+    """Every (model, P, L, layout) record, written to ``out`` as it goes."""
+    configs = [(m, P, L, layout) for m in models for L in lengths for P in nprocs for layout in LAYOUTS]
+    log(f"baselines: {len(configs)} runs (models {', '.join(models)}; P {', '.join(map(str, nprocs))}; "
+        f"L {', '.join(map(str, lengths))}; {steps} timed step(s) after a warm-up"
+        + (f"; through the emulated link {link.describe()}" if link is not None else "") + ")")
+    records: list[dict] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (model, P, L, layout) in enumerate(configs, 1):
+            spec = MODELS[model]
+            args = parallel_modes.launch_args(spec["layers"], steps, timeout, window=spec["window"], link=link,
+                                              full_every=spec["full_every"])
+            rec = parallel_modes.launch(layout, P, L, args, pathlib.Path(tmp), "allgather", "dual_end")
+            rec.update(model=model, layers=spec["layers"], window=spec["window"], full_every=spec["full_every"])
+            if "error" not in rec:
+                rec["attention_imbalance"] = attention_imbalance(layout, P, L, model)
+            records.append(rec)
+            what = (f"error {(rec['error'].strip().splitlines() or ['?'])[-1][:80]}" if "error" in rec else
+                    f"step {rec['step_s']:7.3f} s  wait {rec['comm_wait_s']:.3f} s  "
+                    f"attention imbalance {rec['attention_imbalance']:.3f}")
+            log(f"  [baselines {i}/{len(configs)}, {time.perf_counter() - started:5.0f} s] {model:7} "
+                f"{layout:8} P={P} L={L:>6}: {what}")
+            if out is not None:
+                out.write_text(json.dumps(records, indent=1))
+    return records
+
+
+def rows(records: list[dict]) -> list[dict]:
+    """One row per (link, model, P, L): every layout's record and CSBP's ratios."""
+    groups: dict = {}
+    for r in records:
+        if "error" in r:
+            continue
+        key = ((r.get("link") or {}).get("name"), r["model"], r["P"], r["L"])
+        groups.setdefault(key, {})[parallel_modes.mode_name(r)] = r
+    out = []
+    for (link, model, P, L), by in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), *kv[0][1:])):
+        cs = by.get("csbp")
+        ratio = {m: (by[m]["step_s"] / cs["step_s"] if cs and m in by else None) for m in LAYOUTS[1:]}
+        out.append(dict(link=link, model=model, P=P, L=L, by=by, csbp_over=ratio))
+    return out
+
+
+def table(records: list[dict], markdown: bool = False) -> str:
+    """Step seconds of every layout, CSBP's speed-up over each (its tokens/s over theirs), exposed waits and the
+    attention imbalance of each layout."""
+    from .report import _length_label, _rows_table
+
+    head = ["link", "model", "P", "L", *(f"{m} s" for m in LAYOUTS), "CSBP / cp-paper", "CSBP / cp", "CSBP / bp",
+            "wait s (csbp/cp/cp-paper)", "attn imbalance (csbp/cp/cp-paper)"]
+    body = []
+    for row in rows(records):
+        by = row["by"]
+
+        def cell(m, key, fmt):
+            return fmt.format(by[m][key]) if m in by and key in by[m] else "-"
+
+        ratios = [f"{row['csbp_over'][m]:.2f}x" if row["csbp_over"][m] else "-"
+                  for m in (parallel_modes.PAPER_CP, "cp", "bp")]
+        body.append([row["link"] or "none", row["model"], str(row["P"]), _length_label(row["L"]),
+                     *(cell(m, "step_s", "{:.2f}") for m in LAYOUTS), *ratios,
+                     "/".join(cell(m, "comm_wait_s", "{:.2f}") for m in LAYOUTS[:3]),
+                     "/".join(cell(m, "attention_imbalance", "{:.2f}") for m in LAYOUTS[:3])])
+    return _rows_table(head, body, markdown)
