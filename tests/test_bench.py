@@ -266,3 +266,46 @@ def test_report_of_a_study_where_everything_failed_lists_the_errors_without_plot
     assert cli.main(["bench", "--report-only", "--out", str(tmp_path)]) == 0
     assert "MemoryError: killed" in (tmp_path / "summary.md").read_text()
     assert not list(tmp_path.glob("*.png"))
+
+
+# --- the baselines study: csbp against both CP baselines ------------------------------------------------------------
+def test_baselines_table_gives_csbps_speedup_over_each_baseline():
+    from hf_bdlm.benchmarks import baselines
+
+    recs = [_record("csbp", 4, 8192, step_s=2.0, model="dense", attention_imbalance=1.0),
+            _record("cp", 4, 8192, step_s=2.5, model="dense", attention_imbalance=1.0, cp_layout="balanced"),
+            _record("cp", 4, 8192, step_s=3.0, model="dense", attention_imbalance=1.37, cp_layout="paper"),
+            _record("bp", 4, 8192, step_s=4.0, model="dense"),
+            _record("csbp", 4, 8192, step_s=1.0, model="dense", link={"name": "h200-ib", "bytes_per_s": 1e6,
+                                                                       "latency_s": 0.1})]
+    rows = baselines.rows(recs)
+    plain = next(r for r in rows if r["link"] is None)
+    assert plain["csbp_over"] == {"cp": 1.25, "cp-paper": 1.5, "bp": 2.0}
+    linked = next(r for r in rows if r["link"] == "h200-ib")
+    assert linked["csbp_over"] == {"cp": None, "cp-paper": None, "bp": None}  # nothing to compare with yet
+    md = baselines.table(recs, markdown=True)
+    assert "| none | dense | 4 | 8K | 2.00 | 2.50 | 3.00 | 4.00 | 1.50x | 1.25x | 2.00x |" in md
+    assert "1.00/1.00/1.37" in md
+
+
+@pytest.mark.distributed
+def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path):
+    """The installed command: csbp and the paper's CP baseline at L = 256, P = 2; a second run adds its layout."""
+    exe = Path(sys.executable).parent / "hf-bdlm"
+    out = tmp_path / "bench"
+    common = [str(exe), "bench", "--only", "baselines", "--baseline-lengths", "256", "--baseline-nprocs", "2",
+              "--baseline-models", "dense", "--steps", "1", "--min-time", "0", "--out", str(out)]
+    for layouts in (["csbp", "cp-paper"], ["cp"]):
+        proc = subprocess.run(common + ["--baseline-layouts", *layouts], capture_output=True, text=True, timeout=240,
+                              cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = json.loads((out / "baselines.json").read_text())
+    by = {(r["mode"], r.get("cp_layout")): r for r in records}
+    assert set(by) == {("csbp", "balanced"), ("cp", "paper"), ("cp", "balanced")}
+    paper, cp, csbp = by[("cp", "paper")], by[("cp", "balanced")], by[("csbp", "balanced")]
+    # docs/design.md §3: cp (either layout) receives (P-1)/P * 2 (K, V) * 2L * H_kv * d * 4 bytes per layer forward,
+    # as much backward; 2 layers. csbp half of it.
+    assert paper["bytes_per_step"] == cp["bytes_per_step"] == 2 * 2 * (1 / 2 * 2 * 512 * 2 * 32 * 4)
+    assert csbp["bytes_per_step"] * 2 == cp["bytes_per_step"]
+    assert paper["attention_imbalance"] == pytest.approx(1.2) and cp["attention_imbalance"] == 1.0  # 4 blocks
+    assert "CSBP against both CP baselines" in (out / "summary.md").read_text()

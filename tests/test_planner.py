@@ -31,7 +31,7 @@ RULES = [MaskRule(4, clean, window, convention)
 LAYOUTS = [ParallelDims(P, C, mode, schedule) for P, C, mode, schedule in (
     (2, 2, "cp", "dual_end"), (4, 4, "cp", "dual_end"), (2, 1, "bp", "dual_end"), (4, 1, "bp", "contiguous"),
     (2, 2, "csbp", "dual_end"), (4, 4, "csbp", "dual_end"), (4, 2, "csbp", "dual_end"), (4, 1, "csbp", "dual_end"),
-    (4, 2, "csbp", "contiguous"))]
+    (4, 2, "csbp", "contiguous"))] + [ParallelDims(P, P, "cp", cp_layout="paper") for P in (2, 4)]
 
 
 def tiny_model(window=None, layers=2, **kw) -> ModelSpec:
@@ -64,11 +64,13 @@ def test_rank_pairs_equal_brute_force_counts(dims, rule):
         assert w.pairs[rule.sliding_window] == int(dense_mask(mine, everything, rule).sum())
         own = int(dense_mask(mine, mine, rule).sum())  # the local source: the rank's own rows
         expect_local = w.pairs[rule.sliding_window] if dims.mode == "bp" else own
-        assert w.local_pairs[rule.sliding_window] == expect_local
+        if not dims.is_paper_cp:  # the paper's CP baseline computes nothing before its blocking gather
+            assert w.local_pairs[rule.sliding_window] == expect_local
         assert (w.noisy_rows, w.clean_rows) == (rp.local_noisy_rows, rp.local_clean_rows)
 
 
-@pytest.mark.parametrize("dims", [d for d in LAYOUTS if d.clean_ring_size > 1], ids=lambda d: f"{d.mode}-P"
+@pytest.mark.parametrize("dims", [d for d in LAYOUTS if d.clean_ring_size > 1 and not d.is_paper_cp],
+                         ids=lambda d: f"{d.mode}-P"
                          f"{d.block_parallel_size}-C{d.clean_ring_size}-{d.schedule}")
 def test_halo_rows_equal_the_layouts_window_exchange(dims):
     L, rule = 96, MaskRule(4, "block_causal", 7, "per_query")
@@ -357,3 +359,60 @@ def test_validate_reads_the_figures_bench_measured_beside_the_records(tmp_path, 
     assert main(["plan", "--validate", str(records), "--cores", "2"]) == 0
     out = capsys.readouterr().out
     assert f"CPU figures: {tmp_path / 'cpu_rates.json'}\n" in out and "matmul 70.0 GFLOP/s" in out
+
+
+# --- the paper's CP baseline, model parallelism, hf-bdlm plan --paper ------------------------------------------------
+def test_paper_cp_is_priced_unbalanced_blocking_and_gathering_sliding_layers_whole():
+    from hf_bdlm.planner.cost import CommStyle
+
+    model = tiny_model(layers=2)
+    sliding = ModelSpec(name="sliding", hidden=64, vocab=128, intermediate=128, block_size=4,
+                        layers=(AttentionShape(4, 2, 8, 16), AttentionShape(4, 2, 8, None)))
+    # A slow link: communication dominates, so blocking shows as exposed time.
+    slow = DeviceSpec("slow", 1e12, 1e12, 1e12, 1e12, 1e7, 1e7, link_latency_s=1e-4)
+    L = 512
+    paper, cp = (ParallelDims(4, 4, "cp", world_size=4, cp_layout=c) for c in ("paper", "balanced"))
+    pp, pc = (predict(model, d, L, slow, Cluster(4, 4), Recipe(gradient_sync=False)) for d in (paper, cp))
+    assert pp.imbalance > 1.25 and pc.imbalance == pytest.approx(1.0, abs=0.01)  # contiguous clean shards
+    assert pp.bytes_per_step == pc.bytes_per_step  # the same rows travel
+    for rank in pp.ranks:  # blocking: every transfer is waited for, none hidden behind compute
+        assert rank.exposed_comm_s >= rank.comm_s * 0.99
+    assert max(r.exposed_comm_s for r in pc.ranks) < min(r.exposed_comm_s for r in pp.ranks)
+    # Sliding layers: the balanced cp fetches halos, the paper's gathers the whole sequence like a full layer.
+    work = rank_work(paper, L, MaskRule(4), (None, 16))
+    names = kv_bytes_by_name(sliding, paper, work[0], 2)
+    assert not any("window" in n for n in names)
+    assert names["k.all_gather"] == 2 * 3 * work[0].sent_rows * 2 * 8 * 2  # both layers, (P-1) shards each
+    halo = kv_bytes_by_name(sliding, cp, rank_work(cp, L, MaskRule(4), (None, 16))[0], 2)
+    assert halo["k.all_gather"] == names["k.all_gather"] / 2 and halo["k_window.all_to_all"] > 0
+    # A style prices a hypothetical layout: the balanced rows moved the paper's way cost more than balanced cp.
+    hybrid = predict(model, cp, L, slow, Cluster(4, 4), Recipe(gradient_sync=False),
+                     style=CommStyle(blocking=True, whole_sliding=True))
+    assert pc.step_s < hybrid.step_s < pp.step_s
+
+
+def test_model_parallel_shares_a_ranks_work_and_adds_its_own_traffic():
+    model = tiny_model(layers=2)
+    dev = device_spec("h100")
+    dims = ParallelDims(2, 1, "bp", world_size=2)
+    one = predict(model, dims, 4096, dev, Cluster(2, 2), Recipe(gradient_sync=False))
+    two = predict(model, dims, 4096, dev, Cluster(2, 2), Recipe(gradient_sync=False, model_parallel=2))
+    assert max(r.compute_s for r in two.ranks) == pytest.approx(max(r.compute_s for r in one.ranks) / 2, rel=1e-9)
+    tp = Recipe(model_parallel=2).model_parallel_seconds(model, 1000, 1, dev.intra_node_bytes_per_s)
+    assert tp == pytest.approx(2 * 2 * 0.5 * 1000 * 64 * 2 / dev.intra_node_bytes_per_s)
+    assert max(r.exposed_comm_s for r in two.ranks) > 0 == max(r.exposed_comm_s for r in one.ranks)
+    assert two.memory.total == pytest.approx(one.memory.total / 2)
+    assert Recipe(model_parallel=2, model_parallel_kind="ep").model_parallel_seconds(model, 1000, 1, 1e9) == 0  # dense
+    with pytest.raises(ValueError, match="model_parallel_kind must be 'tp' or 'ep'"):
+        Recipe(model_parallel=2, model_parallel_kind="pp")
+
+
+def test_paper_topology_breakdown_adds_up_to_the_difference():
+    from hf_bdlm.planner.cli import paper_topology
+
+    model = model_spec("gemma3-27b")
+    r = paper_topology(model, 65536, device_spec("h200"), Recipe(model_parallel=2))
+    assert sum(r["breakdown"].values()) == pytest.approx(r["paper"].step_s - r["csbp"].step_s, rel=1e-9)
+    assert r["paper"].dims.is_paper_cp and r["cp"].dims.cp_layout == "balanced"
+    assert r["breakdown"]["imbalance (contiguous clean shards)"] > 0  # the last rank's longer clean prefix
+    assert r["breakdown"]["sliding-layer traffic (whole gathers, not halos)"] > 0  # Gemma 3's 5:1 layers

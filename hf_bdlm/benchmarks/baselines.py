@@ -54,12 +54,17 @@ def attention_imbalance(mode: str, P: int, L: int, model: str) -> float:
 
 
 def run_study(models, nprocs, lengths, steps: int, timeout: float, link=None, out: pathlib.Path | None = None,
-              log=print) -> list[dict]:
-    """Every (model, P, L, layout) record, written to ``out`` as it goes."""
-    configs = [(m, P, L, layout) for m in models for L in lengths for P in nprocs for layout in LAYOUTS]
+              log=print, layouts=LAYOUTS) -> list[dict]:
+    """Every (model, P, L, layout) record, written to ``out`` as it goes (records already in ``out`` are kept: a
+    second run with other lengths or layouts adds its own)."""
+    configs = [(m, P, L, layout) for m in models for L in lengths for P in nprocs for layout in LAYOUTS
+               if layout in layouts]
     log(f"baselines: {len(configs)} runs (models {', '.join(models)}; P {', '.join(map(str, nprocs))}; "
         f"L {', '.join(map(str, lengths))}; {steps} timed step(s) after a warm-up"
         + (f"; through the emulated link {link.describe()}" if link is not None else "") + ")")
+    kept = json.loads(out.read_text()) if out is not None and out.exists() else []
+    planned = set(configs)
+    kept = [r for r in kept if (r.get("model"), r["P"], r["L"], parallel_modes.mode_name(r)) not in planned]
     records: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +83,7 @@ def run_study(models, nprocs, lengths, steps: int, timeout: float, link=None, ou
             log(f"  [baselines {i}/{len(configs)}, {time.perf_counter() - started:5.0f} s] {model:7} "
                 f"{layout:8} P={P} L={L:>6}: {what}")
             if out is not None:
-                out.write_text(json.dumps(records, indent=1))
+                out.write_text(json.dumps(kept + records, indent=1))
     return records
 
 

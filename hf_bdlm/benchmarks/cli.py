@@ -89,6 +89,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="group sizes (default: 2 4; --quick: 2)")
     base.add_argument("--baseline-models", nargs="+", choices=("dense", "sliding"), default=None,
                       help="dense: 2 full-attention layers; sliding: 6 layers in Gemma 3's 5:1 pattern (default: both)")
+    base.add_argument("--baseline-layouts", nargs="+", choices=("csbp", "cp", "cp-paper", "bp"), default=None,
+                      help="layouts to run (default: all four); records of others already in the output are kept")
     cap = p.add_argument_group("longest trainable context under a per-rank memory cap")
     cap.add_argument("--mem-cap", type=parse_size, default=None, metavar="SIZE",
                      help="per-rank cap on the step's peak memory above the built model and batch, e.g. 256MiB")

@@ -86,6 +86,7 @@ class BenchConfig:
     baseline_lengths: tuple[int, ...] = ()
     baseline_nprocs: tuple[int, ...] = ()
     baseline_models: tuple[str, ...] = ()
+    baseline_layouts: tuple[str, ...] = ("csbp", "cp", "cp-paper", "bp")
     link: str | None = None  # a named cluster link the modes study runs through (hf_bdlm.planner.link)
 
 
@@ -126,6 +127,7 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         max_context_layers=pick("max_context_layers"), max_context_limit=pick("max_context_limit"),
         attention=tuple(preset["attention"]), baseline_lengths=pick("baseline_lengths"),
         baseline_nprocs=pick("baseline_nprocs"), baseline_models=pick("baseline_models"),
+        baseline_layouts=tuple(getattr(args, "baseline_layouts", None) or ("csbp", "cp", "cp-paper", "bp")),
         link=getattr(args, "link", None))
     if cfg.link is not None:
         from hf_bdlm.planner.link import LINKS
@@ -198,7 +200,8 @@ def run_baselines(cfg: BenchConfig) -> list[dict]:
     from . import baselines
 
     return baselines.run_study(cfg.baseline_models, cfg.baseline_nprocs, cfg.baseline_lengths, cfg.steps, cfg.timeout,
-                               _emulated_link(cfg), cfg.out / baselines.out_name(cfg.link), log=_progress)
+                               _emulated_link(cfg), cfg.out / baselines.out_name(cfg.link), log=_progress,
+                               layouts=cfg.baseline_layouts)
 
 
 def run_modes(cfg: BenchConfig) -> list[dict]:

@@ -17,7 +17,8 @@ CARD_INFO_KEYS = {
     "config's `_name_or_path` when it is a Hub id)",
     "objective": "the training objective (default: `config.objective`)",
     "parallel": "the training layout: dict with mode, P, C, transport, world (or the BDLMSFTConfig names "
-    "block_parallel_mode, block_parallel_size, clean_ring_size, block_parallel_transport, and world_size)",
+    "block_parallel_mode, block_parallel_size, clean_ring_size, block_parallel_transport, block_parallel_cp_layout, "
+    "and world_size)",
     "dataset": "dataset name(s): a string or a list",
     "metrics": "dict metric -> value, e.g. loss, masked_token_accuracy, exact_match",
     "training": "dict of training hyperparameters to list (steps, learning_rate, ...)",
@@ -38,6 +39,8 @@ _PARALLEL_KEYS = {
     "world_size": "world",
     "schedule": "schedule",
     "block_schedule": "schedule",
+    "cp_layout": "cp_layout",
+    "block_parallel_cp_layout": "cp_layout",
 }
 
 OBJECTIVES = {
@@ -83,7 +86,8 @@ def check_info(info: dict | None) -> dict:
         for key, value in info["parallel"].items():
             if key not in _PARALLEL_KEYS:
                 raise ValueError(
-                    f"unknown key {key!r} in info['parallel']; use mode, P, C, transport, world (and schedule)."
+                    f"unknown key {key!r} in info['parallel']; use mode, P, C, transport, world (and schedule, "
+                    "cp_layout)."
                 )
             parallel[_PARALLEL_KEYS[key]] = value
         if parallel.get("mode") is not None and parallel["mode"] not in MODES:
@@ -160,7 +164,8 @@ def layout_rows(parallel: dict | None) -> list[tuple[str, str]]:
         return []
     rows = []
     labels = (("mode", "Mode"), ("P", "Block-parallel group size P"), ("C", "Clean ring size C"),
-              ("transport", "Clean K/V transport"), ("schedule", "Block schedule"), ("world", "World size W"))
+              ("transport", "Clean K/V transport"), ("schedule", "Block schedule"), ("cp_layout", "CP layout"),
+              ("world", "World size W"))
     for key, label in labels:
         if parallel.get(key) is not None:
             rows.append((label, f"`{parallel[key]}`" if isinstance(parallel[key], str) else str(parallel[key])))

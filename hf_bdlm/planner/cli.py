@@ -172,16 +172,20 @@ def paper_topology(model, L: int, device, recipe: Recipe, checkpointing: bool = 
     return out
 
 
+def _heading(intro: str, head: str) -> None:
+    print(intro + "\n")
+    print(head)
+    print("-" * len(head))
+
+
 def run_paper_topology(args, device) -> None:
     from dataclasses import replace
 
-    print(f"The paper's topology: 16 {device.name.upper()} in 2 nodes of 8; tensor parallelism 2 (27B conversion) "
-          f"or expert parallelism 2 (26B-A4B) inside a node; one CP/BP group of 8 ranks (pairs of GPUs) across both "
-          "nodes; FSDP2; activation checkpointing on (the paper's recipes).\n")
-    head = (f"{'setting':20} {'context':>7} {'CSBP layout':24} {'CSBP s':>7} {'cp-paper s':>10} {'cp s':>6} "
-            f"{'bp s':>6} {'vs cp-paper':>11} {'vs cp':>6} {'vs bp':>6}  published")
-    print(head)
-    print("-" * len(head))
+    _heading(f"The paper's topology: 16 {device.name.upper()} in 2 nodes of 8; tensor parallelism 2 (27B conversion) "
+             "or expert parallelism 2 (26B-A4B) inside a node; one CP/BP group of 8 ranks (pairs of GPUs) across both "
+             "nodes; FSDP2; activation checkpointing on (the paper's recipes).",
+             f"{'setting':20} {'context':>7} {'CSBP layout':24} {'CSBP s':>7} {'cp-paper s':>10} {'cp s':>6} "
+             f"{'bp s':>6} {'vs cp-paper':>11} {'vs cp':>6} {'vs bp':>6}  published")
     results = []
     for setting, preset, L, published in PAPER_SETTINGS:
         model = model_spec(preset, args.block_size)
@@ -214,14 +218,12 @@ def run_paper(args) -> int:
     device = _device(args)
     run_paper_topology(args, device)
     cluster = Cluster(16, 8)
-    print(f"The paper's settings on 16 {device.name.upper()} (2 nodes of 8), FSDP2 over the world; device "
-          f"{device.matmul_flops / 1e12:.0f} TFLOP/s matmul, {device.attention_flops / 1e12:.0f} TFLOP/s attention, "
-          f"{device.memory_bytes / GIB:.0f} GiB usable. A comparison, not a fit: nothing here is tuned to the "
-          "published figures.\n")
-    head = (f"{'setting':20} {'context':>7} {'groups':6} {'CSBP (fastest fitting)':36} "
-            f"{'best baseline (fastest fitting)':36} {'tok/s':>6} {'mem':>5}  published")
-    print(head)
-    print("-" * len(head))
+    _heading(f"Every layout of the paper's 16 {device.name.upper()} (2 nodes of 8), FSDP2 over the world; device "
+             f"{device.matmul_flops / 1e12:.0f} TFLOP/s matmul, {device.attention_flops / 1e12:.0f} TFLOP/s attention, "
+             f"{device.memory_bytes / GIB:.0f} GiB usable; baselines cp (balanced) and bp. A comparison, not a fit: "
+             "nothing here is tuned to the published figures.",
+             f"{'setting':20} {'context':>7} {'groups':6} {'CSBP (fastest fitting)':36} "
+             f"{'best baseline (fastest fitting)':36} {'tok/s':>6} {'mem':>5}  published")
     for setting, preset, L, published in PAPER_SETTINGS:
         model = model_spec(preset, args.block_size)
         preds = plan_all(model, L, device, cluster, _recipe(args), ring_transport=not args.no_ring)

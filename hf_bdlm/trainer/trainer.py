@@ -532,7 +532,8 @@ class BDLMSFTTrainer(SFTTrainer):
             # Plain strings: the card's YAML header knows no enum members.
             "parallel": {"mode": str(plugin.mode), "P": plugin.block_parallel_size, "C": plugin.clean_ring_size,
                          "transport": str(plugin.transport), "world": plugin.world_size,
-                         "schedule": str(plugin.schedule)},
+                         "schedule": str(plugin.schedule),
+                         **({"cp_layout": str(plugin.cp_layout)} if plugin.dims.is_paper_cp else {})},
             "metrics": {k: v for k, v in metrics.items() if v is not None},
             "training": {
                 "steps": self.state.global_step,
