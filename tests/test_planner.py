@@ -373,7 +373,9 @@ def test_paper_cp_is_priced_unbalanced_blocking_and_gathering_sliding_layers_who
     L = 512
     paper, cp = (ParallelDims(4, 4, "cp", world_size=4, cp_layout=c) for c in ("paper", "balanced"))
     pp, pc = (predict(model, d, L, slow, Cluster(4, 4), Recipe(gradient_sync=False)) for d in (paper, cp))
-    assert pp.imbalance > 1.25 and pc.imbalance == pytest.approx(1.0, abs=0.01)  # contiguous clean shards
+    attention = [r.attention_s for r in pp.ranks]  # contiguous clean shards: the last rank's longer prefixes
+    assert max(attention) / (sum(attention) / 4) > 1.3 and pp.imbalance > 1.1
+    assert pc.imbalance == pytest.approx(1.0, abs=0.01)
     assert pp.bytes_per_step == pc.bytes_per_step  # the same rows travel
     for rank in pp.ranks:  # blocking: every transfer is waited for, none hidden behind compute
         assert rank.exposed_comm_s >= rank.comm_s * 0.99
