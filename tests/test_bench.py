@@ -309,3 +309,17 @@ def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path):
     assert csbp["bytes_per_step"] * 2 == cp["bytes_per_step"]
     assert paper["attention_imbalance"] == pytest.approx(1.2) and cp["attention_imbalance"] == 1.0  # 4 blocks
     assert "CSBP against both CP baselines" in (out / "summary.md").read_text()
+
+
+def test_a_crashed_launch_runs_once_more_and_keeps_its_error(monkeypatch, tmp_path):
+    from hf_bdlm.benchmarks import parallel_modes
+
+    results = iter([dict(mode="cp", error="gloo: Connection reset by peer"), dict(mode="cp", step_s=1.0)])
+    monkeypatch.setattr(parallel_modes, "_launch_once", lambda *a, **k: next(results))
+    args = parallel_modes.launch_args(1, 1, 60.0)
+    rec = parallel_modes.launch("cp", 2, 256, args, tmp_path)
+    assert rec["step_s"] == 1.0 and rec["retried_after_error"] == "gloo: Connection reset by peer"
+    calls = []
+    monkeypatch.setattr(parallel_modes, "_launch_once",
+                        lambda *a, **k: calls.append(1) or dict(mode="cp", error="timed out after 60.0s"))
+    assert parallel_modes.launch("cp", 2, 256, args, tmp_path)["error"].startswith("timed out") and len(calls) == 1
