@@ -46,8 +46,8 @@ def attention_imbalance(mode: str, P: int, L: int, model: str) -> float:
     from ..planner.cost import layer_windows, mask_rule_of, rank_work
 
     spec = benchmark_model(MODELS[model]["layers"], MODELS[model]["window"], MODELS[model]["full_every"])
-    dims = ParallelDims(P, None, "cp" if mode == parallel_modes.PAPER_CP else mode,
-                        cp_layout="paper" if mode == parallel_modes.PAPER_CP else "balanced")
+    mode, cp_layout = parallel_modes.split_mode(mode)
+    dims = ParallelDims(P, None, mode, cp_layout=cp_layout)
     works = rank_work(dims, L, mask_rule_of(spec), layer_windows(spec))
     per_rank = [sum(w.pairs[a.window] for a in spec.layers) for w in works]
     return max(per_rank) / (sum(per_rank) / len(per_rank))

@@ -392,8 +392,7 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
                  schedule: str = "dual_end") -> dict:
     tmp = pathlib.Path(tmp).resolve()  # the processes' working directory: the paths they get are absolute
     out = tmp / f"{mode}_{transport}_{schedule}_P{P}_L{L}.json"
-    cp_layout = "paper" if mode == PAPER_CP else "balanced"
-    mode = "cp" if mode == PAPER_CP else mode
+    mode, cp_layout = split_mode(mode)
     common = ["--worker", "--mode", mode, "--cp-layout", cp_layout, "--transport", transport, "--schedule", schedule,
               "--lengths", str(L), "--steps", str(args.steps), "--min-time", str(args.min_time),
               "--layers", str(args.layers), "--out", str(out),
@@ -424,6 +423,11 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
     rec = json.loads(out.read_text())
     rec["wall_s"] = time.perf_counter() - t0
     return rec
+
+
+def split_mode(name: str) -> tuple[str, str]:
+    """``(mode, cp_layout)`` of a driver mode name (``cp-paper`` is ``cp`` in the paper's layout)."""
+    return ("cp", "paper") if name == PAPER_CP else (name, "balanced")
 
 
 def mode_name(rec: dict) -> str:

@@ -123,7 +123,7 @@ class ExchangePass:
     def _attend_blocking(self, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
         """Every member's sent rows, gathered before the attention runs (autograd: the reduce-scatter of their
         gradients runs after the kernel's backward); the unsent rows are a local source."""
-        k_name, v_name = (f"{self.name}_k", f"{self.name}_v") if self.name else ("k", "v")
+        k_name, v_name = self._names().get("names", ("k", "v"))
         gathered = gather_rows(_rows(key, self.sent), self.comm, k_name), gather_rows(_rows(value, self.sent),
                                                                                        self.comm, v_name)
         rows = self.cache.get("all_sent_rows")
