@@ -1,17 +1,20 @@
 """The block-parallel layout, declared once: :class:`ParallelDims` validates it and builds its mesh.
 
-A run's parallel layout is seven numbers and names: the block-parallel group size ``P``, the clean
+A run's parallel layout is eight numbers and names: the block-parallel group size ``P``, the clean
 ring size ``C`` (``C | P``), the mode (``cp`` | ``bp`` | ``csbp``), the noisy-block schedule, the
-K/V transport, ``cp``'s layout (``balanced`` | ``paper``), and the world (``W = D x P``, ``D`` data-parallel replicas). They are checked
-here and nowhere else; the trainer config, the plugin, the plan and the sharded attention all
-take a :class:`ParallelDims`.
+K/V transport, ``cp``'s layout (``balanced`` | ``paper``), the tensor-parallel size ``T``, and the world
+(``W = D x P x T``, ``D`` data-parallel replicas). They are checked here and nowhere else; the trainer config, the
+plugin, the plan and the sharded attention all take a :class:`ParallelDims`.
 
-:meth:`ParallelDims.build_mesh` turns it into one ``DeviceMesh`` of shape ``(D, P/C, C)``, dims
-``("dp", "ring", "clean_ring")``: rank ``g*P + r`` is group ``g``, group rank ``r``, ring
-``r // C``, ring rank ``r % C``. Its sub-meshes are the block-parallel group (``"ring"`` and
-``"clean_ring"`` flattened to ``"bp"``), the clean rings (``"clean_ring"``) and the whole world
-(flattened to ``"dp_bp"``, what FSDP2 shards parameters over). See :mod:`.groups` for the
-process groups and batch planning on top of it.
+:meth:`ParallelDims.build_mesh` turns it into one ``DeviceMesh`` of shape ``(D, P/C, C, T)``, dims
+``("dp", "ring", "clean_ring", "tp")``: rank ``(g*P + r)*T + t`` is group ``g``, group rank ``r``, ring
+``r // C``, ring rank ``r % C``, tensor-parallel rank ``t``. Tensor parallelism is innermost (the ``T`` ranks of a
+node share one batch and split every layer's heads; :mod:`.tensor`), and a block-parallel group is made of the ranks
+of equal ``t``: each exchanges the K/V of its own heads. The sub-meshes are the block-parallel group (``"ring"`` and
+``"clean_ring"`` flattened to ``"bp"``), the clean rings (``"clean_ring"``), the tensor-parallel group (``"tp"``) and
+the data world (``"dp"``, ``"ring"``, ``"clean_ring"`` flattened to ``"dp_bp"``: the ranks holding distinct rows,
+what FSDP2 shards parameters over and gradients are averaged over). See :mod:`.groups` for the process groups and
+batch planning on top of it.
 
     python -c "from hf_bdlm.parallel.dims import ParallelDims; \\
 print(ParallelDims(block_parallel_size=4, clean_ring_size=2, world_size=8))"
@@ -119,10 +122,13 @@ class ParallelDims:
         mode (`str`, defaults to `"csbp"`): `"cp"`, `"bp"` or `"csbp"`.
         schedule (`str`, defaults to `"dual_end"`): `"dual_end"` (balanced block pairs) or `"contiguous"`.
         transport (`str`, defaults to `"allgather"`): `"allgather"` or `"ring"` (K/V shards rotate peer to peer).
-        world_size (`int`, *optional*): total ranks `W`; must be a multiple of `P`. `None` when not known yet.
+        world_size (`int`, *optional*): total ranks `W`; must be a multiple of `P x T`. `None` when not known yet.
         cp_layout (`str`, defaults to `"balanced"`): under `"cp"`, `"balanced"` (zigzag, overlapped, window halos) or
             `"paper"` (the paper's CP baseline: contiguous clean shards, token slices of every noisy block, blocking
             transfers, whole-sequence gathers on sliding layers); see :class:`CPLayout`.
+        tensor_parallel_size (`int`, defaults to `1`): ranks `T` splitting every layer's heads and MLP with the
+            backbone's own transformers tensor-parallel plan (:mod:`.tensor`); each block-parallel group is made of
+            ranks of equal tensor-parallel rank.
 
     Invalid combinations raise `ValueError` naming the values and the fix.
     """
@@ -134,10 +140,12 @@ class ParallelDims:
     transport: Transport = Transport.ALLGATHER
     world_size: int | None = field(default=None, compare=False)
     cp_layout: CPLayout = CPLayout.BALANCED
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         P = self.block_parallel_size
         _positive_int("block_parallel_size", P)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         # Names become members here, where they enter: a typo fails now, and code downstream compares members.
         mode = _member(Mode, self.mode, "block_parallel_mode")
         schedule = _member(Schedule, self.schedule, "block_schedule")
@@ -179,21 +187,33 @@ class ParallelDims:
             )
         if P % C:
             raise ValueError(f"clean_ring_size={C} does not divide group_size={P}; choose one of {divisors(P)}.")
-        W = self.world_size
+        W, T = self.world_size, self.tensor_parallel_size
         if W is not None:
             _positive_int("world_size", W)
-            if W % P:
+            if W % T:
                 raise ValueError(
-                    f"block_parallel_size={P} does not divide the world size {W}: the world is split into "
-                    f"data-parallel replicas of block-parallel groups of {P} ranks. Choose one of {divisors(W)}, or "
-                    f"launch a multiple of {P} processes."
+                    f"tensor_parallel_size={T} does not divide the world size {W}. Choose one of {divisors(W)}, or "
+                    f"launch a multiple of {T} processes."
+                )
+            if (W // T) % P:
+                of_tp = "" if T == 1 else f" / tensor_parallel_size={T}"
+                per_replica = f"{P} ranks" if T == 1 else f"{P} ranks, once per tensor-parallel rank ({P * T} ranks)"
+                raise ValueError(
+                    f"block_parallel_size={P} does not divide the world size {W}{of_tp}: the world is split into "
+                    f"data-parallel replicas of block-parallel groups of {per_replica}. Choose one of "
+                    f"{divisors(W // T)}, or launch a multiple of {P * T} processes."
                 )
 
     # --- derived sizes -------------------------------------------------------------------------
     @property
     def data_parallel_size(self) -> int:
-        """Data-parallel replicas `D = W / P` (1 while the world size is unknown)."""
-        return (self.world_size or self.block_parallel_size) // self.block_parallel_size
+        """Data-parallel replicas `D = W / (P x T)` (1 while the world size is unknown)."""
+        per_replica = self.block_parallel_size * self.tensor_parallel_size
+        return (self.world_size or per_replica) // per_replica
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        return self.tensor_parallel_size > 1
 
     @property
     def rings_per_group(self) -> int:
@@ -237,8 +257,9 @@ class ParallelDims:
 
     # --- runtime ---------------------------------------------------------------------------------
     def build_mesh(self, device_type: str = "cpu"):
-        """One ``DeviceMesh`` ``(dp, ring, clean_ring)`` over the initialised world, with the flattened
-        ``"bp"`` (block-parallel group) and ``"dp_bp"`` (whole world) dims registered on it.
+        """One ``DeviceMesh`` ``(dp, ring, clean_ring, tp)`` over the initialised world, with the flattened
+        ``"bp"`` (block-parallel group) and ``"dp_bp"`` (the data world: every rank but the tensor-parallel ones)
+        dims registered on it. Returns ``(mesh, bp_mesh, data_mesh)``; ``mesh["tp"]`` is the tensor-parallel group.
 
         Every rank must call it, in the same order (it creates process groups).
         """
@@ -249,6 +270,7 @@ class ParallelDims:
         if self.world_size is not None and self.world_size != world:
             raise ValueError(f"ParallelDims was declared for world_size={self.world_size}, the world has {world} ranks.")
         dims = self.with_world(world)
-        mesh = init_device_mesh(device_type, (dims.data_parallel_size, dims.rings_per_group, dims.clean_ring_size),
-                                mesh_dim_names=("dp", "ring", "clean_ring"))
-        return mesh, mesh["ring", "clean_ring"]._flatten("bp"), mesh._flatten("dp_bp")
+        mesh = init_device_mesh(
+            device_type, (dims.data_parallel_size, dims.rings_per_group, dims.clean_ring_size, dims.tensor_parallel_size),
+            mesh_dim_names=("dp", "ring", "clean_ring", "tp"))
+        return mesh, mesh["ring", "clean_ring"]._flatten("bp"), mesh["dp", "ring", "clean_ring"]._flatten("dp_bp")

@@ -52,9 +52,11 @@ class BlockParallelGroups:
     Attributes:
         dims: the declared layout (with the world size filled in).
         group, ring: :class:`CommContext` of the block-parallel group and of the clean ring.
-        mesh: the ``(dp, ring, clean_ring)`` DeviceMesh; ``bp_mesh`` / ``world_mesh`` its flattened
-            block-parallel and whole-world dims (FSDP2 shards over ``world_mesh``).
+        mesh: the ``(dp, ring, clean_ring, tp)`` DeviceMesh; ``bp_mesh`` / ``world_mesh`` its flattened
+            block-parallel and data-world (``dp_bp``: all ranks of one tensor-parallel rank) dims; FSDP2 shards over
+            ``world_mesh``. ``tp_mesh``: the tensor-parallel group (size 1 without tensor parallelism).
         group_rank, group_index, num_groups: rank inside the group, data-parallel replica, replicas.
+        tp_rank: rank inside the tensor-parallel group.
     """
 
     dims: ParallelDims
@@ -66,6 +68,7 @@ class BlockParallelGroups:
     group_rank: int
     group_index: int
     num_groups: int
+    tp_rank: int = 0
     verify: bool = True
     _verified: set = field(default_factory=set, repr=False)
 
@@ -82,22 +85,29 @@ class BlockParallelGroups:
         mesh, bp_mesh, world_mesh = dims.build_mesh(device_type)
         dims = dims.with_world(dist.get_world_size())
         meter = meter or ByteMeter()
-        rank, P, C = dist.get_rank(), dims.block_parallel_size, dims.clean_ring_size
-        gi = rank // P
+        gi, ring, ring_rank, tp = mesh.get_coordinate()
+        # Names tell the tensor-parallel replicas of a group apart (their K/V are different heads).
+        of_tp = f".tp{tp}" if dims.is_tensor_parallel else ""
         kw = {} if timeout is None else {"timeout": timeout}
         kw["link"] = link
         return cls(
             dims=dims,
-            group=CommContext(bp_mesh.get_group(), f"block_parallel[{gi}]", meter, **kw),
-            ring=CommContext(mesh.get_group("clean_ring"), f"clean_ring[{gi}.{(rank % P) // C}]", meter, **kw),
+            group=CommContext(bp_mesh.get_group(), f"block_parallel[{gi}{of_tp}]", meter, **kw),
+            ring=CommContext(mesh.get_group("clean_ring"), f"clean_ring[{gi}.{ring}{of_tp}]", meter, **kw),
             mesh=mesh,
             bp_mesh=bp_mesh,
             world_mesh=world_mesh,
-            group_rank=rank % P,
+            group_rank=ring * dims.clean_ring_size + ring_rank,
             group_index=gi,
             num_groups=dims.data_parallel_size,
+            tp_rank=tp,
             verify=verify,
         )
+
+    @property
+    def tp_mesh(self):
+        """The tensor-parallel group's 1-D mesh (what :func:`~.tensor.apply_tensor_parallel` shards over)."""
+        return self.mesh["tp"]
 
     @classmethod
     def create(cls, group_size: int, clean_ring_size: int, meter: ByteMeter | None = None, timeout=None,

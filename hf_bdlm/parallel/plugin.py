@@ -197,17 +197,21 @@ class BlockParallelPlugin:
         return self.block_parallel_size > 1
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return self.dims.tensor_parallel_size
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.block_parallel_size
+        return self.dims.with_world(self.world_size).data_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
-        """Index of this rank's block-parallel group, i.e. its data-parallel replica."""
-        return self.rank // self.block_parallel_size
+        """Index of this rank's block-parallel group, i.e. its data-parallel replica (rank ``(g*P + r)*T + t``)."""
+        return self.rank // (self.block_parallel_size * self.tensor_parallel_size)
 
     @property
     def group_rank(self) -> int:
-        return self.rank % self.block_parallel_size
+        return (self.rank // self.tensor_parallel_size) % self.block_parallel_size
 
     def _check_ready(self) -> None:
         if not self._ready:
@@ -257,9 +261,11 @@ class BlockParallelPlugin:
 
     # --- reductions ----------------------------------------------------------------------------
     def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over every rank (in place; a no-op in a single process)."""
+        """Sum over the ranks holding distinct rows: every rank, or with tensor parallelism the ranks of this rank's
+        tensor-parallel index (its ``T - 1`` tensor-parallel peers hold the same rows and values). In place; a no-op
+        in a single process."""
         if self.world_size > 1:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self.groups.world_mesh.get_group() if self.dims.is_tensor_parallel else None)
         return tensor
 
     def sum_over_group(self, tensor: torch.Tensor) -> torch.Tensor:
