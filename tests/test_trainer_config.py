@@ -24,6 +24,28 @@ def test_bp_mode_has_no_clean_ring(tmp_path):
     assert make(tmp_path, block_parallel_mode="bp").clean_ring_size == 1
 
 
+def test_parallelism_config_gives_the_tensor_parallel_size_and_nothing_else(tmp_path):
+    from accelerate import ParallelismConfig
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the world size 1"):
+        make(tmp_path, parallelism_config=ParallelismConfig(tp_size=2))
+    for name, instead in (("cp_size", "block parallelism is this trainer's context parallelism"),
+                          ("dp_shard_size", "FSDP2 is requested with fsdp='full_shard'"),
+                          ("dp_replicate_size", "the data-parallel replicas are the ranks left over")):
+        with pytest.raises(ValueError, match=rf"parallelism_config.{name}=2 is not supported by BDLMSFTTrainer: "
+                                             rf"{instead}"):
+            make(tmp_path, parallelism_config=ParallelismConfig(**{name: 2}))
+    assert make(tmp_path, parallelism_config=ParallelismConfig(tp_size=1)).parallel_dims.tensor_parallel_size == 1
+
+
+def test_parallelism_config_of_an_accelerate_launch_is_read(tmp_path, monkeypatch):
+    # `accelerate launch` with a parallelism_config section exports its sizes; the config reads them as Accelerate does.
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the world size 1"):
+        make(tmp_path)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -18,7 +18,7 @@ CARD_INFO_KEYS = {
     "objective": "the training objective (default: `config.objective`)",
     "parallel": "the training layout: dict with mode, P, C, transport, world (or the BDLMSFTConfig names "
     "block_parallel_mode, block_parallel_size, clean_ring_size, block_parallel_transport, block_parallel_cp_layout, "
-    "and world_size)",
+    "tensor_parallel_size, and world_size)",
     "dataset": "dataset name(s): a string or a list",
     "metrics": "dict metric -> value, e.g. loss, masked_token_accuracy, exact_match",
     "training": "dict of training hyperparameters to list (steps, learning_rate, ...)",
@@ -41,6 +41,8 @@ _PARALLEL_KEYS = {
     "block_schedule": "schedule",
     "cp_layout": "cp_layout",
     "block_parallel_cp_layout": "cp_layout",
+    "T": "T",
+    "tensor_parallel_size": "T",
 }
 
 OBJECTIVES = {
@@ -87,7 +89,7 @@ def check_info(info: dict | None) -> dict:
             if key not in _PARALLEL_KEYS:
                 raise ValueError(
                     f"unknown key {key!r} in info['parallel']; use mode, P, C, transport, world (and schedule, "
-                    "cp_layout)."
+                    "cp_layout, T)."
                 )
             parallel[_PARALLEL_KEYS[key]] = value
         if parallel.get("mode") is not None and parallel["mode"] not in MODES:
@@ -165,13 +167,13 @@ def layout_rows(parallel: dict | None) -> list[tuple[str, str]]:
     rows = []
     labels = (("mode", "Mode"), ("P", "Block-parallel group size P"), ("C", "Clean ring size C"),
               ("transport", "Clean K/V transport"), ("schedule", "Block schedule"), ("cp_layout", "CP layout"),
-              ("world", "World size W"))
+              ("T", "Tensor-parallel size T"), ("world", "World size W"))
     for key, label in labels:
         if parallel.get(key) is not None:
             rows.append((label, f"`{parallel[key]}`" if isinstance(parallel[key], str) else str(parallel[key])))
-    world, group = parallel.get("world"), parallel.get("P")
-    if isinstance(world, int) and isinstance(group, int) and group > 0 and world % group == 0:
-        rows.append(("Data-parallel replicas D = W / P", str(world // group)))
+    world, group, tp = parallel.get("world"), parallel.get("P"), parallel.get("T", 1)
+    if all(isinstance(v, int) and v > 0 for v in (world, group, tp)) and world % (group * tp) == 0:
+        rows.append(("Data-parallel replicas D = W / P" + (" / T" if tp > 1 else ""), str(world // (group * tp))))
     return rows
 
 

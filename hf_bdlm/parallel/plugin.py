@@ -205,6 +205,11 @@ class BlockParallelPlugin:
         return self.dims.with_world(self.world_size).data_parallel_size
 
     @property
+    def data_world_size(self) -> int:
+        """Ranks holding distinct rows, ``D x P = W / T``: what DDP / FSDP2 average gradients over."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
     def data_parallel_rank(self) -> int:
         """Index of this rank's block-parallel group, i.e. its data-parallel replica (rank ``(g*P + r)*T + t``)."""
         return self.rank // (self.block_parallel_size * self.tensor_parallel_size)

@@ -32,11 +32,30 @@ def _generic(name: str) -> str:
     return _LAYER_NUMBER.sub(".*", name)
 
 
+def _shared_parameters(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(module name, parameter name, owner's full name)`` of every parameter a module shares with an earlier one
+    (a head tied to the embedding; an encoder-decoder's decoder layers tied to its encoder's)."""
+    owners: dict[int, str] = {}
+    shared = []
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            owner = owners.setdefault(id(param), full)
+            if owner != full:
+                shared.append((module_name, param_name, owner))
+    return shared
+
+
+# Styles acting on a parameter's gradient (an all-reduce hook): installed once per parameter, on its owner's module.
+_GRADIENT_STYLES = {"replicated_with_grad_allreduce"}
+
+
 def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
     """The model's transformers tensor-parallel plan expanded to its concrete names, parameters before modules.
 
-    A tied parameter (the head sharing the embedding) is listed once, under its first owner: its sharding is the
-    embedding's, and re-tying after sharding makes the head use it (:func:`apply_tensor_parallel`).
+    A shared parameter is split once, under its owner; a module using it takes its own plan entry, else its owner
+    module's (so tied decoder projections split their inputs and outputs like the encoder's), and
+    :func:`apply_tensor_parallel` points it at the split parameter afterwards.
     """
     plan = getattr(model, "tp_plan", None)
     if not plan:
@@ -46,6 +65,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
             "transformers config declares base_model_tp_plan (Llama, Qwen2/3, Gemma 3, Mistral, ...)."
         )
     owned = dict(model.named_parameters())
+    borrowed = {module_name: owner.rpartition(".")[0] for module_name, _, owner in _shared_parameters(model)}
     expanded: dict[str, str] = {}
     for module_name, module in model.named_modules():
         style = plan.get(_generic(module_name))
@@ -54,6 +74,9 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
             param_style = plan.get(_generic(full), style)
             if param_style is not None and full in owned:
                 expanded[full] = param_style
+        if style is None and module_name in borrowed:
+            style = plan.get(_generic(borrowed[module_name]))
+            style = None if style in _GRADIENT_STYLES else style
         if style is not None:
             expanded[module_name] = style
     return expanded
@@ -76,7 +99,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
 
     Every rank of ``tp_mesh`` must hold the same weights (each keeps its own slice; nothing is broadcast). Parameters
     the plan splits become ``DTensor`` s on ``tp_mesh``; replicated ones (norms) stay plain tensors, their gradients
-    equal on every tensor-parallel rank. Heads must divide by the mesh size.
+    equal on every tensor-parallel rank. Heads must divide by the mesh size. Tied parameters stay tied.
     """
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -84,8 +107,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     if size == 1:
         return model
     _check_divisible(model, size)
+    shared = _shared_parameters(model)
     apply_tensor_parallelism(model, tp_mesh, tensor_parallel_plan(model))
-    # Sharding replaced the embedding's Parameter; a head tied to it must point at the sharded one.
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    # Splitting replaced each owner's Parameter: the modules sharing it must point at the split one.
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    for module_name, param_name, owner in shared:
+        modules[module_name]._parameters[param_name] = params[owner]
     return model

@@ -10,6 +10,8 @@ the value received and what to do. Tiny CPU example::
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +20,8 @@ from trl import SFTConfig
 from ..configuration import check_diffusion_fields
 from ..models import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
 from ..parallel.dims import CP_LAYOUTS, MODES, SCHEDULES, TRANSPORTS, ParallelDims
+
+ACCELERATE_PARALLELISM_ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"  # set by `accelerate launch` with parallelism_config
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 PACKING_STRATEGIES = ("bfd",)
@@ -96,6 +100,14 @@ class BDLMSFTConfig(SFTConfig):
             `"h100-nvlink"`, `"h100-ib"`, `"h200-nvlink"` or `"h200-ib"`, stretched by this machine's compute rate so
             that communication takes the share of a step it would take on that cluster (`hf_bdlm.planner.link`;
             `docs/benchmarks.md`). Only the K/V exchange is emulated, not the data-parallel gradient reduction.
+        parallelism_config (`accelerate.ParallelismConfig`, *optional*):
+            Tensor parallelism: `ParallelismConfig(tp_size=T)` splits every layer's heads and MLP over `T` ranks with
+            the backbone's own transformers plan, inside each block-parallel group (ranks `(g*P + r)*T + t`; the world
+            is `W = D x P x T`). The trainer applies it itself, over its own mesh (`hf_bdlm.parallel.tensor`), and
+            with more than one block-parallel or data-parallel rank it needs FSDP2 (`fsdp="full_shard"`,
+            `fsdp_config={"fsdp_version": 2}`), which shards over `D x P` as Accelerate shards over `dp_shard` beside
+            `tp`. Its other sizes stay 1: block parallelism replaces Accelerate's `cp_size`, and the data-parallel
+            replicas are the ranks left over.
 
         > Parameters that control the data
 
@@ -273,10 +285,35 @@ class BDLMSFTConfig(SFTConfig):
                                  f"{list(LINKS)}, or leave it unset (no emulation).")
         self.parallel_dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.block_parallel_mode,
                                           self.block_schedule, self.block_parallel_transport, world_size,
-                                          self.block_parallel_cp_layout)
+                                          self.block_parallel_cp_layout, self._tensor_parallel_size())
         self.clean_ring_size = self.parallel_dims.clean_ring_size
+
+    def _tensor_parallel_size(self) -> int:
+        """``T`` from Accelerate's ``ParallelismConfig``; its other dimensions are refused (what replaces each)."""
+        pc = self.parallelism_config
+        if pc is None and os.environ.get(ACCELERATE_PARALLELISM_ENV, "false").lower() == "true":
+            # `accelerate launch` with a parallelism_config section: its sizes arrive as PARALLELISM_CONFIG_* variables.
+            from accelerate import ParallelismConfig
+
+            pc = self.parallelism_config = ParallelismConfig()
+        if pc is None:
+            return 1
+        replaced = {
+            "cp_size": "block parallelism is this trainer's context parallelism (block_parallel_size, "
+                       "block_parallel_mode='cp' for a CP baseline)",
+            "sp_size": "block parallelism shards the sequence (block_parallel_size)",
+            "dp_shard_size": "FSDP2 is requested with fsdp='full_shard', fsdp_config={'fsdp_version': 2}, and shards "
+                             "over every data-parallel and block-parallel rank",
+            "dp_replicate_size": "the data-parallel replicas are the ranks left over (W / (P x T))",
+        }
+        for name, instead in replaced.items():
+            value = getattr(pc, name, 1) or 1
+            if value != 1:
+                raise ValueError(f"parallelism_config.{name}={value} is not supported by BDLMSFTTrainer: {instead}. "
+                                 f"Set only tp_size in ParallelismConfig.")
+        return pc.tp_size or 1
 
     @property
     def data_parallel_size(self) -> int:
-        """Data-parallel replicas `D = W / P`."""
-        return self.world_size // self.block_parallel_size
+        """Data-parallel replicas `D = W / (P x T)`."""
+        return self.parallel_dims.data_parallel_size

@@ -49,8 +49,9 @@ from ..models import ModelFamily
 from ..models.step import TrainingStep
 from ..objectives import Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
+from ..parallel.tensor import apply_tensor_parallel
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
-from .config import BDLMSFTConfig
+from .config import ACCELERATE_PARALLELISM_ENV, BDLMSFTConfig
 from .fsdp import (
     fsdp_request,
     full_model_state_dict,
@@ -160,6 +161,8 @@ class BDLMSFTTrainer(SFTTrainer):
 
         self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args, _emulated_link(args))
         self.plugin.setup(args.device.type)
+        if self.plugin.dims.is_tensor_parallel:
+            self._split_tensor_parallel(model, args, peft_config)
         if data_collator is None:
             data_collator = BlockAlignedCollator(
                 self._pad_token_id, self.block_size, self.plugin.pad_multiple(self.block_size)
@@ -203,15 +206,40 @@ class BDLMSFTTrainer(SFTTrainer):
         if self.fsdp2 is not None:
             self._shard_with_fsdp2()
 
+    # --- tensor parallelism ----------------------------------------------------------------------
+    def _split_tensor_parallel(self, model, args, peft_config) -> None:
+        """Split ``model`` over the mesh's ``tp`` dim (``parallelism_config.tp_size``; hf_bdlm.parallel.tensor)."""
+        T = self.plugin.tensor_parallel_size
+        if peft_config is not None:
+            raise ValueError(
+                f"parallelism_config.tp_size={T} with a peft_config is not supported: LoRA adapters would wrap the "
+                "split projections. Train LoRA without tensor parallelism (block parallelism shards the sequence)."
+            )
+        if fsdp_request(args) is None:
+            raise ValueError(
+                f"parallelism_config.tp_size={T} needs FSDP2 (fsdp='full_shard', fsdp_config={{'fsdp_version': 2}}): "
+                "the split weights are DTensors, which DDP cannot average; FSDP2 shards them over the data-parallel "
+                "and block-parallel ranks, as Accelerate composes dp_shard with tp."
+            )
+        apply_tensor_parallel(model, self.plugin.groups.tp_mesh)
+
     # --- FSDP2 -----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
         # A requested FSDP is applied by the trainer itself (hf_bdlm.trainer.fsdp): Accelerate would train plain DDP
-        # on a CPU world, and shard over a mesh of its own on GPUs.
+        # on a CPU world, and shard over a mesh of its own on GPUs. Tensor parallelism too: the trainer splits the model
+        # over its own mesh, and Accelerate would build another one from parallelism_config.
         self.fsdp2 = fsdp_request(self.args)
-        if self.fsdp2 is None:
-            return super().create_accelerator_and_postprocess()
-        with hidden_from_accelerate(self.args):
-            return super().create_accelerator_and_postprocess()
+        parallelism, self.args.parallelism_config = self.args.parallelism_config, None
+        from_launcher = os.environ.pop(ACCELERATE_PARALLELISM_ENV, None)
+        try:
+            if self.fsdp2 is None:
+                return super().create_accelerator_and_postprocess()
+            with hidden_from_accelerate(self.args):
+                return super().create_accelerator_and_postprocess()
+        finally:
+            self.args.parallelism_config = parallelism
+            if from_launcher is not None:
+                os.environ[ACCELERATE_PARALLELISM_ENV] = from_launcher
 
     def _shard_with_fsdp2(self) -> None:
         plugin = self.plugin
@@ -237,10 +265,13 @@ class BDLMSFTTrainer(SFTTrainer):
         if self.fsdp2.activation_checkpointing:
             self.args.activation_checkpointing = True  # the model's own per-layer checkpointing: the same units
         if self.is_world_process_zero():
+            T = plugin.tensor_parallel_size
+            tp = f", each of its ranks one of {T} tensor-parallel ranks" if T > 1 else ""
             logger.warning(
                 f"FSDP2: BDLMSFTTrainer shards the model itself with torch.distributed.fsdp.fully_shard over the dp x bp "
-                f"world ({plugin.world_size} ranks: {plugin.data_parallel_size} data-parallel x {plugin.block_parallel_size}"
-                f" block-parallel): {described} and the root; Accelerate prepares mixed precision only. Checkpoints: "
+                f"world ({plugin.data_world_size} ranks: {plugin.data_parallel_size} data-parallel x "
+                f"{plugin.block_parallel_size} block-parallel{tp}): {described} and the root; Accelerate prepares mixed "
+                f"precision only. Checkpoints: "
                 f"{state_dict_type(self.fsdp2)}."
             )
 
@@ -439,8 +470,9 @@ class BDLMSFTTrainer(SFTTrainer):
                                          optional_pass=optional_pass)
         self._record(mode, metrics, inputs)
         if mode == "train":
-            # Each rank holds the loss of its own rows of the global batch; DDP / FSDP2 average over all ranks.
-            loss = loss * self.accelerator.num_processes
+            # Each rank holds the loss of its own rows of the global batch; DDP / FSDP2 average over the ranks of the
+            # data world (every rank, or the D x P of one tensor-parallel rank: tensor-parallel peers share rows).
+            loss = loss * self.plugin.data_world_size
         else:
             loss = self.plugin.sum_over_group(loss.detach().clone())
         return (loss, None) if return_outputs else loss
@@ -533,7 +565,8 @@ class BDLMSFTTrainer(SFTTrainer):
             "parallel": {"mode": str(plugin.mode), "P": plugin.block_parallel_size, "C": plugin.clean_ring_size,
                          "transport": str(plugin.transport), "world": plugin.world_size,
                          "schedule": str(plugin.schedule),
-                         **({"cp_layout": str(plugin.cp_layout)} if plugin.dims.is_paper_cp else {})},
+                         **({"cp_layout": str(plugin.cp_layout)} if plugin.dims.is_paper_cp else {}),
+                         **({"T": plugin.tensor_parallel_size} if plugin.dims.is_tensor_parallel else {})},
             "metrics": {k: v for k, v in metrics.items() if v is not None},
             "training": {
                 "steps": self.state.global_step,

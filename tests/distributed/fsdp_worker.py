@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario resume --out /tmp/f
     torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario pairs4 --out /tmp/f
     torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario diffusion_gemma --out /tmp/f
+    torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario tensor_parallel --out /tmp/f
 
 Scenarios (the setups are tests/distributed/trainer_worker.py's):
 - ``pairs`` (2 ranks): each run twice, as DDP and with ``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``:
@@ -82,6 +83,39 @@ def scenario_resume(out: Path) -> dict:
     r["checkpoint_files"] = {name: sorted(os.listdir(path / "checkpoint-2")) for name, path in
                              (("full", full), ("sharded", sharded))}
     return r
+
+
+def scenario_tensor_parallel(out: Path) -> dict:
+    """4 ranks, global batch 4: tensor parallelism (Accelerate's ``ParallelismConfig(tp_size=2)``) under FSDP2, P = 2
+    (one group, batch 4) in every mode and P = 1 (2 replicas of batch 2), against FSDP2 without it (P = 2, 2 groups of
+    batch 2), itself equal to DDP and to one process (the pairs and layouts scenarios)."""
+    from accelerate import ParallelismConfig
+
+    results = {"plain/csbp/reference": run("plain", out / "reference", 2, "csbp", save_strategy="no", **FSDP2)}
+    for mode, extra in (("csbp", {}), ("cp", {}), ("cp_paper", dict(block_parallel_cp_layout="paper")), ("bp", {})):
+        # csbp saves (full state dict, steps 2 and 4): an ordinary checkpoint gathered from the 2-D shards.
+        saving = {} if mode == "csbp" else dict(save_strategy="no")
+        results[f"plain/{mode}/tp2"] = run("plain", out / f"{mode}_tp2", 2, mode.split("_")[0], **saving,
+                                           per_device_train_batch_size=4,
+                                           parallelism_config=ParallelismConfig(tp_size=2), **extra, **FSDP2)
+    results["plain/csbp/tp2"]["checkpoint"] = str(out / "csbp_tp2" / "checkpoint-4")
+    results["plain/p1/tp2"] = run("plain", out / "p1_tp2", 1, "csbp", save_strategy="no",
+                                  parallelism_config=ParallelismConfig(tp_size=2), **FSDP2)
+    # DiffusionGemma (its transformers plan: q/k/v, MLP, the encoder and decoder layers): P = 2 x T = 2 csbp against
+    # P = 2 over 2 replicas, both FSDP2.
+    results["dg/reference"] = run_diffusion_gemma("plain", out / "dg_reference", 2, "csbp", **FSDP2)
+    results["dg/csbp/tp2"] = run_diffusion_gemma("plain", out / "dg_csbp_tp2", 2, "csbp", per_device_train_batch_size=4,
+                                                 parallelism_config=ParallelismConfig(tp_size=2), **FSDP2)
+    # Refused on every rank, before anything trains: no FSDP2 (DDP cannot average DTensors), LoRA on split layers.
+    errors = {}
+    for name, setup, extra in (("without_fsdp2", "plain", {}), ("lora", "lora", FSDP2)):
+        try:
+            run(setup, out / f"refused_{name}", 2, "csbp", save_strategy="no", per_device_train_batch_size=4,
+                parallelism_config=ParallelismConfig(tp_size=2), **extra)
+        except ValueError as error:
+            errors[name] = str(error)
+    results["errors"] = errors
+    return results
 
 
 def scenario_pairs4(out: Path) -> dict:
@@ -163,7 +197,9 @@ def run_diffusion_gemma(setup: str, out: Path, P: int, mode: str, resume: str | 
     trainer.family.zero_loss = lambda *a, **k: zero_losses.append(1) or zero_loss(*a, **k)
     model = trainer.model
     params = list(model.parameters())
-    result = {"dtensors": sum(hasattr(p, "full_tensor") for p in params), "parameters": len(params)}
+    result = {"dtensors": sum(hasattr(p, "full_tensor") for p in params), "parameters": len(params),
+              "param_meshes": sorted({"/".join(p.device_mesh.mesh_dim_names) for p in params
+                                      if hasattr(p, "device_mesh")})}
     decoder_calls = []  # self-conditioning: a second decoder pass in some micro-batches
     hook = (model.get_base_model() if lora else model).model.decoder.register_forward_hook(
         lambda module, args, output: decoder_calls.append(module.training))
@@ -226,14 +262,15 @@ def scenario_diffusion_gemma(out: Path) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["pairs", "resume", "pairs4", "diffusion_gemma"])
+    parser.add_argument("--scenario", required=True,
+                        choices=["pairs", "resume", "pairs4", "diffusion_gemma", "tensor_parallel"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)
     scenario = {"pairs": scenario_pairs, "resume": scenario_resume, "pairs4": scenario_pairs4,
-                "diffusion_gemma": scenario_diffusion_gemma}[args.scenario]
+                "diffusion_gemma": scenario_diffusion_gemma, "tensor_parallel": scenario_tensor_parallel}[args.scenario]
     try:
         result = scenario(out)
     except Exception:

@@ -79,6 +79,9 @@ def run(setup: str, out: Path, P: int, mode: str = "csbp", resume: str | None = 
         "weights": None,
         # FSDP2 leaves the parameters sharded (DTensors); DDP leaves them whole.
         "sharded": any(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
+        # The mesh dims each parameter is split over: ("dp_bp",) under FSDP2, ("dp_bp", "tp") with tensor parallelism.
+        "param_meshes": sorted({"/".join(p.device_mesh.mesh_dim_names) for p in trainer.model.parameters()
+                                if hasattr(p, "device_mesh")}),
     }
     if setup == "plain":
         # Held-out loss after training: every group rank holds part of it; the trainer sums it over the group.

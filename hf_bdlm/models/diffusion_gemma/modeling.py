@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from ...attention.backends import attend
 from ...attention.interface import bdlm_attention_forward
@@ -604,10 +605,16 @@ def self_conditioning_embeddings(model, hidden: torch.Tensor, enabled: torch.Ten
     scale = embed.embed_scale.to(weight.dtype)
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = torch.empty(flat.shape[0], weight.shape[1], dtype=weight.dtype, device=hidden.device)
+    split = isinstance(weight, DTensor)  # tensor parallelism: the embedding split by vocabulary (its local rows)
     for start in range(0, flat.shape[0], chunk):
         logits = softcapped_logits(dg, flat[start : start + chunk])
         probs = logits.softmax(dim=-1).to(weight.dtype)  # logits are float32 (float64 models: float64)
-        out[start : start + chunk] = torch.matmul(probs, weight) * scale
+        if split:  # each rank its vocabulary slice of the product, summed over the tensor-parallel group
+            probs = DTensor.from_local(probs, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
+                                       run_check=False)
+            out[start : start + chunk] = torch.matmul(probs, weight).full_tensor() * scale
+        else:
+            out[start : start + chunk] = torch.matmul(probs, weight) * scale
     out = out.view(*hidden.shape[:-1], weight.shape[1])
     return out * enabled.to(out.dtype)[:, None, None]
 
