@@ -18,13 +18,14 @@ See tests/distributed/fsdp_worker.py for the runs.
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from torchrun import run_torchrun
+from torchrun import ROOT, run_torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import prompt_completion, tiny_bdlm, tiny_tokenizer  # noqa: E402
@@ -141,6 +142,24 @@ def test_tensor_parallel_checkpoint_is_an_ordinary_transformers_checkpoint(tenso
     assert final.keys() == loaded.keys()
     for name, value in final.items():
         assert torch.equal(loaded[name].detach(), value), name
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_from_an_accelerate_config_file(tensor_parallel, tmp_path):
+    """``accelerate launch --config_file recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml``: its parallelism_config section
+    reaches the trainer through the launcher's environment; the run is the torchrun one with ParallelismConfig."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml"), str(ROOT / "tests/distributed/fsdp_worker.py"),
+           "--scenario", "tensor_parallel_launch", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    launched = _load(tmp_path, "tensor_parallel_launch", 4)[0]["plain/csbp/tp2_launch"]
+    torchrun = tensor_parallel[0]["plain/csbp/tp2"]
+    assert launched["param_meshes"] == ["dp_bp", "dp_bp/tp"]
+    assert launched["losses"] == torchrun["losses"]
+    assert _weights_rel(launched["weights"], torchrun["weights"]) == 0
 
 
 @pytest.mark.distributed

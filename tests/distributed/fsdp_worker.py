@@ -5,6 +5,8 @@
     torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario pairs4 --out /tmp/f
     torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario diffusion_gemma --out /tmp/f
     torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario tensor_parallel --out /tmp/f
+    accelerate launch --config_file recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml tests/distributed/fsdp_worker.py \
+        --scenario tensor_parallel_launch --out /tmp/f
 
 Scenarios (the setups are tests/distributed/trainer_worker.py's):
 - ``pairs`` (2 ranks): each run twice, as DDP and with ``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``:
@@ -116,6 +118,13 @@ def scenario_tensor_parallel(out: Path) -> dict:
             errors[name] = str(error)
     results["errors"] = errors
     return results
+
+
+def scenario_tensor_parallel_launch(out: Path) -> dict:
+    """Under ``accelerate launch --config_file recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml``: no parallelism_config in
+    the training config; the tensor-parallel size comes from the launcher (its PARALLELISM_CONFIG_* variables)."""
+    return {"plain/csbp/tp2_launch": run("plain", out / "csbp_tp2_launch", 2, "csbp", save_strategy="no",
+                                         per_device_train_batch_size=4)}
 
 
 def scenario_pairs4(out: Path) -> dict:
@@ -263,14 +272,16 @@ def scenario_diffusion_gemma(out: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenario", required=True,
-                        choices=["pairs", "resume", "pairs4", "diffusion_gemma", "tensor_parallel"])
+                        choices=["pairs", "resume", "pairs4", "diffusion_gemma", "tensor_parallel",
+                                 "tensor_parallel_launch"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)
     scenario = {"pairs": scenario_pairs, "resume": scenario_resume, "pairs4": scenario_pairs4,
-                "diffusion_gemma": scenario_diffusion_gemma, "tensor_parallel": scenario_tensor_parallel}[args.scenario]
+                "diffusion_gemma": scenario_diffusion_gemma, "tensor_parallel": scenario_tensor_parallel,
+                "tensor_parallel_launch": scenario_tensor_parallel_launch}[args.scenario]
     try:
         result = scenario(out)
     except Exception:
