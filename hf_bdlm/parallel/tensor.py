@@ -82,16 +82,26 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
     return expanded
 
 
+def _configs(config, path: str = "config"):
+    """``config`` and every config nested in it (a backbone's, a text model's, a vision tower's), with their paths."""
+    from transformers import PretrainedConfig
+
+    yield path, config
+    for name, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            yield from _configs(value, f"{path}.{name}")
+
+
 def _check_divisible(model: nn.Module, tp_size: int) -> None:
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    backbone = getattr(config, "backbone_config", None) or config
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(backbone, field, None)
-        if heads is not None and heads % tp_size:
-            raise ValueError(
-                f"tensor_parallel_size={tp_size} must divide {field}={heads}: each tensor-parallel rank attends with "
-                f"whole heads. Choose a tensor_parallel_size that divides {heads}."
-            )
+    """Every head count of every (sub-)config must divide by ``tp_size``: the plan splits q/k/v by output rows, so an
+    indivisible count would cut a head in two and attend with half its dimensions."""
+    for path, config in _configs(model.config):
+        for field, heads in vars(config).items():
+            if field.startswith("num_") and field.endswith("heads") and isinstance(heads, int) and heads % tp_size:
+                raise ValueError(
+                    f"tensor_parallel_size={tp_size} must divide {path}.{field}={heads}: each tensor-parallel rank "
+                    f"attends with whole heads. Choose a tensor_parallel_size that divides {heads}."
+                )
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:

@@ -105,9 +105,10 @@ def scenario_tensor_parallel(out: Path) -> dict:
                                   parallelism_config=ParallelismConfig(tp_size=2), **FSDP2)
     # DiffusionGemma (its transformers plan: q/k/v, MLP, the encoder and decoder layers): P = 2 x T = 2 csbp against
     # P = 2 over 2 replicas, both FSDP2.
-    results["dg/reference"] = run_diffusion_gemma("plain", out / "dg_reference", 2, "csbp", **FSDP2)
+    dg = dict(model_kw=dict(vision_heads=2))  # whole vision heads per tensor-parallel rank
+    results["dg/reference"] = run_diffusion_gemma("plain", out / "dg_reference", 2, "csbp", **dg, **FSDP2)
     results["dg/csbp/tp2"] = run_diffusion_gemma("plain", out / "dg_csbp_tp2", 2, "csbp", per_device_train_batch_size=4,
-                                                 parallelism_config=ParallelismConfig(tp_size=2), **FSDP2)
+                                                 parallelism_config=ParallelismConfig(tp_size=2), **dg, **FSDP2)
     # Refused on every rank, before anything trains: no FSDP2 (DDP cannot average DTensors), LoRA on split layers.
     errors = {}
     for name, setup, extra in (("without_fsdp2", "plain", {}), ("lora", "lora", FSDP2)):
@@ -186,7 +187,7 @@ def diffusion_gemma_config(out: Path, P: int, mode: str = "csbp", **overrides):
 
 
 def run_diffusion_gemma(setup: str, out: Path, P: int, mode: str, resume: str | None = None, save_final: bool = False,
-                        **extra) -> dict:
+                        model_kw: dict | None = None, **extra) -> dict:
     from tiny_diffusion_gemma import conversations, tiny_model, tiny_tokenizer
 
     from hf_bdlm import BDLMSFTTrainer
@@ -199,8 +200,8 @@ def run_diffusion_gemma(setup: str, out: Path, P: int, mode: str, resume: str | 
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0)  # target_modules unset: the reference targets
     args = diffusion_gemma_config(out, P, mode, **{**overrides, **extra})
     data = unsupervised_rows() if setup == "dp2_unsupervised" else conversations(16)
-    trainer = BDLMSFTTrainer(tiny_model(), args=args, train_dataset=data, processing_class=tiny_tokenizer(),
-                             peft_config=peft_config)
+    trainer = BDLMSFTTrainer(tiny_model(**(model_kw or {})), args=args, train_dataset=data,
+                             processing_class=tiny_tokenizer(), peft_config=peft_config)
     zero_losses = []
     zero_loss = trainer.family.zero_loss  # (this process's family object: counting its zero losses)
     trainer.family.zero_loss = lambda *a, **k: zero_losses.append(1) or zero_loss(*a, **k)

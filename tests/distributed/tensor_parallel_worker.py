@@ -106,6 +106,50 @@ def run_case(case: dict, groups: BlockParallelGroups) -> dict:
     return result
 
 
+def run_diffusion_gemma_case(case: dict, groups: BlockParallelGroups) -> dict:
+    """DiffusionGemma (its encoder split by its transformers plan, the tied decoder alike), one step's loss and
+    gradients of P = 2 x T = 2 against one process, float64 with float64-faithful norms and eager experts."""
+    from diffusion_gemma_worker import SEED, STEP, objective
+    from tiny_diffusion_gemma import B as DG_B, float64_faithful, make_batch as dg_batch, tiny_model
+
+    from hf_bdlm.models.diffusion_gemma.modeling import diffusion_gemma_rule
+    from hf_bdlm.models.diffusion_gemma.sharded import ShardedDiffusionGemmaLayout
+
+    P, D = case["P"], groups.num_groups
+    build = lambda: float64_faithful(tiny_model(vision_heads=2).train()) if case["dtype"] == "float64" \
+        else tiny_model(vision_heads=2).train()
+    ref, model = build(), build()
+    apply_tensor_parallel(model, groups.tp_mesh)
+    reference = objective(case["self_conditioning"])
+    ref_loss = 0.0
+    for gi in range(D):
+        loss, _ = reference.loss(ref, reference.corrupt(dg_batch(case["batch"], seed=gi), seed=SEED, step=STEP))
+        (loss / D).backward()
+        ref_loss += loss.item() / D
+    dims = ParallelDims(P, None, case["mode"], tensor_parallel_size=T)
+    sharded = objective(case["self_conditioning"], dims)
+    corrupted = sharded.corrupt(dg_batch(case["batch"], seed=groups.group_index), seed=SEED, step=STEP)
+    frame = corrupted.frame
+    plan = groups.plan(PlanConfig(dims, frame.frame_length, DG_B, noisy_blocks=tuple(frame.canvas_blocks.tolist())))
+    layout = ShardedDiffusionGemmaLayout(plan, groups, frame, diffusion_gemma_rule(DG_B), "blockwise", "allgather")
+    loss, _ = sharded.loss(model, corrupted, layout)
+    (loss * P).backward()
+    data_world = groups.world_mesh.get_group()
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=data_world)
+    rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    errors = []
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = torch.zeros_like(full(p.detach())) if p.grad is None else full(p.grad).clone()
+        dist.all_reduce(grad, group=data_world)
+        grad /= D * P
+        errors.append((rel(grad, torch.zeros_like(grad) if q.grad is None else q.grad), n))
+    grad_err, worst = max(errors)
+    split = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    return dict(case, T=T, D=D, split_params=len(split), loss_err=abs(value.item() / D - ref_loss) / abs(ref_loss),
+                grad_err=grad_err, worst_param=worst, losses=[value.item() / D], weight_err=None)
+
+
 def cases(world: int) -> list[dict]:
     out = []
     for bb, obj, batch in (("llama", "standard", "packed"), ("qwen3", "standard", "plain"),
@@ -115,6 +159,9 @@ def cases(world: int) -> list[dict]:
         out += [dict(base, P=2, mode="csbp"), dict(base, P=2, mode="cp"), dict(base, P=2, mode="cp", cp_layout="paper"),
                 dict(base, P=2, mode="bp")]
     out.append(dict(backbone="llama", objective="standard", clean="block_causal", batch="plain", P=1, mode="csbp"))
+    for dtype, sc, batch in (("float64", "mixed", "plain"), ("float32", "mixed", "packed")):
+        out += [dict(backbone="diffusion_gemma", dtype=dtype, self_conditioning=sc, batch=batch, P=2, mode=mode)
+                for mode in ("csbp", "cp")]
     return [c for c in out if world % (c["P"] * T) == 0]
 
 
@@ -133,7 +180,8 @@ def main():
             mode = "bp" if shape[1] == 1 and shape[0] > 1 else "csbp"
             groups_by_shape[shape] = BlockParallelGroups.build(ParallelDims(*shape, mode, tensor_parallel_size=T))
         try:
-            results.append(run_case(case, groups_by_shape[shape]))
+            runner = run_diffusion_gemma_case if case["backbone"] == "diffusion_gemma" else run_case
+            results.append(runner(case, groups_by_shape[shape]))
         except Exception:
             results.append(dict(case, error=traceback.format_exc()))
             raise

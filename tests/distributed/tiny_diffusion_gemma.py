@@ -32,10 +32,12 @@ def text_config() -> DiffusionGemmaTextConfig:
     )
 
 
-def tiny_model(seed: int = 0) -> DiffusionGemmaForBlockDiffusion:
+def tiny_model(seed: int = 0, vision_heads: int = 1) -> DiffusionGemmaForBlockDiffusion:
+    """``vision_heads=2``: a vision tower that tensor parallelism of 2 can split (whole heads per rank)."""
     torch.manual_seed(seed)
-    vision = Gemma4VisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-                                num_key_value_heads=1, head_dim=8, position_embedding_size=4, patch_size=2)
+    vision = Gemma4VisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                num_attention_heads=vision_heads, num_key_value_heads=vision_heads,
+                                head_dim=8 // vision_heads, position_embedding_size=4, patch_size=2)
     config = DiffusionGemmaConfig(text_config=text_config(), vision_config=vision, canvas_length=B)
     return DiffusionGemmaForBlockDiffusion(config)
 
