@@ -5,6 +5,7 @@ No processes are launched: the measured bytes come from a committed ``hf_bdlm.be
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,68 @@ def test_computed_pairs_of_block_tiles_are_the_allowed_pairs_and_grouped_tiles_c
             assert (t.pairs[None] == t.local_pairs[None]) == (dims.mode == "bp")
 
 
+@pytest.mark.parametrize("dims", [ParallelDims(2, 2, "csbp"), ParallelDims(2, 2, "cp"), ParallelDims(2, 1, "bp"),
+                                  ParallelDims(2, 2, "cp", cp_layout="paper")], ids=str)
+def test_sliding_layers_are_priced_at_the_pairs_and_calls_of_the_kernels_tile_plans(dims):
+    # A sliding layer's kernel runs the tile plan of the rank's rows over its own rows and the halo the all-to-all
+    # brings (the paper's CP: every member's rows): window-edge group tiles compute masked pairs too.
+    from hf_bdlm.attention.tiles import plan_attention
+    from hf_bdlm.planner.calibrate import blockwise_work, computed_pairs
+
+    L, window = 512, 48
+    rule = MaskRule(4)
+    rule_w = rule.with_window(window)
+    exact = rank_work(dims, L, rule, (None, window))
+    works = blockwise_work(dims, L, rule, exact)
+    plan = make_plan(PlanConfig.from_dims(dims, L, 4))
+    members = plan.exchange_members(0)
+    q = plan.ranks[0].rows()
+    if len(members) == 1:
+        sources = [q]
+    elif dims.is_paper_cp:
+        sources = [RowMeta.cat([plan.sent_rows(m) for m in members])]
+    else:
+        sources = [q, window_exchange(0, [plan.ranks[m].rows() for m in members],
+                                      [plan.sent_rows(m) for m in members], rule_w)[3]]
+    tiles = plan_attention(q, sources, rule_w)
+    assert works[0].pairs[window] == computed_pairs(tiles) >= exact[0].pairs[window]
+    assert works[0].kernel_calls[window] == len(tiles.calls) > 0
+    for e, w in zip(exact, works):
+        assert w.pairs[window] >= e.pairs[window] and w.kernel_calls[None] > 0
+        # The paper's CP attends only once everything is gathered: nothing is computed on local rows alone.
+        assert w.local_pairs[window] >= e.local_pairs[window] if not dims.is_paper_cp else w.local_pairs[window] == 0
+
+
+def test_each_kernel_call_adds_its_fixed_cost_to_a_lone_ranks_step():
+    from hf_bdlm.planner.calibrate import benchmark_recipe, blockwise_work, record_dims
+
+    model = tiny_model(layers=3)
+    dims, L = record_dims({"mode": "single"}), 256
+    rule = MaskRule(4)
+    work = blockwise_work(dims, L, rule, rank_work(dims, L, rule, (None,)))
+    free = DeviceSpec("cpu", 1e10, 1e10, float("inf"), 1e9, float("inf"), float("inf"))
+    priced = replace(free, kernel_call_fwd_s=2e-4, kernel_call_bwd_s=3e-4)
+    step = [predict(model, dims, L, d, Cluster(1, 1), benchmark_recipe({}), work=work) for d in (free, priced)]
+    # One forward and one backward per layer, each of the plan's calls at its fixed cost; counted as attention.
+    added = len(model.layers) * work[0].kernel_calls[None] * (2e-4 + 3e-4)
+    assert step[1].step_s - step[0].step_s == pytest.approx(added, rel=1e-9)
+    assert step[1].ranks[0].attention_s - step[0].ranks[0].attention_s == pytest.approx(added, rel=1e-9)
+
+
+def test_rate_entries_without_the_kernel_call_cost_get_it_measured_and_keep_their_rates(tmp_path, monkeypatch):
+    from hf_bdlm.planner import calibrate
+
+    rates = tmp_path / "rates.json"
+    old = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
+               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=0)
+    rates.write_text(json.dumps({"processes": {"1": old}}))
+    monkeypatch.setattr(calibrate, "_kernel_call_cost", lambda model: (2e-4, 5e-5))
+    d = calibrate.cpu_device(calibrate.benchmark_model(2), rates, processes=1, num_cores=1)
+    assert (d.kernel_call_fwd_s, d.kernel_call_bwd_s, d.matmul_flops) == (2e-4, 5e-5, 5e10)
+    assert json.loads(rates.read_text())["processes"]["1"] == dict(old, kernel_call_fwd_s=2e-4,
+                                                                   kernel_call_bwd_s=5e-5)
+
+
 def test_gpu_spec_file_and_flags_replace_the_datasheet(tmp_path):
     spec = tmp_path / "measured.json"
     spec.write_text(json.dumps({"matmul_flops": 6.1e14, "inter_node_bytes_per_s": 4.4e10}))
@@ -276,7 +339,8 @@ def test_gpu_spec_file_and_flags_replace_the_datasheet(tmp_path):
 def test_validate_from_cached_rates_prints_equal_bytes(tmp_path, capsys):
     rates = tmp_path / "rates.json"
     one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
-               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0)
+               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0,
+               kernel_call_fwd_s=1e-4, kernel_call_bwd_s=1e-4)
     rates.write_text(json.dumps({"processes": {"1": one, "2": dict(one, matmul_flops=4e10)}}))
     assert main(["plan", "--validate", str(RECORDS), "--rates-cache", str(rates), "--cores", "2"]) == 0
     out = capsys.readouterr().out
@@ -292,7 +356,8 @@ def test_validate_on_one_core_shares_it_with_oversubscribed_efficiency(tmp_path)
 
     rates = tmp_path / "rates.json"
     one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
-               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0)
+               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0,
+               kernel_call_fwd_s=1e-4, kernel_call_bwd_s=1e-4)
     rates.write_text(json.dumps({"processes": {"1": dict(one, intra_node_bytes_per_s=float("inf")),
                                                "2": dict(one, benchmark_step_s=5.0, sync_cost_s=4e-3)}}))
     d = cpu_device(benchmark_model(2), rates, processes=2, num_cores=1, benchmark_layers=2)
@@ -354,7 +419,8 @@ def test_validate_reads_the_figures_bench_measured_beside_the_records(tmp_path, 
     records = tmp_path / "parallel_modes.json"
     records.write_text(RECORDS.read_text())
     one = dict(matmul_flops=7e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
-               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0)
+               inter_node_bytes_per_s=3e8, sync_cost_s=1e-3, benchmark_layers=2, benchmark_step_s=2.0,
+               kernel_call_fwd_s=1e-4, kernel_call_bwd_s=1e-4)
     (tmp_path / "cpu_rates.json").write_text(json.dumps({"processes": {"1": one, "2": one}}))
     assert main(["plan", "--validate", str(records), "--cores", "2"]) == 0
     out = capsys.readouterr().out

@@ -6,8 +6,10 @@ multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the
 forward and backward over the vectorized rows of one sequence (``blockwise`` backend, FLOPs counted from the pairs
 its tile plan computes), (3) the elementwise bandwidth: for ``--validate``, on the benchmark model's own step at 1K
 tokens (what its matmuls and attention leave; :func:`step_elementwise_rate`), otherwise a plain add, (4) gloo's
-all-gather bandwidth between the processes and (5) what one synchronization costs ranks that compute between
-synchronizations (:func:`_sync_cost`). Each is the fastest of several runs, taken from the slowest process.
+all-gather bandwidth between the processes, (5) what one synchronization costs ranks that compute between
+synchronizations (:func:`_sync_cost`) and (6) the fixed cost of one attention kernel call, forward and backward
+(:func:`_kernel_call_cost`; measured alone and added to a cache entry of an older version that lacks it). Each is
+the fastest of several runs, taken from the slowest process.
 :func:`cpu_device` turns them into a :class:`~.hardware.DeviceSpec`: compute rates from as many processes as cores
 (a rank alone on a core), and, when the records ran more ranks than cores, the oversubscribed efficiency (the
 benchmark step's throughput in that many processes over the cores') with which the schedule shares the cores; link
@@ -15,9 +17,10 @@ and synchronization figures from as many processes as the records' ranks. Cached
 (``--remeasure`` measures again).
 
 :func:`validate` predicts each record's step time and K/V bytes with that device and the benchmark's own
-model config (:func:`hf_bdlm.benchmarks.parallel_modes.model_config`); the attention work of each rank is what the
-``blockwise`` kernel computes there (:func:`~hf_bdlm.attention.tiles.plan_attention` over the sources the sharded
-layout attends to). Bytes must equal ``bytes_per_step`` exactly; step times are compared by relative error.
+model config (:func:`hf_bdlm.benchmarks.parallel_modes.model_config`); the attention work of each rank, full and
+sliding-window layers, is what the ``blockwise`` kernel computes there (:func:`~hf_bdlm.attention.tiles.plan_attention`
+over the sources the sharded layout attends to: its pairs, masked ones included, and its kernel calls). Bytes must
+equal ``bytes_per_step`` exactly; step times are compared by relative error.
 
     hf-bdlm plan --validate /tmp/pm.json      # after python -m hf_bdlm.benchmarks.parallel_modes --out /tmp/pm.json
 """
@@ -111,6 +114,37 @@ def _attention_rate(model: ModelSpec, seq_len: int = 2048) -> float:
     return pairs * 14 * a.heads * a.head_dim / _best_time(run, repeats=4)
 
 
+def _kernel_call_cost(model: ModelSpec, calls: int = 512, rows: int = 8) -> tuple[float, float]:
+    """Fixed seconds of one attention kernel call, forward and backward: a plan of ``calls`` calls of ``rows``
+    queries over as many keys each (their pairs cost under 3 % of the time) through the project's block-sparse
+    attention: row selection, the fused kernel's setup, the LSE merge; backward the gradient scatter."""
+    import torch
+
+    from ..attention.kernels import block_sparse_attention
+    from ..attention.tiles import KernelCall, TilePlan
+
+    a = model.layers[0]
+    n = calls * rows
+    plan = TilePlan(tuple(KernelCall((i * rows, (i + 1) * rows), 0, (i * rows, (i + 1) * rows)) for i in range(calls)),
+                    n, (n,))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, a.heads, n, a.head_dim, generator=g, requires_grad=True)
+    k = torch.randn(1, a.kv_heads, n, a.head_dim, generator=g, requires_grad=True)
+    v = torch.randn(1, a.kv_heads, n, a.head_dim, generator=g, requires_grad=True)
+
+    def forward():
+        return block_sparse_attention(plan, q, [(k, v)], a.head_dim ** -0.5)[0]
+
+    fwd = _best_time(forward, repeats=7)
+    bwd = []
+    for _ in range(7):
+        loss = forward().sum()
+        t0 = time.perf_counter()
+        loss.backward()
+        bwd.append(time.perf_counter() - t0)
+    return fwd / calls, min(bwd) / calls
+
+
 STEP_TOKENS = 1024  # the benchmark step the calibration times
 CALIBRATION_ROUNDS = 3
 
@@ -137,7 +171,9 @@ def step_elementwise_rate(model: ModelSpec, rates: dict, seq_len: int = STEP_TOK
     dims = record_dims({"mode": "single"})
     rule = mask_rule_of(model)
     work = blockwise_work(dims, seq_len, rule, rank_work(dims, seq_len, rule, layer_windows(model)))
-    device = DeviceSpec("cpu", rates["matmul_flops"], rates["attention_flops"], float("inf"), float("inf"), 1.0, 1.0)
+    device = DeviceSpec("cpu", rates["matmul_flops"], rates["attention_flops"], float("inf"), float("inf"), 1.0, 1.0,
+                        kernel_call_fwd_s=rates.get("kernel_call_fwd_s", 0.0),
+                        kernel_call_bwd_s=rates.get("kernel_call_bwd_s", 0.0))
     recipe = benchmark_recipe({"dtype": "float32"})
     cluster = Cluster(1, 1)
     rest = predict(model, dims, seq_len, device, cluster, recipe, work=work).step_s
@@ -216,6 +252,9 @@ def rates_worker(rank: int, world, store: str, out: str, spec_json: str, benchma
                              ("attention_flops", lambda: _attention_rate(model)),
                              ("hbm_bytes_per_s", _elementwise_rate)):
             rates[key] = max(rates.get(key, 0.0), together(measure))
+        fwd, bwd = together(lambda: _kernel_call_cost(model))
+        rates["kernel_call_fwd_s"] = min(rates.get("kernel_call_fwd_s", float("inf")), fwd)
+        rates["kernel_call_bwd_s"] = min(rates.get("kernel_call_bwd_s", float("inf")), bwd)
         if int(benchmark_layers):
             step = together(lambda: _benchmark_step_time(int(benchmark_layers)))
             rates["benchmark_step_s"] = min(rates.get("benchmark_step_s", float("inf")), step)
@@ -238,6 +277,8 @@ def rates_worker(rank: int, world, store: str, out: str, spec_json: str, benchma
         # The group runs at the pace of its slowest rank.
         rates = {k: min(r[k] for r in everyone) for k in rates}
         rates["sync_cost_s"] = max(r["sync_cost_s"] for r in everyone)
+        for key in ("kernel_call_fwd_s", "kernel_call_bwd_s"):  # costs: the slowest rank's
+            rates[key] = max(r[key] for r in everyone)
         if "benchmark_step_s" in rates:
             rates["benchmark_step_s"] = max(r["benchmark_step_s"] for r in everyone)
     else:
@@ -275,6 +316,19 @@ def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0)
         return json.loads(Path(out).read_text())
 
 
+def _kernel_call_cost_alone(model: ModelSpec) -> tuple[float, float]:
+    """:func:`_kernel_call_cost` in this process, on one thread as the benchmark's ranks run."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = [_kernel_call_cost(model) for _ in range(CALIBRATION_ROUNDS)]
+        return min(f for f, _ in runs), min(b for _, b in runs)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def cores() -> int:
     """The cores this process may run on (its affinity, not the machine's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -289,7 +343,12 @@ def _rates(model: ModelSpec, cache: Path, remeasure: bool, processes: int, bench
         # An entry of an older version lacks the synchronization cost; one of another benchmark model its step's rate.
         if not remeasure and entry is not None and "sync_cost_s" in entry and \
                 entry.get("benchmark_layers", 0) == benchmark_layers:
-            return None
+            if "kernel_call_fwd_s" in entry:
+                return None
+            # An entry of an older version lacks the per-call cost: measure it alone, keeping the rates measured
+            # with the records it belongs to.
+            entry.update(zip(("kernel_call_fwd_s", "kernel_call_bwd_s"), _kernel_call_cost_alone(model)))
+            return cached
         entry = dict(measure_cpu(model, processes, benchmark_layers), benchmark_layers=benchmark_layers,
                      measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
         cached.setdefault("processes", {})[key] = entry
@@ -332,6 +391,8 @@ def cpu_device(model: ModelSpec, cache: str | os.PathLike | None = None, remeasu
                       inter_node_bytes_per_s=group["inter_node_bytes_per_s"],
                       sync_cost_s=group["sync_cost_s"], shared_cores=n_cores,
                       oversubscribed_efficiency=efficiency,
+                      kernel_call_fwd_s=own.get("kernel_call_fwd_s", 0.0),
+                      kernel_call_bwd_s=own.get("kernel_call_bwd_s", 0.0),
                       source=f"measured {group.get('measured_at', '')} ({path})")
 
 
@@ -376,42 +437,62 @@ def computed_pairs(plan, source: int | None = None) -> int:
 
 
 def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
-    """``works`` (from :func:`~.cost.rank_work`) with the pairs the ``blockwise`` kernel computes on each rank:
-    the tile plans of the sources the sharded layout attends to (own rows; the peers' gathered rows, or each ring
-    shard), full-attention layers only."""
-    from dataclasses import replace
+    """``works`` (from :func:`~.cost.rank_work`) with the pairs the ``blockwise`` kernel computes on each rank, for
+    every window of ``works`` (full and sliding-window layers): the tile plans of the sources the sharded layout
+    attends to (own rows; the peers' gathered rows, each ring shard, or a sliding layer's halo rows).
 
+    Masked-out pairs of a dense masked call are computed too: at the edge of a 1024-token window the 512-row group
+    tiles are about half allowed, so a sliding layer's kernel computes about 1.5x its allowed pairs."""
     from ..attention.tiles import plan_attention
     from ..parallel.plan import PlanConfig, make_plan
 
     plan = make_plan(PlanConfig.from_dims(dims, seq_len, rule.block_size))
-    out = []
-    for r, (rp, w) in enumerate(zip(plan.ranks, works)):
-        q = rp.rows()
-        gathered = dims.mode.exchanges_kv and dims.block_parallel_size > 1 and w.sent_rows > 0
-        members = plan.exchange_members(r)
-        if gathered and dims.transport == "ring":
-            n = plan.sent_row_start(r)
-            source = computed_pairs(plan_attention(q, [q.slice(0, n)], rule)) if n else 0
-            shards = tuple(computed_pairs(plan_attention(q, [plan.sent_rows(m)], rule)) for m in members)
-            total, local = source + sum(shards), source + shards[members.index(r)]
-            out.append(replace(w, pairs={**w.pairs, None: total}, local_pairs={**w.local_pairs, None: local},
-                               source_pairs=source, shard_pairs=shards))
-            continue
-        elif gathered and dims.is_paper_cp:  # blocking: every member's rows, one source gathered before attending
-            from ..attention.rows import RowMeta
-
-            total, local = computed_pairs(plan_attention(q, [RowMeta.cat([plan.sent_rows(m) for m in members])],
-                                                         rule)), 0
-        elif gathered:
-            from ..attention.rows import RowMeta
-
-            tiles = plan_attention(q, [q, RowMeta.cat([plan.sent_rows(m) for m in members if m != r])], rule)
-            total, local = computed_pairs(tiles), computed_pairs(tiles, 0)
-        else:
-            total = local = computed_pairs(plan_attention(q, [q], rule))
-        out.append(replace(w, pairs={**w.pairs, None: total}, local_pairs={**w.local_pairs, None: local}))
+    out = list(works)
+    for window in works[0].pairs if works else ():
+        rule_w = rule.with_window(window)
+        for r, (rp, w) in enumerate(zip(plan.ranks, out)):
+            q = rp.rows()
+            members = plan.exchange_members(r)
+            exchanged = dims.mode.exchanges_kv and len(members) > 1
+            if window is None and exchanged and w.sent_rows > 0 and dims.transport == "ring":
+                n = plan.sent_row_start(r)
+                tiles = [plan_attention(q, [q.slice(0, n)], rule_w)] if n else []
+                shard_tiles = [plan_attention(q, [plan.sent_rows(m)], rule_w) for m in members]
+                source = computed_pairs(tiles[0]) if n else 0
+                shards = tuple(computed_pairs(t) for t in shard_tiles)
+                total, local = source + sum(shards), source + shards[members.index(r)]
+                calls = sum(len(t.calls) for t in tiles + shard_tiles)
+                out[r] = replace(w, pairs={**w.pairs, window: total}, local_pairs={**w.local_pairs, window: local},
+                                 source_pairs=source, shard_pairs=shards,
+                                 kernel_calls={**w.kernel_calls, window: calls})
+                continue
+            total, local, calls = _computed_rank_pairs(plan, r, q, members, exchanged, dims.is_paper_cp, rule_w,
+                                                       plan_attention)
+            out[r] = replace(w, pairs={**w.pairs, window: total}, local_pairs={**w.local_pairs, window: local},
+                             kernel_calls={**w.kernel_calls, window: calls})
     return out
+
+
+def _computed_rank_pairs(plan, r: int, q, members, exchanged: bool, blocking: bool, rule, plan_attention):
+    """``(all, local, calls)``: the pairs the kernel computes for rank ``r`` under ``rule`` (all sources, its own
+    rows) and its kernel calls, over the sources :class:`~hf_bdlm.parallel.engine.ExchangePass` attends to
+    (allgather / all-to-all transports)."""
+    from ..attention.rows import RowMeta
+    from ..parallel.plan import window_exchange
+
+    if not exchanged:
+        tiles = plan_attention(q, [q], rule)
+        return computed_pairs(tiles), computed_pairs(tiles), len(tiles.calls)
+    if blocking:  # the paper's CP: every member's rows (sliding layers too), gathered before attending
+        tiles = plan_attention(q, [RowMeta.cat([plan.sent_rows(m) for m in members])], rule)
+        return computed_pairs(tiles), 0, len(tiles.calls)
+    if rule.sliding_window is None:
+        peers = RowMeta.cat([plan.sent_rows(m) for m in members if m != r])
+    else:  # the halo rows the all-to-all brings
+        peers = window_exchange(members.index(r), [plan.ranks[m].rows() for m in members],
+                                [plan.sent_rows(m) for m in members], rule)[3]
+    tiles = plan_attention(q, [q, peers], rule)
+    return computed_pairs(tiles), computed_pairs(tiles, 0), len(tiles.calls)
 
 
 def validate(records: list[dict], device) -> list[dict]:
@@ -425,8 +506,7 @@ def validate(records: list[dict], device) -> list[dict]:
         dims = record_dims(rec)
         recipe = benchmark_recipe(rec)
         work = rank_work(dims, rec["L"], mask_rule_of(model), layer_windows(model))
-        if all(a.window is None for a in model.layers):
-            work = blockwise_work(dims, rec["L"], mask_rule_of(model), work)  # the CPU kernel's own tiles
+        work = blockwise_work(dims, rec["L"], mask_rule_of(model), work)  # the CPU kernel's own tiles
         dev = device(dims.world_size) if callable(device) else device
         link = rec.get("link")
         if link and dims.block_parallel_size > 1:  # the record's collectives went through an emulated link
@@ -457,8 +537,8 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
     lines = [f"{d.name}: matmul {d.matmul_flops / 1e9:.1f} GFLOP/s, attention {d.attention_flops / 1e9:.1f} GFLOP/s, "
              f"elementwise {d.hbm_bytes_per_s / 1e9:.1f} GB/s, gloo {d.intra_node_bytes_per_s / 1e9:.2f} GB/s "
              f"+ {d.sync_cost_s * 1e3:.2f} ms per synchronization, oversubscribed efficiency "
-             f"{d.oversubscribed_efficiency:.2f} "
-             f"({d.source})" for d in devices]
+             f"{d.oversubscribed_efficiency:.2f}, {d.kernel_call_fwd_s * 1e3:.3f} + {d.kernel_call_bwd_s * 1e3:.3f} ms "
+             f"per attention kernel call (fwd + bwd) ({d.source})" for d in devices]
     lines += [head, "-" * len(head)]
     for r in rows:
         same = r["predicted_bytes"] == r["measured_bytes"] and all(

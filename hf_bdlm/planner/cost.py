@@ -176,7 +176,9 @@ class RankWork:
     rows a sliding layer receives from / sends to the peers. For the ring transport (full layers):
     ``source_pairs`` the pairs against the rank's local source (``csbp``: its noisy rows; ``cp``: none) and
     ``shard_pairs[m]`` those against the shard of the ``m``-th member of its gather group (its own included).
-    ``members`` that group's ranks in ring order (the rank alone for ``bp``).
+    ``members`` that group's ranks in ring order (the rank alone for ``bp``). ``kernel_calls[w]`` the attention
+    kernel calls a layer's tile plans issue (:func:`~hf_bdlm.planner.calibrate.blockwise_work`), each priced at the
+    device's fixed cost per call; absent where the work counts pairs only.
     """
 
     noisy_rows: int
@@ -189,6 +191,7 @@ class RankWork:
     source_pairs: int = 0
     shard_pairs: tuple = ()
     members: tuple = ()
+    kernel_calls: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -479,6 +482,8 @@ class _LayerCost:
     comm_fwd: float  # transfer seconds of what the rank receives in one forward pass
     comm_bwd: float  # and in the backward pass
     model_parallel: float = 0.0  # NVLink seconds of the model-parallel collectives of one pass (Recipe.model_parallel)
+    calls_fwd: float = 0.0  # fixed cost of the attention kernel calls of one forward pass
+    calls_bwd: float = 0.0
 
 
 def _layer_cost(model: ModelSpec, dims: ParallelDims, work: RankWork, i: int, device: DeviceSpec, bw: float,
@@ -507,7 +512,9 @@ def _layer_cost(model: ModelSpec, dims: ParallelDims, work: RankWork, i: int, de
         per_pair_fwd=batch * FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops / t,
         per_pair_bwd=batch * BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM * hd / device.attention_flops / t,
         transfer=transfer, comm_fwd=comm_fwd, comm_bwd=comm_bwd,
-        model_parallel=recipe.model_parallel_seconds(model, work.rows, batch, device.intra_node_bytes_per_s))
+        model_parallel=recipe.model_parallel_seconds(model, work.rows, batch, device.intra_node_bytes_per_s),
+        calls_fwd=work.kernel_calls.get(a.window, 0) * device.kernel_call_fwd_s,
+        calls_bwd=work.kernel_calls.get(a.window, 0) * device.kernel_call_bwd_s)
 
 
 def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequence[_LayerCost], window,
@@ -525,7 +532,9 @@ def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequen
         f, b = c.per_pair_fwd, c.per_pair_bwd
         other = c.matrices_fwd + c.elementwise_fwd
         # The model-parallel collectives (inside a node) hold the pass back: time busy, counted as communication.
-        pf, pb = [Compute(other + c.model_parallel)], [Compute(2 * other + c.model_parallel)]
+        # The kernel calls' fixed costs are host work spread over the pass; they are counted with the rest of it.
+        pf = [Compute(other + c.model_parallel + c.calls_fwd)]
+        pb = [Compute(2 * other + c.model_parallel + c.calls_bwd)]
         members = w.members
         exchanged = dims.mode.exchanges_kv and len(members) > 1 and (window is not None or w.sent_rows > 0)
         whole = gathers_whole(style, window)
@@ -593,7 +602,8 @@ def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], 
         fwd, bwd = _layer_programs(dims, works, costs, a.window, device.link_latency_s, style)
         segments += [(fwd, fwd_passes), (bwd, 1)]
         for r, (w, c) in enumerate(zip(works, costs)):
-            attn = w.pairs[a.window] * (c.per_pair_fwd * fwd_passes + c.per_pair_bwd)
+            attn = w.pairs[a.window] * (c.per_pair_fwd * fwd_passes + c.per_pair_bwd) \
+                + c.calls_fwd * fwd_passes + c.calls_bwd
             attention[r] += attn
             linear[r] += c.matrices_fwd * (fwd_passes + 2)
             compute[r] += attn + (c.matrices_fwd + c.elementwise_fwd) * (fwd_passes + 2)

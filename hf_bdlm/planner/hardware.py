@@ -52,6 +52,10 @@ class DeviceSpec:
             of the cores' throughput they still get together (measured: contention for caches and memory).
         sync_cost_s (`float`, 0.0): what each synchronization point (a wait on peers) costs a rank beyond the
             messages themselves; on a CPU whose cores the ranks share, measured (the scheduler's time slices).
+        kernel_call_fwd_s (`float`, 0.0) / kernel_call_bwd_s (`float`, 0.0): fixed time of one planned attention
+            kernel call beyond its pairs, forward / backward (row selection, the kernel's setup, the LSE merge; the
+            gradient scatter). Measured on a CPU, where the host runs it; 0 for GPUs, whose launches are asynchronous.
+            Priced only where the work counts the kernel's calls (``RankWork.kernel_calls``).
     """
 
     name: str
@@ -67,6 +71,8 @@ class DeviceSpec:
     shared_cores: int = 0
     oversubscribed_efficiency: float = 1.0
     sync_cost_s: float = 0.0
+    kernel_call_fwd_s: float = 0.0
+    kernel_call_bwd_s: float = 0.0
 
     def link_bytes_per_s(self, spans_nodes: bool) -> float:
         return self.inter_node_bytes_per_s if spans_nodes else self.intra_node_bytes_per_s
