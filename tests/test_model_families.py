@@ -22,6 +22,7 @@ from hf_bdlm.models import (
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_bdlm import tiny_bdlm  # noqa: E402
 from tiny_diffusion_gemma import tiny_model as tiny_diffusion_gemma  # noqa: E402
+from tiny_diffusion_gemma import tiny_tokenizer as tiny_dg_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,12 +78,17 @@ def test_an_objective_of_another_family_is_refused_before_anything_is_trained(tm
         load_diffusion_model(tiny_diffusion_gemma(), object(), args)
 
 
-def test_the_server_refuses_a_family_it_does_not_serve_by_name(tmp_path):
+def test_the_server_decodes_each_family_with_that_familys_decoder(tmp_path):
+    """The engine takes its decoder from the family the checkpoint's config names (it never branches on a name)."""
+    from hf_bdlm.models import family_for_config
     from hf_bdlm.serving.engine import Engine
 
     tiny_diffusion_gemma().save_pretrained(tmp_path)
-    with pytest.raises(NotImplementedError, match=r"does not serve 'diffusion_gemma' checkpoints yet"):
-        Engine.from_pretrained(tmp_path)
+    tiny_dg_tokenizer().save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(tmp_path)
+    family = family_for_config(engine.model.config)
+    assert type(engine.decoder) is type(family.serving_decoder(engine.model, engine.tokenizer))
+    assert type(engine.decoder).__module__.startswith(f"hf_bdlm.models.{family.name}")
 
 
 # The shared code talks to families through hf_bdlm.models only: no family is named outside its own folder, except

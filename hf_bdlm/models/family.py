@@ -62,10 +62,11 @@ class ModelFamily:
 
     def load_for_serving(self, path: str, config, init_kwargs: dict[str, Any], block_size: int):
         """``(model, tokenizer)`` for ``hf-bdlm serve`` (``block_size``: the conversion's, for a causal LM)."""
-        raise NotImplementedError(
-            f"hf-bdlm serve does not serve {self.name!r} checkpoints yet ({path}); it serves block-diffusion "
-            "checkpoints and converts causal LMs."
-        )
+        raise NotImplementedError(f"hf-bdlm serve does not serve {self.name!r} checkpoints yet ({path}).")
+
+    def serving_decoder(self, model, tokenizer) -> "ServingDecoder":
+        """How ``hf-bdlm serve`` decodes ``model`` (one of this family's, unwrapped): a :class:`ServingDecoder`."""
+        raise NotImplementedError(f"hf-bdlm serve does not decode {self.name!r} models yet.")
 
     # --- training ---------------------------------------------------------------------------------------------
     def block_size(self, model) -> int:
@@ -119,3 +120,42 @@ class ModelFamily:
 
     def __repr__(self) -> str:
         return f"<model family {self.name!r}>"
+
+
+class ServingDecoder:
+    """What the server (``hf_bdlm.serving.engine.Engine``) needs to decode one family's model; it never names a family.
+
+    The engine owns tokenization, limits, the job queue and streaming; the decoder owns the request's decoding
+    settings and the decoding loop. Per request, the engine calls :meth:`settings`, groups jobs whose
+    :meth:`batch_key` is equal, and hands each group to :meth:`decode`, which reports every decoded block through
+    ``on_block`` and drops the rows ``on_block`` stops (end of text, stop string, cancelled client).
+
+    Attributes:
+        model: the model (in eval mode).
+        context_length (`int`): most tokens (prompt + completion) the model takes.
+    """
+
+    model: Any
+    context_length: int
+
+    def settings(self, request, prompt_len: int, max_tokens: int):
+        """The settings of one request (the checkpoint's generation config + the fields the request sets), with
+        ``settings.max_new_tokens == max_tokens``; a ``ValueError`` names what the client must change (a 400)."""
+        raise NotImplementedError
+
+    def batch_key(self, settings, seed: int | None):
+        """Jobs with equal keys may be decoded together (a hashable value)."""
+        raise NotImplementedError
+
+    def eos_token_ids(self, settings) -> set[int]:
+        """Token ids that end a completion under ``settings`` (empty when the request ignores EOS)."""
+        raise NotImplementedError
+
+    def decode(self, prompts: list[list[int]], settings: list, seeds: list[int | None], on_block) -> None:
+        """Decode ``prompts`` (one row each, up to ``settings[row].max_new_tokens`` tokens) together.
+
+        After every block it calls ``on_block({row: new_token_ids})`` (a list or 1-D tensor per row that produced
+        tokens); ``on_block`` returns the rows to stop, which are decoded no further. A row ends by itself at EOS or
+        at its token budget."""
+        raise NotImplementedError
+

@@ -1,22 +1,23 @@
-"""The model side of the server: tokenization, per-request decoding settings, and decoding one batch of jobs.
+"""The model side of the server: tokenization, limits, and decoding one batch of jobs through the model's family.
 
     from hf_bdlm.serving.engine import Engine
-    engine = Engine.from_pretrained("outputs/smollm2-135m-bdlm-csbp")   # or a causal LM folder (converted)
+    engine = Engine.from_pretrained("outputs/smollm2-135m-bdlm-csbp")   # any family's checkpoint, or a causal LM
     ids = engine.chat_prompt([{"role": "user", "content": "Compute 2 + 2."}])
 
-`Engine.run_batch` is what the scheduler's worker thread calls; it streams each job's text back block by block.
+The checkpoint's family (found from its config's ``model_type``, ``hf_bdlm.models``) loads it and gives the
+decoder (:class:`hf_bdlm.models.family.ServingDecoder`) that turns a request into settings and decodes batches;
+`Engine.run_batch`, what the scheduler's worker thread calls, streams each job's text back block by block.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
 
 import torch
 
-from ..generation import BlockDiffusionGenerationConfig, as_block_diffusion_config, decode_ragged, resolve_settings
 from .protocol import APIError
 from .scheduler import Job, TextStream
 
@@ -24,30 +25,35 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """A block-diffusion model and its tokenizer, ready to decode batches of jobs.
+    """A model, its tokenizer and its family's serving decoder, ready to decode batches of jobs.
 
     Args:
-        model ([`BlockDiffusionForMaskedLM`]): the model (put in eval mode here).
+        model: a model of a registered family (``hf_bdlm.models``), put in eval mode.
         tokenizer: its tokenizer; chat requests need a chat template.
         name (`str`): the model id clients must send.
+        decoder ([`ServingDecoder`], *optional*): how to decode; defaults to the model's family's.
     """
 
-    def __init__(self, model, tokenizer, name: str):
-        self.model = model.eval()
+    def __init__(self, model, tokenizer, name: str, decoder=None):
+        if decoder is None:
+            from ..models import family_for_model
+
+            family = family_for_model(model)
+            if family is None:
+                raise TypeError(f"{type(model).__name__} is not a model of a family hf_bdlm serves; pass a model "
+                                "of a registered family (hf_bdlm.models.family_names()).")
+            decoder = family.serving_decoder(model, tokenizer)
+        self.decoder = decoder
+        self.model = decoder.model
         self.tokenizer = tokenizer
         self.name = name
-        backbone = model.config.backbone_config
-        self.context_length = int(getattr(backbone, "max_position_embeddings", 0) or 1 << 30)
-        config = getattr(model, "generation_config", None)
-        self.generation_config = as_block_diffusion_config(config) if config is not None else \
-            BlockDiffusionGenerationConfig.from_model_config(model.config)
-        self.device = next(model.parameters()).device
+        self.context_length = decoder.context_length
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, name: str | None = None, dtype: torch.dtype | None = None,
                         device: str | None = None, block_size: int = 32) -> "Engine":
-        """Load a checkpoint folder through its model family (``hf_bdlm.models``); a causal-LM folder (or
-        `embedded:smollm2`) is converted on the fly."""
+        """Load a checkpoint folder through the family its config names (``hf_bdlm.models``); a causal-LM folder (or
+        `embedded:smollm2`) is converted on the fly (``block_size``: the conversion's)."""
         from transformers import AutoConfig
 
         import hf_bdlm  # noqa: F401  (registers the Auto classes)
@@ -62,11 +68,18 @@ class Engine:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model folder {path!r} does not exist (pass a saved checkpoint folder).")
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        config = AutoConfig.from_pretrained(path)
-        model, tokenizer = family_for_config(config).load_for_serving(path, config, kwargs, block_size)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (ValueError, KeyError) as err:
+            reason = str(err).strip().split("\n")[0]
+            raise ValueError(f"{path} holds a model_type={_declared_model_type(path)!r} checkpoint that transformers "
+                             f"cannot read; hf-bdlm serve loads the model types {_family_model_types()} and converts "
+                             f"decoder-only causal LMs. (transformers: {reason})") from None
+        family = family_for_config(config)
+        model, tokenizer = family.load_for_serving(path, config, kwargs, block_size)
         if device:
             model = model.to(device)
-        return cls(model, tokenizer, name or Path(path).name)
+        return cls(model, tokenizer, name or Path(path).name, decoder=family.serving_decoder(model, tokenizer))
 
     # --- prompts ----------------------------------------------------------------------------
 
@@ -87,24 +100,8 @@ class Engine:
 
     def decode_settings(self, request, prompt_len: int, max_tokens: int):
         """The request's decoding settings (checkpoint defaults + the fields it set); bad values are a 400."""
-        config = as_block_diffusion_config(self.generation_config)
-        updates = {"max_new_tokens": max_tokens}
-        if request.temperature is not None:
-            updates["do_sample"] = request.temperature > 0
-            if request.temperature > 0:
-                updates["temperature"] = request.temperature
-        if request.top_p is not None:
-            updates["top_p"] = request.top_p
-        if request.confidence_threshold is not None:
-            updates["confidence_threshold"] = request.confidence_threshold
-        if request.steps_per_block is not None:
-            updates["steps_per_block"] = request.steps_per_block
-        if request.ignore_eos:
-            updates["eos_token_id"] = None
         try:
-            config.update(**updates)
-            config.validate()
-            return resolve_settings(self.model, config, prompt_len)
+            return self.decoder.settings(request, prompt_len, max_tokens)
         except ValueError as err:
             raise APIError(400, f"invalid decoding settings: {err}") from None
 
@@ -132,45 +129,50 @@ class Engine:
                                 f"max_tokens={budget} asks for more than the {room} left.", param="max_tokens",
                            code="context_length_exceeded")
         settings = self.decode_settings(request, n, budget)
-        key_settings = dataclasses.replace(settings, max_new_tokens=0)
-        # Seeded sampling runs alone, so that the same seed gives the same text whatever else is being served.
-        seeded = settings.do_sample and request.seed is not None
-        key = (key_settings, object()) if seeded else (key_settings,)
+        key = self.decoder.batch_key(settings, request.seed)
         return Job(prompt_ids=prompt_ids, max_tokens=budget, settings=settings,
                    stream=TextStream(self.tokenizer, request.stop), batch_key=key, seed=request.seed)
 
     # --- decoding ---------------------------------------------------------------------------
 
     def run_batch(self, jobs: list[Job]) -> None:
-        """Decode `jobs` (same batch key) in one ragged batch, sending each job's text after every block."""
-        settings = dataclasses.replace(jobs[0].settings, max_new_tokens=max(j.max_tokens for j in jobs))
-        eos = set(settings.eos_token_ids)
-        generator = None
-        if settings.do_sample and jobs[0].seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(jobs[0].seed)
+        """Decode `jobs` (same batch key) together, sending each job's text after every block."""
+        eos = [self.decoder.eos_token_ids(j.settings) for j in jobs]
 
-        def on_block(new: dict[int, torch.Tensor]) -> set[int]:
+        def on_block(new: dict) -> set[int]:
             stop = set()
             for row, tokens in new.items():
                 job = jobs[row]
                 if job.cancelled.is_set():
                     stop.add(row)
                     continue
-                ids = tokens.tolist()
+                ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
                 job.completion_tokens += len(ids)
                 delta, stopped = job.stream.add(ids)
                 if delta:
                     job.emit("text", delta)
-                if stopped or (ids and ids[-1] in eos):
+                if stopped or (ids and ids[-1] in eos[row]):
                     job.finish("stop")
                     stop.add(row)
                 elif job.completion_tokens >= job.max_tokens:
                     job.finish("length")
             return stop
 
-        prompts = [torch.tensor(j.prompt_ids, dtype=torch.long, device=self.device) for j in jobs]
-        with torch.no_grad():
-            decode_ragged(self.model, prompts, settings, generator=generator,
-                          max_new_tokens=[j.max_tokens for j in jobs], on_block=on_block)
+        self.decoder.decode([j.prompt_ids for j in jobs], [j.settings for j in jobs], [j.seed for j in jobs],
+                            on_block)
         for job in jobs:
             job.finish("length")  # no-op for jobs that finished already
+
+
+def _declared_model_type(path: str):
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _family_model_types() -> list[str]:
+    from ..models import REGISTRY
+
+    return sorted(t for entry in REGISTRY for t in entry.model_types)
+

@@ -1,10 +1,10 @@
 """Batching scheduler: a bounded queue of generation jobs and one worker thread that decodes them in batches.
 
 Requests arrive on the asyncio event loop and become :class:`Job` objects; the worker thread takes the oldest job,
-waits a few milliseconds for companions, and decodes every waiting job with the same decoding knobs (threshold,
-steps, sampling) in one ragged batch (:func:`hf_bdlm.generation.decode_ragged`). Text flows back to the event loop
-block by block. A full queue refuses new jobs (the server answers 429); a cancelled job (its client went away)
-leaves the queue, or its batch at the next block boundary.
+waits a few milliseconds for companions, and decodes every waiting job with the same batch key (the model family's
+decoder decides which jobs may share a batch) together. Text flows back to the event loop block by block. A full
+queue refuses new jobs (the server answers 429); a cancelled job (its client went away) leaves the queue, or its
+batch at the next block boundary.
 
     scheduler = BatchScheduler(engine.run_batch, max_batch_size=8, max_queue=32)
     scheduler.start(); scheduler.submit(job); ...; scheduler.stop()
@@ -69,13 +69,13 @@ class TextStream:
 class Job:
     """One generation request (one prompt) as the worker sees it.
 
-    `batch_key` groups jobs that may share a batch (same decoding settings, and the same seed when sampling).
+    `batch_key` groups jobs that may share a batch (``ServingDecoder.batch_key``).
     Events for the client go to `events` on `loop`: `("text", str)`, `("done", finish_reason)`, `("error", str)`.
     """
 
     prompt_ids: list[int]
     max_tokens: int
-    settings: Any  # hf_bdlm.generation.DecodeSettings
+    settings: Any  # what the model family's ServingDecoder.settings returned
     stream: TextStream
     batch_key: Any
     seed: int | None = None

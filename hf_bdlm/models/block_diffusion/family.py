@@ -46,6 +46,8 @@ class BlockDiffusionFamily(ModelFamily):
     def load_for_serving(self, path, config, init_kwargs, block_size):
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+        if config.model_type != BlockDiffusionConfig.model_type:
+            _check_causal_lm_config(config, path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if config.model_type == BlockDiffusionConfig.model_type:
             return AutoModel.from_pretrained(path, **init_kwargs), tokenizer
@@ -57,6 +59,11 @@ class BlockDiffusionFamily(ModelFamily):
         model, tokenizer = convert_causal_lm(causal, tokenizer, block_size=block_size)
         model.generation_config.eos_token_id = causal.generation_config.eos_token_id
         return model, tokenizer
+
+    def serving_decoder(self, model, tokenizer):
+        from .serving import BlockDiffusionServingDecoder
+
+        return BlockDiffusionServingDecoder(model, tokenizer)
 
     def adopt(self, model, processing_class, args):
         from transformers import PreTrainedModel
@@ -129,6 +136,25 @@ class BlockDiffusionFamily(ModelFamily):
         from .card import render_block_diffusion_card
 
         return render_block_diffusion_card(directory, config, info)
+
+
+def _check_causal_lm_config(config, path) -> None:
+    """Refuse, from the config alone, a checkpoint that is neither a registered family's nor a decoder-only causal LM
+    (an encoder such as BERT has a causal-LM class in transformers, but nothing to convert)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
+
+    from .. import REGISTRY
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in CAUSAL and model_type not in MASKED and not getattr(config, "is_encoder_decoder", False):
+        return
+    families = sorted(t for e in REGISTRY for t in e.model_types)
+    raise ValueError(
+        f"{path} holds a model_type={model_type!r} checkpoint, which hf_bdlm cannot load: it loads the model types "
+        f"of its families {families} and converts decoder-only causal LMs (transformers' AutoModelForCausalLM types "
+        "without a masked-LM head, e.g. 'llama', 'qwen2', 'mistral', 'gemma3_text'). Pass such a checkpoint folder."
+    )
 
 
 def _unwrapped(model):

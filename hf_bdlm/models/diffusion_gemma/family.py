@@ -5,7 +5,8 @@ its config). What this family brings to the trainer: the `diffusion_gemma` objec
 tokenizer and the run's arguments (:meth:`DiffusionGemmaFamily.configure`); the canvas-frame layout of each batch,
 sharded by the block-parallel plugin (:mod:`.sharded`); a step that drives the encoder and decoder itself (through a
 :class:`~hf_bdlm.models.step.TrainingStep`); FSDP2 units that keep the tied encoder/decoder layers together
-(:mod:`.fsdp`); LoRA's reference targets; and its model card (:mod:`.card`).
+(:mod:`.fsdp`); LoRA's reference targets; its model card (:mod:`.card`); and how `hf-bdlm serve` decodes it
+(:mod:`.serving`: transformers' `generate`, one random stream per request).
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ class DiffusionGemmaFamily(ModelFamily):
 
     def load(self, path, config, args, processing_class, init_kwargs):
         return diffusion_gemma_class().from_pretrained(path, **init_kwargs), processing_class
+
+    def load_for_serving(self, path, config, init_kwargs, block_size):
+        """The model and its tokenizer (a processor's tokenizer, with the processor's chat template when the
+        tokenizer has none); ``block_size`` is unused (the canvas length is the model's)."""
+        from transformers import AutoTokenizer
+
+        model = diffusion_gemma_class().from_pretrained(path, **init_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = _processor_chat_template(path)
+        return model, tokenizer
+
+    def serving_decoder(self, model, tokenizer):
+        from .serving import DiffusionGemmaServingDecoder
+
+        return DiffusionGemmaServingDecoder(unwrap_diffusion_gemma(model), tokenizer)
 
     def objective_class(self, name: str):
         return DiffusionGemmaObjective
@@ -165,6 +182,16 @@ class DiffusionGemmaFamily(ModelFamily):
         from .card import render_diffusion_gemma_card
 
         return render_diffusion_gemma_card(directory, config, info)
+
+
+def _processor_chat_template(path):
+    """The chat template a processor saved beside the tokenizer, or ``None``."""
+    from transformers import AutoProcessor
+
+    try:
+        return getattr(AutoProcessor.from_pretrained(path), "chat_template", None)
+    except (OSError, ValueError, TypeError, KeyError):  # no processor in the folder
+        return None
 
 
 def _refuse_deepspeed(args) -> None:
