@@ -5,8 +5,9 @@ attention masks), so the plugin builds what block parallelism needs from the wor
 `accelerate launch` / `torchrun` set up:
 
 - the world of ``W = D x P`` ranks is cut into ``D`` block-parallel groups of ``P`` consecutive
-  ranks (data-parallel replicas), each with its clean rings: one ``DeviceMesh`` ``(dp, ring, clean_ring)``
-  built from the validated :class:`~hf_bdlm.parallel.dims.ParallelDims` (:class:`BlockParallelGroups`);
+  ranks (data-parallel replicas), each with its clean rings: one ``DeviceMesh`` ``(dp, ring, clean_ring, tp)``
+  built from the validated :class:`~hf_bdlm.parallel.dims.ParallelDims` (:class:`BlockParallelGroups`); with
+  tensor parallelism (``T`` ranks, innermost) ``W = D x P x T`` and a group is the ``P`` ranks of one ``t``;
 - :class:`BlockParallelBatchSampler` gives every rank of a group the *same* batches and the
   groups *disjoint* ones: the data is sharded by data-parallel group index, not by global rank;
 - :meth:`BlockParallelPlugin.layout` builds the :class:`ShardedLayout` of one batch for this rank.

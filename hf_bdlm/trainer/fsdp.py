@@ -1,4 +1,5 @@
-"""FSDP2 for `BDLMSFTTrainer`: parameters sharded with ``fully_shard`` over the whole world (``dp x bp``).
+"""FSDP2 for `BDLMSFTTrainer`: parameters sharded with ``fully_shard`` over the data world (``dp x bp``: every rank, or
+with tensor parallelism the ranks of one tensor-parallel index, each parameter then a 2-D DTensor).
 
 The switch is the one transformers users know: ``TrainingArguments.fsdp`` / ``fsdp_config`` with
 ``fsdp_version: 2``, or an ``accelerate launch`` config with ``distributed_type: FSDP`` and
