@@ -7,6 +7,8 @@
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions` (plain JSON or
 SSE streaming with one chunk per decoded block), `GET /health` (no key needed; scheduler counters). Every error is
 OpenAI's JSON error shape; bad input is a 4xx, and a failure inside generation is a 500 for that request only.
+Chat `tools` go to the chat template when it renders them (a 400 otherwise) and the answer's tool-call text comes
+back as `tool_calls` (hf_bdlm/serving/tools.py); streamed, the calls arrive whole in the last chunks.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import protocol
+from . import protocol, tools
 from .config import ServerConfig
 from .engine import Engine
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -180,20 +182,35 @@ def _add_info_routes(app: FastAPI, engine: Engine, scheduler: BatchScheduler, cr
 
 
 def _add_chat_route(app: FastAPI, engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> None:
-    """`POST /v1/chat/completions`: one chat prompt, answered whole or streamed."""
+    """`POST /v1/chat/completions`: one chat prompt, answered whole or streamed; with `tools`, calls parsed."""
+    renders_tools = tools.template_renders_tools(engine.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = protocol.parse_request(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
         _check_model(engine, req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        job = _build_job(engine, config, req, engine.chat_prompt(messages))
+        if req.wants_tools and not renders_tools:
+            raise APIError(400, f"model {engine.name!r} cannot take tools: its chat template does not render "
+                                "`tools` into the prompt. Describe the tools in the messages instead (a text-based "
+                                "agent mode), or serve a model whose template takes `tools`.", param="tools")
+        prompt_ids = engine.chat_prompt(req.template_messages(), tools=req.template_tools())
+        job = _build_job(engine, config, req, prompt_ids)
+        if req.wants_tools:
+            job.stream.tokenizer = tools.keep_tool_markers(engine.tokenizer)
         _submit(scheduler, [job])
         rid = protocol.new_id("chatcmpl")
         if req.stream:
-            return _sse(_chat_events(engine, job, rid, req.include_usage))
+            calls = tools.ToolCallStream() if req.wants_tools else None
+            return _sse(_chat_events(engine, job, rid, req.include_usage, calls, req.parallel_tool_calls))
         text, finish = await _collect(request, job)
-        return protocol.chat_response(rid, engine.name, text, finish, len(job.prompt_ids), job.completion_tokens)
+        tool_calls = None
+        if req.wants_tools:
+            text, parsed = tools.parse_tool_calls(text)
+            if parsed:
+                parsed = parsed if req.parallel_tool_calls else parsed[:1]
+                tool_calls, finish = [c.to_openai() for c in parsed], "tool_calls"
+        return protocol.chat_response(rid, engine.name, text, finish, len(job.prompt_ids), job.completion_tokens,
+                                      tool_calls)
 
 
 def _add_completion_route(app: FastAPI, engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> None:
@@ -268,14 +285,30 @@ async def _job_events(job: Job) -> AsyncIterator[tuple[str, str]]:
             job.cancelled.set()
 
 
-async def _chat_events(engine: Engine, job: Job, rid: str, include_usage: bool) -> AsyncIterator[dict]:
-    """The chat completion chunks of a streamed job: the role, the text pieces, the finish, optionally usage."""
+async def _chat_events(engine: Engine, job: Job, rid: str, include_usage: bool,
+                       calls: tools.ToolCallStream | None = None, parallel_tool_calls: bool = True,
+                       ) -> AsyncIterator[dict]:
+    """The chat completion chunks of a streamed job: the role, the text pieces, the finish, optionally usage.
+
+    With `calls`, text that may be a tool call is held back; at the end come the rest of the content, one chunk per
+    parsed call (`delta.tool_calls`, whole), and the finish `tool_calls`.
+    """
     yield protocol.chat_chunk(rid, engine.name, {"role": "assistant", "content": ""})
     async for kind, payload in _job_events(job):
         if kind == "text":
-            yield protocol.chat_chunk(rid, engine.name, {"content": payload})
-        else:
-            yield protocol.chat_chunk(rid, engine.name, {}, finish=payload)
+            text = calls.add(payload) if calls is not None else payload
+            if text:
+                yield protocol.chat_chunk(rid, engine.name, {"content": text})
+            continue
+        finish = payload
+        if calls is not None:
+            rest, parsed = calls.finish()
+            if rest:
+                yield protocol.chat_chunk(rid, engine.name, {"content": rest})
+            for i, call in enumerate(parsed if parallel_tool_calls else parsed[:1]):
+                yield protocol.chat_chunk(rid, engine.name, {"tool_calls": [call.to_openai(index=i)]})
+            finish = "tool_calls" if parsed else finish
+        yield protocol.chat_chunk(rid, engine.name, {}, finish=finish)
     if include_usage:
         yield protocol.chat_chunk(rid, engine.name, {}, usage_=protocol.usage(len(job.prompt_ids),
                                                                                job.completion_tokens))

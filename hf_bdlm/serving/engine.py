@@ -83,11 +83,11 @@ class Engine:
 
     # --- prompts ----------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.name!r} has no chat template: use /v1/completions.", param="messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True)["input_ids"]
         except Exception as err:  # a template that rejects the conversation (roles, order) is the client's error
             raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None

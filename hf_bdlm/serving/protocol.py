@@ -2,7 +2,8 @@
 
 Only what `/v1/chat/completions`, `/v1/completions` and `/v1/models` need. Unknown fields are accepted and
 ignored (clients send `user`, `stream_options`, penalties, ...); fields we cannot honour (`n > 1`, `logprobs`,
-`tools`) are refused with a 400 instead of being silently dropped. Block-diffusion knobs are extra body fields:
+a forced `tool_choice`) are refused with a 400 instead of being silently dropped. `tools` go to the chat template
+(hf_bdlm/serving/tools.py). Block-diffusion knobs are extra body fields:
 
     client.chat.completions.create(model=..., messages=..., extra_body={"confidence_threshold": 0.8,
                                                                         "steps_per_block": 4})
@@ -10,6 +11,7 @@ ignored (clients send `user`, `stream_options`, penalties, ...); fields we canno
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -75,11 +77,46 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of `tools`: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call they answer
+    name: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined); other part types are refused."""
@@ -93,15 +130,59 @@ class ChatMessage(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
+    def for_template(self, index: int) -> dict:
+        """The message as chat templates read it; a call's JSON `arguments` become a mapping, as templates expect."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _arguments_mapping(call.function.arguments,
+                                                                                   index, j)}}
+                                     for j, call in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments_mapping(arguments: str | dict, index: int, call: int) -> dict:
+    if isinstance(arguments, dict):
+        return arguments
+    param = f"messages.{index}.tool_calls.{call}.function.arguments"
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"{param} is not valid JSON ({err}): send the arguments string the server returned.",
+                       param=param) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{param} must be a JSON object, got {type(value).__name__}.", param=param)
+    return value
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tool calling is not supported: use a text-based agent mode.", param="tools")
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, f"tool_choice={self.tool_choice!r} is not supported: this server cannot force a "
+                                "tool call (no constrained decoding); send tool_choice 'auto' or 'none'.",
+                           param="tool_choice")
+
+    @property
+    def wants_tools(self) -> bool:
+        """Whether tools go to the template and the answer is parsed for calls (`tools` given, not `"none"`)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.wants_tools else None
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
 
 
 class CompletionRequest(_Sampling):
@@ -141,11 +222,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_response(rid: str, model: str, text: str | None, finish: str, prompt_tokens: int, completion_tokens: int,
+                  tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                     "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
