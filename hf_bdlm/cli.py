@@ -4,7 +4,7 @@
     hf-bdlm convert path/to/causal-lm out/bdlm --block-size 32                  # causal LM folder -> BDLM folder
     hf-bdlm generate out/bdlm "What is 2 + 3?" --max-new-tokens 32              # prompt -> text
     hf-bdlm serve path/to/bdlm --port 8000 --api-key secret
-    hf-bdlm eval swebench --model-dir path/to/bdlm --output-dir out/swe        # shipped offline set, no Docker
+    hf-bdlm eval swebench --model path/to/checkpoint --output-dir out/swe      # shipped offline set, no Docker
     hf-bdlm eval swebench --sanity                                             # grader check: gold 100 %, empty 0 %
     hf-bdlm eval terminal-bench --base-url http://127.0.0.1:8000/v1 --output-dir out/tb
     hf-bdlm bench --quick --out bench_quick                                    # benchmarks: JSON, plots, tables
@@ -72,15 +72,19 @@ def run_serve(args) -> int:
 
 def _add_endpoint_args(p) -> None:
     group = p.add_argument_group("model endpoint (one of)")
-    group.add_argument("--model-dir", help="checkpoint to serve for the evaluation (started on 127.0.0.1)")
+    group.add_argument("--model-dir", help="checkpoint to serve for the evaluation (started on 127.0.0.1): any "
+                       "family hf-bdlm serve loads (hf_bdlm.models) or a causal LM to convert")
     group.add_argument("--base-url", help="an OpenAI-compatible server already running, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--model", default=None, help="model id (default: the server's first model / the folder name)")
+    p.add_argument("--model", default=None, help="with --base-url: the model id (default: the server's first model); "
+                   "without: the checkpoint folder to serve, as --model-dir")
     p.add_argument("--api-key", default=os.environ.get("HF_BDLM_API_KEY"), help="key for --base-url")
     p.add_argument("--output-dir", default="outputs/eval", help="results JSON, predictions, logs, trajectories")
     agent = p.add_argument_group("agent (mini-swe-agent, text-based mode)")
     agent.add_argument("--step-limit", type=int, default=20, help="model calls per task")
     agent.add_argument("--max-tokens", type=int, default=512, help="completion budget per model call")
     agent.add_argument("--temperature", type=float, default=0.0)
+    agent.add_argument("--seed", type=int, default=0, help="every request's seed (a family that starts each canvas "
+                       "from random tokens: a fixed seed makes the score reproducible); -1: a fresh one per request")
     agent.add_argument("--command-timeout", type=int, default=60, help="seconds per shell command")
     p.add_argument("--quiet", action="store_true", help="no per-task progress lines")
 
@@ -122,12 +126,20 @@ def _agent_settings(args, endpoint):
 
     return AgentSettings(endpoint.base_url, endpoint.model, api_key=endpoint.api_key, step_limit=args.step_limit,
                          max_tokens=args.max_tokens, temperature=args.temperature,
-                         command_timeout_s=args.command_timeout)
+                         command_timeout_s=args.command_timeout,
+                         model_kwargs={} if args.seed < 0 else {"seed": args.seed})
 
 
 def _needs_endpoint(args) -> None:
+    """``--model DIR`` without ``--base-url`` names the checkpoint to serve (its folder name is the model id)."""
+    if not args.model_dir and not args.base_url and args.model:
+        if not Path(args.model).is_dir():
+            raise SystemExit(f"error: --model {args.model!r} is not a checkpoint folder; without --base-url, --model "
+                             "names the folder to serve.")
+        args.model_dir, args.model = args.model, None
     if not args.model_dir and not args.base_url:
-        raise SystemExit("error: give --model-dir (a checkpoint to serve) or --base-url (a running server).")
+        raise SystemExit("error: give --model DIR or --model-dir DIR (a checkpoint to serve) or --base-url (a running "
+                         "server).")
 
 
 def run_eval_swebench(args) -> int:
