@@ -142,7 +142,7 @@ def test_all_ranks_log_the_same_loss_under_data_parallelism(data_parallel):
 
 def test_one_device_mesh_holds_dp_the_block_parallel_group_and_the_clean_rings(data_parallel):
     for rank, result in enumerate(data_parallel):
-        assert result["mesh_shape"] == [2, 1, 2] and result["mesh_dims"] == ["dp", "ring", "clean_ring"]
+        assert result["mesh_shape"] == [2, 1, 2, 1] and result["mesh_dims"] == ["dp", "ring", "clean_ring", "tp"]
         assert result["bp_group_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert result["ring_ranks"] == result["bp_group_ranks"]  # csbp: C = P
         assert result["world_mesh_size"] == 4

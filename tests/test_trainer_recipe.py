@@ -27,11 +27,12 @@ def parse(*argv):
     return sft.make_parser().parse_args_and_config(args=list(argv))[:3]
 
 
-def test_there_are_the_three_configs_and_four_launch_files():
+def test_there_are_the_three_configs_and_six_launch_files():
     assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "qwen3_conversion_256k_16gpu.yaml",
                                          "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
     assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "cpu_2proc_fsdp2.yaml", "fsdp2_8gpu.yaml",
-                                            "multinode_2x8gpu.yaml"}
+                                            "multinode_2x8gpu.yaml", "cpu_4proc_tp2_fsdp2.yaml",
+                                            "tp2_fsdp2_2x8gpu.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -46,9 +47,13 @@ def test_every_config_names_only_real_fields(path):
 def test_accelerate_configs_launch_the_right_world(path):
     config = yaml.safe_load(path.read_text())
     assert config["num_processes"] == {"cpu_2proc": 2, "cpu_2proc_fsdp2": 2, "fsdp2_8gpu": 8,
-                                       "multinode_2x8gpu": 16}[path.stem]
+                                       "multinode_2x8gpu": 16, "cpu_4proc_tp2_fsdp2": 4,
+                                       "tp2_fsdp2_2x8gpu": 16}[path.stem]
     if path.stem != "cpu_2proc":
         assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
+    # Tensor parallelism (inside a node) comes with FSDP2 over the rest, as the trainer requires.
+    tp = config.get("parallelism_config", {}).get("parallelism_config_tp_size", 1)
+    assert tp == (2 if "tp2" in path.stem else 1)
 
 
 def test_cpu_config_parses_into_a_csbp_run():
