@@ -26,6 +26,8 @@ peak memory per rank (max over ranks) and K/V bytes received per rank per step (
     python -m benchmarks.diffusion_gemma --lengths 512 1024 --steps 2          # ~1 minute
     python -m benchmarks.diffusion_gemma --lengths 512 1024 2048 4096 --out dg.json
     python -m benchmarks.diffusion_gemma --parallel 2 --lengths 2048 4096 --steps 2 --out dg_p2.json   # ~6 minutes
+    # the recorded table (~12 minutes): + summary.md and the planner's projection of the paper's DiffusionGemma setting
+    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 4096 8192 --steps 2 --out-dir benchmarks/results/dg_throughput
 """
 
 from __future__ import annotations
@@ -216,13 +218,14 @@ def parallel_worker(mode: str, length: int, steps: int, out: str) -> None:
 
 # --- driver -----------------------------------------------------------------------------------------------------
 def run_parallel(lengths, steps: int, P: int) -> list[dict]:
-    """``ours`` at P = 1 and the three modes at P (a fresh process or torchrun launch each)."""
+    """TRL's one-block estimator and ``ours`` at P = 1, then the three modes at P (a fresh process or torchrun launch
+    each), one length after the other: every layout of a length is measured in the same run, minutes apart."""
     import tempfile
 
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for length in lengths:
-        results += run([length], steps, methods=("ours",))
+        results += run([length], steps, methods=("trl", "ours"))
         for mode in ("csbp", "cp", "bp"):
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "result.json")
@@ -246,17 +249,50 @@ def parallel_table(results: list[dict]) -> str:
     rows = ["| L | layout | step (s) | step, slowest rank CPU (s) | supervised tok/s | supervised tok / CPU-s | "
             "vs P = 1 (CPU) | peak memory per rank (MiB) | K/V received per rank per step (MiB) |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    names = {"ours": "P = 1", "trl": "TRL one-block, P = 1"}
     for length in sorted({r["length"] for r in results}):
         here = [r for r in results if r["length"] == length]
         single = next((r for r in here if r["method"] == "ours"), None)
-        for r in sorted(here, key=lambda r: (r["method"] != "ours", r["method"])):
-            name = "P = 1" if r["method"] == "ours" else r["method"]
+        for r in sorted(here, key=lambda r: (r["method"] != "trl", r["method"] != "ours", r["method"])):
+            name = names.get(r["method"], r["method"])
             per_cpu = r["supervised_tokens"] / r["cpu_s"]
             speedup = f"{per_cpu / (single['supervised_tokens'] / single['cpu_s']):.2f}x" if single else ""
             rows.append(f"| {length} | {name} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | "
                         f"{r['supervised_tokens_per_s']:.0f} | {per_cpu:.0f} | {speedup} | "
                         f"{r['peak_mem_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_step', 0) / 2**20:.1f} |")
     return "\n".join(rows)
+
+
+def paper_projection() -> tuple[list[dict], str]:
+    """``hf-bdlm plan``'s projection of the paper's DiffusionGemma setting (26B-A4B SFT, 16 H200 in 2 nodes, expert
+    parallelism 2, one group of 8 ranks, FSDP2, activation checkpointing) beside the published figures. A comparison,
+    not a fit: nothing in the planner is tuned to them."""
+    from dataclasses import replace
+
+    from hf_bdlm.planner.cli import PAPER_GROUP, PAPER_MODEL_PARALLEL, PAPER_PAIR, PAPER_SETTINGS, paper_topology
+    from hf_bdlm.planner.cost import Recipe
+    from hf_bdlm.planner.hardware import device_spec
+    from hf_bdlm.planner.model import model_spec
+
+    device = device_spec("h200", None, {})
+    records, rows = [], [
+        f"| context | CSBP layout | CSBP s/step | paper's CP s | balanced cp s | bp s | CSBP / paper's CP | "
+        f"CSBP / cp | CSBP / bp | CSBP tok/s | published |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for setting, preset, L, published in PAPER_SETTINGS:
+        if preset != "diffusiongemma-26b-a4b":
+            continue
+        recipe = replace(Recipe(), model_parallel=PAPER_PAIR, model_parallel_kind=PAPER_MODEL_PARALLEL[preset])
+        r = paper_topology(model_spec(preset, None), L, device, recipe)
+        cs = r["csbp"]
+        record = dict(setting=setting, model=preset, context=L, group=PAPER_GROUP, csbp_layout=cs.label,
+                      csbp_step_s=cs.step_s, csbp_tokens_per_s=cs.tokens_per_s, paper_cp_step_s=r["paper"].step_s,
+                      cp_step_s=r["cp"].step_s, bp_step_s=r["bp"].step_s, published=published)
+        records.append(record)
+        rows.append(f"| {L // 1024}K | {cs.label.split(' D=')[0]} | {cs.step_s:.2f} | {r['paper'].step_s:.2f} | "
+                    f"{r['cp'].step_s:.2f} | {r['bp'].step_s:.2f} | **{r['paper'].step_s / cs.step_s:.2f}x** | "
+                    f"{r['cp'].step_s / cs.step_s:.2f}x | {r['bp'].step_s / cs.step_s:.2f}x | {cs.tokens_per_s:.0f} | "
+                    f"{published} |")
+    return records, "\n".join(rows)
 
 
 def run(lengths, steps: int, methods=("trl", "ours")) -> list[dict]:
@@ -300,6 +336,8 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", help="write the results as JSON")
+    parser.add_argument("--out-dir", help="write records.json and summary.md (tables, the command, the planner's "
+                                          "projection of the paper's DiffusionGemma setting) into this folder")
     parser.add_argument("--parallel", type=int, metavar="P", help="compare csbp / cp / bp on P ranks with P = 1")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--parallel-worker", choices=("csbp", "cp", "bp"), help=argparse.SUPPRESS)
@@ -312,13 +350,26 @@ def main(argv=None):
         return
     if args.parallel:
         results = run_parallel(args.lengths, args.steps, args.parallel)
-        print(parallel_table(results))
+        measured = parallel_table(results)
     else:
         results = run(args.lengths, args.steps)
-        print(table(results))
+        measured = table(results)
+    print(measured)
+    projection, projected = paper_projection()
+    print("\n" + projected)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "records.json"), "w") as f:
+            json.dump(dict(command=" ".join(["python -m benchmarks.diffusion_gemma"] + (argv or sys.argv[1:])),
+                           measured=results, projection=projection), f, indent=2)
+        with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+            f.write(f"# DiffusionGemma SFT throughput\n\n`python -m benchmarks.diffusion_gemma "
+                    f"{' '.join(argv or sys.argv[1:])}` ({os.cpu_count()} cores, one thread per process; every "
+                    f"layout of a length measured in this one run)\n\n{measured}\n\n"
+                    f"## The planner's projection of the paper's setting\n\n{projected}\n")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,6 @@
 `recipes/dg_matched.py` fine-tunes one model once per layout (csbp, cp, ...) from the same seed, data order and token
 budget. This module holds the pieces that recipe shares with anything else that wants the same record:
 
-- :func:`held_out_exact_match`: seeded generation on held-out prompts, scored by :func:`hf_bdlm.data.exact_match`
-  (a model whose decoding starts from a random canvas needs the seed to give a reproducible score);
 - :class:`MatchedRecorder`: a `TrainerCallback` that turns a run into points (layout, step, seconds, metrics): the
   training loss and supervised tokens of every logged step, and at every checkpoint the held-out loss (the trainer's
   `eval_loss`), exact match and the `eval/pass_rate` rows of the `BDLMEvalCallback`\\ s added before it;
@@ -22,39 +20,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 from transformers import TrainerCallback
 
 # The metrics of a checkpoint point besides the pass rates, in the figure's order.
 CHECKPOINT_METRICS = ("held_out_loss", "exact_match")
-
-
-@torch.no_grad()
-def held_out_exact_match(model, tokenizer, examples, max_new_tokens: int, seed: int = 0) -> float:
-    """Fraction of ``examples`` (conversational `prompt`, `answer`) whose greedy answer matches exactly.
-
-    Each prompt is decoded after `torch.manual_seed(seed)` inside a forked random stream, so the score depends on the
-    weights only and the caller's generators are left as they were. The model's train/eval mode is restored.
-    """
-    from .data import exact_match
-
-    was_training = model.training
-    model.eval()
-    hits = 0
-    try:
-        for example in examples:
-            prompt = tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]
-            prompt = torch.tensor([list(prompt)], device=model.device)
-            with torch.random.fork_rng(devices=[model.device.index or 0] if model.device.type == "cuda" else []):
-                torch.manual_seed(seed)
-                out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
-            sequences = getattr(out, "sequences", out)  # some families return an output object
-            text = tokenizer.decode(sequences[0, prompt.shape[1]:], skip_special_tokens=True)
-            hits += exact_match(text, example["answer"])
-    finally:
-        model.train(was_training)
-    return hits / max(1, len(examples))
 
 
 class MatchedRecorder(TrainerCallback):
@@ -129,6 +98,7 @@ class MatchedRecorder(TrainerCallback):
             self._pending["held_out_loss"] = float(metrics["eval_loss"])
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+        from .evaluation.exact_match import held_out_exact_match
         from .evaluation.live_model import servable_model
 
         tokenizer = processing_class or self._tokenizer
@@ -137,8 +107,8 @@ class MatchedRecorder(TrainerCallback):
         wall, train = self._clocks()
         metrics = dict(self._pending)
         if main and self.examples:
-            metrics["exact_match"] = held_out_exact_match(served, tokenizer, self.examples, self.max_new_tokens,
-                                                          self.seed)
+            metrics["exact_match"], _ = held_out_exact_match(served, tokenizer, self.examples,
+                                                             max_new_tokens=self.max_new_tokens, seed=self.seed)
         if len(self._pass_rates) != len(self.benchmarks):
             raise RuntimeError(f"MatchedRecorder expected one eval/pass_rate per benchmark {self.benchmarks} at step "
                                f"{state.global_step}, got {self._pass_rates}; add it after the BDLMEvalCallbacks.")

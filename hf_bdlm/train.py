@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from transformers import AutoModel, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
+from .evaluation.exact_match import held_out_exact_match
 from .trainer import BDLMSFTConfig, BDLMSFTTrainer
 
 EMBEDDED_MODELS = ("smollm2",)
@@ -82,26 +82,6 @@ def load_datasets(script_args: SFTScriptArguments):
     return loaded[script_args.dataset_train_split], test
 
 
-@torch.no_grad()
-def exact_match_score(model, tokenizer, examples) -> tuple[float, list[str]]:
-    """Greedy block-wise generation of one block per held-out prompt, scored by `hf_bdlm.data.exact_match`."""
-    from .data import exact_match
-
-    was_training = model.training
-    model.eval()
-    hits, outputs = 0, []
-    for example in examples:
-        prompt = tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]
-        prompt = torch.tensor([list(prompt)], device=model.device)
-        out = model.generate(prompt, max_new_tokens=model.config.block_size)
-        text = tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
-        outputs.append(text)
-        hits += exact_match(text, example["answer"])
-    model.train(was_training)
-    return hits / max(1, len(examples)), outputs
-
-
 def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_args: ModelConfig) -> dict:
     start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -141,7 +121,7 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
     model = _generation_model(trainer)
     if held_out and main_process:
         tick = time.perf_counter()
-        results["exact_match_before"], _ = exact_match_score(model, trainer.processing_class, held_out)
+        results["exact_match_before"], _ = held_out_exact_match(model, trainer.processing_class, held_out)
         timings["eval_before_s"] = time.perf_counter() - tick
         say(f"[2/4] held-out exact match before training: {results['exact_match_before']:.1%} "
             f"({len(held_out)} prompts, {timings['eval_before_s']:.0f}s)")
@@ -156,7 +136,7 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
 
     if held_out and main_process:
         tick = time.perf_counter()
-        results["exact_match"], outputs = exact_match_score(model, trainer.processing_class, held_out)
+        results["exact_match"], outputs = held_out_exact_match(model, trainer.processing_class, held_out)
         timings["eval_after_s"] = time.perf_counter() - tick
         say(f"[4/4] held-out exact match after training: {results['exact_match']:.1%} "
             f"(before: {results['exact_match_before']:.1%}; {len(held_out)} prompts, {timings['eval_after_s']:.0f}s)")
@@ -186,7 +166,7 @@ def _check_reloaded(output_dir: Path, example: dict, before_saving: str) -> dict
 
     reloaded = AutoModel.from_pretrained(output_dir)
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
-    _, (got,) = exact_match_score(reloaded, tokenizer, [example])
+    _, (got,) = held_out_exact_match(reloaded, tokenizer, [example])
     check = {"prompt": example["prompt"][-1]["content"], "expected": example["answer"], "got": got,
              "correct": exact_match(got, example["answer"]), "same_as_before_saving": got == before_saving}
     print(f"reloaded it with AutoModel.from_pretrained ({type(reloaded).__name__}); one held-out prompt:\n"

@@ -16,7 +16,7 @@ from hf_bdlm.train import (  # noqa: F401  (the recipe's API, used by tests and 
     BDLMSFTConfig,
     ModelConfig,
     SFTScriptArguments,
-    exact_match_score,
+    held_out_exact_match,
     load_datasets,
     main,
     make_parser,
