@@ -347,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     from .planner.cli import add_plan_parser
     add_plan_parser(subparsers)
+    from .models import add_family_commands
+    add_family_commands(subparsers)  # commands a model family owns (hf-bdlm <family command> ...)
     return parser
 
 

@@ -18,11 +18,11 @@ def held_out_exact_match(model, tokenizer, examples, *, max_new_tokens: int | No
     answers.
 
     Args:
-        model: A model of any registered family (a converted block-diffusion LM or DiffusionGemma), unwrapped.
+        model: A model of any registered family (`hf_bdlm.models`), unwrapped.
         tokenizer: Its tokenizer; prompts go through its chat template with the generation prompt.
         examples (`list[dict]`): Held-out examples with ``prompt`` (a list of messages) and ``answer``.
         max_new_tokens (`int`, *optional*): Generation budget per prompt; defaults to one block of the model's family
-            (the converted model's ``block_size``, DiffusionGemma's ``canvas_length``).
+            (``ModelFamily.block_size``: a converted model's ``block_size``, an encoder-decoder's canvas length).
         seed (`int`, *optional*): Decode each prompt after ``torch.manual_seed(seed)`` inside a forked random stream,
             so that a family whose sampler starts from a random canvas scores the weights, not the stream; the
             caller's generators are left as they were. Without it the model's decoding uses the global stream.

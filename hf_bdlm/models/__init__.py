@@ -41,6 +41,8 @@ REGISTRY: tuple[FamilyEntry, ...] = (
 )
 # Objectives announced but not built yet (a clear NotImplementedError instead of "unknown").
 PLANNED_OBJECTIVES = ("dflash",)
+# Modules of `hf-bdlm` subcommands a family owns, each with ``add_parsers(subparsers)`` (argparse only at import).
+FAMILY_COMMANDS = ("hf_bdlm.models.dflash.cli",)
 _LOADED: dict[str, ModelFamily] = {}
 
 
@@ -114,6 +116,12 @@ def converting_family() -> ModelFamily:
     raise RuntimeError("no registered model family converts causal LMs.")
 
 
+def add_family_commands(subparsers) -> None:
+    """Register the `hf-bdlm` subcommands of every family (:data:`FAMILY_COMMANDS`)."""
+    for module in FAMILY_COMMANDS:
+        importlib.import_module(module).add_parsers(subparsers)
+
+
 def family_for_model(model) -> ModelFamily | None:
     """The family whose model ``model`` is (wrappers such as PEFT and DDP looked through), or ``None``."""
     for entry in REGISTRY:
@@ -123,6 +131,6 @@ def family_for_model(model) -> ModelFamily | None:
     return None
 
 
-__all__ = ["PLANNED_OBJECTIVES", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
+__all__ = ["FAMILY_COMMANDS", "PLANNED_OBJECTIVES", "add_family_commands", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
            "entry_for_model_type", "family_for_config", "family_for_model", "family_for_model_type",
            "family_for_objective", "family_named", "family_names", "get_objective"]

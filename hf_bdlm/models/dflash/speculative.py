@@ -1,0 +1,461 @@
+"""Lossless speculative decoding with a DFlash drafter: the target verifies a whole drafted block per forward.
+
+Each step, the *anchor* is the last token the target produced (not yet run through it). The drafter reads the
+target's hidden states at its ``target_layer_ids`` for every token before the anchor and proposes the ``B - 1``
+tokens after it in one forward. The target runs ``[anchor, proposals]`` in one forward, keeps the longest prefix of
+proposals equal to its own greedy choice, plus its own next token (the next anchor). Every kept token is the
+target's argmax after the tokens before it, so the output is the target's greedy decoding whatever the drafter
+proposes; the drafter only decides how many tokens one target forward yields (1 to ``B``). The target's features
+for the drafter come from that same verification forward (``output_hidden_states=[ids]`` keeps only the drafter's
+layers): the target never runs twice.
+
+Two entry points, both greedy and token for token ``target.generate(input_ids, do_sample=False, ...)``:
+
+* transformers' own assisted-generation loop, batch size 1, through ``custom_generate`` (any ``generate`` argument
+  works as usual: ``max_new_tokens``, ``eos_token_id``, ``stopping_criteria``, ``return_dict_in_generate``...)::
+
+      from hf_bdlm.models.dflash.speculative import dflash_assisted_decoding
+      out = target.generate(input_ids, custom_generate=dflash_assisted_decoding, drafter=drafter, max_new_tokens=64)
+
+  (:class:`DFlashCandidateGenerator` is the ``CandidateGenerator`` it plugs into ``_assisted_decoding``.)
+* :func:`speculative_generate`, this project's loop: batches of prompts of different lengths (left padding), and
+  statistics (target / draft forwards, mean acceptance length, wall time)::
+
+      sequences, stats = speculative_generate(target, drafter, input_ids, attention_mask, max_new_tokens=64)
+
+A tiny CPU example (a random drafter proposes poorly, but the output is still the target's own)::
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
+    from hf_bdlm.models.dflash.speculative import speculative_generate
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=64)).eval()
+    drafter = DFlash2DraftModel.from_target(target, init="scratch", block_size=4, mask_token_id=63).eval()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    sequences, stats = speculative_generate(target, drafter, ids, max_new_tokens=12)
+    assert torch.equal(sequences, target.generate(ids, do_sample=False, max_new_tokens=12))
+
+Sampling: :func:`speculative_generate` is greedy only. Through ``generate``, ``do_sample=True`` is accepted and stays
+exactly distributed as the target's own sampling (transformers keeps a draft token only when the target's sample
+at that position equals it), but it is not sample-for-sample reproducible against plain ``generate``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+if TYPE_CHECKING:
+    from .modeling import DFlashDraftModel
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "SpeculativeStats",
+    "check_drafter_for_target",
+    "dflash_assisted_decoding",
+    "draft_block",
+    "speculative_generate",
+    "target_features",
+]
+
+
+# --- shared pieces --------------------------------------------------------------------------------------------------
+
+
+def check_drafter_for_target(target: PreTrainedModel, drafter: "DFlashDraftModel") -> tuple[int, ...]:
+    """Check that `drafter` can draft for `target` and return its canonical target layer ids.
+
+    Raises:
+        `ValueError`: a layer id outside the target's hidden states, a vocabulary or width mismatch, or a block size
+            below 2, with the values found and what to do.
+    """
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    dconfig = drafter.config
+    layer_ids = tuple(int(i) for i in dconfig.target_layer_ids)
+    depth = int(text.num_hidden_layers)
+    bad = [i for i in layer_ids if not 0 <= i <= depth]
+    if bad:
+        raise ValueError(
+            f"drafter target_layer_ids {list(layer_ids)} include {bad}, outside the target's hidden states 0..{depth} "
+            f"(canonical ids: 0 = embeddings, i = output of decoder layer i - 1; the target has {depth} layers). "
+            "This drafter was built for a deeper target: use the target it was trained on.")
+    built_for = getattr(dconfig, "num_target_layers", None)
+    if built_for is not None and int(built_for) != depth:
+        raise ValueError(f"the drafter was built for a target with {built_for} decoder layers; this target has "
+                         f"{depth}. Use the target it was trained on.")
+    if int(dconfig.vocab_size) != int(text.vocab_size):
+        raise ValueError(
+            f"drafter vocab_size {dconfig.vocab_size} != target vocab_size {text.vocab_size}: the drafter embeds and "
+            "reads out through the target's own embedding and LM head, so it needs the target it was built for "
+            "(`DFlashDraftModel.from_target(target)` / `drafter.bind_target(target)`).")
+    width = int(getattr(dconfig, "target_hidden_size", None) or text.hidden_size)
+    if width != int(text.hidden_size):
+        raise ValueError(
+            f"drafter target_hidden_size {width} != target hidden_size {text.hidden_size}: the drafter's `fc` reads "
+            f"{len(layer_ids)} x {width} features; use the target it was built for.")
+    if int(dconfig.block_size) < 2:
+        raise ValueError(f"drafter block_size {dconfig.block_size} < 2: a block needs the anchor and one proposal.")
+    return layer_ids
+
+
+def target_features(hidden_states: Sequence[torch.Tensor | None], layer_ids: Sequence[int]) -> torch.Tensor:
+    """The drafter's input features: ``hidden_states[i]`` for ``i`` in `layer_ids`, concatenated on the last dim.
+
+    `hidden_states` is the tuple of a target forward run with ``output_hidden_states=list(layer_ids)`` (transformers
+    then fills only those entries) or ``True``; the ids are canonical (0 = embeddings).
+    """
+    missing = [i for i in layer_ids if i >= len(hidden_states) or hidden_states[i] is None]
+    if missing:
+        raise ValueError(f"the target forward returned no hidden state for layer ids {missing}; run it with "
+                         f"output_hidden_states={list(layer_ids)}.")
+    return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
+
+
+def draft_block(drafter: "DFlashDraftModel", features: torch.Tensor, tokens: torch.Tensor,
+                anchors: torch.Tensor) -> torch.LongTensor:
+    """The drafter's greedy proposals for the ``B - 1`` positions after each row's anchor.
+
+    Args:
+        drafter (`DFlashDraftModel`):
+            The drafter, bound to the target.
+        features (`torch.Tensor` of shape `(batch_size, T, n_layers * target_hidden)`):
+            Target features of positions ``0 .. T-1``; a row's entries at or after its anchor are never read (the
+            block sees the context strictly before its anchor), so rows of different lengths share one padded tensor.
+        tokens (`torch.LongTensor` of shape `(batch_size, L)`):
+            The committed tokens (position ``i`` at column ``i``).
+        anchors (`torch.LongTensor` of shape `(batch_size,)`):
+            Each row's anchor position (``< L``).
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, B - 1)`: the proposed tokens for positions ``anchor + 1 ..
+        anchor + B - 1``. A drafter with a candidate selector (DFlash2) picks them by its greedy path over each
+        position's top-k candidates, conditioned on the previous pick; otherwise each is the argmax of its logits.
+    """
+    dtype = next(drafter.parameters()).dtype
+    out = drafter(target_hidden_states=features.to(dtype), input_ids=tokens, anchor_positions=anchors[:, None],
+                  return_logits=True)
+    # Block slot k (k >= 1) predicts the token at anchor + k; slot 0 holds the anchor itself.
+    logits, hidden = out.logits[:, 1:], out.hidden_states[:, 1:]
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None:
+        return logits.argmax(dim=-1)
+    top = logits.topk(min(int(selector.top_k), logits.shape[-1]), dim=-1)
+    return selector.greedy_path(candidate_ids=top.indices, unary_logits=top.values, hidden_states=hidden,
+                                anchor_token_ids=tokens.gather(1, anchors[:, None])[:, 0])
+
+
+# --- transformers' assisted generation ------------------------------------------------------------------------------
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """A transformers `CandidateGenerator` drafting a block per step with a DFlash drafter (batch size 1).
+
+    `_assisted_decoding` hands it the target's outputs of the previous verification forward
+    (``requires_model_outputs``) run with ``output_hidden_states=list(target_layer_ids)``
+    (``model_kwargs_overrides``): the generator keeps the features of the tokens the target accepted and drafts
+    after the anchor (the target's newest token). The first call returns no candidates, so the target's prefill
+    produces the first anchor. Use it through :func:`dflash_assisted_decoding`.
+
+    Args:
+        drafter (`DFlashDraftModel`):
+            The drafter, bound to `target`.
+        target (`PreTrainedModel`):
+            The target causal LM running `generate`.
+        generation_config (`GenerationConfig`):
+            The generation config of the call (its `max_length` caps the proposals).
+
+    Attributes:
+        draft_forwards (`int`): drafter forwards run so far.
+        acceptance_lengths (`list[int]`): per target forward after the prefill, the tokens the target kept
+            (accepted proposals + its own token, before `generate` cuts at EOS or `max_length`).
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter: "DFlashDraftModel", target: PreTrainedModel, generation_config: GenerationConfig):
+        self.drafter = drafter
+        self.layer_ids = check_drafter_for_target(target, drafter)
+        self.block_size = int(drafter.config.block_size)
+        self.max_length = generation_config.max_length
+        self.model_kwargs_overrides = {"output_hidden_states": list(self.layer_ids)}
+        self.features: torch.Tensor | None = None  # [1, tokens the target has run, F]
+        self.draft_forwards = 0
+        self.acceptance_lengths: list[int] = []
+
+    def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict | None = None, model_outputs=None,
+                       is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
+        """`input_ids` followed by up to ``B - 1`` proposals, and no candidate logits (the target verifies greedily)."""
+        if is_first_iteration:
+            return input_ids, None
+        # The last target forward ran the prompt (prefill) or [anchor, proposals]; of the latter, the anchor and the
+        # accepted proposals are now context.
+        fresh = input_ids.shape[1] - 1 if self.features is None else int(n_last_matches) + 1
+        new = target_features(model_outputs.hidden_states, self.layer_ids)[:, :fresh]
+        self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
+        budget = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        if budget <= 0:
+            return input_ids, None
+        anchor = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
+        proposals = draft_block(self.drafter, self.features.to(input_ids.device), input_ids, anchor)[:, :budget]
+        self.draft_forwards += 1
+        return torch.cat([input_ids, proposals.to(input_ids.dtype)], dim=1), None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        """Records the acceptance length of the step (the strategy itself is fixed: always ``B - 1`` proposals)."""
+        if self.features is not None:  # the prefill step verifies nothing
+            self.acceptance_lengths.append(int(num_matches) + 1)
+
+
+def dflash_assisted_decoding(model: PreTrainedModel, input_ids: torch.LongTensor,
+                             logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList,
+                             generation_config: GenerationConfig, synced_gpus: bool = False, streamer=None,
+                             drafter: "DFlashDraftModel | None" = None, **model_kwargs):
+    """transformers' assisted decoding with a DFlash drafter, to pass as ``custom_generate`` to `generate`.
+
+    ``target.generate(input_ids, custom_generate=dflash_assisted_decoding, drafter=drafter, max_new_tokens=N)``
+    returns what ``target.generate(input_ids, do_sample=False, max_new_tokens=N)`` returns, token for token, in
+    fewer target forwards. `generate` prepares the inputs, logits processors, stopping criteria and cache as usual
+    and calls this function with them; it runs transformers' `_assisted_decoding` with a
+    :class:`DFlashCandidateGenerator`. Batch size 1 (a transformers limit of assisted decoding); for batches use
+    :func:`speculative_generate`. `generate` does not forward `streamer` to a ``custom_generate`` callable.
+
+    Args:
+        drafter (`DFlashDraftModel`):
+            The drafter, bound to `model` (passed to `generate` as the ``drafter=`` keyword).
+
+    Returns:
+        What `generate` returns (a `torch.LongTensor`, or a `GenerateDecoderOnlyOutput` with
+        ``return_dict_in_generate=True``).
+    """
+    if drafter is None:
+        raise ValueError("dflash_assisted_decoding drafts with a DFlash drafter: call "
+                         "target.generate(input_ids, custom_generate=dflash_assisted_decoding, drafter=drafter, ...).")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"assisted decoding through generate takes one sequence, got a batch of {input_ids.shape[0]}; "
+                         "use hf_bdlm.models.dflash.speculative.speculative_generate for batches.")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("dflash_assisted_decoding takes an unpadded prompt (the attention_mask has zeros); drop the "
+                         "padding, or use speculative_generate, which handles left-padded batches.")
+    generator = DFlashCandidateGenerator(drafter, model, generation_config)
+    # `_assisted_decoding` asks `self._get_candidate_generator` for its generator: an instance attribute shadows the
+    # class method for this one call.
+    model._get_candidate_generator = lambda *args, **kwargs: generator
+    try:
+        return GenerationMixin._assisted_decoding(model, input_ids, logits_processor, stopping_criteria,
+                                                  generation_config, synced_gpus=synced_gpus, streamer=streamer,
+                                                  **model_kwargs)
+    finally:
+        del model._get_candidate_generator
+
+
+# --- this project's batched loop ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeStats:
+    """What a :func:`speculative_generate` call did.
+
+    Attributes:
+        target_forwards (`int`): target forwards, the prefill included (each runs the whole batch).
+        draft_forwards (`int`): drafter forwards (each drafts one block for every row).
+        mean_acceptance_length (`float`): tokens the target kept per verification forward and row, averaged over
+            the (forward, unfinished row) pairs: accepted proposals + the target's own token, in ``[1, B]``
+            (counted before an EOS or the token budget cuts a block short; 0.0 when nothing was verified).
+        generated_tokens (`int`): new tokens over all rows (EOS included, padding excluded).
+        wall_time_s (`float`): seconds for the whole call.
+    """
+
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    mean_acceptance_length: float = 0.0
+    generated_tokens: int = 0
+    wall_time_s: float = 0.0
+
+
+def _token_list(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    values = [value] if isinstance(value, int) else list(value.tolist() if torch.is_tensor(value) else value)
+    if not all(isinstance(v, int) and v >= 0 for v in values):
+        raise ValueError(f"{name} must be a token id or a list of them, got {value!r}.")
+    return values
+
+
+def _uses_sliding_window(text_config) -> bool:
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True)
+
+
+def _check_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, prompt_len] with prompt_len >= 1, got {tuple(input_ids.shape)}.")
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
+                         f"{tuple(input_ids.shape)}.")
+    mask = attention_mask.to(input_ids.device)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token).")
+    mask = mask.bool()
+    if not bool(mask.any(1).all()):
+        raise ValueError(f"attention_mask row {int((~mask.any(1)).nonzero()[0, 0])} has no token; every prompt needs "
+                         "at least one.")
+    if not bool(mask[:, -1].all()) or bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
+        bad = int(((mask[:, 1:].long() < mask[:, :-1].long()).any(1) | ~mask[:, -1]).nonzero()[0, 0])
+        raise ValueError(f"attention_mask row {bad} is not left padded ({mask[bad].long().tolist()}): speculative "
+                         "decoding takes padding before the prompt only (tokenize with padding_side='left').")
+    return mask
+
+
+@torch.no_grad()
+def speculative_generate(target: PreTrainedModel, drafter: "DFlashDraftModel", input_ids: torch.LongTensor,
+                         attention_mask: torch.Tensor | None = None, *,
+                         max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
+                         pad_token_id: int | None = None) -> tuple[torch.LongTensor, SpeculativeStats]:
+    """Greedy speculative decoding of a batch with a DFlash drafter: exactly the target's greedy output.
+
+    Returns what ``target.generate(input_ids, attention_mask=attention_mask, do_sample=False,
+    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)`` returns, token for token: the input columns, then
+    the new tokens, each row stopping after its first EOS or `max_new_tokens` and right-padded with `pad_token_id`
+    until the longest row ends.
+
+    Batching: each row keeps its own anchor and accepts its own number of tokens per step. The target's KV cache
+    is shared: every verification forward appends ``B`` slots (the anchor and its proposals) to every row, the
+    cache is cropped to the most slots any row kept, and a row's rejected slots stay behind as holes that its
+    attention mask hides; RoPE positions are passed per row (the count of its real tokens before), so every kept
+    token sees exactly its row's tokens at their true positions, as in a left-padded `generate`. The drafter is fed
+    one compact copy per row (its tokens and features from column 0, right-padded; a block never reads past its
+    anchor). Finished rows ride along until the last row ends, their results unused.
+
+    Args:
+        target (`PreTrainedModel`):
+            The causal LM whose greedy decoding is reproduced (full attention; a sliding-window target is refused
+            because cache holes would shift its window).
+        drafter (`DFlashDraftModel`):
+            A drafter bound to `target`.
+        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_len)`):
+            The prompts, left padded.
+        attention_mask (`torch.Tensor` of shape `(batch_size, prompt_len)`, *optional*):
+            1 for tokens, 0 for the left padding. `None`: no padding.
+        max_new_tokens (`int`):
+            The most new tokens per row (>= 1).
+        eos_token_id (`int` or `list[int]`, *optional*):
+            Tokens that end a row (kept in the output). `None` uses ``target.generation_config.eos_token_id``, as
+            `generate` does; ``[]`` disables EOS.
+        pad_token_id (`int`, *optional*):
+            Fills a row after its EOS. `None` uses ``target.generation_config.pad_token_id``, else the first EOS id.
+
+    Returns:
+        `tuple(torch.LongTensor, SpeculativeStats)`: the sequences (`(batch_size, prompt_len + new)`) and the
+        statistics of the call.
+    """
+    start = time.perf_counter()
+    layer_ids = check_drafter_for_target(target, drafter)
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    if _uses_sliding_window(text):
+        raise ValueError(f"the target uses sliding-window attention (sliding_window={text.sliding_window}); "
+                         "speculative_generate supports full-attention targets only. Use "
+                         "target.generate(..., custom_generate=dflash_assisted_decoding, drafter=drafter) per prompt.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+    mask = _check_left_padding(input_ids, attention_mask)
+    eos_ids = _token_list(target.generation_config.eos_token_id if eos_token_id is None else eos_token_id,
+                          "eos_token_id")
+    pad_id = pad_token_id if pad_token_id is not None else target.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    device = input_ids.device
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    block = int(drafter.config.block_size)
+    batch, prompt_len = input_ids.shape
+    stats = SpeculativeStats()
+    rows = torch.arange(batch, device=device)
+
+    # Prefill, as generate runs it: left-padded prompts, positions counting each row's real tokens.
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
+    cache = DynamicCache(config=target.config)
+    extra = {"logits_to_keep": 1} if target._supports_logits_to_keep() else {}
+    out = target(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, cache=cache, use_cache=True,
+                 output_hidden_states=list(layer_ids), **extra)
+    stats.target_forwards += 1
+    features = target_features(out.hidden_states, layer_ids)
+
+    # Compact per-row copies for the drafter: a row's tokens (and their features) from column 0.
+    lengths = mask.sum(-1)                                                     # committed tokens per row
+    capacity = prompt_len + max_new_tokens + block
+    gather = (torch.arange(prompt_len, device=device)[None] + (prompt_len - lengths)[:, None]).clamp_max(prompt_len - 1)
+    tokens = torch.full((batch, capacity), int(pad_id), dtype=torch.long, device=device)
+    tokens[:, :prompt_len] = input_ids.gather(1, gather)
+    feats = features.new_zeros(batch, capacity, features.shape[-1])
+    feats[:, :prompt_len] = features.gather(1, gather[..., None].expand(-1, -1, features.shape[-1]))
+
+    first = out.logits[:, -1].argmax(dim=-1)
+    tokens[rows, lengths] = first
+    lengths = lengths + 1
+    generated = torch.ones(batch, dtype=torch.long, device=device)
+    finished = torch.isin(first, eos) | (generated >= max_new_tokens)
+    kv_mask = mask.clone()                                                     # which cache slots are real, per row
+    accepted_sum, accepted_count = 0, 0
+
+    while not bool(finished.all()):
+        anchors = lengths - 1                         # position of each row's newest token (not yet in the cache)
+        room = int((max_new_tokens - generated)[~finished].max()) - 1
+        k = min(block - 1, room)
+        if k > 0:
+            width = int(anchors.max()) + 1
+            proposals = draft_block(drafter, feats[:, :width - 1], tokens[:, :width], anchors)[:, :k]
+            stats.draft_forwards += 1
+        else:
+            proposals = tokens.new_zeros(batch, 0)
+        step = torch.cat([tokens[rows, anchors][:, None], proposals.to(device)], dim=1)           # [b, k + 1]
+        out = target(input_ids=step, attention_mask=torch.cat([kv_mask, kv_mask.new_ones(batch, k + 1)], 1).long(),
+                     position_ids=anchors[:, None] + torch.arange(k + 1, device=device), cache=cache, use_cache=True,
+                     output_hidden_states=list(layer_ids))
+        stats.target_forwards += 1
+        choice = out.logits.argmax(dim=-1)                                      # the target's token after each slot
+        accepted = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        keep = accepted + 1                               # accepted proposals + the target's own token
+        accepted_sum += int(keep[~finished].sum())
+        accepted_count += int((~finished).sum())
+        # Cut at the token budget and after the first EOS; finished rows keep nothing.
+        keep = torch.minimum(keep, max_new_tokens - generated)
+        offsets = torch.arange(k + 1, device=device)
+        is_eos = torch.isin(choice, eos) & (offsets[None] < keep[:, None])
+        keep = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, keep)
+        keep = keep.masked_fill(finished, 0)
+        finished = finished | is_eos.any(1) | (generated + keep >= max_new_tokens)
+
+        # Slots 0 .. keep-1 ran the anchor and the accepted proposals: their K/V and features are context now; the
+        # last kept token (the target's own) is the next anchor.
+        kept = offsets[None] < keep[:, None]
+        row, slot = kept.nonzero(as_tuple=True)
+        tokens[row, lengths[row] + slot] = choice[row, slot]
+        feats[row, anchors[row] + slot] = target_features(out.hidden_states, layer_ids)[row, slot]
+        widest = int(keep.max())
+        cache.crop(-(k + 1 - widest))                 # drop the slots no row kept
+        kv_mask = torch.cat([kv_mask, kept[:, :widest]], dim=1)
+        lengths = lengths + keep
+        generated = generated + keep
+
+    stats.mean_acceptance_length = accepted_sum / accepted_count if accepted_count else 0.0
+    stats.generated_tokens = int(generated.sum())
+    new = int(generated.max())
+    prompt_lengths = mask.sum(-1)
+    cols = (prompt_lengths[:, None] + torch.arange(new, device=device)[None]).clamp_max(capacity - 1)
+    continuation = tokens.gather(1, cols).masked_fill(torch.arange(new, device=device)[None] >= generated[:, None],
+                                                      int(pad_id))
+    stats.wall_time_s = time.perf_counter() - start
+    return torch.cat([input_ids, continuation], dim=1), stats
