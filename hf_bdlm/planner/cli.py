@@ -241,6 +241,12 @@ def run_paper(args) -> int:
     print("\n(tok/s = CSBP / baseline throughput; mem = CSBP peak / baseline peak per device; baselines are cp and bp "
           "with either transport or schedule, with or without activation checkpointing; groups: any group size, or "
           "one group over the whole cluster)")
+    # The paper's third setting: DFlash2 drafter training on 8 H100 (the drafter family prices it).
+    from ..models.dflash.planning import format_projection, project_drafter_training
+
+    efficiency = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
+                  if getattr(args, f"{k}_efficiency") is not None}
+    print("\n" + format_projection(project_drafter_training(device=device_spec("h100", None, efficiency))) + "\n")
     return 0
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +191,19 @@ def apply_rotary(states: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     return states * rotary.cos + torch.cat((-second, first), dim=-1) * rotary.sin
 
 
+class ContextAttention(Protocol):
+    """Where a layer's draft queries find their context when it is not one local tensor of projected features (the
+    sharded training forward, ``hf_bdlm.models.dflash.sharded``, whose context rows live on several ranks).
+
+    A layer's attention passes itself and its queries; the provider returns partial attention results over disjoint
+    sets of context keys (each from :meth:`DFlashAttention.attend_context`), which the layer merges with its draft
+    block's by log-sum-exp. Keys are the layer's own :meth:`DFlashAttention.key_value` of projected features.
+    """
+
+    def partials(self, attention: "DFlashAttention", query: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ...
+
+
 class DFlashRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -242,21 +255,27 @@ class DFlashAttention(nn.Module):
         value = self._heads(self.v_proj(states), self.num_kv_heads)
         return key.transpose(1, 2), value.transpose(1, 2)
 
+    def attend_context(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of ``query [b, H, n, d]`` over context keys ``key`` / ``value`` (``[b, H_kv, m, d]``,
+        from :meth:`key_value`) where ``mask [b, n, m]`` allows; ``(output, lse)`` as :func:`attend_with_lse`."""
+        groups = self.num_heads // self.num_kv_heads
+        return attend_with_lse(query, repeat_kv(key, groups), repeat_kv(value, groups), mask[:, None], self.scaling)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
-        context: torch.Tensor,
+        context: "torch.Tensor | ContextAttention",
         *,
         draft_rotary: Rotary,
-        context_rotary: Rotary,
-        context_mask: torch.Tensor,
+        context_rotary: Rotary | None = None,
+        context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, n, _ = hidden_states.shape
         blocks, groups = n // self.block_size, self.num_heads // self.num_kv_heads
         query = apply_rotary(self.q_norm(self._heads(self.q_proj(hidden_states), self.num_heads)), draft_rotary)
         query = query.transpose(1, 2)                                                    # [b, H, n, d]
         block_key, block_value = (repeat_kv(x, groups) for x in self.key_value(hidden_states, draft_rotary))
-        context_key, context_value = (repeat_kv(x, groups) for x in self.key_value(context, context_rotary))
 
         def per_block(x):
             return x.reshape(b, self.num_heads, blocks, self.block_size, self.head_dim)
@@ -264,8 +283,11 @@ class DFlashAttention(nn.Module):
         block_mask = draft_block_mask(self.block_size, self.block_causal, hidden_states.device)
         block_out, block_lse = attend_with_lse(per_block(query), per_block(block_key), per_block(block_value),
                                                block_mask, self.scaling)
-        partials = [(block_out.reshape(b, self.num_heads, n, self.head_dim), block_lse.reshape(b, self.num_heads, n)),
-                    attend_with_lse(query, context_key, context_value, context_mask[:, None], self.scaling)]
+        partials = [(block_out.reshape(b, self.num_heads, n, self.head_dim), block_lse.reshape(b, self.num_heads, n))]
+        if isinstance(context, torch.Tensor):
+            partials.append(self.attend_context(query, *self.key_value(context, context_rotary), context_mask))
+        else:
+            partials += context.partials(self, query)
         out = merge_partials(partials).to(hidden_states.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
@@ -278,7 +300,8 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, context: "torch.Tensor | ContextAttention",
+                **attention_kwargs) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context,
                                                        **attention_kwargs)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -338,7 +361,8 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = BlockConvolution(*conv)
         self.mlp_conv = BlockConvolution(*conv)
 
-    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, context: "torch.Tensor | ContextAttention",
+                **attention_kwargs) -> torch.Tensor:
         x, kernels = self.attention_conv.prepare(self.input_layernorm(hidden_states))
         hidden_states = hidden_states + self.attention_conv.finish(self.self_attn(x, context, **attention_kwargs),
                                                                    kernels)
@@ -509,6 +533,31 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 logits = torch.tanh(logits / softcap) * softcap
         return logits
 
+    # --- the pieces of the forward (shared with the sharded training forward) ----------------------------------
+    def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(features))`` of detached target features ``[b, T, feature_width]``: the states every
+        layer's context keys and values are projected from (``[b, T, hidden_size]``)."""
+        return self.hidden_norm(self.fc(target_hidden_states.detach().to(self.fc.weight.dtype)))
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        """RoPE factors of this drafter at RoPE positions ``positions [b, n]``."""
+        theta = float((self.config.rope_parameters or {}).get("rope_theta", 10_000.0))
+        return rotary_factors(positions, self.config.head_dim, theta, self.fc.weight.dtype)
+
+    def draft_blocks(self, input_ids: torch.LongTensor, anchor_positions: torch.LongTensor,
+                     position_ids: torch.LongTensor) -> tuple[torch.Tensor, Rotary]:
+        """The embedded draft blocks ``[anchor token, mask x (B - 1)]`` of ``anchor_positions [b, A]``
+        (``[b, A * B, hidden_size]``, the target's frozen embedding) and their RoPE factors at ``pos(anchor) + k``."""
+        embed = self._require_target()[0]
+        b, block = input_ids.shape[0], self.config.block_size
+        draft_ids = torch.full((b, anchor_positions.shape[1], block), self.config.mask_token_id,
+                               device=input_ids.device, dtype=input_ids.dtype)
+        draft_ids[:, :, 0] = input_ids.gather(1, anchor_positions)
+        hidden_states = F.embedding(draft_ids.view(b, -1), embed.weight).to(self.fc.weight.dtype)
+        offsets = torch.arange(block, device=input_ids.device, dtype=position_ids.dtype)
+        draft_positions = (position_ids.gather(1, anchor_positions)[..., None] + offsets).view(b, -1)
+        return hidden_states, self.rotary(draft_positions)
+
     # --- forward ---------------------------------------------------------------------------------------------------
     def forward(
         self,
@@ -545,12 +594,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             rows `a * block_size ... (a + 1) * block_size - 1`; row `k` of a block drafts the token at `anchor + k`
             (row 0 holds the anchor itself).
         """
-        embed = self._require_target()[0]
-        config, block = self.config, self.config.block_size
+        self._require_target()
+        block = self.config.block_size
         self._check_inputs(target_hidden_states, input_ids, anchor_positions, anchor_valid, position_ids,
                            context_positions, document_ids)
         b, length = input_ids.shape
-        device, dtype = input_ids.device, self.fc.weight.dtype
+        device = input_ids.device
         if position_ids is None:
             position_ids = torch.arange(length, device=device).expand(b, length)
         if context_positions is None:
@@ -559,17 +608,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if document_ids is not None:
             anchor_starts = document_starts(document_ids).gather(1, anchor_positions)
 
-        context = self.hidden_norm(self.fc(target_hidden_states.detach().to(dtype)))
-        draft_ids = torch.full((b, anchor_positions.shape[1], block), config.mask_token_id, device=device,
-                               dtype=input_ids.dtype)
-        draft_ids[:, :, 0] = input_ids.gather(1, anchor_positions)
-        hidden_states = F.embedding(draft_ids.view(b, -1), embed.weight).to(dtype)
-        offsets = torch.arange(block, device=device, dtype=position_ids.dtype)
-        draft_positions = (position_ids.gather(1, anchor_positions)[..., None] + offsets).view(b, -1)
-        theta = float((config.rope_parameters or {}).get("rope_theta", 10_000.0))
+        context = self.project_context(target_hidden_states)
+        hidden_states, draft_rotary = self.draft_blocks(input_ids, anchor_positions, position_ids)
         attention_kwargs = {
-            "draft_rotary": rotary_factors(draft_positions, config.head_dim, theta, dtype),
-            "context_rotary": rotary_factors(position_ids.gather(1, context_positions), config.head_dim, theta, dtype),
+            "draft_rotary": draft_rotary,
+            "context_rotary": self.rotary(position_ids.gather(1, context_positions)),
         }
         masks: dict[int | None, torch.Tensor] = {}
         for layer in self.layers:
@@ -751,7 +794,8 @@ def _norm_scale(norm: nn.Module, width: int) -> torch.Tensor | None:
 
 
 __all__ = [
-    "BlockConvolution", "CandidateSelector", "DFlash2DraftModel", "DFlashDraftModel", "DFlashDraftOutput",
+    "BlockConvolution", "CandidateSelector", "ContextAttention", "DFlash2DraftModel", "DFlashDraftModel",
+    "DFlashDraftOutput",
     "DFlashPreTrainedModel", "attend_with_lse", "document_starts", "draft_block_mask", "draft_context_mask",
     "merge_partials", "rotary_factors",
 ]

@@ -1,0 +1,243 @@
+"""Worker for tests/test_dflash_parallel.py: the DFlash drafter's sharded forward (cp / bp / csbp) against one
+process, one torchrun launch for every case.
+
+    torchrun --nproc_per_node 2 tests/distributed/dflash_worker.py --out /tmp/dflash.json
+
+Each case (drafter kind, mode, loss, dtype, anchors) starts every rank from the same tiny random drafter and batch and
+runs 3 SGD steps twice: the single-process reference (`drafter(features, ...)` on every anchor,
+`DFlashObjective.loss_from_hidden`) and the sharded step (this rank's plan, feature rows and anchors,
+`sharded_draft_forward`, the loss times `plan.loss_scale`, gradients summed over the group). Recorded per step: the
+group's summed loss against the reference's, and this rank's received context bytes against the module docstring's
+formula, computed here independently (the sliding layer's rows from the mask rule itself); after the last step every
+weight against the reference's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from hf_bdlm.models.dflash.configuration import DFlashConfig
+from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel, draft_context_mask
+from hf_bdlm.models.dflash.objective import DFlashObjective
+from hf_bdlm.models.dflash.sharded import DFlashShardPlan, context_bytes, sharded_draft_forward
+from hf_bdlm.parallel.collectives import ByteMeter
+from hf_bdlm.parallel.groups import BlockParallelGroups
+
+VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 64, 32, 4, 2, 8, 4
+LENGTH, BATCH, STEPS, LR, WINDOW = 32, 2, 3, 0.2, 5
+DRAFTERS = {
+    "dflash2": dict(dflash2=True),
+    "dflash": dict(dflash2=False),
+    "dflash2_sliding": dict(dflash2=True, layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW),
+}
+
+
+def tiny_target(dtype: torch.dtype) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, pad_token_id=0)
+    return Qwen3ForCausalLM(config).to(dtype).eval()
+
+
+def tiny_drafter(kind: str, target, dtype: torch.dtype):
+    """A 2-layer drafter with every parameter random (norms around one), so no identity initialisation hides a
+    difference."""
+    values = dict(num_hidden_layers=2, target_layer_ids=[1, 3], block_size=BLOCK, mask_token_id=VOCAB - 1,
+                  intermediate_size=40, rope_parameters={"rope_type": "default", "rope_theta": 50.0})
+    values.update(DRAFTERS[kind])
+    if values["dflash2"]:
+        values.update(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5)
+    config = DFlashConfig.for_target(target.config, **values)
+    model = (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    return model.to(dtype).bind_target(target).train()
+
+
+def tiny_data(dtype: torch.dtype, feature_width: int):
+    """Two sequences: one document with a 5-token prompt; two packed documents (14 + 18 tokens) with prompts."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, VOCAB - 1, (BATCH, LENGTH), generator=g)
+    loss_mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    loss_mask[0, :5] = 0
+    loss_mask[1, :3] = 0
+    loss_mask[1, 14:17] = 0
+    documents = torch.zeros(BATCH, LENGTH, dtype=torch.long)
+    documents[1, 14:] = 1
+    features = torch.randn(BATCH, LENGTH, feature_width, generator=g, dtype=torch.float64).to(dtype)
+    return ids, loss_mask, documents, features
+
+
+def objective_of(loss: str, max_anchors: int) -> DFlashObjective:
+    return DFlashObjective(mask_token_id=VOCAB - 1, block_size=BLOCK, max_anchors=max_anchors, loss=loss,
+                           anchor_sampling="uniform", seed=3)
+
+
+def loss_of(objective, drafter, hidden, batch, global_sum=None):
+    selector = getattr(drafter, "candidate_selector", None) if objective.config.loss == "dpace" else None
+    return objective.loss_from_hidden(hidden, drafter.lm_head.weight, batch, selector=selector,
+                                      global_sum=global_sum)
+
+
+def sgd(model, lr: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.grad is not None:
+                p -= lr * p.grad
+    model.zero_grad(set_to_none=True)
+
+
+def expected_bytes(plan, drafter, batch, mine_of, element_size: int) -> tuple[int, int]:
+    """The module docstring's formula, with the sliding layer's rows taken from the mask rule itself: the rows outside
+    a rank's range that any query of its blocks may see."""
+    C, L = plan.ring_size, plan.sequence_length
+    if C == 1:
+        return 0, 0
+    row = 2 * BATCH * KV_HEADS * HEAD_DIM * element_size
+    everything = torch.arange(L).expand(BATCH, -1)
+
+    def seen(rank: int, window: int) -> set[int]:
+        mine = mine_of(rank)
+        mask = draft_context_mask(mine.anchor_positions, everything, BLOCK, anchor_document_starts=mine.document_starts,
+                                  anchor_valid=mine.anchor_valid, sliding_window=window)
+        lo, hi = plan.context_ranges[rank]
+        return {p for p in mask.flatten(0, 2).any(0).nonzero().flatten().tolist() if not lo <= p < hi}
+
+    ring = range(plan.rank - plan.rank % C, plan.rank - plan.rank % C + C)  # the ranks sharing one context copy
+    forward = backward = 0
+    for layer in drafter.layers:
+        window = layer.self_attn.sliding_window
+        if window is None:
+            forward += (C - 1) * (L // C) * row
+            backward += (C - 1) * (L // C) * row
+        else:
+            lo, hi = plan.context_range
+            forward += len(seen(plan.rank, window)) * row
+            backward += sum(sum(1 for p in seen(r, window) if lo <= p < hi) for r in ring if r != plan.rank) * row
+    return forward, backward
+
+
+def run_case(case: dict, groups: BlockParallelGroups, targets: dict) -> dict:
+    dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
+    P, C, rank, group, ring = case["P"], case["C"], groups.group_rank, groups.group, groups.ring
+    target = targets[case["dtype"]]
+    reference = tiny_drafter(case["drafter"], target, dtype)
+    sharded = tiny_drafter(case["drafter"], target, dtype)
+    initial = {n: p.detach().clone() for n, p in sharded.named_parameters()}
+    if case.get("checkpointing"):  # a recomputed layer exchanges its context rows again
+        sharded.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, loss_mask, documents, features = tiny_data(dtype, reference.config.feature_width)
+    objective = objective_of(case["loss"], case["max_anchors"])
+    windows = [reference.config.layer_window(i) for i in range(reference.config.num_hidden_layers)]
+    rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    steps = []
+    seconds = 0.0
+    for step in range(STEPS):
+        batch = objective.prepare(ids, loss_mask, documents, step=step)
+        out = reference(features, ids, batch.anchor_positions, batch.anchor_valid, document_ids=documents,
+                        return_logits=False)
+        ref_loss = loss_of(objective, reference, out.hidden_states, batch)
+        ref_loss.backward()
+        sgd(reference, LR)
+
+        group.meter.next_step()
+        start_time = time.perf_counter()
+        plan = DFlashShardPlan.build(batch, mode=case["mode"], world=P, rank=rank, layer_windows=windows, ring_size=C)
+        mine = plan.select(batch)
+        start, stop = plan.context_range
+        out = sharded_draft_forward(sharded, features[:, start:stop], ids, mine, plan, ring)
+        loss = loss_of(objective, sharded, out.hidden_states, mine, plan.global_sum(group)) * plan.loss_scale
+        loss.backward()
+        for p in sharded.parameters():  # what DDP does (as a sum; it averages a loss scaled by P the same way)
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group.group)
+        sgd(sharded, LR)
+        seconds += time.perf_counter() - start_time
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group.group)
+        names = group.meter.by_name()
+        got = (sum(v for k, v in names.items() if k.endswith(("all_gather", ".all_to_all"))),
+               sum(v for k, v in names.items() if k.endswith(("reduce_scatter", "all_to_all_backward"))))
+        kv_width, size = sharded.config.num_key_value_heads * sharded.config.head_dim, torch.finfo(dtype).bits // 8
+        steps.append(dict(
+            loss=ref_loss.item(), loss_err=abs(total.item() - ref_loss.item()) / abs(ref_loss.item()),
+            anchors=len(plan.anchor_slots[rank]), active=len(plan.anchor_slots[0]) if case["mode"] == "cp" else None,
+            bytes=got, formula=context_bytes(plan, windows, batch_size=BATCH, kv_width=kv_width, element_size=size),
+            expected=expected_bytes(plan, sharded, batch,
+                                    lambda r: DFlashShardPlan.build(batch, mode=case["mode"], world=P, rank=r,
+                                                                    layer_windows=windows, ring_size=C).select(batch),
+                                    size),
+            names=sorted(names)))
+    weight_err, worst = max((rel(p, reference.get_parameter(n)), n) for n, p in sharded.named_parameters())
+    moved = sum(1 for n, p in sharded.named_parameters() if not torch.equal(p, initial[n]))
+    return dict(case, rank=rank, steps=steps, weight_err=weight_err, worst_param=worst, seconds=seconds,
+                moved=moved, parameters=sum(1 for _ in sharded.parameters()))
+
+
+def cases(world: int) -> list[dict]:
+    """World 2: every drafter x mode x loss in float32, float64 for each drafter and mode with one loss, and a batch
+    with one active anchor slot (a rank without anchors). World 4: each mode once with few anchors (ranks without
+    any), and csbp with clean rings of 2 (context over 2 ranks, anchors over 4)."""
+    rings = {"cp": world, "bp": 1, "csbp": world}
+    out = []
+    if world == 2:
+        for drafter in DRAFTERS:
+            for mode in ("cp", "bp", "csbp"):
+                for loss in ("ce", "dpace"):
+                    out.append(dict(drafter=drafter, mode=mode, loss=loss, dtype="float32", max_anchors=6))
+                out.append(dict(drafter=drafter, mode=mode, loss="dpace" if drafter != "dflash" else "ce",
+                                dtype="float64", max_anchors=6))
+        for mode in ("bp", "csbp"):
+            out.append(dict(drafter="dflash2_sliding", mode=mode, loss="dpace", dtype="float64", max_anchors=1))
+        out.append(dict(drafter="dflash2_sliding", mode="csbp", loss="dpace", dtype="float32", max_anchors=6,
+                        checkpointing=True))
+    else:
+        for mode in ("cp", "bp", "csbp"):
+            out.append(dict(drafter="dflash2_sliding", mode=mode, loss="dpace", dtype="float32", max_anchors=3))
+        out.append(dict(drafter="dflash2_sliding", mode="csbp", loss="ce", dtype="float64", max_anchors=6))
+        out.append(dict(drafter="dflash2_sliding", mode="csbp", loss="dpace", dtype="float32", max_anchors=6, C=2))
+        out.append(dict(drafter="dflash2", mode="csbp", loss="ce", dtype="float64", max_anchors=6, C=2))
+    return [dict(c, P=world, C=c.get("C", rings[c["mode"]])) for c in out]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    targets = {"float32": tiny_target(torch.float32), "float64": tiny_target(torch.float64)}
+    groups, results = {}, []
+    for case in cases(world):
+        key = (case["P"], case["C"])
+        if key not in groups:  # every rank creates the same groups in the same order
+            groups[key] = BlockParallelGroups.create(*key, ByteMeter())
+        try:
+            results.append(run_case(case, groups[key], targets))
+        except Exception:
+            results.append(dict(case, error=traceback.format_exc()))
+            raise
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump([case for ranks in zip(*everyone) for case in ranks], f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
