@@ -1,6 +1,7 @@
 """The DFlash drafter under block parallelism (hf_bdlm/models/dflash/sharded.py): the plan (who holds which context
-rows and drafts which anchors), the sharded forward in one process (P = 1 and bp need no peers), and the training
-steps of every mode on 2 and 4 gloo processes against one process: losses, weights and the bytes each rank receives.
+rows, projects which of them, and drafts which anchors), the sharded forward in one process (P = 1 and bp need no
+peers), and the training steps of every mode on 2 and 4 gloo processes against one process: losses, weights, the
+bytes each rank receives and the context rows it projects (an all-sliding drafter projects only the rows in reach).
 
 The pure tests run in-process; the distributed ones launch torchrun (tests/distributed/dflash_worker.py, one launch per
 world size running every case).
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from dflash_worker import BLOCK, DRAFTERS, LENGTH, objective_of, tiny_data, tiny_drafter, tiny_target
+from dflash_worker import BLOCK, DRAFTERS, LENGTH, MATRIX, WINDOW, objective_of, tiny_data, tiny_drafter, tiny_target
 
 from hf_bdlm.models.dflash.modeling import draft_context_mask
 from hf_bdlm.models.dflash.objective import DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
@@ -123,10 +124,12 @@ def test_window_rows_are_exactly_the_peer_rows_the_mask_rule_lets_a_rank_see(mod
         assert plan.window_rows[window][plan.rank] == tuple(seen.nonzero().flatten().tolist())
 
 
+@pytest.mark.parametrize("windows", [(6,), (6, None)], ids=["compact", "whole"])
 @pytest.mark.parametrize("ring", [4, 2])
-def test_window_exchange_sends_each_ring_peer_exactly_the_rows_it_receives(ring):
+def test_window_exchange_sends_each_ring_peer_exactly_the_rows_it_receives(ring, windows):
     batch = packed_batch(4)
-    group = plans(batch, "csbp", 4, (6,), ring)
+    group = plans(batch, "csbp", 4, windows, ring)
+    assert all(plan.compacts_context == (windows == (6,)) for plan in group)
     exchanges = [plan.window_exchange(6) for plan in group]
     for me, (send_index, send_counts, recv_counts, received) in enumerate(exchanges):
         members, at = group[me].ring_members, me % ring  # counts are indexed by ring rank
@@ -138,9 +141,57 @@ def test_window_exchange_sends_each_ring_peer_exactly_the_rows_it_receives(ring)
         offset = 0
         for peer, count in zip(members, send_counts):  # rows sent to a peer: its needed rows that I hold, ascending
             start, stop = group[me].context_range
-            rows = [start + i for i in send_index[offset:offset + count].tolist()]
+            rows = group[me].projected_rows[send_index[offset:offset + count]].tolist()  # index my projected rows
             assert rows == [r for r in group[peer].window_rows[6][peer] if start <= r < stop]
             offset += count
+
+
+def _seen_by_ring(batch, group, rank, window):
+    """Brute force: the rows any query of any anchor of ``rank``'s ring may see on a layer of ``window``."""
+    everything = torch.arange(batch.sequence_length).expand(batch.anchor_positions.shape[0], -1)
+    seen = torch.zeros(batch.sequence_length, dtype=torch.bool)
+    for member in group[rank].ring_members:
+        mine = group[member].select(batch)
+        seen |= draft_context_mask(mine.anchor_positions, everything, BLOCK,
+                                   anchor_document_starts=mine.document_starts, anchor_valid=mine.anchor_valid,
+                                   sliding_window=window).flatten(0, 2).any(0)
+    return seen
+
+
+@pytest.mark.parametrize("mode, world, ring", [("cp", 1, None), ("cp", 4, None), ("bp", 3, None), ("csbp", 4, None),
+                                              ("csbp", 4, 2), ("csbp", 6, 3)])
+@pytest.mark.parametrize("windows", [(3, 6), (6,), (30, 2)])
+@pytest.mark.parametrize("sampling", ["uniform", "locality"])
+def test_projected_rows_are_the_rows_of_the_range_the_rings_anchors_see_through_the_widest_window(
+        mode, world, ring, windows, sampling):
+    batch = packed_batch(8, sampling=sampling)
+    group = plans(batch, mode, world, windows, ring)
+    for plan in group:
+        start, stop = plan.context_range
+        seen = _seen_by_ring(batch, group, plan.rank, max(windows))
+        assert plan.compacts_context and plan.compact_window == max(windows)
+        assert plan.projected_rows.tolist() == (seen[start:stop].nonzero().flatten() + start).tolist()
+        runs = plan.projected_runs  # disjoint ascending runs, separated by at least one row
+        assert all(a < b for a, b in runs) and all(b < c for (_, b), (c, _) in zip(runs, runs[1:]))
+        assert plan.num_projected == len(plan.projected_rows) == sum(b - a for a, b in runs)
+        for w in set(windows):  # every row a peer needs from this rank is one it projects
+            for peer in plan.ring_members:
+                needed = {r for r in group[peer].window_rows[w][peer] if start <= r < stop}
+                assert needed <= set(plan.projected_rows.tolist())
+
+
+def test_a_full_attention_layer_or_compact_context_false_projects_whole_ranges():
+    batch = packed_batch(9, sampling="locality")
+    for mode in MODES:
+        compact = plans(batch, mode, 4, (5, 5))
+        assert sum(p.num_projected for p in compact) < sum(p.context_range[1] - p.context_range[0] for p in compact)
+        for plan in plans(batch, mode, 4, (5, None)) + [
+                DFlashShardPlan.build(batch, mode=mode, world=4, rank=r, layer_windows=(5, 5), compact_context=False)
+                for r in range(4)]:
+            start, stop = plan.context_range
+            assert not plan.compacts_context and plan.compact_window is None
+            assert plan.projected_runs == ((start, stop),)
+            assert torch.equal(plan.projected_rows, torch.arange(start, stop))
 
 
 def test_bp_exchanges_nothing_and_cp_counts_each_rank_once():
@@ -199,25 +250,82 @@ def test_plan_errors_name_the_bad_value_and_the_fix():
 
 
 # --- the sharded forward in one process ------------------------------------------------------------------------------
-def _case(kind: str, dtype=torch.float64):
+def _case(kind: str, dtype=torch.float64, max_anchors: int = 6):
     target = tiny_target(dtype)
     drafter = tiny_drafter(kind, target, dtype)
     ids, loss_mask, documents, features = tiny_data(dtype, drafter.config.feature_width)
-    batch = objective_of("ce", 6).prepare(ids, loss_mask, documents, step=1)
+    batch = objective_of("ce", max_anchors).prepare(ids, loss_mask, documents, step=1)
     windows = [drafter.config.layer_window(i) for i in range(drafter.config.num_hidden_layers)]
     return drafter, ids, documents, features, batch, windows
 
 
+class RowCounter:
+    """Counts the context rows ``fc`` projects (a forward hook)."""
+
+    def __init__(self, drafter):
+        self.rows: list[int] = []
+        self.handle = drafter.fc.register_forward_hook(lambda module, args, out: self.rows.append(args[0].shape[1]))
+
+
 @pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_one_rank_runs_the_drafters_own_forward(kind):
-    drafter, ids, documents, features, batch, windows = _case(kind)
+    drafter, ids, documents, features, batch, windows = _case(kind, max_anchors=6)
     whole = drafter(features, ids, batch.anchor_positions, batch.anchor_valid, document_ids=documents)
     plan = DFlashShardPlan.build(batch, mode="csbp", world=1, rank=0, layer_windows=windows)
+    assert plan.compacts_context == (kind == "dflash2_all_sliding")
     mine = plan.select(batch)
+    counter = RowCounter(drafter)
     out = sharded_draft_forward(drafter, features, ids, mine, plan, None, return_logits=True)
+    assert counter.rows == [plan.num_projected]
+    assert plan.num_projected < LENGTH if plan.compacts_context else plan.num_projected == LENGTH
     rows = (plan.anchor_index[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
-    assert torch.equal(out.hidden_states, whole.hidden_states[:, rows])
-    assert torch.equal(out.logits, whole.logits[:, rows])
+    if plan.compacts_context:  # fewer keys: the same sums in another order
+        torch.testing.assert_close(out.hidden_states, whole.hidden_states[:, rows], rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(out.logits, whole.logits[:, rows], rtol=1e-13, atol=1e-13)
+    else:
+        assert torch.equal(out.hidden_states, whole.hidden_states[:, rows])
+        assert torch.equal(out.logits, whole.logits[:, rows])
+
+
+@pytest.mark.parametrize("mode, world", [("csbp", 1), ("bp", 2)])
+def test_the_compact_forward_takes_the_whole_range_or_only_the_projected_rows(mode, world):
+    drafter, ids, _, features, batch, windows = _case("dflash2_all_sliding", max_anchors=3)
+    for plan in plans(batch, mode, world, windows):
+        assert 0 < plan.num_projected < LENGTH
+        mine = plan.select(batch)
+        from_range = sharded_draft_forward(drafter, features, ids, mine, plan, None).hidden_states
+        from_rows = sharded_draft_forward(drafter, features[:, plan.projected_rows], ids, mine, plan, None)
+        assert torch.equal(from_range, from_rows.hidden_states)
+
+
+@pytest.mark.parametrize("layer_windows", [(WINDOW, WINDOW), (3, WINDOW), (WINDOW, 2)])
+@pytest.mark.parametrize("mode", ["bp", "cp"])
+def test_compact_ranks_give_the_single_process_outputs_and_gradients(mode, layer_windows):
+    """bp on 2 ranks (each projects the rows its own anchors see) and one cp rank (every active anchor's): outputs
+    equal the drafter's own forward, and the ranks' gradients add up to its gradient (layers of different windows:
+    the widest decides the rows)."""
+    drafter, ids, documents, features, batch, _ = _case("dflash2_all_sliding", max_anchors=4)
+    for layer, window in zip(drafter.layers, layer_windows):
+        layer.self_attn.sliding_window = window
+    objective = objective_of("ce", 4)
+    whole = drafter(features, ids, batch.anchor_positions, batch.anchor_valid, document_ids=documents,
+                    return_logits=False).hidden_states
+    objective.loss_from_hidden(whole, drafter.lm_head.weight, batch).backward()
+    expected = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad(set_to_none=True)
+    counter = RowCounter(drafter)
+    world = 2 if mode == "bp" else 1
+    group = plans(batch, mode, world, layer_windows)
+    for plan in group:
+        assert plan.compact_window == max(layer_windows)
+        mine = plan.select(batch)
+        out = sharded_draft_forward(drafter, features, ids, mine, plan, None).hidden_states
+        rows = (plan.anchor_index[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
+        torch.testing.assert_close(out, whole[:, rows], rtol=1e-13, atol=1e-13)
+        objective.loss_from_hidden(out, drafter.lm_head.weight, mine).backward()
+    assert counter.rows == [plan.num_projected for plan in group] and all(n < LENGTH for n in counter.rows)
+    for name, grad in expected.items():
+        torch.testing.assert_close(drafter.get_parameter(name).grad, grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_bp_ranks_draft_their_own_blocks_of_the_single_process_forward():
@@ -242,6 +350,14 @@ def test_forward_errors_name_the_bad_value_and_the_fix():
     full_only = DFlashShardPlan.build(batch, mode="bp", world=2, rank=0)
     with pytest.raises(ValueError, match=r"sliding windows \[5\] the plan was not built for"):
         sharded_draft_forward(drafter, features, ids, full_only.select(batch), full_only, None)
+    compact = DFlashShardPlan.build(batch, mode="bp", world=2, rank=0, layer_windows=(5, 5))
+    with pytest.raises(ValueError, match=r"only the context rows within window 5 of the anchors, but the drafter's "
+                                         r"layers have windows \[5, None\] \(None: full attention\): build the plan"):
+        sharded_draft_forward(drafter, features, ids, compact.select(batch), compact, None)
+    n = compact.num_projected
+    with pytest.raises(ValueError, match=rf"shape \[b=2, 32, features\] or only the {n} rows it projects "
+                                         r"\(plan.projected_rows\), got \(2, 7, 64\)"):
+        sharded_draft_forward(drafter, features[:, :7], ids, compact.select(batch), compact, None)
 
 
 # --- every mode on 2 and 4 processes against one process ------------------------------------------------------------
@@ -263,12 +379,15 @@ def test_matrix_covers_every_drafter_mode_loss_and_a_rank_without_anchors(result
     assert all("error" not in c for c in cases) and {c["rank"] for c in cases} == set(range(world))
     kinds = {(c["drafter"], c["mode"], c["loss"], c["dtype"]) for c in cases}
     if world == 2:
-        assert {(d, m, loss) for d in DRAFTERS for m in MODES for loss in ("ce", "dpace")} \
+        assert {(d, m, loss) for d in MATRIX for m in MODES for loss in ("ce", "dpace")} \
             <= {k[:3] for k in kinds if k[3] == "float32"}
         assert {(d, m) for d in DRAFTERS for m in MODES} <= {k[:2] for k in kinds if k[3] == "float64"}
+        assert {("dflash2_all_sliding", m) for m in ("cp", "csbp")} <= {k[:2] for k in kinds if k[3] == "float32"}
     else:
         assert {m for _, m, _, _ in kinds} == set(MODES)
         assert {(c["mode"], c["C"]) for c in cases} == {("cp", 4), ("bp", 1), ("csbp", 4), ("csbp", 2)}
+        assert {(c["mode"], c["C"]) for c in cases if c["drafter"] == "dflash2_all_sliding"} == {("cp", 4),
+                                                                                                  ("csbp", 2)}
     if world == 2:
         assert any(c.get("checkpointing") for c in cases)
     idle = [c for c in cases if c["mode"] != "cp" and any(s["anchors"] == 0 for s in c["steps"])]
@@ -300,10 +419,28 @@ def test_every_rank_receives_the_bytes_of_the_formula(results):
             assert s["bytes"] == [recomputed * forward, backward] and s["formula"] == s["expected"], c
             if c["mode"] == "bp":
                 assert s["bytes"] == [0, 0] and not s["names"]
-            else:
-                assert s["bytes"][0] > 0 and all(n.startswith("dflash_context_") for n in s["names"])
+            else:  # a full layer always gathers; sliding layers only the rows in reach (maybe none)
+                assert s["bytes"][0] > 0 or c["drafter"] == "dflash2_all_sliding", c
+                assert all(n.startswith("dflash_context_") for n in s["names"])
         if c["drafter"] == "dflash2_sliding" and c["mode"] != "bp":
             # 2 layers x the ring peers' rows x K and V x b = 2 sequences x H_kv = 2 heads x d = 8 x s: full gathers
             C = c["C"]
             whole = 2 * (C - 1) * (LENGTH // C) * 2 * 2 * 2 * 8 * (4 if c["dtype"] == "float32" else 8)
             assert all(s["formula"][0] < whole for s in c["steps"]), c  # the sliding layer fetches its window only
+    compact = [s for c in cases if c["drafter"] == "dflash2_all_sliding" and c["mode"] != "bp" for s in c["steps"]]
+    assert any(s["bytes"][0] > 0 for s in compact)  # the compact rows travel too
+
+
+@pytest.mark.distributed
+def test_every_rank_projects_the_rows_of_the_plan_and_the_mask_rule(results):
+    """An all-sliding drafter projects (``fc`` input rows, counted by a hook) exactly the rows of its range that its
+    ring's anchors can see; any other drafter its whole range."""
+    _, cases = results
+    for c in cases:
+        for s in c["steps"]:
+            assert s["fc_rows"] == [s["projected"]] and s["projected"] == s["expected_projected"], c
+            if c["drafter"] != "dflash2_all_sliding":
+                assert s["projected"] == s["shard"], c
+    compact = [s for c in cases if c["drafter"] == "dflash2_all_sliding" for s in c["steps"]]
+    assert compact and all(s["projected"] <= s["shard"] for s in compact)
+    assert sum(s["projected"] for s in compact) < sum(s["shard"] for s in compact)  # rows were left out

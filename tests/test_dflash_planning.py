@@ -284,8 +284,6 @@ def test_the_projection_prints_both_contexts_next_to_the_published_speedups():
         parts = r["host"]["breakdown"]
         assert sum(parts.values()) == pytest.approx(r["host"]["difference_s"])
         assert parts["draft layers"] > 0 and parts["head and loss"] > 0  # replicated under CP-only
-        # Projecting whole shards (the sharded forward today) costs more than the anchors' windows only.
-        assert r["project_csbp"]["seconds_per_sequence"] > r["host"]["best_csbp"]["seconds_per_sequence"]
     text = format_projection(rows)
     summary = [line for line in text.splitlines() if line.split()[:2] in (["512K", "host"], ["1M", "host"])]
     assert len(summary) == 2 and summary[0].endswith("2.48x") and summary[1].endswith("7.59x")

@@ -7,9 +7,11 @@ Each case (drafter kind, mode, loss, dtype, anchors) starts every rank from the 
 runs 3 SGD steps twice: the single-process reference (`drafter(features, ...)` on every anchor,
 `DFlashObjective.loss_from_hidden`) and the sharded step (this rank's plan, feature rows and anchors,
 `sharded_draft_forward`, the loss times `plan.loss_scale`, gradients summed over the group). Recorded per step: the
-group's summed loss against the reference's, and this rank's received context bytes against the module docstring's
-formula, computed here independently (the sliding layer's rows from the mask rule itself); after the last step every
-weight against the reference's.
+group's summed loss against the reference's, this rank's received context bytes against the module docstring's
+formula, computed here independently (the sliding layer's rows from the mask rule itself), and the context rows its
+``fc`` projected (a forward hook) against the plan's and against the mask rule's union over its ring's anchors (an
+all-sliding drafter compacts its context, and is fed only those feature rows); after the last step every weight
+against the reference's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ DRAFTERS = {
     "dflash2": dict(dflash2=True),
     "dflash": dict(dflash2=False),
     "dflash2_sliding": dict(dflash2=True, layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW),
+    "dflash2_all_sliding": dict(dflash2=True, layer_types=["sliding_attention"] * 2, sliding_window=WINDOW),
 }
+MATRIX = ("dflash2", "dflash", "dflash2_sliding")  # every mode x loss; the all-sliding drafter (compact context): a few
 
 
 def tiny_target(dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -127,6 +131,22 @@ def expected_bytes(plan, drafter, batch, mine_of, element_size: int) -> tuple[in
     return forward, backward
 
 
+def expected_projected(plan, windows, mine_of) -> int:
+    """The context rows this rank must project, from the mask rule: its whole range unless every layer slides, else
+    the rows of its range that some query of its ring's anchors sees on the widest window."""
+    lo, hi = plan.context_range
+    if any(w is None for w in windows):
+        return hi - lo
+    everything = torch.arange(plan.sequence_length).expand(BATCH, -1)
+    seen = torch.zeros(plan.sequence_length, dtype=torch.bool)
+    for member in plan.ring_members:
+        mine = mine_of(member)
+        seen |= draft_context_mask(mine.anchor_positions, everything, BLOCK,
+                                   anchor_document_starts=mine.document_starts, anchor_valid=mine.anchor_valid,
+                                   sliding_window=max(windows)).flatten(0, 2).any(0)
+    return int(seen[lo:hi].sum())
+
+
 def run_case(case: dict, groups: BlockParallelGroups, targets: dict) -> dict:
     dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
     P, C, rank, group, ring = case["P"], case["C"], groups.group_rank, groups.group, groups.ring
@@ -140,6 +160,8 @@ def run_case(case: dict, groups: BlockParallelGroups, targets: dict) -> dict:
     objective = objective_of(case["loss"], case["max_anchors"])
     windows = [reference.config.layer_window(i) for i in range(reference.config.num_hidden_layers)]
     rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    fc_rows: list[int] = []
+    hook = sharded.fc.register_forward_hook(lambda module, args, out: fc_rows.append(args[0].shape[1]))
     steps = []
     seconds = 0.0
     for step in range(STEPS):
@@ -155,7 +177,10 @@ def run_case(case: dict, groups: BlockParallelGroups, targets: dict) -> dict:
         plan = DFlashShardPlan.build(batch, mode=case["mode"], world=P, rank=rank, layer_windows=windows, ring_size=C)
         mine = plan.select(batch)
         start, stop = plan.context_range
-        out = sharded_draft_forward(sharded, features[:, start:stop], ids, mine, plan, ring)
+        rows = features[:, plan.projected_rows] if plan.compacts_context else features[:, start:stop]
+        fc_rows.clear()
+        out = sharded_draft_forward(sharded, rows, ids, mine, plan, ring)
+        projected = list(fc_rows)
         loss = loss_of(objective, sharded, out.hidden_states, mine, plan.global_sum(group)) * plan.loss_scale
         loss.backward()
         for p in sharded.parameters():  # what DDP does (as a sum; it averages a loss scaled by P the same way)
@@ -179,7 +204,11 @@ def run_case(case: dict, groups: BlockParallelGroups, targets: dict) -> dict:
                                     lambda r: DFlashShardPlan.build(batch, mode=case["mode"], world=P, rank=r,
                                                                     layer_windows=windows, ring_size=C).select(batch),
                                     size),
-            names=sorted(names)))
+            names=sorted(names), fc_rows=projected, projected=plan.num_projected, shard=stop - start,
+            expected_projected=expected_projected(
+                plan, windows, lambda r: DFlashShardPlan.build(batch, mode=case["mode"], world=P, rank=r,
+                                                               layer_windows=windows, ring_size=C).select(batch))))
+    hook.remove()
     weight_err, worst = max((rel(p, reference.get_parameter(n)), n) for n, p in sharded.named_parameters())
     moved = sum(1 for n, p in sharded.named_parameters() if not torch.equal(p, initial[n]))
     return dict(case, rank=rank, steps=steps, weight_err=weight_err, worst_param=worst, seconds=seconds,
@@ -187,13 +216,14 @@ def run_case(case: dict, groups: BlockParallelGroups, targets: dict) -> dict:
 
 
 def cases(world: int) -> list[dict]:
-    """World 2: every drafter x mode x loss in float32, float64 for each drafter and mode with one loss, and a batch
-    with one active anchor slot (a rank without anchors). World 4: each mode once with few anchors (ranks without
-    any), and csbp with clean rings of 2 (context over 2 ranks, anchors over 4)."""
+    """World 2: every drafter of the matrix x mode x loss in float32, float64 for each drafter and mode with one loss,
+    and a batch with one active anchor slot (a rank without anchors); the all-sliding drafter (compact context) in
+    every mode in float64 and twice in float32. World 4: each mode once with few anchors (ranks without any), csbp
+    with clean rings of 2 (context over 2 ranks, anchors over 4), and the all-sliding drafter under cp and csbp."""
     rings = {"cp": world, "bp": 1, "csbp": world}
     out = []
     if world == 2:
-        for drafter in DRAFTERS:
+        for drafter in MATRIX:
             for mode in ("cp", "bp", "csbp"):
                 for loss in ("ce", "dpace"):
                     out.append(dict(drafter=drafter, mode=mode, loss=loss, dtype="float32", max_anchors=6))
@@ -203,12 +233,19 @@ def cases(world: int) -> list[dict]:
             out.append(dict(drafter="dflash2_sliding", mode=mode, loss="dpace", dtype="float64", max_anchors=1))
         out.append(dict(drafter="dflash2_sliding", mode="csbp", loss="dpace", dtype="float32", max_anchors=6,
                         checkpointing=True))
+        for mode in ("cp", "bp", "csbp"):
+            out.append(dict(drafter="dflash2_all_sliding", mode=mode, loss="dpace", dtype="float64", max_anchors=3))
+        out.append(dict(drafter="dflash2_all_sliding", mode="csbp", loss="ce", dtype="float32", max_anchors=6))
+        out.append(dict(drafter="dflash2_all_sliding", mode="cp", loss="dpace", dtype="float32", max_anchors=3,
+                        checkpointing=True))
     else:
         for mode in ("cp", "bp", "csbp"):
             out.append(dict(drafter="dflash2_sliding", mode=mode, loss="dpace", dtype="float32", max_anchors=3))
         out.append(dict(drafter="dflash2_sliding", mode="csbp", loss="ce", dtype="float64", max_anchors=6))
         out.append(dict(drafter="dflash2_sliding", mode="csbp", loss="dpace", dtype="float32", max_anchors=6, C=2))
         out.append(dict(drafter="dflash2", mode="csbp", loss="ce", dtype="float64", max_anchors=6, C=2))
+        out.append(dict(drafter="dflash2_all_sliding", mode="cp", loss="ce", dtype="float64", max_anchors=3))
+        out.append(dict(drafter="dflash2_all_sliding", mode="csbp", loss="dpace", dtype="float32", max_anchors=4, C=2))
     return [dict(c, P=world, C=c.get("C", rings[c["mode"]])) for c in out]
 
 

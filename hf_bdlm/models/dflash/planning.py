@@ -13,7 +13,7 @@ objective's own anchor draw, :func:`~.objective.DFlashObjective.prepare`):
   (two buffers on the device: the step's and the next), or kept resident (``features="resident"``, one buffer);
 - context: ``fc`` + ``hidden_norm`` and every layer's ``k_proj`` / ``v_proj`` over the rows of its shard that some query
   of its clean ring can see (the whole shard unless every layer slides: then the union of the anchors' windows, as
-  the paper's code compacts them; ``compact_context=False``: the whole shard, as :mod:`.sharded` does today);
+  the paper's code and :mod:`.sharded` compact them; ``compact_context=False``: the whole shard);
   ``fc`` has no input gradient (the features are detached);
 - draft: its anchors' ``A_r x B`` rows through every layer (attention and MLP matrices, DFlash2's kernel projections),
   their attention over the block (``B^2`` pairs, ``B(B+1)/2`` causal) and over the context each query sees
@@ -734,9 +734,7 @@ def project_drafter_training(
     Returns:
         `list[dict]`: one JSON-ready dict per context: ``context``, ``published`` (the paper's speed-up or ``None``),
         ``drafter``, ``gpus``, ``memory_limit_bytes``, ``setting``, ``predictions`` (every layout, host reads, what
-        fits first, fastest first), ``host`` / ``resident`` (:func:`compare_layouts` of each feature mode) and
-        ``project_csbp``: the fastest fitting ``csbp`` as this project's sharded forward runs it today (whole shards
-        projected: no compaction; the windows' rows exchanged), host reads, with its ratio over the paper's CP-only.
+        fits first, fastest first) and ``host`` / ``resident`` (:func:`compare_layouts` of each feature mode).
     """
     spec = DrafterSpec.from_config(config if config is not None else PUBLISHED_DFLASH2,
                                    None if config is not None else "z-lab/Qwen3.8-27B-DFlash2")
@@ -754,16 +752,6 @@ def project_drafter_training(
             if features == "host":
                 row["setting"] = asdict(setting)
                 row["predictions"] = [p.to_dict() for p in preds]
-                # This project's sharded forward as it runs today: whole shards projected, reach rows exchanged.
-                today = replace(setting, compact_context=False)
-                mine = fastest([predict_drafter(spec, d, today, device, cluster, recipe, ac)
-                                for d in drafter_layouts(gpus, ("allgather",)) if d.mode == "csbp"
-                                for ac in (False, True)])
-                base = fastest(preds, mode="cp", block_parallel_size=gpus, transport="ring")
-                row["project_csbp"] = None if mine is None else dict(
-                    label=_name(mine), seconds_per_sequence=1 / mine.sequences_per_s, peak_bytes=mine.memory.total,
-                    ratio=None if base is None else mine.tokens_per_s / base.tokens_per_s,
-                    context_projection_s=mine.parts["context projection"] / mine.dims.data_parallel_size)
         rows.append(row)
     return rows
 
@@ -819,13 +807,6 @@ def format_projection(rows: list[dict], top: int | None = 8) -> str:
                          f"{_x(c['recipe_ratio']):>7} {_x(row['published']) if features == 'host' else '':>9}")
     lines.append("(vs paper: over the CP-only layout over all 8 GPUs; vs cp: over the fastest fitting cp of any group "
                  "size; recipe: the recipe's csbp P=2 C=2 D=4 over the CP-only layout; n/a: it does not fit)")
-    lines += ["", "csbp as hf_bdlm.models.dflash.sharded runs it today (every context row of a shard projected, not "
-              "only the anchors' windows; host reads):"]
-    for row in rows:
-        c = row["project_csbp"]
-        lines.append(f"  {_k(row['context'])}: " + ("none fits" if c is None else
-                     f"{c['label']} {c['seconds_per_sequence']:.3f} s/sequence ({c['context_projection_s']:.3f} of "
-                     f"it projecting context), {_x(c['ratio'])} over CP-only (paper)"))
     lines += ["", "Peaks per GPU that decide what fits (GB, the smaller of AC on / off):"]
     for row in rows:
         for features in FEATURES:

@@ -13,10 +13,11 @@ queries attend to the context before their anchor). The modes split them differe
 | ``bp`` | all ``L`` | a cost-balanced share of ``P`` | nothing |
 | ``csbp`` | ``[c L/C, (c+1) L/C)`` | a cost-balanced share of ``P`` | context K/V |
 
-**Plan** (:class:`DFlashShardPlan`, pure): the contiguous context range of every rank, the anchor slots each rank
-drafts (``deal_anchors`` of the anchors' attention costs summed over the drafter's layers: heaviest with lightest;
-``cp``: every active slot on every rank), and for each sliding window the context rows each rank must receive from
-its ring.
+**Plan** (:class:`DFlashShardPlan`, pure): the contiguous context range of every rank and the rows of it the rank
+projects (all of them, or only those in reach when every layer slides: *compact context*, below), the anchor slots
+each rank drafts (``deal_anchors`` of the anchors' attention costs summed over the drafter's layers: heaviest with
+lightest; ``cp``: every active slot on every rank), and for each sliding window the context rows each rank must
+receive from its ring.
 
 **Forward** (:func:`sharded_draft_forward`): every layer's context K/V are projected from the SAME projected
 features (not from the previous layer's output), so a rank computes its rows' K/V of each layer locally and the
@@ -29,6 +30,21 @@ log-sum-exp (:func:`~.modeling.merge_partials`). In backward the peers' rows' dK
 ``k_norm`` receive, on the owner of each row in each ring, the gradient of every use of it by the ring's anchors;
 summed over the group (what DDP does) they hold every anchor's. A full-attention layer gathers all the peers' rows,
 the ones after a rank's last anchor included (masked, not skipped: equal shares keep it one all-gather).
+
+**Compact context** (every layer of the drafter slides, widest window ``W``): the block of anchor ``a`` sees no
+context row outside ``[max(document start, a - W + 1), a)``, and a row's projection and K/V are computed row by row,
+so a row no anchor sees changes no output and no gradient (the features are detached inputs). Each rank then
+projects (``fc``, ``hidden_norm``, every layer's ``k_proj`` / ``v_proj`` / ``k_norm``) only the rows of its range
+that an anchor drafted in its *ring* can see (its ring peers read its rows, so their anchors count): the plan's
+:attr:`~DFlashShardPlan.projected_ranges`, the union over the batch's samples (``cp`` and ``P = 1``: every active
+anchor; ``bp``: the rank's own; ``csbp``: its ring members'). The own-range attention and the window exchange use
+those rows; the exchange already sent only rows in reach, so the bytes do not change. At ``L = 16384``, ``W = 512``,
+64 locality anchors on 8 ranks, ``csbp`` projects 687 and 328 rows on two ranks and none on six (1015 of 16384), ``bp``
+903 to 1015 rows per rank instead of 16384; at ``L = 2^20``, ``W = 2048``, 2048 locality anchors (blocks of 8),
+``csbp`` projects 18423 rows on one rank instead of 131072 on each. A trainer may read only these feature rows from
+disk and pass them instead of the whole range: ``torch.cat([store.features(i, a, b) for a, b in
+plan.projected_runs])`` (:meth:`~.capture.FeatureStore.features` reads only the rows asked). With any
+full-attention layer (or ``compact_context=False``) every row of the range is projected.
 
 **Loss** (:attr:`DFlashShardPlan.loss_scale`): the group's rank losses, each ``loss(own anchors) * loss_scale``, add
 up to the single-process loss of the batch and their gradients to its gradient: ``bp``, ``csbp`` score disjoint
@@ -57,6 +73,7 @@ processes: ``torchrun --nproc_per_node 2 tests/distributed/dflash_worker.py --ou
     mine = plan.select(batch)                                     # this rank's anchors
     start, stop = plan.context_range                              # this rank's feature rows
     out = sharded_draft_forward(drafter, features[:, start:stop], input_ids, mine, plan, groups.ring)
+    # or only the rows it projects: features[:, plan.projected_rows]
     loss = objective.loss_from_hidden(out.hidden_states, drafter.lm_head.weight, mine,
                                       global_sum=plan.global_sum(groups.group)) * plan.loss_scale
 """
@@ -104,6 +121,11 @@ class DFlashShardPlan:
         window_rows (`dict[int, tuple[tuple[int, ...], ...]]`): per sliding window ``W`` of the drafter, per rank,
             the context rows (sequence indices, ascending) held by its ring peers that its anchors can see on a layer
             of window ``W`` (empty under ``bp``).
+        projected_ranges (`tuple[tuple[tuple[int, int], ...], ...]`, *optional*): per rank, the rows of its context
+            range it projects, as ascending disjoint runs ``[start, stop)`` of sequence indices. Defaults to the whole
+            range (what :meth:`build` gives unless the context is compacted).
+        compact_window (`int`, *optional*): the widest window when the context is compacted (every layer slides:
+            a rank projects only the rows its ring's anchors can see), else `None`.
     """
 
     mode: Mode
@@ -114,6 +136,13 @@ class DFlashShardPlan:
     context_ranges: tuple[tuple[int, int], ...]
     anchor_slots: tuple[tuple[int, ...], ...]
     window_rows: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    projected_ranges: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    compact_window: int | None = None
+
+    def __post_init__(self):
+        if self.projected_ranges is None:
+            whole = tuple(((start, stop),) if stop > start else () for start, stop in self.context_ranges)
+            object.__setattr__(self, "projected_ranges", whole)
 
     @classmethod
     def build(
@@ -125,6 +154,7 @@ class DFlashShardPlan:
         rank: int,
         layer_windows: Sequence[int | None] = (None,),
         ring_size: int | None = None,
+        compact_context: bool = True,
     ) -> "DFlashShardPlan":
         """The plan of ``batch`` for rank ``rank`` of ``world``.
 
@@ -140,6 +170,9 @@ class DFlashShardPlan:
             ring_size (`int`, *optional*): ranks ``C`` a context copy is sharded over (``dims.clean_ring_size``):
                 ``P`` under ``cp``, a divisor of ``P`` under ``csbp`` (default ``P``), 1 under ``bp``. ``cp`` and
                 ``csbp`` need ``L % C == 0``.
+            compact_context (`bool`, defaults to `True`): when every layer slides, each rank projects only the rows
+                of its range that its ring's anchors can see through the widest window (`projected_ranges`); with
+                any full-attention layer, or `False`, the whole range.
         """
         mode = _mode(mode)
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
@@ -185,16 +218,53 @@ class DFlashShardPlan:
             if not shards_context:
                 windows[window] = ((),) * world
                 continue
-            windows[window] = tuple(
-                tuple(row for row in _rows_in_window(batch, slots[r], window) if not ranges[r][0] <= row < ranges[r][1])
-                for r in range(world))
-        return cls(mode, world, rank, ring, length, ranges, slots, windows)
+            outside = []
+            for r in range(world):
+                seen = _reachable_runs(batch, slots[r], window)
+                lo, hi = ranges[r]
+                outside.append(tuple(_positions(_cut(seen, 0, lo) + _cut(seen, hi, length)).tolist()))
+            windows[window] = tuple(outside)
+
+        projected, widest = None, None
+        if compact_context and all(w is not None for w in layer_windows):
+            widest = max(layer_windows)
+            runs = []
+            for r in range(world):
+                first = r - r % ring
+                if r == first:  # one union per ring: the anchors of all its members
+                    ring_slots = sorted({s for member in range(first, first + ring) for s in slots[member]})
+                    seen = _reachable_runs(batch, ring_slots, widest)
+                runs.append(_cut(seen, *ranges[r]))
+            projected = tuple(runs)
+        return cls(mode, world, rank, ring, length, ranges, slots, windows, projected, widest)
 
     # --- this rank ---------------------------------------------------------------------------------------------------
     @property
     def context_range(self) -> tuple[int, int]:
         """``(start, stop)``: the feature rows this rank holds (``features[:, start:stop]``)."""
         return self.context_ranges[self.rank]
+
+    @property
+    def compacts_context(self) -> bool:
+        """Whether this rank projects only the rows of its range that its ring's anchors can see (every layer
+        slides), not the whole range."""
+        return self.compact_window is not None
+
+    @property
+    def projected_runs(self) -> tuple[tuple[int, int], ...]:
+        """The runs ``[start, stop)`` of sequence indices this rank projects, ascending (within `context_range`):
+        the feature rows it needs, e.g. ``torch.cat([store.features(i, a, b) for a, b in plan.projected_runs])``."""
+        return self.projected_ranges[self.rank]
+
+    @property
+    def projected_rows(self) -> torch.Tensor:
+        """The sequence indices of the rows this rank projects (`torch.LongTensor`, ascending)."""
+        return _positions(self.projected_runs)
+
+    @property
+    def num_projected(self) -> int:
+        """How many context rows this rank projects (``len(plan.projected_rows)``)."""
+        return sum(stop - start for start, stop in self.projected_runs)
 
     @property
     def anchor_index(self) -> torch.Tensor:
@@ -249,42 +319,66 @@ class DFlashShardPlan:
 
     def window_exchange(self, window: int) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
         """This rank's all-to-all of a sliding layer of window ``window``: ``(send_index, send_counts, recv_counts,
-        recv_positions)``: the local rows it sends to each ring peer (ring order), how many to and from each ring
-        rank (this one: 0), and the sequence indices of the rows it receives (ring order, which is ascending)."""
+        recv_positions)``: the rows it sends to each ring peer (ring order; indices into its projected rows,
+        `projected_rows`), how many to and from each ring rank (this one: 0), and the sequence indices of the rows
+        it receives (ring order, which is ascending)."""
         if window not in self.window_rows:
             raise ValueError(f"the plan has no exchange for sliding window {window}; it knows windows "
                              f"{sorted(self.window_rows)}: build it with the drafter's layer_windows.")
         rows, me = self.window_rows[window], self.rank
         start, stop = self.context_range
+        local, received = self.projected_rows, _index(rows[me])
         send, send_counts, recv_counts = [], [], []
         for peer in self.ring_members:
             if peer == me:
                 send_counts.append(0)
                 recv_counts.append(0)
                 continue
+            wanted = _index(rows[peer])
+            held = wanted[(wanted >= start) & (wanted < stop)]
+            index = torch.searchsorted(local, held)
+            if bool((index >= len(local)).any()) or not torch.equal(local[index.clamp_max(len(local) - 1)], held):
+                raise RuntimeError(f"rank {peer} needs rows of rank {me} that rank {me} does not project: the plan "
+                                   "is inconsistent (build it with DFlashShardPlan.build).")
+            send.append(index)
+            send_counts.append(len(index))
             lo, hi = self.context_ranges[peer]
-            sent = [r - start for r in rows[peer] if start <= r < stop]
-            send += sent
-            send_counts.append(len(sent))
-            recv_counts.append(sum(1 for r in rows[me] if lo <= r < hi))
-        return (torch.tensor(send, dtype=torch.int64), send_counts, recv_counts,
-                torch.tensor(rows[me], dtype=torch.int64))
+            recv_counts.append(int(((received >= lo) & (received < hi)).sum()))
+        send_index = torch.cat(send) if send else torch.zeros(0, dtype=torch.int64)
+        return send_index, send_counts, recv_counts, received
 
 
-def _rows_in_window(batch: DFlashBatch, slots: Sequence[int], window: int) -> list[int]:
-    """Context rows (sequence indices) that the blocks of anchor ``slots`` may see on a layer of window ``W``: the
-    union over samples and valid anchors ``a`` of ``[max(document start, a - W + 1), a)`` (the query at offset 0
-    reaches furthest back; see :func:`~.modeling.draft_context_mask`)."""
-    length = batch.sequence_length
+def _reachable_runs(batch: DFlashBatch, slots: Sequence[int], window: int) -> tuple[tuple[int, int], ...]:
+    """The context rows the blocks of anchor ``slots`` may see on a layer of window ``W``, as maximal ascending runs
+    ``[start, stop)`` of sequence indices: the union over samples and valid anchors ``a`` of
+    ``[max(document start, a - W + 1), a)`` (the query at offset 0 reaches furthest back; see
+    :func:`~.modeling.draft_context_mask`). Sorting the anchors' intervals costs ``O(A log A)``, not ``O(L)``."""
     index = torch.tensor(list(slots), dtype=torch.int64, device=batch.anchor_positions.device)
-    valid = batch.anchor_valid.index_select(1, index)
-    stops = batch.context_stops.index_select(1, index)
-    starts = torch.maximum(batch.document_starts.index_select(1, index), stops - (window - 1))
-    valid = valid & (stops > starts)
-    delta = torch.zeros(length + 1, dtype=torch.int64, device=valid.device)
-    delta.index_add_(0, starts[valid].clamp(0, length), torch.ones_like(starts[valid]))
-    delta.index_add_(0, stops[valid].clamp(0, length), -torch.ones_like(stops[valid]))
-    return (delta[:-1].cumsum(0) > 0).nonzero().flatten().tolist()
+    stops = batch.context_stops.index_select(1, index).clamp(0, batch.sequence_length)
+    starts = torch.maximum(batch.document_starts.index_select(1, index), stops - (window - 1)).clamp_min(0)
+    valid = batch.anchor_valid.index_select(1, index) & (stops > starts)
+    runs: list[list[int]] = []
+    for start, stop in sorted(zip(starts[valid].tolist(), stops[valid].tolist())):
+        if runs and start <= runs[-1][1]:  # overlapping or touching: one run
+            runs[-1][1] = max(runs[-1][1], stop)
+        else:
+            runs.append([start, stop])
+    return tuple((start, stop) for start, stop in runs)
+
+
+def _cut(runs: Sequence[tuple[int, int]], start: int, stop: int) -> tuple[tuple[int, int], ...]:
+    """``runs`` cut to ``[start, stop)``."""
+    return tuple((max(a, start), min(b, stop)) for a, b in runs if min(b, stop) > max(a, start))
+
+
+def _positions(runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    if not runs:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(start, stop, dtype=torch.int64) for start, stop in runs])
+
+
+def _index(rows: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def context_bytes(plan: DFlashShardPlan, layer_windows: Sequence[int | None], *, batch_size: int,
@@ -308,7 +402,8 @@ def context_bytes(plan: DFlashShardPlan, layer_windows: Sequence[int | None], *,
             continue
         rows = plan.window_rows[window]
         received = len(rows[plan.rank])
-        sent = sum(1 for peer in plan.ring_members if peer != plan.rank for r in rows[peer] if start <= r < stop)
+        sent = sum(int(((wanted >= start) & (wanted < stop)).sum())
+                   for wanted in (_index(rows[peer]) for peer in plan.ring_members if peer != plan.rank))
         forward, backward = forward + received * row, backward + sent * row
     return forward, backward
 
@@ -331,7 +426,8 @@ class _PeerRows(torch.autograd.Function):
 
 class ShardedContext:
     """This rank's context for one sharded forward, as each layer's attention reads it
-    (:class:`~.modeling.ContextAttention`): its own projected rows, and the peers' K/V rows the plan says it needs.
+    (:class:`~.modeling.ContextAttention`): its own projected rows (``plan.projected_rows``, ``projected`` holding
+    them in that order), and the peers' K/V rows the plan says it needs.
 
     Built by :func:`sharded_draft_forward`; a layer's :meth:`partials` computes the layer's K/V of the own rows,
     starts their exchange, attends to the own rows meanwhile, then to the peers' rows once they arrived.
@@ -343,8 +439,7 @@ class ShardedContext:
         self.anchors, self.anchor_valid, self.document_starts = anchors, anchor_valid, document_starts
         self.block_size = block_size
         b, device = projected.shape[0], projected.device
-        start, stop = plan.context_range
-        self.own_positions = torch.arange(start, stop, device=device).expand(b, -1)
+        self.own_positions = plan.projected_rows.to(device).expand(b, -1)
         peers = [torch.arange(*plan.context_ranges[r], device=device) for r in plan.ring_members if r != plan.rank]
         self.peer_positions = torch.cat(peers).expand(b, -1) if peers else self.own_positions[:, :0]
         self.exchanges = {}  # per sliding window: (send_index, send_counts, recv_counts, received positions [b, R])
@@ -402,7 +497,8 @@ def sharded_draft_forward(
     Args:
         drafter ([`DFlashDraftModel`]): the drafter, its target bound.
         target_hidden_states (`torch.FloatTensor` of shape `[b, stop - start, feature_width]`): this rank's feature
-            rows, ``plan.context_range`` of the sequence.
+            rows, ``plan.context_range`` of the sequence; or only the rows it projects (``[b, plan.num_projected,
+            feature_width]``, the features at ``plan.projected_rows``), when the plan compacts the context.
         input_ids (`torch.LongTensor` of shape `[b, L]`): the whole token sequence.
         batch ([`DFlashBatch`]): this rank's anchors, ``plan.select(whole_batch)`` (their document starts come from
             it, so no document ids are needed).
@@ -420,12 +516,16 @@ def sharded_draft_forward(
     """
     b, length = input_ids.shape
     start, stop = plan.context_range
+    projected = plan.num_projected
     if length != plan.sequence_length:
         raise ValueError(f"input_ids has {length} tokens, the plan was built for {plan.sequence_length}.")
-    if target_hidden_states.dim() != 3 or tuple(target_hidden_states.shape[:2]) != (b, stop - start):
+    if target_hidden_states.dim() != 3 or target_hidden_states.shape[0] != b or \
+            target_hidden_states.shape[1] not in (stop - start, projected):
+        compact = f" or only the {projected} rows it projects (plan.projected_rows)" if projected != stop - start \
+            else ""
         raise ValueError(f"target_hidden_states must be this rank's feature rows [{start}, {stop}) of the batch: "
-                         f"shape [b={b}, {stop - start}, features], got {tuple(target_hidden_states.shape)}. Pass "
-                         "features[:, start:stop] with (start, stop) = plan.context_range.")
+                         f"shape [b={b}, {stop - start}, features]{compact}, got {tuple(target_hidden_states.shape)}. "
+                         "Pass features[:, start:stop] with (start, stop) = plan.context_range.")
     if target_hidden_states.shape[-1] != drafter.config.feature_width:
         raise ValueError(f"target_hidden_states has {target_hidden_states.shape[-1]} features per token, the drafter "
                          f"reads {drafter.config.feature_width} (its target_layer_ids x target_hidden_size).")
@@ -433,10 +533,15 @@ def sharded_draft_forward(
         raise ValueError(f"batch has {batch.num_anchors} anchor slots, this rank's plan "
                          f"{len(plan.anchor_slots[plan.rank])}: pass plan.select(batch) of the batch the plan was "
                          "built from.")
-    windows = {layer.self_attn.sliding_window for layer in drafter.layers} - {None}
-    if missing := windows - set(plan.window_rows):
+    layer_windows = [layer.self_attn.sliding_window for layer in drafter.layers]
+    if missing := set(layer_windows) - {None} - set(plan.window_rows):
         raise ValueError(f"the drafter has sliding windows {sorted(missing)} the plan was not built for: build it with "
                          "layer_windows=[config.layer_window(i) for i in range(config.num_hidden_layers)].")
+    if plan.compacts_context and (None in layer_windows or max(layer_windows) > plan.compact_window):
+        raise ValueError(f"the plan projects only the context rows within window {plan.compact_window} of the "
+                         f"anchors, but the drafter's layers have windows {layer_windows} (None: full attention): "
+                         "build the plan with layer_windows=[config.layer_window(i) for i in "
+                         "range(config.num_hidden_layers)].")
     if plan.exchanges_context:
         ring_rank = plan.rank % plan.ring_size
         if comm is None:
@@ -451,7 +556,10 @@ def sharded_draft_forward(
         position_ids = torch.arange(length, device=device).expand(b, length)
     elif tuple(position_ids.shape) != (b, length):
         raise ValueError(f"position_ids must have input_ids' shape {(b, length)}, got {tuple(position_ids.shape)}.")
-    own = torch.arange(start, stop, device=device).expand(b, -1)
+    own = plan.projected_rows.to(device)
+    if target_hidden_states.shape[1] != projected:  # the whole range was passed: keep the projected rows
+        target_hidden_states = target_hidden_states.index_select(1, own - start)
+    own = own.expand(b, -1)
     context = ShardedContext(plan, comm, drafter.project_context(target_hidden_states),
                              drafter.rotary(position_ids.gather(1, own)), batch.anchor_positions, batch.anchor_valid,
                              batch.document_starts, drafter.config.block_size)
