@@ -45,6 +45,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--device", default=None, help="e.g. cuda, cpu (default: where the model loads)")
     p.add_argument("--block-size", type=int, default=32, help="block size when converting a causal LM")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="a drafter folder: serve model_dir as the causal LM it is, decoded greedily with the "
+                        "drafter's proposals (each completion is the model's own greedy output)")
     p.set_defaults(func=run_serve)
 
 
@@ -61,7 +64,7 @@ def run_serve(args) -> int:
         config.api_key = args.api_key
     dtype = getattr(torch, args.dtype) if args.dtype else None
     engine = Engine.from_pretrained(args.model_dir, name=args.served_model_name, dtype=dtype, device=args.device,
-                                    block_size=args.block_size)
+                                    block_size=args.block_size, draft=args.draft)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print(f"warning: serving on {config.host} without an API key", file=sys.stderr)
     print(f"serving {engine.name!r} on http://{config.host}:{config.port}/v1 (batch {config.max_batch_size}, "

@@ -32,9 +32,25 @@ def test_each_family_is_found_from_its_model_type_and_other_causal_lms_are_conve
     assert family_for_config(tiny_diffusion_gemma().config).name == "diffusion_gemma"
     assert family_for_config(LlamaConfig()).name == "block_diffusion"  # the family that converts causal LMs
     assert family_for_model_type("qwen3").converts_causal_lms
-    assert [e.name for e in REGISTRY] == ["block_diffusion", "diffusion_gemma"]
+    assert [e.name for e in REGISTRY] == ["block_diffusion", "diffusion_gemma", "dflash"]
     with pytest.raises(ValueError, match=r"no model family named 'dflash2'; the registered ones are"):
         family_named("dflash2")
+
+
+def test_a_drafter_is_found_by_its_architecture_though_its_model_type_is_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
+
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0))
+    drafter = DFlash2DraftModel.from_target(target, init="scratch", selector_rank=8, selector_top_k=4,
+                                            conv_group_size=8)
+    assert drafter.config.model_type == "qwen3"
+    assert family_for_config(drafter.config).name == "dflash"
+    assert family_for_model_type("qwen3", ["DFlash2DraftModel"]).name == "dflash"
+    assert family_for_config(target.config).name == "block_diffusion"  # the target itself: a causal LM to convert
+    assert family_for_model(drafter).name == "dflash" and family_for_model(target) is None
 
 
 def test_each_family_claims_its_models_and_only_them_also_inside_peft():
@@ -58,10 +74,14 @@ def test_objectives_of_every_family_are_built_by_name():
     assert isinstance(get_objective("standard", dict(block_size=4, mask_token_id=9)), StandardObjective)
     dg = from_objectives("diffusion_gemma", dict(block_size=4, vocab_size=64, fill_token_id=1))
     assert isinstance(dg, DiffusionGemmaObjective) and dg.block_size == 4
-    with pytest.raises(ValueError, match=r"unknown objective 'bd3'; valid names: \['diffusion_gemma', "):
+    with pytest.raises(ValueError, match=r"unknown objective 'bd3'; valid names: \['dflash', 'diffusion_gemma', "):
         get_objective("bd3", {})
-    with pytest.raises(NotImplementedError, match="planned"):
-        get_objective("dflash", {})
+    from hf_bdlm.models.dflash.trainer import DFlashTrainingObjective
+
+    dflash = get_objective("dflash", dict(block_size=4, mask_token_id=9, max_anchors=16))
+    assert isinstance(dflash, DFlashTrainingObjective) and dflash.config.max_anchors == 16
+    with pytest.raises(ValueError, match=r"objective 'dflash' needs mask_token_id"):
+        get_objective("dflash", dict(block_size=4))
 
 
 def test_an_objective_of_another_family_is_refused_before_anything_is_trained(tmp_path):
@@ -97,7 +117,7 @@ ALLOWED = {
     "hf_bdlm/planner/cli.py",  # the paper's published settings (data)
     "hf_bdlm/models/card_parts.py",  # the card's label of each objective (data)
 }
-FAMILY_NAMES = re.compile(r"diffusion_?gemma|dflash", re.IGNORECASE)  # the DFlash drafters: a planned family
+FAMILY_NAMES = re.compile(r"diffusion_?gemma|dflash", re.IGNORECASE)
 
 
 def test_no_shared_module_names_a_model_family_outside_the_allowed_places():

@@ -414,11 +414,11 @@ def test_get_objective_builds_from_config_and_rejects_unknown_names(model):
     assert fast.block_size == B and fast.mask_token_id == MASK
     variant = get_objective("fast_dllm_v2_causal_clean", model.config)
     assert isinstance(variant, FastDLLMv2CausalCleanObjective) and variant.loss_weighting == "unit"
-    valid = r"valid names: \['diffusion_gemma', 'fast_dllm_v2', 'fast_dllm_v2_causal_clean', 'standard', 'dflash'\]"
+    valid = r"valid names: \['dflash', 'diffusion_gemma', 'fast_dllm_v2', 'fast_dllm_v2_causal_clean', 'standard'\]"
     with pytest.raises(ValueError, match=valid):
         get_objective("bd3lm", model.config)
-    with pytest.raises(NotImplementedError, match="planned"):
-        get_objective("dflash", model.config)
+    dflash = get_objective("dflash", model.config)  # a drafter's objective, from any config's block size and mask id
+    assert (dflash.block_size, dflash.mask_token_id) == (B, MASK)
     with pytest.raises(ValueError, match="mask_token_id"):
         get_objective("standard", {"block_size": 4})
 

@@ -51,7 +51,8 @@ def test_parallelism_config_of_an_accelerate_launch_is_read(tmp_path, monkeypatc
     [
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
         (dict(objective="bd3lm"), "objective must be one of .* got 'bd3lm'"),
-        (dict(objective="dflash"), "'dflash' is planned but not implemented yet"),
+        (dict(objective="dflash", noise_eps_min=0.1), r"\['noise_eps_min'\] are block-diffusion settings and do not "
+                                                      "apply to objective='dflash'"),
         (dict(noise_eps_min=0.0), r"noise_eps_min must lie in \(0, 1\], got 0.0"),
         (dict(noise_eps_min=0.5, noise_eps_max=0.2), "noise_eps_min <= noise_eps_max"),
         (dict(loss_weighting="sqrt"), "loss_weighting must be one of"),

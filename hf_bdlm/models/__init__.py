@@ -2,16 +2,18 @@
 
 - ``block_diffusion/``: causal LMs converted into block-diffusion models (`BlockDiffusionForMaskedLM`);
 - ``diffusion_gemma/``: transformers' `DiffusionGemmaForBlockDiffusion`, fine-tuned as it is;
+- ``dflash/``: DFlash / DFlash2 speculative drafters, trained on a frozen target's captured features;
 - ``family.py``: the interface (`ModelFamily`); ``step.py``: the training step of a family that drives its model's
   parts itself; ``card_parts.py``: what every family's model card shares.
 
-Each registry line names a family, the ``model_type`` values and objectives it owns, and the module of its
-`ModelFamily` subclass, imported on first use (as transformers' auto mappings do), so that reading the registry (the
-trainer config checking an objective name, the planner reading a config) loads no model code. A new family is one
+Each registry line names a family, the ``model_type`` values (or, for a family whose checkpoints reuse another
+family's model type, the ``architectures``) and objectives it owns, and the module of its `ModelFamily` subclass,
+imported on first use (as transformers' auto mappings do), so that reading the registry (the trainer config checking
+an objective name, the planner reading a config) loads no model code. A new family is one
 folder plus one line here (``docs/design.md``, "Adding a model family").
 
     from hf_bdlm.models import family_for_config, family_for_model
-    family_for_config(AutoConfig.from_pretrained(path)).name    # 'diffusion_gemma', or 'block_diffusion'
+    family_for_config(AutoConfig.from_pretrained(path)).name    # 'diffusion_gemma', 'dflash' or 'block_diffusion'
 """
 
 from __future__ import annotations
@@ -24,13 +26,19 @@ from .family import ModelFamily
 
 @dataclass(frozen=True)
 class FamilyEntry:
-    """One registry line: the family's name, what it owns, and where its `ModelFamily` subclass lives."""
+    """One registry line: the family's name, what it owns, and where its `ModelFamily` subclass lives.
+
+    ``architectures``: ``config.architectures`` values that make a checkpoint this family's whatever its model type
+    (a DFlash drafter's ``config.json`` says ``model_type: "qwen3"``, the serving engines' contract, and
+    ``architectures: ["DFlash2DraftModel"]``); they are looked at before the model type.
+    """
 
     name: str
     model_types: tuple[str, ...]
     objectives: tuple[str, ...]
     module: str
     class_name: str
+    architectures: tuple[str, ...] = ()
 
 
 REGISTRY: tuple[FamilyEntry, ...] = (
@@ -38,11 +46,16 @@ REGISTRY: tuple[FamilyEntry, ...] = (
                 "hf_bdlm.models.block_diffusion.family", "BlockDiffusionFamily"),
     FamilyEntry("diffusion_gemma", ("diffusion_gemma",), ("diffusion_gemma",),
                 "hf_bdlm.models.diffusion_gemma.family", "DiffusionGemmaFamily"),
+    FamilyEntry("dflash", (), ("dflash",), "hf_bdlm.models.dflash.family", "DFlashFamily",
+                architectures=("DFlashDraftModel", "DFlash2DraftModel")),
 )
 # Objectives announced but not built yet (a clear NotImplementedError instead of "unknown").
-PLANNED_OBJECTIVES = ("dflash",)
+PLANNED_OBJECTIVES: tuple[str, ...] = ()
 # Modules of `hf-bdlm` subcommands a family owns, each with ``add_parsers(subparsers)`` (argparse only at import).
 FAMILY_COMMANDS = ("hf_bdlm.models.dflash.cli",)
+# `hf-bdlm bench` studies a family owns: study name -> module with ``add_arguments(group)``, ``run(cfg, args, out)``
+# (returns the records) and ``report(records) -> str`` (the summary section).
+FAMILY_STUDIES = {"drafter": "hf_bdlm.models.dflash.benchmark"}
 _LOADED: dict[str, ModelFamily] = {}
 
 
@@ -68,8 +81,13 @@ def all_objectives() -> tuple[str, ...]:
     return tuple(o for e in REGISTRY for o in e.objectives)
 
 
-def entry_for_model_type(model_type: str | None) -> FamilyEntry | None:
-    """The registry line owning ``model_type``, or ``None`` (a causal LM to convert, or an unknown model)."""
+def entry_for_model_type(model_type: str | None, architectures=None) -> FamilyEntry | None:
+    """The registry line owning a checkpoint of ``model_type`` whose config lists ``architectures`` (an architecture a
+    family claims wins over the model type), or ``None`` (a causal LM to convert, or an unknown model)."""
+    for architecture in architectures or ():
+        found = next((e for e in REGISTRY if architecture in e.architectures), None)
+        if found is not None:
+            return found
     return next((e for e in REGISTRY if model_type in e.model_types), None)
 
 
@@ -94,17 +112,18 @@ def get_objective(name: str, config_or_kwargs):
 
 
 def family_for_config(config) -> ModelFamily:
-    """The family of a checkpoint's config: the one owning its ``model_type``, else the family that converts causal
-    LMs (which raises its own clear error for a model that is not one)."""
-    entry = entry_for_model_type(getattr(config, "model_type", None))
+    """The family of a checkpoint's config: the one claiming one of its ``architectures``, else the one owning its
+    ``model_type``, else the family that converts causal LMs (which raises its own clear error for a model that is
+    not one)."""
+    entry = entry_for_model_type(getattr(config, "model_type", None), getattr(config, "architectures", None))
     if entry is not None:
         return family_named(entry.name)
     return converting_family()
 
 
-def family_for_model_type(model_type: str | None) -> ModelFamily:
-    """As :func:`family_for_config`, from a ``model_type`` string (a parsed ``config.json``)."""
-    entry = entry_for_model_type(model_type)
+def family_for_model_type(model_type: str | None, architectures=None) -> ModelFamily:
+    """As :func:`family_for_config`, from a parsed ``config.json``'s ``model_type`` (and ``architectures``)."""
+    entry = entry_for_model_type(model_type, architectures)
     return family_named(entry.name) if entry is not None else converting_family()
 
 
@@ -131,6 +150,6 @@ def family_for_model(model) -> ModelFamily | None:
     return None
 
 
-__all__ = ["FAMILY_COMMANDS", "PLANNED_OBJECTIVES", "add_family_commands", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
+__all__ = ["FAMILY_COMMANDS", "FAMILY_STUDIES", "PLANNED_OBJECTIVES", "add_family_commands", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
            "entry_for_model_type", "family_for_config", "family_for_model", "family_for_model_type",
            "family_for_objective", "family_named", "family_names", "get_objective"]

@@ -64,6 +64,14 @@ class ModelFamily:
         """``(model, tokenizer)`` for ``hf-bdlm serve`` (``block_size``: the conversion's, for a causal LM)."""
         raise NotImplementedError(f"hf-bdlm serve does not serve {self.name!r} checkpoints yet ({path}).")
 
+    def load_speculative_for_serving(self, target_path: str, draft_path: str, init_kwargs: dict[str, Any],
+                                     device: str | None = None):
+        """A causal LM at ``target_path`` decoded with this family's drafter at ``draft_path`` (``hf-bdlm serve
+        TARGET --draft DIR``), both on ``device``; returns ``(target, tokenizer, decoder)``. Only a family of drafters
+        implements it."""
+        raise ValueError(f"--draft takes a drafter folder; {draft_path} holds a {self.name!r} checkpoint, which does "
+                         "not draft for another model. Pass a drafter folder, or serve it without --draft.")
+
     def serving_decoder(self, model, tokenizer) -> "ServingDecoder":
         """How ``hf-bdlm serve`` decodes ``model`` (one of this family's, unwrapped): a :class:`ServingDecoder`."""
         raise NotImplementedError(f"hf-bdlm serve does not decode {self.name!r} models yet.")

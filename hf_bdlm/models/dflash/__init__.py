@@ -5,6 +5,7 @@ states, proposes a block of next tokens in one forward; the target verifies the 
 - :mod:`.modeling`: `DFlashDraftModel`, `DFlash2DraftModel` (the target's embedding and head bound, never saved);
 - :mod:`.objective`: anchors, labels, position weights, the CE / KL / D-PACE losses, the dealing of anchors to ranks;
 - :mod:`.sharded`: the forward of one rank under ``cp`` / ``bp`` / ``csbp`` (context rows sharded, anchors dealt);
+- :mod:`.trainer`, :mod:`.trainer_config`: `DFlashTrainer` (`BDLMSFTTrainer`'s machinery over captured features);
 - :mod:`.capture`: the frozen target's features written once, read by token range;
 - :mod:`.speculative`: lossless greedy decoding with a drafter (transformers' assisted generation, a batched loop);
 - :mod:`.export`: the serving folder, its inventory check, ``push_to_hub``; :mod:`.cli`: ``hf-bdlm dflash``.
@@ -21,6 +22,7 @@ _EXPORTS = {
     "DFlashConfig": "configuration", "DFlashDraftModel": "modeling", "DFlash2DraftModel": "modeling",
     "DFlashBatch": "objective", "DFlashObjective": "objective", "DFlashObjectiveConfig": "objective",
     "DFlashShardPlan": "sharded", "sharded_draft_forward": "sharded",
+    "DFlashTrainer": "trainer", "DFlashTrainingConfig": "trainer_config",
     "SpeculativeStats": "speculative", "dflash_assisted_decoding": "speculative",
     "speculative_generate": "speculative",
 }

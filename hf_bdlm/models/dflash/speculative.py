@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DFlashCandidateGenerator",
+    "SpeculativeSession",
     "SpeculativeStats",
     "check_drafter_for_target",
     "dflash_assisted_decoding",
@@ -362,100 +363,139 @@ def speculative_generate(target: PreTrainedModel, drafter: "DFlashDraftModel", i
         `tuple(torch.LongTensor, SpeculativeStats)`: the sequences (`(batch_size, prompt_len + new)`) and the
         statistics of the call.
     """
-    start = time.perf_counter()
-    layer_ids = check_drafter_for_target(target, drafter)
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    if _uses_sliding_window(text):
-        raise ValueError(f"the target uses sliding-window attention (sliding_window={text.sliding_window}); "
-                         "speculative_generate supports full-attention targets only. Use "
-                         "target.generate(..., custom_generate=dflash_assisted_decoding, drafter=drafter) per prompt.")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
-    mask = _check_left_padding(input_ids, attention_mask)
-    eos_ids = _token_list(target.generation_config.eos_token_id if eos_token_id is None else eos_token_id,
-                          "eos_token_id")
-    pad_id = pad_token_id if pad_token_id is not None else target.generation_config.pad_token_id
-    if pad_id is None:
-        pad_id = eos_ids[0] if eos_ids else 0
-    device = input_ids.device
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    block = int(drafter.config.block_size)
-    batch, prompt_len = input_ids.shape
-    stats = SpeculativeStats()
-    rows = torch.arange(batch, device=device)
+    session = SpeculativeSession(target, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    while not session.done:
+        session.step()
+    return session.result()
 
-    # Prefill, as generate runs it: left-padded prompts, positions counting each row's real tokens.
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
-    cache = DynamicCache(config=target.config)
-    extra = {"logits_to_keep": 1} if target._supports_logits_to_keep() else {}
-    out = target(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, cache=cache, use_cache=True,
-                 output_hidden_states=list(layer_ids), **extra)
-    stats.target_forwards += 1
-    features = target_features(out.hidden_states, layer_ids)
 
-    # Compact per-row copies for the drafter: a row's tokens (and their features) from column 0.
-    lengths = mask.sum(-1)                                                     # committed tokens per row
-    capacity = prompt_len + max_new_tokens + block
-    gather = (torch.arange(prompt_len, device=device)[None] + (prompt_len - lengths)[:, None]).clamp_max(prompt_len - 1)
-    tokens = torch.full((batch, capacity), int(pad_id), dtype=torch.long, device=device)
-    tokens[:, :prompt_len] = input_ids.gather(1, gather)
-    feats = features.new_zeros(batch, capacity, features.shape[-1])
-    feats[:, :prompt_len] = features.gather(1, gather[..., None].expand(-1, -1, features.shape[-1]))
+class SpeculativeSession:
+    """:func:`speculative_generate` one target forward at a time, for a caller that streams (the server): the
+    constructor runs the prefill, each :meth:`step` one draft + verification, and both leave in :attr:`new_tokens`
+    the tokens each row committed (``{row: [ids]}``); :meth:`stop` ends rows early (a cancelled client), and
+    :meth:`result` gives what :func:`speculative_generate` returns. Arguments as :func:`speculative_generate`."""
 
-    first = out.logits[:, -1].argmax(dim=-1)
-    tokens[rows, lengths] = first
-    lengths = lengths + 1
-    generated = torch.ones(batch, dtype=torch.long, device=device)
-    finished = torch.isin(first, eos) | (generated >= max_new_tokens)
-    kv_mask = mask.clone()                                                     # which cache slots are real, per row
-    accepted_sum, accepted_count = 0, 0
+    @torch.no_grad()
+    def __init__(self, target: PreTrainedModel, drafter: "DFlashDraftModel", input_ids: torch.LongTensor,
+                 attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None):
+        self.start = time.perf_counter()
+        self.target, self.drafter = target, drafter
+        self.layer_ids = layer_ids = check_drafter_for_target(target, drafter)
+        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        if _uses_sliding_window(text):
+            raise ValueError(f"the target uses sliding-window attention (sliding_window={text.sliding_window}); "
+                             "speculative_generate supports full-attention targets only. Use target.generate(..., "
+                             "custom_generate=dflash_assisted_decoding, drafter=drafter) per prompt.")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+        self.input_ids, self.max_new_tokens = input_ids, max_new_tokens
+        self.mask = mask = _check_left_padding(input_ids, attention_mask)
+        eos_ids = _token_list(target.generation_config.eos_token_id if eos_token_id is None else eos_token_id,
+                              "eos_token_id")
+        pad_id = pad_token_id if pad_token_id is not None else target.generation_config.pad_token_id
+        self.pad_id = int(pad_id if pad_id is not None else eos_ids[0] if eos_ids else 0)
+        device = self.device = input_ids.device
+        self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+        self.block = int(drafter.config.block_size)
+        batch, prompt_len = input_ids.shape
+        self.stats = SpeculativeStats()
+        self.rows = torch.arange(batch, device=device)
 
-    while not bool(finished.all()):
-        anchors = lengths - 1                         # position of each row's newest token (not yet in the cache)
-        room = int((max_new_tokens - generated)[~finished].max()) - 1
+        # Prefill, as generate runs it: left-padded prompts, positions counting each row's real tokens.
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
+        self.cache = DynamicCache(config=target.config)
+        extra = {"logits_to_keep": 1} if target._supports_logits_to_keep() else {}
+        out = target(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, cache=self.cache,
+                     use_cache=True, output_hidden_states=list(layer_ids), **extra)
+        self.stats.target_forwards += 1
+        features = target_features(out.hidden_states, layer_ids)
+
+        # Compact per-row copies for the drafter: a row's tokens (and their features) from column 0.
+        lengths = mask.sum(-1)                                                 # committed tokens per row
+        self.capacity = prompt_len + max_new_tokens + self.block
+        gather = (torch.arange(prompt_len, device=device)[None] + (prompt_len - lengths)[:, None]).clamp_max(
+            prompt_len - 1)
+        self.tokens = torch.full((batch, self.capacity), self.pad_id, dtype=torch.long, device=device)
+        self.tokens[:, :prompt_len] = input_ids.gather(1, gather)
+        self.feats = features.new_zeros(batch, self.capacity, features.shape[-1])
+        self.feats[:, :prompt_len] = features.gather(1, gather[..., None].expand(-1, -1, features.shape[-1]))
+
+        first = out.logits[:, -1].argmax(dim=-1)
+        self.tokens[self.rows, lengths] = first
+        self.lengths = lengths + 1
+        self.generated = torch.ones(batch, dtype=torch.long, device=device)
+        self.finished = torch.isin(first, self.eos) | (self.generated >= max_new_tokens)
+        self.kv_mask = mask.clone()                                            # which cache slots are real, per row
+        self.accepted_sum, self.accepted_count = 0, 0
+        self.new_tokens = {i: [int(t)] for i, t in enumerate(first.tolist())}
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finished.all())
+
+    def stop(self, rows) -> None:
+        """Decode ``rows`` no further (their tokens so far stay in the result)."""
+        for row in rows:
+            self.finished[row] = True
+
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """One draft + verification forward; returns (and keeps in :attr:`new_tokens`) each row's committed tokens."""
+        target, device, block, rows = self.target, self.device, self.block, self.rows
+        batch, max_new_tokens, finished = rows.shape[0], self.max_new_tokens, self.finished
+        anchors = self.lengths - 1                    # position of each row's newest token (not yet in the cache)
+        room = int((max_new_tokens - self.generated)[~finished].max()) - 1
         k = min(block - 1, room)
         if k > 0:
             width = int(anchors.max()) + 1
-            proposals = draft_block(drafter, feats[:, :width - 1], tokens[:, :width], anchors)[:, :k]
-            stats.draft_forwards += 1
+            proposals = draft_block(self.drafter, self.feats[:, :width - 1], self.tokens[:, :width], anchors)[:, :k]
+            self.stats.draft_forwards += 1
         else:
-            proposals = tokens.new_zeros(batch, 0)
-        step = torch.cat([tokens[rows, anchors][:, None], proposals.to(device)], dim=1)           # [b, k + 1]
-        out = target(input_ids=step, attention_mask=torch.cat([kv_mask, kv_mask.new_ones(batch, k + 1)], 1).long(),
-                     position_ids=anchors[:, None] + torch.arange(k + 1, device=device), cache=cache, use_cache=True,
-                     output_hidden_states=list(layer_ids))
-        stats.target_forwards += 1
+            proposals = self.tokens.new_zeros(batch, 0)
+        step = torch.cat([self.tokens[rows, anchors][:, None], proposals.to(device)], dim=1)      # [b, k + 1]
+        out = target(input_ids=step,
+                     attention_mask=torch.cat([self.kv_mask, self.kv_mask.new_ones(batch, k + 1)], 1).long(),
+                     position_ids=anchors[:, None] + torch.arange(k + 1, device=device), cache=self.cache,
+                     use_cache=True, output_hidden_states=list(self.layer_ids))
+        self.stats.target_forwards += 1
         choice = out.logits.argmax(dim=-1)                                      # the target's token after each slot
         accepted = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
         keep = accepted + 1                               # accepted proposals + the target's own token
-        accepted_sum += int(keep[~finished].sum())
-        accepted_count += int((~finished).sum())
+        self.accepted_sum += int(keep[~finished].sum())
+        self.accepted_count += int((~finished).sum())
         # Cut at the token budget and after the first EOS; finished rows keep nothing.
-        keep = torch.minimum(keep, max_new_tokens - generated)
+        keep = torch.minimum(keep, max_new_tokens - self.generated)
         offsets = torch.arange(k + 1, device=device)
-        is_eos = torch.isin(choice, eos) & (offsets[None] < keep[:, None])
+        is_eos = torch.isin(choice, self.eos) & (offsets[None] < keep[:, None])
         keep = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, keep)
         keep = keep.masked_fill(finished, 0)
-        finished = finished | is_eos.any(1) | (generated + keep >= max_new_tokens)
+        self.finished = finished | is_eos.any(1) | (self.generated + keep >= max_new_tokens)
 
         # Slots 0 .. keep-1 ran the anchor and the accepted proposals: their K/V and features are context now; the
         # last kept token (the target's own) is the next anchor.
         kept = offsets[None] < keep[:, None]
         row, slot = kept.nonzero(as_tuple=True)
-        tokens[row, lengths[row] + slot] = choice[row, slot]
-        feats[row, anchors[row] + slot] = target_features(out.hidden_states, layer_ids)[row, slot]
+        self.tokens[row, self.lengths[row] + slot] = choice[row, slot]
+        self.feats[row, anchors[row] + slot] = target_features(out.hidden_states, self.layer_ids)[row, slot]
         widest = int(keep.max())
-        cache.crop(-(k + 1 - widest))                 # drop the slots no row kept
-        kv_mask = torch.cat([kv_mask, kept[:, :widest]], dim=1)
-        lengths = lengths + keep
-        generated = generated + keep
+        self.cache.crop(-(k + 1 - widest))            # drop the slots no row kept
+        self.kv_mask = torch.cat([self.kv_mask, kept[:, :widest]], dim=1)
+        self.new_tokens = {i: choice[i, :n].tolist() for i, n in enumerate(keep.tolist()) if n}
+        self.lengths = self.lengths + keep
+        self.generated = self.generated + keep
+        return self.new_tokens
 
-    stats.mean_acceptance_length = accepted_sum / accepted_count if accepted_count else 0.0
-    stats.generated_tokens = int(generated.sum())
-    new = int(generated.max())
-    prompt_lengths = mask.sum(-1)
-    cols = (prompt_lengths[:, None] + torch.arange(new, device=device)[None]).clamp_max(capacity - 1)
-    continuation = tokens.gather(1, cols).masked_fill(torch.arange(new, device=device)[None] >= generated[:, None],
-                                                      int(pad_id))
-    stats.wall_time_s = time.perf_counter() - start
-    return torch.cat([input_ids, continuation], dim=1), stats
+    def result(self) -> tuple[torch.LongTensor, SpeculativeStats]:
+        """The sequences so far (as :func:`speculative_generate` returns them) and the statistics."""
+        stats, device, generated = self.stats, self.device, self.generated
+        stats.mean_acceptance_length = self.accepted_sum / self.accepted_count if self.accepted_count else 0.0
+        stats.generated_tokens = int(generated.sum())
+        new = int(generated.max())
+        prompt_lengths = self.mask.sum(-1)
+        cols = (prompt_lengths[:, None] + torch.arange(new, device=device)[None]).clamp_max(self.capacity - 1)
+        continuation = self.tokens.gather(1, cols).masked_fill(
+            torch.arange(new, device=device)[None] >= generated[:, None], self.pad_id)
+        stats.wall_time_s = time.perf_counter() - self.start
+        return torch.cat([self.input_ids, continuation], dim=1), stats

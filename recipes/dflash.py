@@ -1,0 +1,330 @@
+"""Train a DFlash2 speculative drafter for a target causal LM, then measure what it buys: acceptance length and greedy
+tokens/s with and without it, at batch 1, outputs identical.
+
+    # the embedded CPU default: a drafter for SmolLM2-135M-Instruct on 2 CPU processes, csbp (see the config)
+    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/dflash.py \\
+        --config recipes/configs/dflash_smollm2_cpu.yaml
+    # a smoke run in one process: any field overridden on the command line
+    python recipes/dflash.py --config recipes/configs/dflash_smollm2_cpu.yaml --block_parallel_size 1 \\
+        --train_prompts 16 --response_max_tokens 24 --max_steps 3 --eval_prompts 2 --eval_max_new_tokens 16
+
+Stages (the data stages run once, cached in ``data_dir``; a rerun reuses what is there):
+
+1. **responses**: the target's own greedy answers to ``train_prompts`` prompts of the dataset (a drafter learns to
+   predict the target, so it trains on the target's outputs: self-distillation), ``data_dir/responses.jsonl``; every
+   process answers its share of the prompts;
+2. **features**: the target's hidden states at the drafter's layers over prompt + answer (``capture_features``),
+   ``data_dir/features``; the loss covers the answers;
+3. **training**: a new drafter (``drafter_layers`` layers, initialised from the target's last layers) trained by
+   `DFlashTrainer` on every process (each reads only its context rows of the features), saved to ``output_dir``;
+4. **measurement** (main process): ``eval_prompts`` held-out prompts decoded greedily by the target alone
+   (``generate``) and with the drafter (``speculative_generate``), ``eval_max_new_tokens`` each; the outputs must be
+   identical. ``output_dir/dflash_results.json`` records the acceptance length, both tokens/s and their ratio, and
+   the time of every stage.
+
+Arguments: :class:`DFlashRecipeArguments` below and :class:`~hf_bdlm.models.dflash.trainer_config.DFlashTrainingConfig`
+(`target_model`, the objective's options, TRL's training fields, block parallelism), from the YAML and the command
+line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from trl import TrlParser
+
+from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig
+
+RESPONSES = "responses.jsonl"
+# What the embedded CPU config aims at (block 8): tokens per target forward, and greedy tokens/s over the target alone.
+GOAL_ACCEPTANCE, GOAL_SPEEDUP = 3.0, 1.8
+
+
+@dataclass
+class DFlashRecipeArguments:
+    r"""
+    What the recipe adds to `DFlashTrainingConfig`.
+
+    Parameters:
+        dataset_name (`str`, defaults to `"hf_bdlm:arith"`):
+            The prompts: `hf_bdlm:arith` (the shipped tasks: train prompts for the data, test prompts for the
+            measurement) or a dataset `datasets.load_dataset` reads with a conversational `prompt` column.
+        train_prompts (`int`, defaults to `1024`):
+            Prompts the target answers for the training data.
+        response_max_tokens (`int`, defaults to `96`):
+            Longest answer generated per prompt.
+        generation_batch_size (`int`, defaults to `32`):
+            Prompts per batched `generate` call (and records per capture forward).
+        drafter_layers (`int`, defaults to `1`):
+            The drafter's decoder layers.
+        target_features (`int`, defaults to `3`):
+            Target layers the drafter reads, spread by the serving engines' rule (`default_target_layer_ids`).
+        drafter_init (`str`, defaults to `"target_layers"`):
+            `"target_layers"` (copies of the target's last layers) or `"scratch"`.
+        drafter_block_size (`int`, defaults to `8`):
+            Tokens per draft block, the anchor included.
+        selector_rank (`int`, defaults to `64`):
+            Rank of the candidate selector's two `vocabulary x rank` codebooks (the published drafters' 256 makes
+            them 25M parameters for a 49K vocabulary, most of a small drafter's optimizer step).
+        data_dir (`str`, *optional*):
+            Where the answers and features are cached; defaults to `<output_dir>/data`.
+        eval_prompts (`int`, defaults to `20`), eval_max_new_tokens (`int`, defaults to `96`):
+            The measurement: held-out prompts, decoded one at a time, and the new tokens of each.
+        main_process_threads (`int`, defaults to `0`):
+            Threads of the stages the main process runs alone (answers, features, measurement); `0`: every core.
+            On a machine other work also loads, 1 avoids multithreaded matrix products stalling on busy cores.
+    """
+
+    dataset_name: str = field(default="hf_bdlm:arith", metadata={"help": "'hf_bdlm:arith' or a local dataset."})
+    train_prompts: int = field(default=1024, metadata={"help": "Prompts the target answers for the training data."})
+    response_max_tokens: int = field(default=96, metadata={"help": "Longest generated answer."})
+    generation_batch_size: int = field(default=32, metadata={"help": "Prompts per generate / capture call."})
+    drafter_layers: int = field(default=1, metadata={"help": "Decoder layers of the drafter."})
+    target_features: int = field(default=3, metadata={"help": "Target layers the drafter reads."})
+    drafter_init: str = field(default="target_layers", metadata={"help": "'target_layers' or 'scratch'."})
+    drafter_block_size: int = field(default=8, metadata={"help": "Tokens per draft block."})
+    selector_rank: int = field(default=64, metadata={"help": "Rank of the candidate selector's codebooks."})
+    data_dir: str | None = field(default=None, metadata={"help": "Cache of answers and features."})
+    eval_prompts: int = field(default=20, metadata={"help": "Held-out prompts of the measurement."})
+    eval_max_new_tokens: int = field(default=96, metadata={"help": "New tokens per measured prompt."})
+    main_process_threads: int = field(default=0, metadata={"help": "Threads of the main process's own stages (0: "
+                                                                   "every core)."})
+
+
+def make_parser(subparsers=None) -> TrlParser:
+    dataclass_types = (DFlashRecipeArguments, DFlashTrainingConfig)
+    if subparsers is not None:
+        return subparsers.add_parser("dflash", help="train and measure a DFlash drafter",
+                                     dataclass_types=dataclass_types)
+    return TrlParser(dataclass_types)
+
+
+# --- data ----------------------------------------------------------------------------------------------------------
+def load_prompts(name: str):
+    """``(train prompts, held-out prompts)``: lists of chat messages."""
+    if name == "hf_bdlm:arith":
+        from hf_bdlm.data import load_arith
+
+        return [r["prompt"] for r in load_arith("train")], [r["prompt"] for r in load_arith("test")]
+    from datasets import load_dataset
+
+    loaded = load_dataset(name)
+    train = [r["prompt"] for r in loaded["train"]]
+    test = [r["prompt"] for r in loaded["test"]] if "test" in loaded else train[-64:]
+    return train, test
+
+
+def prompt_ids(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def eos_ids(target, tokenizer) -> list[int]:
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return eos or [tokenizer.eos_token_id]
+
+
+@torch.inference_mode()
+def generate_responses(target, tokenizer, prompts, path: Path, *, max_tokens: int, batch_size: int) -> list[dict]:
+    """The target's greedy answers (left-padded batches), appended to ``path`` as they come: ``{"input_ids":
+    prompt + answer, "loss_mask": 0 on the prompt, 1 on the answer (its EOS included)}``. Resumes a partial file."""
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    stops, pad = set(eos_ids(target, tokenizer)), tokenizer.pad_token_id
+    pad = pad if pad is not None else next(iter(stops))
+    with open(path, "a", encoding="utf-8") as out:
+        for start in range(len(done), len(prompts), batch_size):
+            batch = [prompt_ids(tokenizer, p) for p in prompts[start : start + batch_size]]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
+            attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+            new = target.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_tokens,
+                                  do_sample=False, pad_token_id=pad)[:, width:]
+            for ids, answer in zip(batch, new.tolist()):
+                cut = next((i + 1 for i, t in enumerate(answer) if t in stops), len(answer))
+                record = {"input_ids": ids + answer[:cut], "loss_mask": [0] * len(ids) + [1] * cut}
+                out.write(json.dumps(record) + "\n")
+                done.append(record)
+            out.flush()
+    return done
+
+
+def answer_prompts(target, tokenizer, recipe: DFlashRecipeArguments, data_dir: Path, state) -> list[dict]:
+    """The records of ``data_dir/responses.jsonl``, written first if missing: each process answers every
+    ``world``-th prompt into its own part file (resumable), then the main process merges them in prompt order."""
+    path = data_dir / RESPONSES
+    if path.is_file():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    prompts, _ = load_prompts(recipe.dataset_name)
+    prompts = prompts[: recipe.train_prompts]
+    world, rank = state.num_processes, state.process_index
+    parts = [data_dir / f"responses.part{r}-of-{world}.jsonl" for r in range(world)]
+    with main_process_threads(recipe.main_process_threads if world == 1 else torch.get_num_threads()):
+        generate_responses(target, tokenizer, prompts[rank::world], parts[rank], max_tokens=recipe.response_max_tokens,
+                           batch_size=recipe.generation_batch_size)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        shares = [part.read_text().splitlines() for part in parts]
+        lines = [shares[i % world][i // world] for i in range(len(prompts))]
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text("".join(line + "\n" for line in lines))
+        os.replace(temporary, path)
+        for part in parts:
+            part.unlink()
+    state.wait_for_everyone()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def main_process_threads(count: int):
+    """``count`` threads (0: every core) for a stage the main process runs while the other ranks wait (under a
+    launcher each rank holds one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count or os.cpu_count() or threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# --- the measurement -----------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def measure(target, drafter, tokenizer, prompts, *, max_new_tokens: int) -> dict:
+    """Greedy decoding of each prompt alone, by the target and with the drafter: acceptance length, tokens/s of each
+    and their ratio; raises when an output differs (speculative decoding is lossless)."""
+    from hf_bdlm.models.dflash.speculative import speculative_generate
+
+    drafter.eval()
+    encoded = [torch.tensor([prompt_ids(tokenizer, p)]) for p in prompts]
+    target.generate(encoded[0], do_sample=False, max_new_tokens=4)  # warm-up (first-call allocations)
+    speculative_generate(target, drafter, encoded[0], max_new_tokens=4)
+    plain_s = spec_s = 0.0
+    tokens = verified = accepted = 0
+    for ids in encoded:
+        tick = time.perf_counter()
+        plain = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+        plain_s += time.perf_counter() - tick
+        tick = time.perf_counter()
+        fast, stats = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens)
+        spec_s += time.perf_counter() - tick
+        if not torch.equal(fast, plain):
+            raise RuntimeError(f"speculative decoding changed the output of a prompt ({ids.shape[1]} tokens): "
+                               f"{fast[0, ids.shape[1]:].tolist()} vs {plain[0, ids.shape[1]:].tolist()}")
+        tokens += plain.shape[1] - ids.shape[1]
+        forwards = stats.target_forwards - 1  # the prefill proposes nothing
+        verified += forwards
+        accepted += stats.mean_acceptance_length * forwards
+    acceptance, speedup = accepted / max(verified, 1), plain_s / spec_s
+    return {"prompts": len(encoded), "new_tokens": tokens, "max_new_tokens": max_new_tokens,
+            "acceptance_length": acceptance, "block_size": drafter.config.block_size,
+            "target_tokens_per_s": tokens / plain_s, "speculative_tokens_per_s": tokens / spec_s,
+            "speedup": speedup, "outputs_identical": True, "threads": torch.get_num_threads(),
+            "goal": {"acceptance_length": GOAL_ACCEPTANCE, "speedup": GOAL_SPEEDUP,
+                     "met": acceptance >= GOAL_ACCEPTANCE and speedup >= GOAL_SPEEDUP}}
+
+
+# --- the recipe ----------------------------------------------------------------------------------------------------
+def main(recipe: DFlashRecipeArguments, args: DFlashTrainingConfig) -> dict:
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_bdlm.models.dflash.capture import capture_features
+    from hf_bdlm.models.dflash.configuration import default_target_layer_ids
+    from hf_bdlm.models.dflash.family import resolve_target_path
+    from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
+    from hf_bdlm.models.dflash.trainer import DFlashTrainer
+
+    if not args.target_model:
+        raise ValueError("target_model is required (a folder, a Hub id or 'embedded:smollm2').")
+    start, timings = time.perf_counter(), {}
+    state = PartialState()
+    say = print if state.is_main_process else (lambda *a, **k: None)
+    data_dir = Path(recipe.data_dir or Path(args.output_dir) / "data")
+    with state.main_process_first():
+        path = resolve_target_path(args.target_model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    text = target.config.get_text_config()
+    layer_ids = default_target_layer_ids(int(text.num_hidden_layers), recipe.target_features)
+    features = data_dir / "features"
+
+    # 1-2. The target's answers (every process answers its share of the prompts), then their features (the main
+    # process; the others wait).
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tick = time.perf_counter()
+    records = answer_prompts(target, tokenizer, recipe, data_dir, state)
+    timings["responses_s"] = time.perf_counter() - tick
+    with state.main_process_first():
+        if state.is_main_process:
+            tick = time.perf_counter()
+            with main_process_threads(recipe.main_process_threads):
+                capture_features(target, records, layer_ids=layer_ids, out_dir=features,
+                                 batch_size=max(1, recipe.generation_batch_size // 4), target_id=args.target_model,
+                                 progress=not args.disable_tqdm)
+            timings["features_s"] = time.perf_counter() - tick
+            answered = sum(r["loss_mask"].count(1) for r in records)
+            say(f"[1/3] data: {len(records)} answers of {args.target_model} ({answered} tokens), features of layers "
+                f"{list(layer_ids)} in {data_dir} ({timings['responses_s']:.0f}s + {timings['features_s']:.0f}s)")
+
+    # 3. Training: every process, each reading its own context rows.
+    torch.manual_seed(args.seed)
+    drafter = DFlash2DraftModel.from_target(target, init=recipe.drafter_init, num_hidden_layers=recipe.drafter_layers,
+                                            target_layer_ids=layer_ids, block_size=recipe.drafter_block_size,
+                                            selector_rank=recipe.selector_rank)
+    trainer = DFlashTrainer(drafter, args, train_dataset=str(features), processing_class=tokenizer,
+                            target=args.target_model)  # embedding and head only: every rank binds the same heads
+    plugin = trainer.plugin
+    say(f"[2/3] training a {recipe.drafter_layers}-layer DFlash2 drafter (block {recipe.drafter_block_size}, "
+        f"{sum(p.numel() for p in drafter.parameters()):,} parameters): world {plugin.world_size} = "
+        f"{plugin.data_parallel_size} data-parallel x P {plugin.block_parallel_size} ({plugin.mode}), "
+        f"{len(trainer.train_dataset)} sequences, {args.max_steps} steps")
+    tick = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    timings["train_s"] = time.perf_counter() - tick
+    steps = trainer.state.global_step
+    results = {"train_loss": result.training_loss, "steps": steps,
+               "seconds_per_step": timings["train_s"] / max(steps, 1),
+               "parallel": {"world": plugin.world_size, "P": plugin.block_parallel_size, "mode": str(plugin.mode)}}
+    say(f"      {steps} steps in {timings['train_s']:.0f}s ({results['seconds_per_step']:.2f}s/step), "
+        f"mean loss {result.training_loss:.3f}")
+
+    # 4. The measurement, on the main process, with the whole target bound.
+    if state.is_main_process:
+        _, held_out = load_prompts(recipe.dataset_name)
+        drafter.bind_target(target)
+        tick = time.perf_counter()
+        with main_process_threads(recipe.main_process_threads):
+            results["speculative"] = measure(target, drafter, tokenizer, held_out[: recipe.eval_prompts],
+                                             max_new_tokens=recipe.eval_max_new_tokens)
+        timings["measure_s"] = time.perf_counter() - tick
+        spec = results["speculative"]
+        say(f"[3/3] {spec['prompts']} held-out prompts, {spec['new_tokens']} tokens: acceptance length "
+            f"{spec['acceptance_length']:.2f} (block {spec['block_size']}), {spec['target_tokens_per_s']:.1f} -> "
+            f"{spec['speculative_tokens_per_s']:.1f} tokens/s ({spec['speedup']:.2f}x), outputs identical")
+        trainer.model_card_info["results"] = {"acceptance_length": round(spec["acceptance_length"], 3)}
+    state.wait_for_everyone()
+    trainer.save_model(args.output_dir)
+    if state.is_main_process:
+        results["timings"] = {**timings, "total_s": time.perf_counter() - start}
+        out = Path(args.output_dir) / "dflash_results.json"
+        out.write_text(json.dumps(results, indent=2))
+        say(f"saved the drafter and {out.name} to {Path(args.output_dir).resolve()}; serve it with `hf-bdlm serve "
+            f"TARGET --draft {args.output_dir}` or export it: `hf-bdlm dflash export {args.output_dir} --out DIR "
+            f"--target ID`")
+    return results
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Parse ``argv`` (default: the command line) with :func:`make_parser` and run :func:`main`."""
+    recipe, args = make_parser().parse_args_and_config(args=argv)[:2]
+    return main(recipe, args)
+
+
+if __name__ == "__main__":
+    run()

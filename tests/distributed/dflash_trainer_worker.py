@@ -1,0 +1,171 @@
+"""Worker for tests/test_dflash_trainer.py: DFlashTrainer runs under torchrun (gloo), and the tiny fixtures they share.
+
+    torchrun --nproc_per_node 1 tests/distributed/dflash_trainer_worker.py --scenario reference --out /tmp/d
+    torchrun --nproc_per_node 2 tests/distributed/dflash_trainer_worker.py --scenario parallel --out /tmp/d
+
+Every run trains a tiny DFlash2 drafter (or a DFlash one) for a tiny random Llama target, for 3 SGD steps, from
+the features the test captured before the launch (``capture(out)``: ``<out>/features``), on the same global batch
+of 4 sequences per step:
+
+- ``reference`` (1 rank): one process, batch 4;
+- ``parallel`` (2 ranks): data parallel (2 replicas of batch 2) and, when the sharded forward exists, one
+  block-parallel group of P = 2 (batch 4) in each of csbp, cp and bp.
+
+Each rank writes ``<scenario>_rank<r>.json`` with the logged losses per run; rank 0 also the final weights
+(``<out>/<run>/weights.pt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer_common import tiny_tokenizer, vocab_size
+
+STEPS = 3
+FIRST_TOKEN = 7  # ids below are the tokenizer's specials and chat words
+LAYER_IDS = (1, 3)
+
+
+def tiny_target(seed: int = 0, layers: int = 4):
+    """A random Llama (4 layers by default) over the tiny tokenizer's vocabulary (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, head_dim=8, pad_token_id=0, bos_token_id=2,
+                         eos_token_id=3, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():  # a head that separates tokens (initializer_range 0.02 leaves every softmax nearly flat)
+        model.lm_head.weight.normal_(0.0, 0.2)
+    return model
+
+
+def progression_records(count: int = 16, seed: int = 0) -> list[dict]:
+    """Sequences a drafter can learn: a few prompt tokens, then consecutive ids from a random start (the loss
+    mask covers the progression)."""
+    generator = torch.Generator().manual_seed(seed)
+    span = vocab_size() - FIRST_TOKEN
+    records = []
+    for _ in range(count):
+        length = int(torch.randint(14, 30, (1,), generator=generator))
+        prompt = torch.randint(FIRST_TOKEN, vocab_size(), (3,), generator=generator).tolist()
+        start = int(torch.randint(span, (1,), generator=generator))
+        body = [FIRST_TOKEN + (start + k) % span for k in range(length - 3)]
+        records.append({"input_ids": prompt + body, "loss_mask": [0] * 3 + [1] * len(body)})
+    return records
+
+
+def capture(out: Path, target=None, layer_ids=LAYER_IDS, records=None) -> Path:
+    from hf_bdlm.models.dflash.capture import capture_features
+
+    folder = out / "features"
+    capture_features(target if target is not None else tiny_target(), records or progression_records(),
+                     layer_ids=layer_ids, out_dir=folder, progress=False, target_id="tiny-llama")
+    return folder
+
+
+def tiny_drafter(target, dflash2: bool = True, seed: int = 1, **overrides):
+    """A 1-layer drafter (block 4) reading target layers 1 and 3, freshly initialised from ``seed``."""
+    from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+
+    torch.manual_seed(seed)
+    kwargs = dict(init="scratch", num_hidden_layers=1, target_layer_ids=LAYER_IDS, block_size=4, mask_token_id=4)
+    if dflash2:
+        kwargs.update(selector_rank=8, selector_top_k=4, conv_group_size=8)
+    kwargs.update(overrides)
+    return (DFlash2DraftModel if dflash2 else DFlashDraftModel).from_target(target, **kwargs)
+
+
+def config(out: Path, **overrides):
+    from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig
+
+    values = dict(output_dir=str(out), report_to="none", max_steps=STEPS, logging_steps=1,
+                  per_device_train_batch_size=4, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+                  save_strategy="no", disable_tqdm=True, seed=3, max_anchors=8, dflash_loss="dpace")
+    values.update(overrides)
+    return DFlashTrainingConfig(**values)
+
+
+def train(out: Path, features: Path, target, dflash2: bool = True, **overrides) -> dict:
+    from hf_bdlm.models.dflash.trainer import DFlashTrainer
+
+    trainer = DFlashTrainer(tiny_drafter(target, dflash2), config(out, **overrides), train_dataset=str(features),
+                            target=target, processing_class=tiny_tokenizer())
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    result = {"steps": [h["step"] for h in history], "losses": [h["loss"] for h in history],
+              "accuracy": [h.get("mean_token_accuracy") for h in history]}
+    if trainer.is_world_process_zero():
+        path = out / "weights.pt"
+        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, path)
+        result["weights"] = str(path)
+    return result
+
+
+# Runs: name -> (drafter kind, config overrides, layouts); 4 sequences per step everywhere. "dp": 2 data-parallel
+# replicas of 2 sequences; a mode: one block-parallel group of P = 2.
+MODES = ("csbp", "cp", "bp")
+RUNS = {
+    "dpace": (True, {}, ("dp", *MODES)),
+    "ce": (True, dict(dflash_loss="ce"), ("dp", "csbp", "cp")),
+    "dflash_ce": (False, dict(dflash_loss="ce"), ("csbp",)),  # a DFlash drafter (no convolutions, no selector)
+}
+
+
+def sharded_forward_exists() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("hf_bdlm.models.dflash.sharded") is not None
+
+
+def scenario_reference(out: Path, features: Path, target) -> dict:
+    return {f"{name}/p1": train(out / name / "p1", features, target, kind, **kw)
+            for name, (kind, kw, _) in RUNS.items()}
+
+
+def scenario_parallel(out: Path, features: Path, target) -> dict:
+    results = {}
+    for name, (kind, kw, layouts) in RUNS.items():
+        for layout in layouts:
+            if layout == "dp":
+                results[f"{name}/dp"] = train(out / name / "dp", features, target, kind, per_device_train_batch_size=2,
+                                              **kw)
+            elif sharded_forward_exists():
+                results[f"{name}/{layout}"] = train(out / name / layout, features, target, kind, block_parallel_size=2,
+                                                    block_parallel_mode=layout, **kw)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", required=True, choices=["reference", "parallel"])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(args.out)
+    features = out / "features"  # captured by the test before the launch (capture(out))
+    target = tiny_target()
+    scenario = {"reference": scenario_reference, "parallel": scenario_parallel}[args.scenario]
+    try:
+        result = scenario(out, features, target)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+        raise
+    finally:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        (out / f"{args.scenario}_rank{rank}.json").write_text(json.dumps(result, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""`hf-bdlm serve TARGET --draft DIR`: a causal LM served as it is, decoded greedily with a DFlash drafter.
+
+A tiny random Llama target with the word-level chat tokenizer of tests/tiny_bdlm.py and a random DFlash2 drafter made
+for it (`from_target`), both saved with `save_pretrained`. The contract checked: a completion is token for token
+`target.generate(ids, do_sample=False, max_new_tokens=N)` on the same templated prompt (cut at the first EOS), alone or
+batched with other requests of other lengths and budgets, over the openai client too; a stream sends the tokens each
+verification forward committed; sampling and diffusion fields are a 400; a folder that is not a drafter is a clear
+error.
+Run: python -m pytest tests/test_serving_dflash.py -q
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="the serving tests need the openai client (dev extra)")
+pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
+from hf_bdlm.models.dflash.serving import SpeculativeServingDecoder  # noqa: E402
+from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
+from hf_bdlm.serving.protocol import ChatCompletionRequest, parse_request  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_bdlm import MASK, VOCAB, save_tiny_bdlm, tiny_tokenizer  # noqa: E402
+
+KEY = "test-key"
+EOS = 3
+PROMPTS = [[{"role": "user", "content": " ".join(f"w{7 + (i * 5 + j) % 50}" for j in range(n))}]
+           for i, n in enumerate((1, 3, 6, 9))]  # ragged prompt lengths
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+                                          bos_token_id=2, eos_token_id=EOS, pad_token_id=1))
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    drafter = DFlash2DraftModel.from_target(target, init="target_layers", num_hidden_layers=1, block_size=4,
+                                            mask_token_id=MASK)
+    drafter.save_pretrained(root / "drafter")
+    save_tiny_bdlm(root / "bdlm")
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(folders):
+    return Engine.from_pretrained(folders / "target", name="tiny", draft=folders / "drafter")
+
+
+def reference(engine, ids: list[int], max_tokens: int) -> list[int]:
+    out = engine.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_tokens)
+    tokens = out[0, len(ids):].tolist()
+    cut = next((i + 1 for i, t in enumerate(tokens) if t == EOS), len(tokens))
+    return tokens[:cut]
+
+
+def chat_job(engine, messages, max_tokens, **fields):
+    request = parse_request(ChatCompletionRequest, {"model": "tiny", "messages": messages, "temperature": 0,
+                                                    "max_tokens": max_tokens, **fields})
+    return engine.make_job(request, engine.chat_prompt(messages), 64, 8, 255)
+
+
+def test_the_target_is_served_as_the_causal_lm_it_is_with_the_drafter(engine):
+    assert type(engine.model).__name__ == "LlamaForCausalLM"
+    assert isinstance(engine.decoder, SpeculativeServingDecoder)
+    assert engine.decoder.drafter.embed_tokens is engine.model.get_input_embeddings()
+
+
+def test_completions_are_the_target_greedy_output_alone_and_batched(engine):
+    budgets = (12, 7, 20, 5)
+    expected = [reference(engine, engine.chat_prompt(p), n) for p, n in zip(PROMPTS, budgets)]
+    alone = []
+    for p, n in zip(PROMPTS, budgets):
+        job = chat_job(engine, p, n)
+        engine.run_batch([job])
+        alone.append(job.stream.ids)
+    jobs = [chat_job(engine, p, n) for p, n in zip(PROMPTS, budgets)]
+    assert len({j.batch_key for j in jobs}) == 1
+    engine.run_batch(jobs)
+    assert alone == expected
+    assert [j.stream.ids for j in jobs] == expected
+
+
+def test_served_over_http_equals_generate_alone_and_under_concurrency(engine):
+    config = ServerConfig(port=0, api_key=KEY, max_batch_size=4, max_queue=16, batch_wait_ms=100,
+                          max_tokens_limit=64, default_max_tokens=8)
+    expected = [engine.tokenizer.decode(reference(engine, engine.chat_prompt(p), 10), skip_special_tokens=True)
+                for p in PROMPTS]
+    with ServerThread(engine, config) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+
+        def ask(i):
+            out = client.chat.completions.create(model="tiny", messages=PROMPTS[i], max_tokens=10, temperature=0)
+            return out.choices[0].message.content
+
+        alone = [ask(i) for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, range(4)))
+        streamed = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="tiny", messages=PROMPTS[2], max_tokens=10, temperature=0, stream=True) if c.choices]
+        with pytest.raises(openai.BadRequestError, match="decodes greedily"):
+            client.chat.completions.create(model="tiny", messages=PROMPTS[0], max_tokens=4, temperature=0.7)
+        with pytest.raises(openai.BadRequestError, match="steps_per_block"):
+            client.chat.completions.create(model="tiny", messages=PROMPTS[0], max_tokens=4,
+                                           extra_body={"steps_per_block": 2})
+    assert alone == together == expected
+    assert "".join(streamed) == expected[2]
+
+
+def test_a_folder_that_is_not_a_drafter_is_a_clear_error(folders):
+    with pytest.raises(ValueError, match=r"--draft takes a drafter folder.*'block_diffusion'"):
+        Engine.from_pretrained(folders / "target", draft=folders / "bdlm")
+    with pytest.raises(FileNotFoundError, match="holds no config.json"):
+        Engine.from_pretrained(folders / "target", draft=folders / "missing")
