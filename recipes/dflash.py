@@ -236,7 +236,7 @@ def main(recipe: DFlashRecipeArguments, args: DFlashTrainingConfig) -> dict:
 
     from hf_bdlm.models.dflash.capture import capture_features
     from hf_bdlm.models.dflash.configuration import default_target_layer_ids
-    from hf_bdlm.models.dflash.family import resolve_target_path
+    from hf_bdlm.models.dflash.target import resolve_target_path
     from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
     from hf_bdlm.models.dflash.trainer import DFlashTrainer
 

@@ -186,7 +186,7 @@ def test_resume_restores_the_objective_and_continues_bitwise(tmp_path, features,
 
 
 def test_a_target_folder_gives_only_its_embedding_and_head_and_the_same_training(tmp_path, features, target):
-    from hf_bdlm.models.dflash.family import load_target_heads
+    from hf_bdlm.models.dflash.target import load_target_heads
 
     folder = tmp_path / "target"
     target.save_pretrained(folder)

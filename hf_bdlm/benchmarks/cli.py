@@ -52,7 +52,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="small preset (< 5 min on 2 idle cores): modes at L=1K,2K and P=2, 1 layer, 1 step; attention "
                         "at L<=2K; growth from those records; max-context under a 128 MiB cap for the single process "
-                        "and csbp at P=2")
+                        "and csbp at P=2; each family study at its own quick preset")
     p.add_argument("--only", nargs="+", choices=suite.STUDIES, default=None, metavar="STUDY",
                    help=f"run these studies only (of {', '.join(suite.STUDIES)}; default: all)")
     p.add_argument("--report-only", action="store_true",
@@ -101,6 +101,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     cap.add_argument("--max-context-layers", type=_positive_int, default=None)
     cap.add_argument("--max-context-limit", type=_positive_int, default=None, metavar="L",
                      help="longest L probed (the search stops there)")
+    for name in suite.FAMILY_STUDIES:  # each family study declares its own options (hf_bdlm.models.FAMILY_STUDIES)
+        module = suite.family_study(name)
+        summary = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "")
+        module.add_arguments(p.add_argument_group(f"the {name} study", summary))
     return p
 
 

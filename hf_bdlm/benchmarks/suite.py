@@ -15,6 +15,13 @@ Studies (``--only`` picks some; all by default), each measured in fresh processe
   model and one in Gemma 3's 5:1 sliding-window pattern, with exposed waits and per-rank attention work
   (:mod:`.baselines`). ``baselines.json`` (``baselines_<link>.json`` with ``--link``).
 
+Family studies: each model family may own studies (:data:`hf_bdlm.models.FAMILY_STUDIES`, a study name -> its
+module), declared and run through three functions of that module: ``add_arguments(group)`` (its options, in their own
+group of ``hf-bdlm bench``), ``run(cfg, args, path)`` (the records, written to ``<study>.json`` as they come) and
+``report(records)`` (its markdown section), and optionally ``check_arguments(cfg, args)`` (a ``ValueError`` naming
+the option on a bad combination, raised before any study runs). They follow the core studies, in the registry's
+order.
+
 ``summary.json`` holds the machine and, per study, the command, wall time and load average (1-minute, at its start and
 end; a study run again into the same folder replaces its entry), and the plots; ``summary.md`` the
 markdown tables (``--markdown`` prints them). ``--report-only`` re-draws everything from the JSON in ``--out``.
@@ -26,6 +33,7 @@ The command's arguments are declared in :mod:`.cli`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import pathlib
@@ -36,10 +44,23 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from ..models import FAMILY_STUDIES
 from . import max_context, parallel_modes, report
 from .processes import child_env, module_command
 
-STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
+CORE_STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
+STUDIES = CORE_STUDIES + tuple(FAMILY_STUDIES)
+
+
+def family_study(name: str):
+    """The module of the family study ``name`` (imported on first use)."""
+    return importlib.import_module(FAMILY_STUDIES[name])
+
+
+def family_study_path(out: pathlib.Path, name: str) -> pathlib.Path:
+    """Where the family study ``name`` keeps its records: ``<out>/<name>.json``."""
+    return out / f"{name}.json"
+
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
@@ -152,6 +173,10 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     if "growth" in cfg.studies and len(set(cfg.growth_lengths)) < 2:
         raise ValueError(f"--growth-lengths {' '.join(map(str, cfg.growth_lengths))}: the exponent fit needs at "
                          f"least two distinct lengths")
+    for name in FAMILY_STUDIES:
+        check = getattr(family_study(name), "check_arguments", None)
+        if name in cfg.studies and check is not None:
+            check(cfg, args)
     return cfg
 
 
@@ -277,9 +302,13 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
     modes, attention = _read(out / "parallel_modes.json"), _read(out / "attention.json")
     growth, mc = _read(out / "growth.json"), _read(out / "max_context.json")
     base = [r for path in sorted(out.glob("baselines*.json")) for r in _read(path)]
-    if not any(x is not None for x in (modes, attention, growth, mc)) and not base:
+    families = {name: records for name in FAMILY_STUDIES
+                if (records := _read(family_study_path(out, name))) is not None}
+    if not any(x is not None for x in (modes, attention, growth, mc)) and not base and not families:
         raise FileNotFoundError(f"{out} holds none of parallel_modes.json, attention.json, growth.json, "
-                                f"max_context.json, baselines*.json: run hf-bdlm bench --out {out} first")
+                                f"max_context.json, baselines*.json"
+                                + "".join(f", {family_study_path(out, n).name}" for n in FAMILY_STUDIES)
+                                + f": run hf-bdlm bench --out {out} first")
     summary = _read(out / "summary.json") or {}
     plots, sections = [], []
     machine = summary.get("machine")
@@ -310,6 +339,8 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
 
         sections.append(("CSBP against both CP baselines and BP (step seconds; CSBP's speed-up; exposed waits; slowest "
                          "rank's attention pairs over the mean)", baselines.table(base, True), baselines.table(base)))
+    for name, records in families.items():
+        sections.append(family_study(name).report(records))
     if attention is not None:
         if any("time_s" in r for r in attention):
             plots.append(report.plot_attention(attention, out))
@@ -338,9 +369,13 @@ def _machine() -> dict:
                 torch=torch.__version__, processor=platform.processor() or platform.machine())
 
 
-def _run_study(study: str, cfg: BenchConfig, out: pathlib.Path, modes_records: list[dict]) -> int:
+def _run_study(study: str, cfg: BenchConfig, out: pathlib.Path, modes_records: list[dict],
+               args: argparse.Namespace) -> int:
     """Run one study, write its JSON; returns how many of its measurements failed. ``modes_records`` is extended
-    with the modes study's records (the growth study reuses them)."""
+    with the modes study's records (the growth study reuses them); ``args`` carry the family studies' options."""
+    if study in FAMILY_STUDIES:
+        records = family_study(study).run(cfg, args, family_study_path(out, study))
+        return sum("error" in r for r in records)
     if study == "modes":
         modes_records[:] = run_modes(cfg)
         return sum("error" in r for r in modes_records)
@@ -382,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         t0, load_study, error = time.perf_counter(), os.getloadavg()[0], None
         try:
-            failed = _run_study(study, cfg, out, modes_records)
+            failed = _run_study(study, cfg, out, modes_records, args)
         except RuntimeError as err:  # a study that cannot finish (e.g. its script crashed): the others still run
             failed, error = 1, str(err)
             _progress(f"{study}: FAILED: {err}")

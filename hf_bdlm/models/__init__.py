@@ -53,8 +53,9 @@ REGISTRY: tuple[FamilyEntry, ...] = (
 PLANNED_OBJECTIVES: tuple[str, ...] = ()
 # Modules of `hf-bdlm` subcommands a family owns, each with ``add_parsers(subparsers)`` (argparse only at import).
 FAMILY_COMMANDS = ("hf_bdlm.models.dflash.cli",)
-# `hf-bdlm bench` studies a family owns: study name -> module with ``add_arguments(group)``, ``run(cfg, args, out)``
-# (returns the records) and ``report(records) -> str`` (the summary section).
+# `hf-bdlm bench` studies a family owns: study name -> module with ``add_arguments(group)``, optionally
+# ``check_arguments(cfg, args)`` (refuses bad options before anything runs), ``run(cfg, args, out)`` (returns the
+# records) and ``report(records) -> str`` (the summary section).
 FAMILY_STUDIES = {"drafter": "hf_bdlm.models.dflash.benchmark"}
 _LOADED: dict[str, ModelFamily] = {}
 

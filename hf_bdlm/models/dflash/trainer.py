@@ -51,7 +51,7 @@ from ...objectives.noise import hash_uniform
 from ...trainer.collator import SAMPLE_ID_COLUMN, round_up
 from ...trainer.trainer import BDLMSFTTrainer
 from .capture import FeatureStore
-from .family import TargetHeads, load_target_heads, resolve_target_path, unwrap_drafter
+from .target import TargetHeads, load_target_heads, resolve_target_path, unwrap_drafter
 from .objective import (
     DFlashBatch,
     DFlashObjective,
@@ -486,7 +486,7 @@ class DFlashTrainer(BDLMSFTTrainer):
             The target's tokenizer (saved beside the drafter); defaults to the target folder's.
         target ([`~transformers.PreTrainedModel`] or `str`, *optional*):
             The target: a loaded causal LM (the drafter is bound to it), or its folder / Hub id, whose embedding and
-            head alone are read (:func:`~.family.load_target_heads`). Defaults to `args.target_model`; not needed
+            head alone are read (:func:`~.target.load_target_heads`). Defaults to `args.target_model`; not needed
             for a drafter already bound (then pass `processing_class`).
         callbacks, optimizers, optimizer_cls_and_kwargs, block_parallel_plugin:
             As in [`BDLMSFTTrainer`].
@@ -648,7 +648,7 @@ def _as_store(value, name: str) -> FeatureStore:
 
 def _bound_drafter(model, target, args: DFlashTrainingConfig):
     """``(drafter, target heads or None, target name)``: the drafter bound to its target."""
-    from .family import drafter_class
+    from .target import drafter_class
 
     if isinstance(model, (str, os.PathLike)):
         from .configuration import DFlashConfig

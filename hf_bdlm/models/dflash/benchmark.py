@@ -1,0 +1,571 @@
+"""The ``drafter`` study of ``hf-bdlm bench``: DFlash2 drafter training under ``csbp``, ``cp`` and ``bp`` side by
+side, at the longest contexts this machine holds (P = 2 and 4; one process as the reference).
+
+**Layouts** (:mod:`.sharded`): ``cp`` shards the context features over the ``P`` ranks and every rank drafts *all*
+anchors; it is the paper's reference CP-only drafter layout, the baseline of its published CSBP speed-ups (2.48x at
+512K, 7.59x at 1M tokens on 8 H100). ``bp`` replicates the features and deals the anchors (heaviest with lightest);
+``csbp`` does both: features sharded, anchors dealt. ``single`` is one process running the same sharded forward with
+a one-rank plan.
+
+**The benchmark drafter** is the published DFlash2 drafter of a Qwen3-27B-class target (hidden 5120, 32 heads and 8
+K/V heads of 128, 5 sliding-window layers of window 2048, non-causal blocks of 8, features of target layers
+``[6, 20, 34, 48, 62]`` of 64, candidate selector of rank 256 over the top 16) scaled down to hidden 256: 8 heads
+and 2 K/V heads of 32, MLP 864, vocabulary 8192, selector rank 16 over the top 16, the same 5 feature layers (features
+5 x 256 = 1280 wide), block 8, window 2048, and 1 layer (``--drafter-layers``). A drafter's width is its target's (it
+embeds with the target's embedding), so the target is scaled with it. Anchors follow the recipe's density, 2048 per
+1M tokens (``L / 512`` per sequence; ``--drafter-anchors`` fixes them), drawn by the recipe's locality sampler (every
+``s``-th position from a random start, ``s`` about the block size: the anchors of a step lie in one stretch of about
+``9 A`` tokens); the loss is the recipe's D-PACE with the candidate selector. float32, one sequence per step, every
+token supervised, one thread per rank. The features are random (they are inputs: no target runs); each rank holds
+its layout's context rows, as the trainer loads them (``cp``, ``csbp``: ``L / P``; ``bp`` and one process: ``L``).
+
+Since every layer slides, the sharded forward *compacts the context*: a rank projects and attends to only the rows
+its ring's anchors can see (the anchors' stretch and one window before it), so a step costs about ``A x B`` queries
+over ``9 A + W`` rows per layer, growing like ``L^2`` through ``A = L / 512``, while the features held grow like
+``L``. ``cp`` runs all ``A`` anchors on every rank; ``bp`` and ``csbp`` ``A / P`` each.
+
+**A step** is the trainer's: draw the anchors, build the plan, forward, D-PACE loss (summed over the group where
+ranks hold disjoint anchors), backward. The optimizer and DDP's gradient all-reduce are left out, as in the other
+studies (the all-reduce is the same ~1.5M parameters under every layout).
+
+**Per (P, L, layout)**, one fresh launch (``torchrun`` for ``P > 1``): step time (slowest rank, median over
+``--steps`` after one warm-up), context tokens/s (``L`` / step) and supervised tokens/s (the labels the loss scores),
+peak memory per rank (``ru_maxrss`` above the RSS once the drafter is built: the rank's feature rows, listed beside,
+and the step), the context rows each rank projected, context K/V bytes each rank received in the last step (the
+group's byte meter) beside :func:`~.sharded.context_bytes`' formula, exposed waits (time blocked on the K/V
+exchanges, forward and backward), and the group's summed loss, which equals the single process's on the same anchors.
+The report gives CSBP's speed-up over cp and over bp.
+
+    hf-bdlm bench --only drafter --quick --out /tmp/bench       # L = 2048, P = 2: under a minute on 2 idle cores
+    hf-bdlm bench --only drafter --out bench_results             # L = 64K, 128K, 192K: ~10 minutes
+    torchrun --nproc_per_node 2 -m hf_bdlm.models.dflash.benchmark --worker --layout csbp --length 4096 \\
+        --out /tmp/csbp.json                                      # one measurement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MODULE = f"{__package__}.benchmark"  # what ``python -m`` / ``torchrun -m`` run (also when this file is __main__)
+LAYOUTS = ("csbp", "cp", "bp")
+SINGLE = "single"
+# The published DFlash2 drafter of a Qwen3-27B-class target (see the module docstring), scaled to hidden 256.
+DRAFTER = dict(vocab_size=8192, hidden_size=256, intermediate_size=864, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=32, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0},
+               max_position_embeddings=262144)
+DFLASH2 = dict(block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=16)
+TARGET_LAYER_IDS, NUM_TARGET_LAYERS = (6, 20, 34, 48, 62), 64
+WINDOW = 2048
+# The recipe draws 2048 anchors per sequence of 1M tokens.
+RECIPE_ANCHORS, RECIPE_LENGTH = 2048, 2**20
+# Feature rows are drawn in chunks seeded by their index, so any rank makes exactly its rows, equal in every layout.
+FEATURE_CHUNK = 256
+# The presets fill the options left unset (``hf-bdlm bench --quick`` picks QUICK). Full: about 10 minutes on 2 idle
+# cores (192K: cp at P = 4 holds ~3.5 GB per rank, 14 GB in all; 256K would need ~5 GB per rank and double the time).
+FULL = dict(lengths=(65536, 131072, 196608), nprocs=(2, 4), layouts=LAYOUTS, layers=1, window=WINDOW)
+QUICK = dict(lengths=(2048,), nprocs=(2,), layouts=LAYOUTS, layers=1, window=WINDOW)
+
+
+def recipe_anchors(length: int) -> int:
+    """Anchors per sequence of ``length`` tokens at the recipe's density (2048 per 1M tokens), at least one."""
+    return max(1, length * RECIPE_ANCHORS // RECIPE_LENGTH)
+
+
+@dataclass(frozen=True)
+class DrafterStudy:
+    """One run of the study, every option resolved.
+
+    Parameters:
+        lengths (`tuple[int, ...]`): context lengths ``L``. nprocs (`tuple[int, ...]`): group sizes ``P`` (the
+            single process always runs too). layouts (`tuple[str, ...]`): of ``csbp``, ``cp``, ``bp``.
+        layers (`int`): drafter layers. window (`int | None`): their sliding window (`None`: full attention).
+        anchors (`int | None`): anchors per sequence (`None`: :func:`recipe_anchors` of each length).
+        steps (`int`): timed steps after one warm-up. timeout (`float`): seconds per launch.
+    """
+
+    lengths: tuple[int, ...]
+    nprocs: tuple[int, ...]
+    layouts: tuple[str, ...]
+    layers: int
+    window: int | None
+    anchors: int | None
+    steps: int
+    timeout: float
+
+    def anchors_at(self, length: int) -> int:
+        return self.anchors or recipe_anchors(length)
+
+    def configurations(self) -> list[tuple[str, int, int]]:
+        """``(layout, P, L)`` of every launch: at each length the single process, then every layout at each P."""
+        return [(layout, P, L) for L in self.lengths
+                for layout, P in [(SINGLE, 1)] + [(m, P) for P in self.nprocs for m in LAYOUTS if m in self.layouts]]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the benchmark drafter and its inputs
+# ----------------------------------------------------------------------------------------------------------------------
+def benchmark_config(layers: int = 1, window: int | None = WINDOW):
+    """The benchmark drafter's `DFlashConfig` (see the module docstring)."""
+    from .configuration import DFlashConfig
+
+    kinds = ["sliding_attention" if window else "full_attention"] * layers
+    return DFlashConfig(**DRAFTER, **DFLASH2, num_hidden_layers=layers, layer_types=kinds, sliding_window=window,
+                        mask_token_id=DRAFTER["vocab_size"] - 1, target_layer_ids=list(TARGET_LAYER_IDS),
+                        num_target_layers=NUM_TARGET_LAYERS, target_hidden_size=DRAFTER["hidden_size"],
+                        is_causal=False)
+
+
+class BenchmarkTargetEnds(nn.Module):
+    """The parts of a target a drafter's training step uses: its input embedding and LM head (random; the features
+    stand in for the rest)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        nn.init.normal_(self.embed_tokens.weight, std=0.02)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+
+def benchmark_drafter(layers: int = 1, window: int | None = WINDOW):
+    """The benchmark drafter (random, the same in every process), bound to a :class:`BenchmarkTargetEnds`."""
+    from .modeling import DFlash2DraftModel
+
+    config = benchmark_config(layers, window)
+    torch.manual_seed(0)
+    drafter = DFlash2DraftModel(config).float()
+    return drafter.bind_target(BenchmarkTargetEnds(config.vocab_size, config.hidden_size)).train()
+
+
+def benchmark_tokens(length: int, vocab_size: int = DRAFTER["vocab_size"]):
+    """``(input_ids, loss_mask)`` of the one benchmark sequence ``[1, L]``: random tokens, every one supervised."""
+    ids = torch.randint(1, vocab_size - 1, (1, length), generator=torch.Generator().manual_seed(1))
+    return ids, torch.ones_like(ids)
+
+
+def benchmark_objective(anchors: int):
+    """The recipe's objective for the benchmark drafter: ``anchors`` per sequence drawn by the locality sampler (seed
+    0, the same on every rank), D-PACE."""
+    from .objective import DFlashObjective
+
+    return DFlashObjective(mask_token_id=DRAFTER["vocab_size"] - 1, block_size=DFLASH2["block_size"],
+                           max_anchors=anchors, loss="dpace", anchor_sampling="locality", seed=0)
+
+
+def benchmark_features(start: int, stop: int, width: int):
+    """Feature rows ``[start, stop)`` of the benchmark sequence, ``[1, stop - start, width]``: standard normal, drawn
+    chunk by chunk into one buffer, so a rank makes (and holds) only its own rows."""
+    out = torch.empty(1, stop - start, width)
+    for chunk in range(start // FEATURE_CHUNK, -(-stop // FEATURE_CHUNK)):
+        first = chunk * FEATURE_CHUNK
+        rows = torch.randn(FEATURE_CHUNK, width, generator=torch.Generator().manual_seed(10_000 + chunk))
+        lo, hi = max(start, first), min(stop, first + FEATURE_CHUNK)
+        out[0, lo - start:hi - start] = rows[lo - first:hi - first]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# worker: one process, or one rank of a torchrun group
+# ----------------------------------------------------------------------------------------------------------------------
+def _worker(args: argparse.Namespace) -> None:
+    """One measurement: the single process (``--layout single``), or one rank of a ``torchrun`` group whose rank 0
+    writes the group's record."""
+    import torch.distributed as dist
+
+    from ...parallel.collectives import ByteMeter
+    from ...parallel.dims import ParallelDims
+    from ...parallel.groups import BlockParallelGroups
+
+    torch.set_num_threads(1)
+    groups = None
+    if args.layout != SINGLE:
+        dist.init_process_group("gloo")
+        groups = BlockParallelGroups.build(ParallelDims(dist.get_world_size(), None, args.layout), "cpu", ByteMeter())
+    mine = _rank_steps(args, groups)
+    if groups is None:
+        record = _group_record(args, 1, 1, [mine])
+    else:
+        everyone: list = [None] * groups.dims.block_parallel_size
+        dist.all_gather_object(everyone, mine)
+        record = _group_record(args, len(everyone), groups.dims.clean_ring_size, everyone)
+        dist.barrier()
+        dist.destroy_process_group()
+        if groups.group_rank:
+            return
+    pathlib.Path(args.out).write_text(json.dumps(record))
+
+
+def _rank_steps(args: argparse.Namespace, groups) -> dict:
+    """This rank's (or the single process's) timed steps after one warm-up: step times, waits, bytes received and
+    their formula, losses, peak memory. The single process runs the same sharded forward with a one-rank plan (so
+    it compacts the context as the ranks do)."""
+    import torch.distributed as dist
+
+    from ...benchmarks.parallel_modes import _current_rss, _peak_rss
+    from .sharded import DFlashShardPlan, context_bytes, sharded_draft_forward
+
+    drafter = benchmark_drafter(args.layers, args.window or None)
+    config = drafter.config
+    ids, loss_mask = benchmark_tokens(args.length, config.vocab_size)
+    objective = benchmark_objective(args.anchors)
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    if groups is None:
+        mode, P, C, rank, comms, ring = "bp", 1, 1, 0, (), None
+    else:
+        mode, P, C, rank = args.layout, groups.dims.block_parallel_size, groups.dims.clean_ring_size, groups.group_rank
+        comms, ring = (groups.group, groups.ring), groups.ring if C > 1 else None
+
+    def plan_of(batch):
+        return DFlashShardPlan.build(batch, mode=mode, world=P, rank=rank, layer_windows=windows, ring_size=C)
+
+    start, stop = plan_of(objective.prepare(ids, loss_mask, step=0)).context_range  # the same every step
+    base = _current_rss()  # the peak counts the rank's feature rows: the layout decides them
+    features = benchmark_features(start, stop, config.feature_width)
+    kv = dict(batch_size=1, kv_width=config.num_key_value_heads * config.head_dim, element_size=4)
+    times, fwd_waits, waits, losses, supervised, projected = [], [], [], [], [], []
+    for step in range(args.steps + 1):  # step 0 is the warm-up
+        if groups is not None:
+            groups.meter.next_step()
+            dist.barrier()  # start together: the slowest rank's time is the group's step time
+        drafter.zero_grad(set_to_none=True)
+        wait0 = sum(c.wait_seconds for c in comms)
+        t0 = time.perf_counter()
+        batch = objective.prepare(ids, loss_mask, step=step)
+        plan = plan_of(batch)
+        share = plan.select(batch)
+        out = sharded_draft_forward(drafter, features, ids, share, plan, ring)
+        loss = _loss(objective, drafter, out.hidden_states, share, plan.global_sum(groups and groups.group))
+        loss = loss * plan.loss_scale
+        wait_fwd = sum(c.wait_seconds for c in comms) - wait0
+        loss.backward()
+        dt = time.perf_counter() - t0
+        total = loss.detach().clone()
+        if groups is not None:
+            dist.all_reduce(total, group=groups.group.group)  # the group's loss: the single process's
+        if step:
+            times.append(dt)
+            fwd_waits.append(wait_fwd)
+            waits.append(sum(c.wait_seconds for c in comms) - wait0)
+            losses.append(total.item())
+            supervised.append(int(batch.supervised_mask.sum()))
+            projected.append(plan.num_projected)
+        del out, loss
+    names = groups.meter.by_name() if groups is not None else {}
+    return dict(times=times, fwd_waits=fwd_waits, waits=waits, bytes=names, losses=losses, supervised=supervised,
+                anchors=len(plan.anchor_slots[rank]), projected=projected, features=features.numel() * 4,
+                forward_bytes=sum(v for k, v in names.items() if k.endswith((".all_gather", ".all_to_all"))),
+                backward_bytes=sum(v for k, v in names.items()
+                                   if k.endswith((".reduce_scatter", ".all_to_all_backward"))),
+                formula=list(context_bytes(plan, windows, **kv)), peak=_peak_rss() - base, peak_abs=_peak_rss())
+
+
+def _loss(objective, drafter, hidden, batch, global_sum=None):
+    return objective.loss_from_hidden(hidden, drafter.lm_head.weight, batch, selector=drafter.candidate_selector,
+                                      global_sum=global_sum)
+
+
+def _group_record(args, P: int, C: int, everyone: list[dict]) -> dict:
+    """The group's record from every rank's measurements: per step the slowest rank's time; per rank its peak
+    memory, received bytes and their formula."""
+    steps = len(everyone[0]["times"])
+    step_times = [max(r["times"][i] for r in everyone) for i in range(steps)]
+    step_s = statistics.median(step_times)
+    received = [r["forward_bytes"] + r["backward_bytes"] for r in everyone]
+    names = sorted({n for r in everyone for n in r["bytes"]})
+    return dict(
+        study="drafter", layout=args.layout, P=P, C=C, L=args.length, layers=args.layers, window=args.window or None,
+        block_size=DFLASH2["block_size"], anchors=args.anchors, anchors_per_rank=[r["anchors"] for r in everyone],
+        steps=steps, step_s=step_s, step_times=step_times, step_s_per_rank=[statistics.median(r["times"])
+                                                                            for r in everyone],
+        context_tokens_per_s=args.length / step_s,
+        supervised_tokens=statistics.median(everyone[0]["supervised"]),
+        supervised_tokens_per_s=statistics.median(everyone[0]["supervised"]) / step_s,
+        projected_rows_per_rank=[statistics.median(r["projected"]) for r in everyone],
+        features_bytes_per_rank=[r["features"] for r in everyone],
+        peak_mem_bytes=max(r["peak"] for r in everyone), peak_mem_per_rank=[r["peak"] for r in everyone],
+        peak_rss_bytes=max(r["peak_abs"] for r in everyone),
+        bytes_per_rank=received, bytes_per_step=max(received),
+        bytes_fwd_bwd_per_rank=[[r["forward_bytes"], r["backward_bytes"]] for r in everyone],
+        context_bytes_per_rank=[r["formula"] for r in everyone],
+        bytes_match=all([r["forward_bytes"], r["backward_bytes"]] == r["formula"] for r in everyone),
+        bytes_by_name={n: max(r["bytes"].get(n, 0) for r in everyone) for n in names},
+        comm_wait_s=max(statistics.median(r["waits"]) for r in everyone),
+        comm_wait_fwd_s=max(statistics.median(r["fwd_waits"]) for r in everyone),
+        comm_wait_bwd_s=max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])])
+                            for r in everyone),
+        losses=everyone[0]["losses"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------------------------------
+def launch(layout: str, P: int, L: int, study: DrafterStudy, tmp: pathlib.Path) -> dict:
+    """One configuration's record from a fresh launch (one that crashed runs once more, its error kept in
+    ``retried_after_error``: gloo's teardown racing the exit is seen about once in a few hundred launches)."""
+    record = _launch_once(layout, P, L, study, tmp)
+    if "error" in record and not record["error"].startswith("timed out"):
+        first = record["error"]
+        record = dict(_launch_once(layout, P, L, study, tmp), retried_after_error=first[-1500:])
+    return record
+
+
+def _launch_once(layout: str, P: int, L: int, study: DrafterStudy, tmp: pathlib.Path) -> dict:
+    from ...benchmarks.processes import child_env
+
+    tmp = pathlib.Path(tmp).resolve()
+    out = tmp / f"drafter_{layout}_P{P}_L{L}.json"
+    out.unlink(missing_ok=True)
+    common = ["--worker", "--layout", layout, "--length", str(L), "--layers", str(study.layers),
+              "--window", str(study.window or 0), "--anchors", str(study.anchors_at(L)), "--steps", str(study.steps),
+              "--out", str(out)]
+    if P == 1:
+        cmd = [sys.executable, "-m", MODULE, *common]
+    else:  # --standalone picks a free rendezvous port
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(P), "-m", MODULE,
+               *common]
+    base = dict(study="drafter", layout=layout, P=P, C=1 if layout in (SINGLE, "bp") else P, L=L,
+                layers=study.layers, window=study.window, anchors=study.anchors_at(L))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"), cwd=tmp,
+                              capture_output=True, text=True, timeout=study.timeout)
+    except subprocess.TimeoutExpired:
+        return dict(base, error=f"timed out after {study.timeout}s")
+    if proc.returncode or not out.exists():
+        return dict(base, error=(proc.stderr or proc.stdout)[-3000:])
+    return dict(json.loads(out.read_text()), wall_s=time.perf_counter() - t0)
+
+
+def resolve(cfg, args: argparse.Namespace) -> DrafterStudy:
+    """The study's settings: the ``--drafter-*`` options, the preset (:data:`QUICK` when ``cfg.quick``, else
+    :data:`FULL`) for those left unset, and the suite's ``--steps`` and ``--timeout``. ``ValueError`` naming the
+    option on a combination no layout can run."""
+    preset = QUICK if cfg.quick else FULL
+
+    def pick(name):
+        value = getattr(args, f"drafter_{name}", None)
+        value = preset[name] if value is None else value
+        return tuple(value) if isinstance(value, (list, tuple)) else value
+
+    window = pick("window")
+    study = DrafterStudy(lengths=pick("lengths"), nprocs=pick("nprocs"), layouts=pick("layouts"), layers=pick("layers"),
+                         window=window or None, anchors=getattr(args, "drafter_anchors", None), steps=cfg.steps,
+                         timeout=cfg.timeout)
+    bad = [L for L in study.lengths if any(L % P for P in study.nprocs)]
+    if bad:
+        raise ValueError(f"--drafter-lengths {' '.join(map(str, bad))}: csbp and cp cut the context into P "
+                         f"equal shards, so every length must be a multiple of every --drafter-nprocs "
+                         f"({' '.join(map(str, study.nprocs))}); e.g. multiples of 512")
+    return study
+
+
+def check_arguments(cfg, args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, options no layout can run (:func:`resolve`'s ``ValueError``)."""
+    resolve(cfg, args)
+
+
+def run(cfg, args: argparse.Namespace, out: pathlib.Path, log=print) -> list[dict]:
+    """Run the study; every record, also written to ``out`` (a JSON list) as it goes. Records already in ``out`` of
+    configurations this run does not measure are kept, so a second run with other lengths adds its own.
+
+    Args:
+        cfg: the suite's `BenchConfig` (``quick``, ``steps``, ``timeout``).
+        args (`argparse.Namespace`): the parsed ``--drafter-*`` options (:func:`add_arguments`).
+        out (`pathlib.Path`): the study's JSON file.
+    """
+    study = resolve(cfg, args)
+    configs = study.configurations()
+    log(f"drafter: {len(configs)} runs (L {', '.join(map(str, study.lengths))}; P 1, "
+        f"{', '.join(map(str, study.nprocs))}; {', '.join(study.layouts)}; {study.layers} layer(s), "
+        + (f"window {study.window}" if study.window else "full attention")
+        + f", anchors {', '.join(str(study.anchors_at(L)) for L in study.lengths)}; {study.steps} timed step(s) after "
+        "a warm-up)")
+    out = pathlib.Path(out)
+    planned = {(layout, P, L) for layout, P, L in configs}
+    kept = [r for r in (json.loads(out.read_text()) if out.exists() else [])
+            if (r["layout"], r["P"], r["L"]) not in planned]
+    records: list[dict] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (layout, P, L) in enumerate(configs, 1):
+            record = launch(layout, P, L, study, pathlib.Path(tmp))
+            records.append(record)
+            log(f"  [drafter {i}/{len(configs)}, {time.perf_counter() - started:5.0f} s] {_line(record)}")
+            out.write_text(json.dumps(kept + records, indent=1))
+    return records
+
+
+def _line(r: dict) -> str:
+    name = f"{r['layout']:6} P={r['P']} L={r['L']:>6}"
+    if "error" in r:
+        return f"{name}: ERROR {(r['error'].strip().splitlines() or ['?'])[-1][:100]}"
+    return (f"{name}: step {r['step_s']:7.3f} s  {r['context_tokens_per_s']:8.0f} context tok/s  "
+            f"{r['supervised_tokens_per_s']:7.1f} supervised tok/s  peak {r['peak_mem_bytes'] / 2**20:7.1f} MiB/rank  "
+            f"K/V {r['bytes_per_step'] / 2**20:6.2f} MiB/rank{'' if r['bytes_match'] else ' (NOT the formula)'}  "
+            f"wait {r['comm_wait_s']:.3f} s  (run {r.get('wall_s', 0):.0f} s)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------------------------
+def rows(records: list[dict]) -> list[dict]:
+    """One row per measured (P, L, layout), sorted by L, P and layout (single, csbp, cp, bp), with CSBP's speed-up
+    over the row's layout at the same (P, L) (``None`` on other rows or without a csbp record) and the relative
+    difference of the row's loss from the single process's (first timed step)."""
+    ok = {(r["layout"], r["P"], r["L"]): r for r in records if "error" not in r}
+    order = (SINGLE, *LAYOUTS)
+    out = []
+    for (layout, P, L), r in sorted(ok.items(), key=lambda kv: (kv[0][2], kv[0][1], order.index(kv[0][0]))):
+        csbp, single = ok.get(("csbp", P, L)), ok.get((SINGLE, 1, L))
+        speedup = r["step_s"] / csbp["step_s"] if csbp and layout in ("cp", "bp") else None
+        loss_diff = (abs(r["losses"][0] - single["losses"][0]) / abs(single["losses"][0])
+                     if single and r.get("losses") and single.get("losses") else None)
+        out.append(dict(layout=layout, P=P, L=L, record=r, csbp_speedup=speedup, loss_diff=loss_diff))
+    return out
+
+
+HEAD = ["P", "L", "layout", "anchors/rank", "rows projected/rank", "step s", "context tok/s", "supervised tok/s",
+        "features MiB/rank", "peak MiB/rank", "K/V MiB/rank", "= context_bytes", "wait s (fwd/bwd)", "loss vs P=1",
+        "CSBP speed-up"]
+
+
+def _spread(values, fmt: str = "{:g}") -> str:
+    """``"96"`` when every rank has the same, else ``"0-2556"``."""
+    low, high = min(values), max(values)
+    return fmt.format(low) if low == high else f"{fmt.format(low)}-{fmt.format(high)}"
+
+
+def table(records: list[dict], markdown: bool = False) -> str:
+    """The study's table: per (P, L, layout) the anchors and projected context rows per rank, the step time
+    (slowest rank), context and supervised tokens/s, the feature rows held and the peak memory (largest rank), K/V
+    bytes received (largest rank) and whether every rank's equal the formula, exposed waits, the loss against the
+    single process's and CSBP's speed-up over cp and bp; failed launches last."""
+    from ...benchmarks.report import _length_label, _rows_table
+
+    body = []
+    for row in rows(records):
+        r = row["record"]
+        body.append([str(row["P"]), _length_label(row["L"]), row["layout"], _spread(r["anchors_per_rank"]),
+                     _spread(r["projected_rows_per_rank"]), f"{r['step_s']:.3f}",
+                     f"{r['context_tokens_per_s']:.0f}", f"{r['supervised_tokens_per_s']:.1f}",
+                     f"{max(r['features_bytes_per_rank']) / 2**20:.1f}", f"{r['peak_mem_bytes'] / 2**20:.1f}",
+                     f"{r['bytes_per_step'] / 2**20:.2f}", "yes" if r["bytes_match"] else "NO",
+                     f"{r['comm_wait_s']:.3f} ({r['comm_wait_fwd_s']:.3f}/{r['comm_wait_bwd_s']:.3f})",
+                     "-" if row["loss_diff"] is None else f"{row['loss_diff']:.0e}",
+                     "-" if row["csbp_speedup"] is None else f"{row['csbp_speedup']:.2f}x"])
+    for r in records:
+        if "error" in r:
+            message = (r["error"].strip().splitlines() or ["?"])[-1][:80]
+            body.append([str(r["P"]), _length_label(r["L"]), r["layout"], *["-"] * (len(HEAD) - 4),
+                         f"ERROR {message}"])
+    return _rows_table(HEAD, body, markdown)
+
+
+def report(records: list[dict]) -> str:
+    """The study's section of ``summary.md``: a title saying what was measured, and :func:`table`."""
+    from ...benchmarks.report import _length_label
+
+    ok = [r for r in records if "error" not in r]
+    first = ok[0] if ok else records[0] if records else {}
+    layers, window = first.get("layers", "?"), first.get("window")
+    anchors = ", ".join(f"{_length_label(L)}: {A}" for L, A in sorted({(r["L"], r["anchors"]) for r in ok}))
+    title = (f"**DFlash2 drafter training: csbp, cp and bp** (benchmark drafter: hidden 256, {layers} layer(s), "
+             + (f"sliding window {window}" if window else "full attention")
+             + f", block {DFLASH2['block_size']}, 5 feature layers, vocabulary {DRAFTER['vocab_size']}; anchors per "
+             f"sequence {anchors}; D-PACE with the selector; float32, one thread per rank; step = forward + backward, "
+             "slowest rank). cp is the paper's reference CP-only drafter layout (context sharded, every rank drafts "
+             "all anchors), the baseline of its published CSBP speed-ups (2.48x at 512K, 7.59x at 1M); CSBP speed-up "
+             "= that row's step time over csbp's at the same P and L. Rows projected: context rows a rank projects "
+             "(every layer slides, so only those its ring's anchors can see). Peak MiB: above the built drafter, the "
+             "rank's feature rows (features MiB) included. K/V MiB: context K/V received per rank and step, forward "
+             "and backward; `= context_bytes`: every rank's bytes equal the formula.")
+    return f"{title}\n\n{table(records, markdown=True)}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# arguments
+# ----------------------------------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
+    return value
+
+
+def _group_size(text: str) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: group sizes are at least 2 (the single process, P = 1, always "
+                                         "runs as the reference)")
+    return value
+
+
+def _window(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a window is a positive number of tokens, or 0 for full attention")
+    return value
+
+
+def add_arguments(group) -> None:
+    """The study's ``hf-bdlm bench`` options (``None`` defaults: the preset fills them)."""
+    group.add_argument("--drafter-lengths", type=_positive_int, nargs="+", default=None, metavar="L",
+                       help=f"context lengths, multiples of every P (default: {' '.join(map(str, FULL['lengths']))}; "
+                            f"--quick: {' '.join(map(str, QUICK['lengths']))})")
+    group.add_argument("--drafter-nprocs", type=_group_size, nargs="+", default=None, metavar="P",
+                       help="group sizes besides the single process (default: 2 4; --quick: 2)")
+    group.add_argument("--drafter-layouts", nargs="+", choices=LAYOUTS, default=None,
+                       help="layouts (default: all three)")
+    group.add_argument("--drafter-layers", type=_positive_int, default=None, help="drafter layers (default: 1)")
+    group.add_argument("--drafter-window", type=_window, default=None, metavar="W",
+                       help=f"the layers' sliding window, 0 for full attention (default: {WINDOW}, the published "
+                            "drafter's)")
+    group.add_argument("--drafter-anchors", type=_positive_int, default=None, metavar="A",
+                       help="anchors per sequence (default: the recipe's density, 2048 per 1M tokens: L / 512)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help="run one measurement (what the study launches)")
+    parser.add_argument("--layout", choices=(SINGLE, *LAYOUTS), default="csbp")
+    parser.add_argument("--length", type=_positive_int, default=4096)
+    parser.add_argument("--layers", type=_positive_int, default=FULL["layers"])
+    parser.add_argument("--window", type=_window, default=WINDOW, help="0: full attention")
+    parser.add_argument("--anchors", type=_positive_int, default=None, help="default: L / 512")
+    parser.add_argument("--steps", type=_positive_int, default=2, help="timed steps after one warm-up")
+    parser.add_argument("--out", required=True, help="the record (JSON), written by rank 0")
+    args = parser.parse_args(argv)
+    if not args.worker:
+        parser.error("this module runs one measurement with --worker; the study runs with hf-bdlm bench --only "
+                     "drafter")
+    args.anchors = args.anchors or recipe_anchors(args.length)
+    if args.layout == SINGLE and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("--layout single is one process: run it with python -m, not torchrun")
+    _worker(args)
+
+
+if __name__ == "__main__":
+    main()
