@@ -269,19 +269,18 @@ def paper_projection() -> tuple[list[dict], str]:
     not a fit: nothing in the planner is tuned to them."""
     from dataclasses import replace
 
-    from hf_bdlm.planner.cli import PAPER_GROUP, PAPER_MODEL_PARALLEL, PAPER_PAIR, PAPER_SETTINGS, paper_topology
+    from hf_bdlm.models import family_named
+    from hf_bdlm.planner.cli import PAPER_GROUP, PAPER_PAIR, paper_topology
     from hf_bdlm.planner.cost import Recipe
     from hf_bdlm.planner.hardware import device_spec
     from hf_bdlm.planner.model import model_spec
 
     device = device_spec("h200", None, {})
     records, rows = [], [
-        f"| context | CSBP layout | CSBP s/step | paper's CP s | balanced cp s | bp s | CSBP / paper's CP | "
-        f"CSBP / cp | CSBP / bp | CSBP tok/s | published |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for setting, preset, L, published in PAPER_SETTINGS:
-        if preset != "diffusiongemma-26b-a4b":
-            continue
-        recipe = replace(Recipe(), model_parallel=PAPER_PAIR, model_parallel_kind=PAPER_MODEL_PARALLEL[preset])
+        "| context | CSBP layout | CSBP s/step | paper's CP s | balanced cp s | bp s | CSBP / paper's CP | "
+        "CSBP / cp | CSBP / bp | CSBP tok/s | published |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for setting, preset, L, published, model_parallel in family_named("diffusion_gemma").paper_settings():
+        recipe = replace(Recipe(), model_parallel=PAPER_PAIR, model_parallel_kind=model_parallel)
         r = paper_topology(model_spec(preset, None), L, device, recipe)
         cs = r["csbp"]
         record = dict(setting=setting, model=preset, context=L, group=PAPER_GROUP, csbp_layout=cs.label,

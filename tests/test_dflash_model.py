@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from hf_bdlm.models.dflash.configuration import DFlashConfig, default_target_layer_ids
+from hf_bdlm.models.dflash.planning import PUBLISHED_DFLASH2
 from hf_bdlm.models.dflash.modeling import (
     CandidateSelector,
     DFlash2DraftModel,
@@ -393,19 +394,7 @@ def test_serving_fields_are_written_even_at_qwen3_defaults():
 
 
 def test_the_published_dflash2_config_reads_as_the_reference_reads_it(tmp_path):
-    published = {
-        "architectures": ["DFlash2DraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": None, "is_causal": False,
-        "dflash_config": {"block_size": 8, "conv_group_size": 16, "conv_kernel_size": 2, "mask_token_id": 248070,
-                          "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [5, 19, 33, 47, 61]},
-        "dtype": "bfloat16", "eos_token_id": 248044, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
-        "initializer_range": 0.02, "intermediate_size": 17408, "layer_types": ["sliding_attention"] * 5,
-        "max_position_embeddings": 262144, "max_window_layers": 5, "model_type": "qwen3", "num_attention_heads": 32,
-        "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 64, "pad_token_id": 248044,
-        "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
-        "sliding_window": 2048, "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": True,
-        "vocab_size": 248320,
-    }
+    published = PUBLISHED_DFLASH2  # z-lab/Qwen3.8-27B-DFlash2 config.json
     config = DFlashConfig.from_dict(published)
     recipe = Path(dflash_model.__file__).parents[4] / "recipes" / "runs" / "dflash2-qwen3-8-27b-1m.yaml"
     assert f"target_layer_ids: {list(config.target_layer_ids)}" in recipe.read_text()  # [6, 20, 34, 48, 62]

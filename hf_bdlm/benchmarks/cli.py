@@ -34,7 +34,8 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a positive integer, else a usage error naming the text."""
     try:
         value = int(text)
     except ValueError:
@@ -59,14 +60,14 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run nothing: re-draw the plots and tables from the JSON already in --out")
     p.add_argument("--markdown", action="store_true", help="also print the markdown tables (written to summary.md)")
     modes = p.add_argument_group("parallel modes (cp, bp, csbp; both transports and bp schedules)")
-    modes.add_argument("--lengths", type=_positive_int, nargs="+", default=None, metavar="L",
+    modes.add_argument("--lengths", type=positive_int, nargs="+", default=None, metavar="L",
                        help="context lengths (multiples of 2 * max(P) * 64)")
-    modes.add_argument("--nprocs", type=_positive_int, nargs="+", default=None, metavar="P", help="group sizes")
+    modes.add_argument("--nprocs", type=positive_int, nargs="+", default=None, metavar="P", help="group sizes")
     modes.add_argument("--modes", nargs="+", choices=MODES, default=None, help="modes (default: cp bp csbp)")
     modes.add_argument("--transports", nargs="+", choices=("allgather", "ring"), default=None,
                        help="K/V transports of cp and csbp (default: both)")
-    modes.add_argument("--layers", type=_positive_int, default=None, help="decoder layers of the benchmark model")
-    modes.add_argument("--steps", type=_positive_int, default=None, help="timed steps after one warm-up")
+    modes.add_argument("--layers", type=positive_int, default=None, help="decoder layers of the benchmark model")
+    modes.add_argument("--steps", type=positive_int, default=None, help="timed steps after one warm-up")
     modes.add_argument("--min-time", type=float, default=None, metavar="SECONDS",
                        help="time more steps when they are short, enough to fill SECONDS (at most 10), and launch a "
                             "configuration whose step is under SECONDS / 2 three times, keeping the median launch "
@@ -80,12 +81,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "communication : compute ratio is the cluster's (docs/benchmarks.md)")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
     growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
-    growth.add_argument("--growth-lengths", type=_positive_int, nargs="+", default=None, metavar="L")
-    growth.add_argument("--growth-nprocs", type=_positive_int, nargs="+", default=None, metavar="P")
+    growth.add_argument("--growth-lengths", type=positive_int, nargs="+", default=None, metavar="L")
+    growth.add_argument("--growth-nprocs", type=positive_int, nargs="+", default=None, metavar="P")
     base = p.add_argument_group("csbp against both CP baselines (this project's balanced cp, the paper's cp) and bp")
-    base.add_argument("--baseline-lengths", type=_positive_int, nargs="+", default=None, metavar="L",
+    base.add_argument("--baseline-lengths", type=positive_int, nargs="+", default=None, metavar="L",
                       help="lengths (default: 8192 16384 32768; --quick: 2048)")
-    base.add_argument("--baseline-nprocs", type=_positive_int, nargs="+", default=None, metavar="P",
+    base.add_argument("--baseline-nprocs", type=positive_int, nargs="+", default=None, metavar="P",
                       help="group sizes (default: 2 4; --quick: 2)")
     base.add_argument("--baseline-models", nargs="+", choices=("dense", "sliding"), default=None,
                       help="dense: 2 full-attention layers; sliding: 6 layers in Gemma 3's 5:1 pattern (default: both)")
@@ -94,12 +95,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     cap = p.add_argument_group("longest trainable context under a per-rank memory cap")
     cap.add_argument("--mem-cap", type=parse_size, default=None, metavar="SIZE",
                      help="per-rank cap on the step's peak memory above the built model and batch, e.g. 256MiB")
-    cap.add_argument("--max-context-nprocs", type=_positive_int, nargs="+", default=None, metavar="P",
+    cap.add_argument("--max-context-nprocs", type=positive_int, nargs="+", default=None, metavar="P",
                      help="group sizes searched besides P = 1")
     cap.add_argument("--max-context-modes", nargs="+", choices=MODES, default=None,
                      help="modes searched at each P (default: csbp cp bp; --quick: csbp)")
-    cap.add_argument("--max-context-layers", type=_positive_int, default=None)
-    cap.add_argument("--max-context-limit", type=_positive_int, default=None, metavar="L",
+    cap.add_argument("--max-context-layers", type=positive_int, default=None)
+    cap.add_argument("--max-context-limit", type=positive_int, default=None, metavar="L",
                      help="longest L probed (the search stops there)")
     for name in suite.FAMILY_STUDIES:  # each family study declares its own options (hf_bdlm.models.FAMILY_STUDIES)
         module = suite.family_study(name)

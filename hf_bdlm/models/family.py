@@ -121,6 +121,16 @@ class ModelFamily:
         """Named configs (``config.json`` dicts) of this family's models that ``hf-bdlm plan --model`` accepts."""
         return {}
 
+    def paper_settings(self) -> tuple[tuple[str, str, int, str, str], ...]:
+        """The paper's settings of this family that ``hf-bdlm plan --paper`` prices on its 16-GPU topology: ``(setting,
+        preset, L, published figure, model parallelism inside a GPU pair ("tp" or "ep"))``."""
+        return ()
+
+    def paper_projection(self, efficiency: dict[str, float]) -> str | None:
+        """A section of ``hf-bdlm plan --paper`` this family prices itself (``efficiency``: the achievable fractions
+        of the datasheet figures the user set), or ``None``."""
+        return None
+
     # --- the hub ----------------------------------------------------------------------------------------------
     def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
         """The model card (``README.md``) of a saved folder whose parsed ``config.json`` is ``config``."""

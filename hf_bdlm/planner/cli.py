@@ -19,18 +19,24 @@ GIB = 2 ** 30
 
 # The paper's settings and published figures (docs/design.md, docs/benchmarks.md: "Block Parallelism For Efficient
 # Distributed Long-Context Diffusion Language Model Training"), printed next to the planner's predictions, never fitted
-# to.
-PAPER_SETTINGS = (
-    ("AR->BDLM conversion", "gemma3-27b", 262144, "CSBP / best baseline throughput 1.27-1.33x, equal or lower memory"),
-    ("AR->BDLM conversion", "gemma3-27b", 524288, "1.61x full-model speedup at 512K"),
-    ("MoE SFT", "diffusiongemma-26b-a4b", 262144, "CSBP / best baseline throughput 1.18-1.45x, equal or lower memory"),
-    ("MoE SFT", "diffusiongemma-26b-a4b", 524288, "1.61x full-model speedup at 512K"),
+# to: (setting, preset, L, published, model parallelism inside a GPU pair). The conversion's are here; a model family
+# adds its own (`ModelFamily.paper_settings`).
+CONVERSION_SETTINGS = (
+    ("AR->BDLM conversion", "gemma3-27b", 262144, "CSBP / best baseline throughput 1.27-1.33x, equal or lower memory",
+     "tp"),
+    ("AR->BDLM conversion", "gemma3-27b", 524288, "1.61x full-model speedup at 512K", "tp"),
 )
-# The paper's topology: 16 GPUs in 2 nodes of 8; tensor parallelism (the 27B conversion) or expert parallelism (the
-# 26B-A4B MoE) of 2 inside a node, and the CP/BP group of 8 ranks (each a pair of GPUs) across both nodes.
-PAPER_MODEL_PARALLEL = {"gemma3-27b": "tp", "diffusiongemma-26b-a4b": "ep"}
+# The paper's topology: 16 GPUs in 2 nodes of 8; tensor or expert parallelism of 2 inside a node (the setting's last
+# field), and the CP/BP group of 8 ranks (each a pair of GPUs) across both nodes.
 PAPER_GROUP, PAPER_PAIR = 8, 2
 SENSITIVITY = (0.25, 0.5, 1.0, 2.0, 4.0)  # InfiniBand bandwidth, times the datasheet figure
+
+
+def paper_settings() -> tuple[tuple[str, str, int, str, str], ...]:
+    """The conversion's settings, then every model family's (the registry's order)."""
+    from ..models import REGISTRY, family_named
+
+    return CONVERSION_SETTINGS + tuple(s for e in REGISTRY for s in family_named(e.name).paper_settings())
 
 
 def add_plan_parser(subparsers) -> None:
@@ -142,7 +148,7 @@ def compare_modes(preds: list[Prediction], group: int | None = None) -> dict:
 
 
 def paper_topology(model, L: int, device, recipe: Recipe, checkpointing: bool = True) -> dict:
-    """The paper's topology (:data:`PAPER_MODEL_PARALLEL`): CSBP (its fastest clean ring), this project's balanced cp,
+    """The paper's topology (:data:`PAPER_GROUP` ranks of :data:`PAPER_PAIR` GPUs): CSBP (its fastest clean ring), this project's balanced cp,
     the paper's CP baseline and bp (its faster schedule) on a group of 8 ranks across two nodes, each rank a pair of
     GPUs, and the breakdown of the paper-CP / CSBP difference, by pricing the layouts between them (the balanced cp
     with the paper's blocking transfers and whole-sequence sliding gathers, then overlapped, then with halos)."""
@@ -187,9 +193,9 @@ def run_paper_topology(args, device) -> None:
              f"{'setting':20} {'context':>7} {'CSBP layout':24} {'CSBP s':>7} {'cp-paper s':>10} {'cp s':>6} "
              f"{'bp s':>6} {'vs cp-paper':>11} {'vs cp':>6} {'vs bp':>6}  published")
     results = []
-    for setting, preset, L, published in PAPER_SETTINGS:
+    for setting, preset, L, published, model_parallel in paper_settings():
         model = model_spec(preset, args.block_size)
-        recipe = replace(_recipe(args), model_parallel=PAPER_PAIR, model_parallel_kind=PAPER_MODEL_PARALLEL[preset])
+        recipe = replace(_recipe(args), model_parallel=PAPER_PAIR, model_parallel_kind=model_parallel)
         r = paper_topology(model, L, device, recipe)
         results.append((setting, preset, L, model, recipe, r))
         cs = r["csbp"]
@@ -224,7 +230,7 @@ def run_paper(args) -> int:
              "nothing here is tuned to the published figures.",
              f"{'setting':20} {'context':>7} {'groups':6} {'CSBP (fastest fitting)':36} "
              f"{'best baseline (fastest fitting)':36} {'tok/s':>6} {'mem':>5}  published")
-    for setting, preset, L, published in PAPER_SETTINGS:
+    for setting, preset, L, published, _ in paper_settings():
         model = model_spec(preset, args.block_size)
         preds = plan_all(model, L, device, cluster, _recipe(args), ring_transport=not args.no_ring)
         for group in (None, cluster.gpus):
@@ -241,12 +247,15 @@ def run_paper(args) -> int:
     print("\n(tok/s = CSBP / baseline throughput; mem = CSBP peak / baseline peak per device; baselines are cp and bp "
           "with either transport or schedule, with or without activation checkpointing; groups: any group size, or "
           "one group over the whole cluster)")
-    # The paper's third setting: DFlash2 drafter training on 8 H100 (the drafter family prices it).
-    from ..models.dflash.planning import format_projection, project_drafter_training
+    # Settings a family prices itself (the drafters' training on 8 H100).
+    from ..models import REGISTRY, family_named
 
     efficiency = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
                   if getattr(args, f"{k}_efficiency") is not None}
-    print("\n" + format_projection(project_drafter_training(device=device_spec("h100", None, efficiency))) + "\n")
+    for entry in REGISTRY:
+        section = family_named(entry.name).paper_projection(efficiency)
+        if section:
+            print("\n" + section + "\n")
     return 0
 
 

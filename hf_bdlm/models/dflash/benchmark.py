@@ -58,6 +58,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...benchmarks.cli import positive_int
+
 MODULE = f"{__package__}.benchmark"  # what ``python -m`` / ``torchrun -m`` run (also when this file is __main__)
 LAYOUTS = ("csbp", "cp", "bp")
 SINGLE = "single"
@@ -502,18 +504,8 @@ def report(records: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------------------------------
 # arguments
 # ----------------------------------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
-    return value
-
-
 def _group_size(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value < 2:
         raise argparse.ArgumentTypeError(f"{text!r}: group sizes are at least 2 (the single process, P = 1, always "
                                          "runs as the reference)")
@@ -532,18 +524,18 @@ def _window(text: str) -> int:
 
 def add_arguments(group) -> None:
     """The study's ``hf-bdlm bench`` options (``None`` defaults: the preset fills them)."""
-    group.add_argument("--drafter-lengths", type=_positive_int, nargs="+", default=None, metavar="L",
+    group.add_argument("--drafter-lengths", type=positive_int, nargs="+", default=None, metavar="L",
                        help=f"context lengths, multiples of every P (default: {' '.join(map(str, FULL['lengths']))}; "
                             f"--quick: {' '.join(map(str, QUICK['lengths']))})")
     group.add_argument("--drafter-nprocs", type=_group_size, nargs="+", default=None, metavar="P",
                        help="group sizes besides the single process (default: 2 4; --quick: 2)")
     group.add_argument("--drafter-layouts", nargs="+", choices=LAYOUTS, default=None,
                        help="layouts (default: all three)")
-    group.add_argument("--drafter-layers", type=_positive_int, default=None, help="drafter layers (default: 1)")
+    group.add_argument("--drafter-layers", type=positive_int, default=None, help="drafter layers (default: 1)")
     group.add_argument("--drafter-window", type=_window, default=None, metavar="W",
                        help=f"the layers' sliding window, 0 for full attention (default: {WINDOW}, the published "
                             "drafter's)")
-    group.add_argument("--drafter-anchors", type=_positive_int, default=None, metavar="A",
+    group.add_argument("--drafter-anchors", type=positive_int, default=None, metavar="A",
                        help="anchors per sequence (default: the recipe's density, 2048 per 1M tokens: L / 512)")
 
 
@@ -551,11 +543,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help="run one measurement (what the study launches)")
     parser.add_argument("--layout", choices=(SINGLE, *LAYOUTS), default="csbp")
-    parser.add_argument("--length", type=_positive_int, default=4096)
-    parser.add_argument("--layers", type=_positive_int, default=FULL["layers"])
+    parser.add_argument("--length", type=positive_int, default=4096)
+    parser.add_argument("--layers", type=positive_int, default=FULL["layers"])
     parser.add_argument("--window", type=_window, default=WINDOW, help="0: full attention")
-    parser.add_argument("--anchors", type=_positive_int, default=None, help="default: L / 512")
-    parser.add_argument("--steps", type=_positive_int, default=2, help="timed steps after one warm-up")
+    parser.add_argument("--anchors", type=positive_int, default=None, help="default: L / 512")
+    parser.add_argument("--steps", type=positive_int, default=2, help="timed steps after one warm-up")
     parser.add_argument("--out", required=True, help="the record (JSON), written by rank 0")
     args = parser.parse_args(argv)
     if not args.worker:

@@ -44,6 +44,7 @@ class DFlashFamily(ModelFamily):
     config_fields: ClassVar[tuple[str, ...]] = ()
 
     # --- recognising and loading -------------------------------------------------------------------------------
+
     def claims_model(self, model) -> bool:
         from .modeling import DFlashDraftModel
 
@@ -169,6 +170,13 @@ class DFlashFamily(ModelFamily):
         info = info or {}
         return render_card(directory, model_name=info.get("model_name"), model_ref=info.get("repo_id"),
                            description=info.get("description"), license=info.get("license") or "unknown")
+
+    def paper_projection(self, efficiency):
+        """Drafter training on 8 H100 at 512K and 1M beside the published 2.48x / 7.59x (:mod:`.planning`)."""
+        from ...planner.hardware import device_spec
+        from .planning import format_projection, project_drafter_training
+
+        return format_projection(project_drafter_training(device=device_spec("h100", None, efficiency)))
 
 
 def _field_of(message: str) -> str:

@@ -72,7 +72,7 @@ PUBLISHED_DFLASH2 = {
     "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8,
     "num_target_layers": 64, "pad_token_id": 248044, "rms_norm_eps": 1e-06,
     "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"}, "sliding_window": 2048,
-    "tie_word_embeddings": False, "use_sliding_window": True, "vocab_size": 248320,
+    "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": True, "vocab_size": 248320,
 }
 # The paper's published CSBP / CP-only drafter training speed-ups on 8 H100 (one node), by context.
 PUBLISHED_SPEEDUPS = {524288: 2.48, 1048576: 7.59}

@@ -100,12 +100,13 @@ def load_speculative(target_path: str, draft_path: str, init_kwargs: dict, devic
     tokenizer, decoder)``. ``init_kwargs`` go to both ``from_pretrained`` calls (``dtype``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .cli import _drafter_class, _drafter_config
+    from .configuration import DFlashConfig
+    from .target import drafter_class
 
-    config = _drafter_config(draft_path)
+    config = DFlashConfig.from_pretrained(draft_path)
     target = AutoModelForCausalLM.from_pretrained(target_path, **init_kwargs).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    drafter = _drafter_class(config.architecture).from_pretrained(draft_path, **init_kwargs)
+    drafter = drafter_class(config).from_pretrained(draft_path, **init_kwargs)
     if device:
         target, drafter = target.to(device), drafter.to(device)
     drafter.bind_target(target)

@@ -162,6 +162,12 @@ class DiffusionGemmaFamily(ModelFamily):
         return {"k_eq_v": True, "clean_attention": "causal", "window_convention": "block_start",
                 "head_on_clean": True, "extra_params": 3 * h * (text_config.get("intermediate_size") or 0) + h}
 
+    def paper_settings(self):
+        # The paper's MoE SFT of DiffusionGemma 26B-A4B, expert parallelism 2 inside a GPU pair.
+        return (("MoE SFT", "diffusiongemma-26b-a4b", 262144,
+                 "CSBP / best baseline throughput 1.18-1.45x, equal or lower memory", "ep"),
+                ("MoE SFT", "diffusiongemma-26b-a4b", 524288, "1.61x full-model speedup at 512K", "ep"))
+
     def planner_presets(self) -> dict[str, dict]:
         """``diffusiongemma-26b-a4b``, the paper's MoE SFT setting. **Assumed sizes**, chosen to be consistent with
         the name (about 25-26B parameters, about 4B active per token) and the Gemma 4 config fields; they are not a
