@@ -38,9 +38,10 @@ def test_the_benchmark_drafter_is_the_published_dflash2_drafter_scaled_to_hidden
 
 
 def test_a_ranks_feature_rows_are_those_rows_of_the_whole_sequence():
-    whole = benchmark.benchmark_features(0, 1024, 16)
-    for start, stop in ((0, 512), (256, 768), (300, 301), (700, 1024)):
-        assert torch.equal(benchmark.benchmark_features(start, stop, 16), whole[:, start:stop])
+    whole = benchmark.benchmark_features([(0, 1024)], 16)
+    for runs in ([(0, 512)], [(256, 768)], [(300, 301)], [(700, 1024)], [(3, 9), (511, 530), (1000, 1024)], []):
+        index = torch.cat([torch.arange(a, b) for a, b in runs]) if runs else torch.zeros(0, dtype=torch.long)
+        assert torch.equal(benchmark.benchmark_features(runs, 16), whole[:, index])
     assert whole.shape == (1, 1024, 16) and 0.9 < whole.std().item() < 1.1
 
 
@@ -182,19 +183,24 @@ def test_the_quick_study_measures_every_layout_with_the_single_process_loss_and_
         assert r["bytes_fwd_bwd_per_rank"] == needed, layout
         assert (sum(map(sum, needed)) > 0) == (layout != "bp")
     assert by["cp"]["anchors_per_rank"] == [4, 4] and by["csbp"]["anchors_per_rank"] == [2, 2]
-    # feature rows held: the layout's context range, as the trainer loads it
-    row = config.feature_width * 4
-    assert single["features_bytes_per_rank"] == [2048 * row] and by["bp"]["features_bytes_per_rank"] == [2048 * row] * 2
-    assert by["cp"]["features_bytes_per_rank"] == by["csbp"]["features_bytes_per_rank"] == [1024 * row] * 2
-    # rows projected (every layer slides: only those an anchor of the ring sees), from the mask rule
+    # rows projected (every layer slides: only those an anchor of the ring sees), from the mask rule; the features held
+    # are those rows' (what the trainer reads)
     from hf_bdlm.models.dflash.modeling import draft_context_mask
 
-    seen = draft_context_mask(batch.anchor_positions, torch.arange(2048)[None], 8,
-                              anchor_document_starts=batch.document_starts, anchor_valid=batch.anchor_valid,
-                              sliding_window=2048).flatten(0, 2).any(0)
+    def seen_by(anchors):
+        return draft_context_mask(batch.anchor_positions[:, anchors], torch.arange(2048)[None], 8,
+                                  anchor_document_starts=batch.document_starts[:, anchors],
+                                  anchor_valid=batch.anchor_valid[:, anchors], sliding_window=2048).flatten(0, 2).any(0)
+
+    seen = seen_by(slice(None))
+    row = config.feature_width * 4
     assert single["projected_rows_per_rank"] == [int(seen.sum())] and 0 < seen.sum() < 2048
-    for layout in ("cp", "csbp"):  # one ring of both ranks: its anchors are all anchors, its rows cut in two
-        assert by[layout]["projected_rows_per_rank"] == [int(seen[:1024].sum()), int(seen[1024:].sum())]
+    for layout in ("cp", "csbp"):  # one ring of both ranks: its anchors are all anchors, their rows split evenly
+        assert sorted(by[layout]["projected_rows_per_rank"]) == [int(seen.sum()) // 2, -(-int(seen.sum()) // 2)]
+    bp_plans = [DFlashShardPlan.build(batch, mode="bp", world=2, rank=r, layer_windows=[2048]) for r in range(2)]
+    assert by["bp"]["projected_rows_per_rank"] == [int(seen_by(p.anchor_index).sum()) for p in bp_plans]
+    for r in records:
+        assert r["features_bytes_per_rank"] == [rows * row for rows in r["projected_rows_per_rank"]]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["studies"]["drafter"]["failed"] == 0
     md = (out / "summary.md").read_text()

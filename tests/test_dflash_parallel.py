@@ -21,7 +21,7 @@ from dflash_worker import BLOCK, DRAFTERS, LENGTH, MATRIX, WINDOW, objective_of,
 
 from hf_bdlm.models.dflash.modeling import draft_context_mask
 from hf_bdlm.models.dflash.objective import DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
-from hf_bdlm.models.dflash.sharded import DFlashShardPlan, context_bytes, sharded_draft_forward
+from hf_bdlm.models.dflash.sharded import DFlashShardPlan, balanced_bounds, context_bytes, sharded_draft_forward
 from torchrun import run_torchrun  # noqa: E402
 
 MODES = ("cp", "bp", "csbp")
@@ -178,6 +178,33 @@ def test_projected_rows_are_the_rows_of_the_range_the_rings_anchors_see_through_
             for peer in plan.ring_members:
                 needed = {r for r in group[peer].window_rows[w][peer] if start <= r < stop}
                 assert needed <= set(plan.projected_rows.tolist())
+
+
+@pytest.mark.parametrize("mode, world, ring", [("cp", 2, None), ("cp", 4, None), ("csbp", 4, None), ("csbp", 4, 2),
+                                              ("csbp", 6, 3)])
+@pytest.mark.parametrize("seed", [0, 8, 9])
+def test_compact_ranges_cut_each_ring_by_its_seen_rows_not_by_its_rows(mode, world, ring, seed):
+    """Locality anchors cluster: equal shards would leave most seen rows on one rank; the compact ranges still cut
+    [0, L) into contiguous ascending ranges, each projecting as many seen rows as any other, within one."""
+    batch = packed_batch(seed, sampling="locality")
+    group = plans(batch, mode, world, (6,), ring)
+    C = group[0].ring_size
+    for first in range(0, world, C):
+        members = group[first:first + C]
+        ranges = [p.context_range for p in members]
+        assert ranges[0][0] == 0 and ranges[-1][1] == 48
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, ascending, disjoint
+        counts = [p.num_projected for p in members]
+        seen = _seen_by_ring(batch, group, first, 6)
+        assert sum(counts) == int(seen.sum())
+        assert max(counts) - min(counts) <= 1, (ranges, counts)
+
+
+def test_balanced_bounds_give_each_part_its_share_of_the_rows():
+    assert balanced_bounds([(3, 10), (20, 25)], 48, 2) == (0, 9, 48)        # rows 3..8 | 9, 20..24
+    assert balanced_bounds([(3, 10), (20, 25)], 48, 4) == (0, 6, 9, 22, 48)
+    assert balanced_bounds([(5, 6)], 48, 3) == (0, 5, 5, 48)                # one row: two empty ranges
+    assert balanced_bounds([], 48, 4) == (0, 12, 24, 36, 48)                # nothing seen: equal shards
 
 
 def test_a_full_attention_layer_or_compact_context_false_projects_whole_ranges():

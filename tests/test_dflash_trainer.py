@@ -6,7 +6,8 @@
 - resume: the checkpoint's objective state is restored, the same anchors are redrawn, and the run continues bitwise;
 - the target: from a folder, only its embedding and head are read, and training equals training with the model;
 - two processes (torchrun): data parallel, and P = 2 in csbp / cp / bp, equal one process on the same global batch
-  (losses and weights after 3 SGD steps, float32, <= 1e-5 relative);
+  (losses and weights after 3 SGD steps, float32, <= 1e-5 relative), also for a drafter whose layers all slide (each
+  rank reads only the feature rows of its compacted, balanced range: deferred features, read exactly);
 - clear errors: features of another drafter (layer ids, width) or target, objective options out of range.
 """
 
@@ -201,6 +202,28 @@ def test_a_target_folder_gives_only_its_embedding_and_head_and_the_same_training
                                 train_dataset=str(features), target=str(folder))  # its tokenizer read from the folder
     from_folder.train()
     assert losses(from_folder) == losses(with_model)
+
+
+def test_deferred_features_read_exactly_the_rows_asked_and_zero_past_a_records_end(features, target):
+    from hf_bdlm.models.dflash.trainer import DeferredFeatures, DFlashFeatureCollator
+
+    store = FeatureStore(features)
+    rows = [dict(input_ids=store.record(i)[0].tolist(), completion_mask=store.record(i)[1].long().tolist(),
+                 dflash_record=i, dflash_store=0, bdlm_sample_id=i) for i in (0, 1)]
+    collated = DFlashFeatureCollator([store], 0)(rows)
+    deferred = DFlashFeatureCollator([store], 0, defer_features=True)(rows)
+    assert "features" not in deferred and deferred["feature_records"].tolist() == [[0, 0], [0, 1]]
+    length = collated["features"].shape[1]
+    runs = [(1, 4), (9, 12), (length - 3, length)]  # the last run passes the shorter record's end
+    lazy = DeferredFeatures([store], torch.tensor([[0, 0], [-1, -1], [0, 1]]))
+    got = lazy.rows(runs)
+    index = torch.cat([torch.arange(a, b) for a, b in runs])
+    assert got.shape == (3, len(index), store.feature_width)
+    assert torch.equal(got[0], collated["features"][0, index]) and torch.equal(got[2], collated["features"][1, index])
+    assert not got[1].any()  # a placeholder row reads nothing
+    assert min(store.lengths[0], store.lengths[1]) < length  # the zero rows past an end were exercised
+    with pytest.raises(ValueError, match=r"reach outside record 0"):
+        store.feature_runs(0, [(0, store.lengths[0] + 1)])
 
 
 # --- two processes ----------------------------------------------------------------------------------------------------

@@ -93,11 +93,12 @@ def config(out: Path, **overrides):
     return DFlashTrainingConfig(**values)
 
 
-def train(out: Path, features: Path, target, dflash2: bool = True, **overrides) -> dict:
+def train(out: Path, features: Path, target, dflash2: bool | str = True, **overrides) -> dict:
     from hf_bdlm.models.dflash.trainer import DFlashTrainer
 
-    trainer = DFlashTrainer(tiny_drafter(target, dflash2), config(out, **overrides), train_dataset=str(features),
-                            target=target, processing_class=tiny_tokenizer())
+    drafter = tiny_drafter(target, dflash2 is not False, **DRAFTERS.get(dflash2, {}))
+    trainer = DFlashTrainer(drafter, config(out, **overrides), train_dataset=str(features), target=target,
+                            processing_class=tiny_tokenizer())
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     result = {"steps": [h["step"] for h in history], "losses": [h["loss"] for h in history],
@@ -112,10 +113,14 @@ def train(out: Path, features: Path, target, dflash2: bool = True, **overrides) 
 # Runs: name -> (drafter kind, config overrides, layouts); 4 sequences per step everywhere. "dp": 2 data-parallel
 # replicas of 2 sequences; a mode: one block-parallel group of P = 2.
 MODES = ("csbp", "cp", "bp")
+# "sliding": a DFlash2 drafter whose layers all slide (window 5): each rank projects and reads only the feature rows its
+# ring's anchors see, in ranges balanced by those rows (the compact context).
+DRAFTERS = {"sliding": dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, sliding_window=5)}
 RUNS = {
     "dpace": (True, {}, ("dp", *MODES)),
     "ce": (True, dict(dflash_loss="ce"), ("dp", "csbp", "cp")),
     "dflash_ce": (False, dict(dflash_loss="ce"), ("csbp",)),  # a DFlash drafter (no convolutions, no selector)
+    "sliding": ("sliding", {}, ("csbp", "cp", "bp")),
 }
 
 

@@ -16,13 +16,14 @@ embeds with the target's embedding), so the target is scaled with it. Anchors fo
 1M tokens (``L / 512`` per sequence; ``--drafter-anchors`` fixes them), drawn by the recipe's locality sampler (every
 ``s``-th position from a random start, ``s`` about the block size: the anchors of a step lie in one stretch of about
 ``9 A`` tokens); the loss is the recipe's D-PACE with the candidate selector. float32, one sequence per step, every
-token supervised, one thread per rank. The features are random (they are inputs: no target runs); each rank holds
-its layout's context rows, as the trainer loads them (``cp``, ``csbp``: ``L / P``; ``bp`` and one process: ``L``).
+token supervised, one thread per rank. The features are random (they are inputs: no target runs).
 
-Since every layer slides, the sharded forward *compacts the context*: a rank projects and attends to only the rows
-its ring's anchors can see (the anchors' stretch and one window before it), so a step costs about ``A x B`` queries
-over ``9 A + W`` rows per layer, growing like ``L^2`` through ``A = L / 512``, while the features held grow like
-``L``. ``cp`` runs all ``A`` anchors on every rank; ``bp`` and ``csbp`` ``A / P`` each.
+Since every layer slides, the sharded forward *compacts the context*: a ring needs only the rows its anchors can see
+(the anchors' stretch and one window before it), cut over its ranks so that each projects as many of them as any
+other (:func:`~.sharded.balanced_bounds`), and a rank holds the features of only the rows it projects, as the trainer
+reads them (:class:`~.trainer.DeferredFeatures`): ``cp`` and ``csbp`` about ``1 / C`` of the seen rows each, ``bp``
+those its own anchors see. A step costs about ``A x B`` queries over ``9 A + W`` rows per layer, growing like ``L^2``
+through ``A = L / 512``. ``cp`` runs all ``A`` anchors on every rank; ``bp`` and ``csbp`` ``A / P`` each.
 
 **A step** is the trainer's: draw the anchors, build the plan, forward, D-PACE loss (summed over the group where
 ranks hold disjoint anchors), backward. The optimizer and DDP's gradient all-reduce are left out, as in the other
@@ -171,15 +172,19 @@ def benchmark_objective(anchors: int):
                            max_anchors=anchors, loss="dpace", anchor_sampling="locality", seed=0)
 
 
-def benchmark_features(start: int, stop: int, width: int):
-    """Feature rows ``[start, stop)`` of the benchmark sequence, ``[1, stop - start, width]``: standard normal, drawn
-    chunk by chunk into one buffer, so a rank makes (and holds) only its own rows."""
-    out = torch.empty(1, stop - start, width)
-    for chunk in range(start // FEATURE_CHUNK, -(-stop // FEATURE_CHUNK)):
-        first = chunk * FEATURE_CHUNK
-        rows = torch.randn(FEATURE_CHUNK, width, generator=torch.Generator().manual_seed(10_000 + chunk))
-        lo, hi = max(start, first), min(stop, first + FEATURE_CHUNK)
-        out[0, lo - start:hi - start] = rows[lo - first:hi - first]
+def benchmark_features(runs, width: int):
+    """Feature rows ``runs`` (ascending ``[start, stop)``) of the benchmark sequence, ``[1, rows, width]``: standard
+    normal, drawn chunk by chunk into one buffer, so a rank makes (and holds) only the rows it projects, as the
+    trainer reads them (every row the same on every rank)."""
+    out = torch.empty(1, sum(stop - start for start, stop in runs), width)
+    at = 0
+    for start, stop in runs:
+        for chunk in range(start // FEATURE_CHUNK, -(-stop // FEATURE_CHUNK)):
+            first = chunk * FEATURE_CHUNK
+            rows = torch.randn(FEATURE_CHUNK, width, generator=torch.Generator().manual_seed(10_000 + chunk))
+            lo, hi = max(start, first), min(stop, first + FEATURE_CHUNK)
+            out[0, at + lo - start:at + hi - start] = rows[lo - first:hi - first]
+        at += stop - start
     return out
 
 
@@ -237,20 +242,23 @@ def _rank_steps(args: argparse.Namespace, groups) -> dict:
     def plan_of(batch):
         return DFlashShardPlan.build(batch, mode=mode, world=P, rank=rank, layer_windows=windows, ring_size=C)
 
-    start, stop = plan_of(objective.prepare(ids, loss_mask, step=0)).context_range  # the same every step
     base = _current_rss()  # the peak counts the rank's feature rows: the layout decides them
-    features = benchmark_features(start, stop, config.feature_width)
     kv = dict(batch_size=1, kv_width=config.num_key_value_heads * config.head_dim, element_size=4)
-    times, fwd_waits, waits, losses, supervised, projected = [], [], [], [], [], []
+    times, fwd_waits, waits, losses, supervised, projected, feature_bytes = [], [], [], [], [], [], []
     for step in range(args.steps + 1):  # step 0 is the warm-up
+        drafter.zero_grad(set_to_none=True)
+        t_plan = time.perf_counter()
+        batch = objective.prepare(ids, loss_mask, step=step)
+        plan = plan_of(batch)
+        t_plan = time.perf_counter() - t_plan
+        # The rows this rank projects (the plan's, from this step's anchors), as the trainer reads them from the
+        # capture; drawn outside the timed step (a trainer reads them from disk, not from a random generator).
+        features = benchmark_features(plan.projected_runs, config.feature_width)
         if groups is not None:
             groups.meter.next_step()
             dist.barrier()  # start together: the slowest rank's time is the group's step time
-        drafter.zero_grad(set_to_none=True)
         wait0 = sum(c.wait_seconds for c in comms)
-        t0 = time.perf_counter()
-        batch = objective.prepare(ids, loss_mask, step=step)
-        plan = plan_of(batch)
+        t0 = time.perf_counter() - t_plan  # the step counts its anchors' draw and its plan
         share = plan.select(batch)
         out = sharded_draft_forward(drafter, features, ids, share, plan, ring)
         loss = _loss(objective, drafter, out.hidden_states, share, plan.global_sum(groups and groups.group))
@@ -268,10 +276,11 @@ def _rank_steps(args: argparse.Namespace, groups) -> dict:
             losses.append(total.item())
             supervised.append(int(batch.supervised_mask.sum()))
             projected.append(plan.num_projected)
-        del out, loss
+            feature_bytes.append(features.numel() * 4)
+        del out, loss, features
     names = groups.meter.by_name() if groups is not None else {}
     return dict(times=times, fwd_waits=fwd_waits, waits=waits, bytes=names, losses=losses, supervised=supervised,
-                anchors=len(plan.anchor_slots[rank]), projected=projected, features=features.numel() * 4,
+                anchors=len(plan.anchor_slots[rank]), projected=projected, features=max(feature_bytes),
                 forward_bytes=sum(v for k, v in names.items() if k.endswith((".all_gather", ".all_to_all"))),
                 backward_bytes=sum(v for k, v in names.items()
                                    if k.endswith((".reduce_scatter", ".all_to_all_backward"))),

@@ -417,6 +417,21 @@ class FeatureStore:
         read from disk)."""
         return self._rows(index, "features", start, stop)
 
+    def feature_runs(self, index: int, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The feature rows of record ``index`` in ``runs`` (ascending ``[start, stop)`` within the record), one after
+        the other: ``[sum of stop - start, feature_width]``; the file is opened once and only those rows are read."""
+        from safetensors import safe_open
+
+        length = self.lengths[index]
+        if any(not 0 <= start <= stop <= length for start, stop in runs):
+            raise ValueError(f"runs {list(runs)} reach outside record {index}, which has {length} tokens.")
+        with safe_open(self._path(index), framework="pt") as f:
+            rows = f.get_slice("features")
+            parts = [rows[start:stop] for start, stop in runs if stop > start]
+        if not parts:
+            return torch.zeros(0, self.feature_width, dtype=getattr(torch, self.manifest["dtype"]))
+        return torch.cat(parts)
+
     def teacher(self, index: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of the teacher state (the last decoder layer's output before the final norm)."""
         if not self.has_teacher:

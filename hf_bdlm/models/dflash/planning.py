@@ -9,11 +9,13 @@ anchors (:func:`~.objective.deal_anchors`, heaviest with lightest); ``csbp`` sha
 ``C`` ranks and deals the anchors over the group. Per rank and step (:func:`drafter_work` counts it from the
 objective's own anchor draw, :func:`~.objective.DFlashObjective.prepare`):
 
-- features: the rank's context shard (``L / C`` rows) read from host memory over PCIe while the previous step computes
-  (two buffers on the device: the step's and the next), or kept resident (``features="resident"``, one buffer);
+- features: the rank's context shard (``L / C`` rows; where :mod:`.sharded` compacts the context, only the rows it
+  projects) read from host memory over PCIe while the previous step computes (two buffers on the device: the step's
+  and the next), or kept resident (``features="resident"``, one buffer);
 - context: ``fc`` + ``hidden_norm`` and every layer's ``k_proj`` / ``v_proj`` over the rows of its shard that some query
   of its clean ring can see (the whole shard unless every layer slides: then the union of the anchors' windows, as
-  the paper's code and :mod:`.sharded` compact them; ``compact_context=False``: the whole shard);
+  the paper's code and :mod:`.sharded` compact them, :mod:`.sharded` with shards cut to hold as many seen rows each;
+  ``compact_context=False``: the whole shard);
   ``fc`` has no input gradient (the features are detached);
 - draft: its anchors' ``A_r x B`` rows through every layer (attention and MLP matrices, DFlash2's kernel projections),
   their attention over the block (``B^2`` pairs, ``B(B+1)/2`` causal) and over the context each query sees
@@ -56,6 +58,7 @@ from ...planner.model import AttentionShape, ModelSpec
 from ...planner.schedule import Compute, Send, Wait, simulate
 from .configuration import DFlashConfig
 from .objective import DFlashBatch, DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
+from .sharded import balanced_bounds
 
 # The published DFlash2 drafter of a Qwen3-27B-class target (z-lab/Qwen3.8-27B-DFlash2, config.json): 5 layers of
 # width 5120, every layer a 2048-token sliding window, block 8, reading 5 target layers (canonical ids 6, 20, 34, 48,
@@ -248,8 +251,9 @@ def step_flops(spec: DrafterSpec, context_rows: int, draft_rows: int, supervised
 class DrafterRankWork:
     """One rank's share of a step (one sequence per group).
 
-    ``shard`` the context rows ``[start, stop)`` whose features it holds and reads; ``projected_rows`` those it
-    projects (``fc``, every layer's K/V); ``ring`` its clean ring's size. Per layer: ``block_pairs`` among its blocks'
+    ``shard`` the context rows ``[start, stop)`` it owns; ``projected_rows`` those it projects (``fc``, every layer's
+    K/V); ``feature_rows`` those whose features it reads and holds (the shard, or only the projected rows where the
+    sharded forward compacts the context); ``ring`` its clean ring's size. Per layer: ``block_pairs`` among its blocks'
     own tokens, ``own_pairs`` / ``peer_pairs`` its queries' context pairs against its shard / the peers' shards;
     ``recv_rows`` / ``recv_grad_rows`` the context K/V rows it receives forward / backward (the module docstring);
     ``held_rows`` the peers' rows it keeps for backward.
@@ -260,6 +264,7 @@ class DrafterRankWork:
     shard: tuple[int, int]
     projected_rows: int
     ring: int
+    feature_rows: int
     block_pairs: tuple[int, ...]
     own_pairs: tuple[int, ...]
     peer_pairs: tuple[int, ...]
@@ -298,11 +303,11 @@ def _context_pairs(anchors: torch.Tensor, starts: torch.Tensor, block: int, wind
     return int(total), int(own)
 
 
-def reachable_rows(anchors: torch.Tensor, starts: torch.Tensor, window: int, shard: tuple[int, int]) -> int:
-    """Rows of ``shard`` that some query of ``anchors`` can see when every layer slides (widest window ``window``):
-    the union of ``[max(start, a - (W - 1)), a)``, merged, cut to the shard."""
+def reachable_runs(anchors: torch.Tensor, starts: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows some query of ``anchors`` can see when every layer slides (widest window ``window``), as maximal
+    ascending runs ``[lo, hi)`` (two tensors): the union of ``[max(start, a - (W - 1)), a)``, merged."""
     if anchors.numel() == 0:
-        return 0
+        return anchors.new_zeros(0), anchors.new_zeros(0)
     lo, order = torch.maximum(starts, anchors - (window - 1)).sort()
     hi = anchors[order]
     reach = hi.cummax(0).values
@@ -312,6 +317,14 @@ def reachable_rows(anchors: torch.Tensor, starts: torch.Tensor, window: int, sha
     first = opens.nonzero().flatten()
     last = torch.cat([first[1:] - 1, torch.tensor([lo.numel() - 1])])
     run_lo, run_hi = lo[first], reach[last]
+    keep = run_hi > run_lo
+    return run_lo[keep], run_hi[keep]
+
+
+def reachable_rows(anchors: torch.Tensor, starts: torch.Tensor, window: int, shard: tuple[int, int]) -> int:
+    """Rows of ``shard`` that some query of ``anchors`` can see when every layer slides (widest window ``window``):
+    :func:`reachable_runs` cut to the shard."""
+    run_lo, run_hi = reachable_runs(anchors, starts, window)
     return int((run_hi.clamp_max(shard[1]) - run_lo.clamp_min(shard[0])).clamp_min(0).sum())
 
 
@@ -321,7 +334,10 @@ def drafter_work(spec: DrafterSpec, dims: ParallelDims, batch: DFlashBatch,
 
     Rank ``r`` belongs to clean ring ``r // C`` and holds context shard ``r % C`` (``[L s / C, L (s+1) / C)``, the
     mesh's layout); a ring projects the rows of its shards that its members' anchors can see (``compact_context``
-    and every layer sliding), else whole shards.
+    and every layer sliding), else whole shards. Compacted under the ``allgather`` transport (:mod:`.sharded`), a
+    ring's shards are cut to hold as many seen rows each (:func:`~.sharded.balanced_bounds`) and a rank reads only
+    the features of the rows it projects; the ``ring`` transport (the paper's code) keeps equal shards and reads them
+    whole.
     """
     P, C, B, L = dims.block_parallel_size, dims.clean_ring_size, spec.block_size, batch.sequence_length
     if batch.block_size != B:
@@ -330,23 +346,33 @@ def drafter_work(spec: DrafterSpec, dims: ParallelDims, batch: DFlashBatch,
     shares = anchor_shares(spec, dims, batch)
     positions, starts = batch.anchor_positions[0], batch.document_starts[0]
     supervised = batch.supervised_mask[0].view(-1, B).sum(dim=1)
-    bounds = [L * s // C for s in range(C + 1)]
     window = spec.context_window() if compact_context else None
-    projected = []
+    balanced = window is not None and dims.transport != "ring"
+    bounds, projected = {}, []  # bounds per ring (its first rank)
     for r in range(P):
-        shard = (bounds[r % C], bounds[r % C + 1])
+        first = r // C * C
+        if first not in bounds:
+            ring_anchors = torch.cat([shares[m] for m in range(first, first + C)])
+            if balanced:
+                runs = list(zip(*(t.tolist() for t in reachable_runs(positions[ring_anchors], starts[ring_anchors],
+                                                                     window))))
+                bounds[first] = balanced_bounds(runs, L, C)
+            else:
+                bounds[first] = tuple(L * s // C for s in range(C + 1))
+        shard = (bounds[first][r % C], bounds[first][r % C + 1])
         if window is None:
             projected.append(shard[1] - shard[0])
             continue
-        ring = torch.cat([shares[m] for m in range(r // C * C, r // C * C + C)])
-        projected.append(reachable_rows(positions[ring], starts[ring], window, shard))
+        ring_anchors = torch.cat([shares[m] for m in range(first, first + C)])
+        projected.append(reachable_rows(positions[ring_anchors], starts[ring_anchors], window, shard))
     out = []
     windows = {a.window for a in spec.model.layers}
     for r, mine in enumerate(shares):
-        shard = (bounds[r % C], bounds[r % C + 1])
+        ring_bounds = bounds[r // C * C]
+        shard = (ring_bounds[r % C], ring_bounds[r % C + 1])
         ring = range(r // C * C, r // C * C + C)
         peers = [q for q in ring if q != r]
-        shard_of = {q: (bounds[q % C], bounds[q % C + 1]) for q in ring}
+        shard_of = {q: (ring_bounds[q % C], ring_bounds[q % C + 1]) for q in ring}
         context = {w: _context_pairs(positions[mine], starts[mine], B, w, shard) for w in windows}
 
         def moved(window):  # rows received forward, backward, and kept, per layer of this window
@@ -369,6 +395,7 @@ def drafter_work(spec: DrafterSpec, dims: ParallelDims, batch: DFlashBatch,
         n = int(mine.numel())
         out.append(DrafterRankWork(
             anchors=n, supervised_rows=int(supervised[mine].sum()), shard=shard, projected_rows=projected[r], ring=C,
+            feature_rows=projected[r] if balanced else shard[1] - shard[0],
             block_pairs=tuple(n * (B * (B + 1) // 2 if causal else B * B) for causal in spec.block_causal),
             own_pairs=tuple(context[a.window][1] for a in spec.model.layers),
             peer_pairs=tuple(context[a.window][0] - context[a.window][1] for a in spec.model.layers),
@@ -428,7 +455,7 @@ def drafter_memory(spec: DrafterSpec, dims: ParallelDims, work: DrafterRankWork,
         context_kv, peer_kv = sum(kv) * work.projected_rows, sum(gathered)
     return DrafterMemory(
         states=states, frozen=spec.frozen_params() * recipe.param_bytes,
-        features=feature_buffers * work.shard_rows * spec.feature_width * s,
+        features=feature_buffers * work.feature_rows * spec.feature_width * s,
         activations=acts * recipe.activation_overhead,
         context=work.projected_rows * 2 * spec.model.hidden * s + context_kv, gathered_kv=peer_kv,
         logits=min(work.supervised_rows, recipe.loss_chunk_rows) * spec.model.vocab * 4 * 2)
@@ -615,7 +642,7 @@ def predict_drafter(spec: DrafterSpec, dims: ParallelDims, setting: DrafterSetti
     draw_batches(spec, setting)  # checks the setting against the drafter
     for step in range(setting.draws):
         works = _work(spec, dims, replace(setting, features="host"), step)
-        load = [w.shard_rows * spec.feature_width * recipe.activation_bytes / setting.host_bytes_per_s
+        load = [w.feature_rows * spec.feature_width * recipe.activation_bytes / setting.host_bytes_per_s
                 if setting.features == "host" else 0.0 for w in works]
         steps.append(_step(spec, dims, works, device, cluster, recipe, checkpointing, load))
         mems += [drafter_memory(spec, dims, w, recipe, checkpointing, buffers) for w in works]
@@ -826,10 +853,11 @@ def format_projection(rows: list[dict], top: int | None = 8) -> str:
     lines += ["", "Reading it: CP-only runs every anchor's draft block on each of its P ranks (the draft layers, their "
               "attention, the head and the loss: P times) while csbp deals the anchors, so csbp's gain over it is "
               "bounded by P and nears P as the draft work dominates. The context work (fc, the context K/V) is not "
-              "replicated, but with locality anchors it falls on the rank(s) owning the anchors' windows. With every "
-              "drafter layer sliding it is the union of those windows whatever L is, so L enters only through the "
-              "features: their memory (what fits) and their host reads (each sequence's features cross PCIe once per "
-              "clean ring; at 1M they bound csbp). The ratio therefore does not grow with context here. A published "
+              "replicated; with every drafter layer sliding it is the union of the anchors' windows whatever L is, "
+              "which csbp cuts evenly over its ring and reads alone from the host, while the CP-only layout (the "
+              "paper's code) reads whole L / P shards and leaves the projection on the rank(s) owning the anchors' "
+              "windows. L then enters only through the CP-only layout's features: their memory (what fits) and host "
+              "reads (hidden behind its longer step). The ratio therefore does not grow with context here. A published "
               "ratio that grows from 512K to 1M points at its baseline (CP over a smaller group, where one fits, "
               "replicates the draft fewer times: compare 'vs cp') or at costs of the published CP run that grow with "
               "L and are not counted here (whole shards projected or gathered, memory pressure)."]

@@ -9,9 +9,12 @@ queries attend to the context before their anchor). The modes split them differe
 
 | mode | context rows a rank holds and projects | anchors a rank drafts | what travels (in its ring) |
 |------|----------------------------------------|-----------------------|----------------------------|
-| ``cp`` | ``[c L/C, (c+1) L/C)``, ``C = P`` | all active anchors (replicated) | context K/V |
-| ``bp`` | all ``L`` | a cost-balanced share of ``P`` | nothing |
-| ``csbp`` | ``[c L/C, (c+1) L/C)`` | a cost-balanced share of ``P`` | context K/V |
+| ``cp`` | ``[c L/C, (c+1) L/C)``, ``C = P`` (*) | all active anchors (replicated) | context K/V |
+| ``bp`` | all ``L`` (*) | a cost-balanced share of ``P`` | nothing |
+| ``csbp`` | ``[c L/C, (c+1) L/C)`` (*) | a cost-balanced share of ``P`` | context K/V |
+
+(*) When every layer slides, only the rows some anchor can see, in ranges balanced by those rows (*compact
+context*, below).
 
 **Plan** (:class:`DFlashShardPlan`, pure): the contiguous context range of every rank and the rows of it the rank
 projects (all of them, or only those in reach when every layer slides: *compact context*, below), the anchor slots
@@ -33,18 +36,21 @@ the ones after a rank's last anchor included (masked, not skipped: equal shares 
 
 **Compact context** (every layer of the drafter slides, widest window ``W``): the block of anchor ``a`` sees no
 context row outside ``[max(document start, a - W + 1), a)``, and a row's projection and K/V are computed row by row,
-so a row no anchor sees changes no output and no gradient (the features are detached inputs). Each rank then
-projects (``fc``, ``hidden_norm``, every layer's ``k_proj`` / ``v_proj`` / ``k_norm``) only the rows of its range
-that an anchor drafted in its *ring* can see (its ring peers read its rows, so their anchors count): the plan's
-:attr:`~DFlashShardPlan.projected_ranges`, the union over the batch's samples (``cp`` and ``P = 1``: every active
-anchor; ``bp``: the rank's own; ``csbp``: its ring members'). The own-range attention and the window exchange use
-those rows; the exchange already sent only rows in reach, so the bytes do not change. At ``L = 16384``, ``W = 512``,
-64 locality anchors on 8 ranks, ``csbp`` projects 687 and 328 rows on two ranks and none on six (1015 of 16384), ``bp``
-903 to 1015 rows per rank instead of 16384; at ``L = 2^20``, ``W = 2048``, 2048 locality anchors (blocks of 8),
-``csbp`` projects 18423 rows on one rank instead of 131072 on each. A trainer may read only these feature rows from
-disk and pass them instead of the whole range: ``torch.cat([store.features(i, a, b) for a, b in
-plan.projected_runs])`` (:meth:`~.capture.FeatureStore.features` reads only the rows asked). With any
-full-attention layer (or ``compact_context=False``) every row of the range is projected.
+so a row no anchor sees changes no output and no gradient (the features are detached inputs). A ring then needs only the rows
+its members' anchors can see (the union over the batch's samples; ``cp`` and ``P = 1``: every active anchor;
+``bp``: the rank's own; ``csbp``: its ring members'), and it cuts ``[0, L)`` into its ``C`` contiguous ranges where
+each range holds as many of those rows as any other (:func:`balanced_bounds`, within one row), not as many rows:
+anchors cluster (the locality sampler draws them near each other), and equal shards would leave the seen rows, the
+projection and the window exchange's sends on one rank. Each rank projects (``fc``, ``hidden_norm``, every layer's
+``k_proj`` / ``v_proj`` / ``k_norm``) only the seen rows of its range: the plan's
+:attr:`~DFlashShardPlan.projected_ranges`. The own-range attention and the window exchange use those rows; the
+exchange sends only rows in reach. At ``L = 16384``, ``W = 512``, 64 locality anchors on 8 ranks, ``csbp`` projects
+126 or 127 rows per rank (1015 of 16384), ``bp`` 903 to 1015 rows per rank instead of 16384; at ``L = 2^20``,
+``W = 2048``, 2048 locality anchors (blocks of 8), ``csbp`` projects about 18423 / 8 rows per rank instead of 131072.
+The ranges depend on the step's anchors, so a trainer reads a rank's feature rows after drawing them: only these,
+``torch.cat([store.features(i, a, b) for a, b in plan.projected_runs], dim=1)``
+(:meth:`~.capture.FeatureStore.features` reads only the rows asked). With any full-attention layer (or
+``compact_context=False``) ranges are equal shards ``[c L/C, (c+1) L/C)`` and every row of the range is projected.
 
 **Loss** (:attr:`DFlashShardPlan.loss_scale`): the group's rank losses, each ``loss(own anchors) * loss_scale``, add
 up to the single-process loss of the batch and their gradients to its gradient: ``bp``, ``csbp`` score disjoint
@@ -115,8 +121,9 @@ class DFlashShardPlan:
         world (`int`): ranks ``P`` of the group. rank (`int`): this rank, in ``[0, P)``.
         ring_size (`int`): ranks ``C`` sharing one copy of the context (ranks ``[C i, C (i + 1))`` form ring ``i``).
         sequence_length (`int`): ``L``.
-        context_ranges (`tuple[tuple[int, int], ...]`): per rank, the feature rows ``[start, stop)`` it holds and
-            projects (``bp``: ``(0, L)`` everywhere).
+        context_ranges (`tuple[tuple[int, int], ...]`): per rank, the contiguous sequence range ``[start, stop)`` of
+            the rows it owns (``bp``: ``(0, L)`` everywhere; a ring's ranges cut ``[0, L)``: equal shards, or
+            balanced by seen rows when the context is compacted).
         anchor_slots (`tuple[tuple[int, ...], ...]`): per rank, the anchor slots of the batch it drafts, ascending.
         window_rows (`dict[int, tuple[tuple[int, ...], ...]]`): per sliding window ``W`` of the drafter, per rank,
             the context rows (sequence indices, ascending) held by its ring peers that its anchors can see on a layer
@@ -198,12 +205,6 @@ class DFlashShardPlan:
             raise ValueError(f"mode={mode.value!r} cuts the context into ring_size={ring} equal contiguous shards, "
                              f"but the sequence length is {length}, not a multiple of {ring}: pad the sequences to a "
                              f"multiple of {ring} tokens (or use mode='bp').")
-        if shards_context:
-            shard = length // ring
-            ranges = tuple(((r % ring) * shard, (r % ring + 1) * shard) for r in range(world))
-        else:
-            ranges = ((0, length),) * world
-
         active = active_anchor_slots(batch).cpu()
         if mode is Mode.CP or world == 1:
             slots = (tuple(active.tolist()),) * world
@@ -212,6 +213,24 @@ class DFlashShardPlan:
             for window in layer_windows:
                 costs += anchor_costs(batch, sliding_window=window).cpu()
             slots = tuple(tuple(active[part].tolist()) for part in deal_anchors(costs[active], world))
+
+        widest = max(layer_windows) if compact_context and all(w is not None for w in layer_windows) else None
+        seen_by_ring = {}  # compact context: the rows each ring's anchors can see through the widest window
+        if widest is not None:
+            for first in range(0, world, ring):
+                ring_slots = sorted({s for member in range(first, first + ring) for s in slots[member]})
+                seen_by_ring[first] = _reachable_runs(batch, ring_slots, widest)
+        ranges = []
+        for r in range(world):
+            first = r - r % ring
+            if not shards_context:
+                bounds = (0, length)
+            elif widest is not None:  # as many seen rows on each ring rank, not as many rows
+                bounds = balanced_bounds(seen_by_ring[first], length, ring)
+            else:
+                bounds = tuple(length * c // ring for c in range(ring + 1))
+            ranges.append((bounds[r % ring], bounds[r % ring + 1]))
+        ranges = tuple(ranges)
 
         windows: dict[int, tuple[tuple[int, ...], ...]] = {}
         for window in sorted({w for w in layer_windows if w is not None}):
@@ -225,17 +244,9 @@ class DFlashShardPlan:
                 outside.append(tuple(_positions(_cut(seen, 0, lo) + _cut(seen, hi, length)).tolist()))
             windows[window] = tuple(outside)
 
-        projected, widest = None, None
-        if compact_context and all(w is not None for w in layer_windows):
-            widest = max(layer_windows)
-            runs = []
-            for r in range(world):
-                first = r - r % ring
-                if r == first:  # one union per ring: the anchors of all its members
-                    ring_slots = sorted({s for member in range(first, first + ring) for s in slots[member]})
-                    seen = _reachable_runs(batch, ring_slots, widest)
-                runs.append(_cut(seen, *ranges[r]))
-            projected = tuple(runs)
+        projected = None
+        if widest is not None:
+            projected = tuple(_cut(seen_by_ring[r - r % ring], *ranges[r]) for r in range(world))
         return cls(mode, world, rank, ring, length, ranges, slots, windows, projected, widest)
 
     # --- this rank ---------------------------------------------------------------------------------------------------
@@ -364,6 +375,24 @@ def _reachable_runs(batch: DFlashBatch, slots: Sequence[int], window: int) -> tu
         else:
             runs.append([start, stop])
     return tuple((start, stop) for start, stop in runs)
+
+
+def balanced_bounds(runs: Sequence[tuple[int, int]], length: int, parts: int) -> tuple[int, ...]:
+    """``parts + 1`` cut points ``0 = b_0 <= b_1 <= ... <= b_parts = length`` of ``[0, length)`` such that range
+    ``[b_c, b_{c+1})`` holds ``N (c+1) // parts - N c // parts`` of the ``N`` rows of ``runs`` (ascending disjoint
+    ``[start, stop)``): the compact context's ring ranges, each rank projecting as many seen rows as any other.
+    Without rows, equal shards ``length c // parts``."""
+    total = sum(stop - start for start, stop in runs)
+    if total == 0:
+        return tuple(length * c // parts for c in range(parts + 1))
+    bounds, before, run = [0], 0, 0
+    for c in range(1, parts):
+        target = total * c // parts  # range c starts at the target-th seen row (0-based)
+        while before + runs[run][1] - runs[run][0] <= target:
+            before += runs[run][1] - runs[run][0]
+            run += 1
+        bounds.append(runs[run][0] + target - before)
+    return tuple(bounds + [length])
 
 
 def _cut(runs: Sequence[tuple[int, int]], start: int, stop: int) -> tuple[tuple[int, int], ...]:
@@ -571,4 +600,4 @@ def sharded_draft_forward(
     return DFlashDraftOutput(hidden_states=hidden_states, logits=logits)
 
 
-__all__ = ["DFlashShardPlan", "ShardedContext", "context_bytes", "sharded_draft_forward"]
+__all__ = ["DFlashShardPlan", "ShardedContext", "balanced_bounds", "context_bytes", "sharded_draft_forward"]

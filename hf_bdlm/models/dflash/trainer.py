@@ -4,8 +4,9 @@ machinery (TRL's loop, Accelerate launches, DDP, block parallelism, logging, che
 What differs from SFT, each in one place:
 
 - **data**: a capture folder (:class:`~.capture.FeatureStore`) is the dataset, one sequence per record; the
-  collator (:class:`DFlashFeatureCollator`) reads each record's tokens and only the feature rows this rank's layout
-  owns (every row with ``P = 1``);
+  collator (:class:`DFlashFeatureCollator`) reads each record's tokens and, with ``P = 1``, its features; under block
+  parallelism it defers them (:class:`DeferredFeatures`) and the step reads only the rows its plan has this rank
+  project, once the step's anchors are drawn (a compacted context's rows depend on them);
 - **anchors** (:class:`DFlashTrainingObjective`): the draft blocks of sequence ``s`` at step ``t`` are drawn by the
   `DFlashObjective` from ``(seed, s, t)``, whatever the layout, accumulation or resume;
 - **step**: the drafter's forward over the rank's anchors and context rows (:func:`draft_layout`; ``P > 1``: the
@@ -145,26 +146,26 @@ class DFlashFeatureCollator:
         pad_token_id (`int`): fills sequences up to the batch length (never supervised, never attended).
         pad_to_multiple_of (`int`, defaults to 1): the batch length's multiple (the layout's).
         teacher (`bool`, defaults to `False`): also read the teacher states (whole records: labels anywhere).
-        context_rows (`Callable[[int], tuple[int, int]]`, *optional*): this rank's feature rows ``[start, stop)`` of a
-            batch of length ``L`` (block parallelism); default every row.
+        defer_features (`bool`, defaults to `False`): read no features; name each row's record instead
+            (``feature_records``), for the step to read the rows its block-parallel plan gives this rank
+            (:class:`DeferredFeatures`).
 
     A batch holds ``input_ids``, ``attention_mask``, ``completion_mask``, ``sample_ids`` (``[b, L]`` / ``[b]``),
-    ``features`` ``[b, stop - start, feature_width]`` (zero past a record's end), ``context_positions`` ``[b, stop -
-    start]`` and, with ``teacher``, ``teacher`` ``[b, L, hidden]``. No rows (a data-parallel replica's empty share):
-    one unsupervised row with ``sample_ids = -1``.
+    ``features`` ``[b, L, feature_width]`` (zero past a record's end) or, deferred, ``feature_records`` ``[b, 2]``
+    (store and record of each row, ``-1`` for none), and, with ``teacher``, ``teacher`` ``[b, L, hidden]``. No rows
+    (a data-parallel replica's empty share): one unsupervised row with ``sample_ids = -1``.
     """
 
     stores: Sequence[FeatureStore]
     pad_token_id: int
     pad_to_multiple_of: int = 1
     teacher: bool = False
-    context_rows: Callable[[int], tuple[int, int]] | None = None
+    defer_features: bool = False
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         multiple = max(1, int(self.pad_to_multiple_of))
         length = round_up(max((len(ex["input_ids"]) for ex in examples), default=1), multiple)
         b = max(1, len(examples))
-        start, stop = self.context_rows(length) if self.context_rows is not None else (0, length)
         store0 = self.stores[0]
         dtype = getattr(torch, store0.manifest["dtype"])
         batch = {
@@ -172,9 +173,11 @@ class DFlashFeatureCollator:
             "attention_mask": torch.zeros(b, length, dtype=torch.long),
             "completion_mask": torch.zeros(b, length, dtype=torch.long),
             "sample_ids": torch.full((b,), -1, dtype=torch.long),
-            "features": torch.zeros(b, stop - start, store0.feature_width, dtype=dtype),
-            "context_positions": torch.arange(start, stop).expand(b, -1).contiguous(),
         }
+        if self.defer_features:
+            batch["feature_records"] = torch.full((b, 2), -1, dtype=torch.long)
+        else:
+            batch["features"] = torch.zeros(b, length, store0.feature_width, dtype=dtype)
         if self.teacher:
             batch["teacher"] = torch.zeros(b, length, store0.hidden_size, dtype=dtype)
         for i, ex in enumerate(examples):
@@ -183,11 +186,49 @@ class DFlashFeatureCollator:
             batch["attention_mask"][i, :n] = 1
             batch["completion_mask"][i, :n] = torch.as_tensor(ex["completion_mask"])
             batch["sample_ids"][i] = int(ex[SAMPLE_ID_COLUMN])
-            if min(stop, n) > start:
-                batch["features"][i, : min(stop, n) - start] = store.features(record, start, min(stop, n))
+            if self.defer_features:
+                batch["feature_records"][i] = torch.tensor([int(ex[STORE_COLUMN]), record])
+            else:
+                batch["features"][i, :n] = store.features(record, 0, n)
             if self.teacher:
                 batch["teacher"][i, :n] = store.teacher(record, 0, n)
         return batch
+
+
+@dataclass(frozen=True)
+class DeferredFeatures:
+    """The features of a block-parallel micro-batch, not read yet: :meth:`rows` reads the rows a rank's plan has it
+    project (``plan.projected_runs``), and only those, from the capture.
+
+    Attributes:
+        stores (`Sequence[FeatureStore]`): the captures. records (`torch.LongTensor` of shape `(b, 2)`): each row's
+            store and record (``-1``: a placeholder row, no features).
+    """
+
+    stores: Sequence[FeatureStore]
+    records: torch.Tensor
+
+    def rows(self, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """``[b, sum of stop - start, feature_width]``: the rows of ``runs`` (ascending sequence ranges) of every
+        sequence, zero past a record's end."""
+        store0 = self.stores[0]
+        count = sum(stop - start for start, stop in runs)
+        out = torch.zeros(self.records.shape[0], count, store0.feature_width,
+                          dtype=getattr(torch, store0.manifest["dtype"]))
+        for i, (index, record) in enumerate(self.records.tolist()):
+            if index < 0:
+                continue
+            store = self.stores[index]
+            n = store.lengths[record]
+            inside, where, at = [], [], 0  # the runs cut to the record, and where each lands among the rows asked
+            for start, stop in runs:
+                if min(stop, n) > start:
+                    inside.append((start, min(stop, n)))
+                    where.append(torch.arange(at, at + min(stop, n) - start))
+                at += stop - start
+            if inside:
+                out[i, torch.cat(where)] = store.feature_runs(record, inside)
+        return out
 
 
 # --- the objective, as the trainer sees it ----------------------------------------------------------------------------
@@ -198,8 +239,8 @@ class DFlashTrainingBatch:
     Attributes:
         anchors (`DFlashBatch`): the anchors of every sequence (the slots some sequence uses).
         input_ids (`torch.LongTensor` of shape `(b, L)`).
-        features (`torch.Tensor` of shape `(b, T, feature_width)`): this rank's context rows, at
-            ``context_positions`` (`(b, T)`).
+        features (`torch.Tensor` of shape `(b, L, feature_width)`, or [`DeferredFeatures`]): every row's features
+            (``P = 1``), or those the layout reads once its plan is known (block parallelism).
         teacher (`torch.Tensor` of shape `(b, L, hidden)`, *optional*): `"kl"`: the target's pre-norm last states.
         samples (`int`): sequences of the micro-batch (an empty share's placeholder row not counted).
         normalizer (`float`): `"ce"` / `"kl"`: sequences of the whole optimizer step (set by the trainer).
@@ -209,8 +250,7 @@ class DFlashTrainingBatch:
 
     anchors: DFlashBatch
     input_ids: torch.Tensor
-    features: torch.Tensor
-    context_positions: torch.Tensor
+    features: "torch.Tensor | DeferredFeatures"
     teacher: torch.Tensor | None
     samples: int
     normalizer: float
@@ -234,9 +274,11 @@ class LocalDraftLayout:
     def draft(self, drafter, corrupted: "DFlashTrainingBatch") -> tuple[DFlashBatch, torch.Tensor]:
         """``(anchors drafted here, the drafter's final hidden states of their blocks)``."""
         share = corrupted.anchors
-        hidden = drafter(corrupted.features, corrupted.input_ids, anchor_positions=share.anchor_positions,
-                         anchor_valid=share.anchor_valid, context_positions=corrupted.context_positions,
-                         return_logits=False).hidden_states
+        features = corrupted.features
+        if isinstance(features, DeferredFeatures):
+            features = features.rows([(0, corrupted.input_ids.shape[1])])
+        hidden = drafter(features, corrupted.input_ids, anchor_positions=share.anchor_positions,
+                         anchor_valid=share.anchor_valid, return_logits=False).hidden_states
         return share, hidden
 
 
@@ -260,14 +302,13 @@ class ShardedDraftLayout:
     def draft(self, drafter, corrupted: "DFlashTrainingBatch") -> tuple[DFlashBatch, torch.Tensor]:
         from .sharded import sharded_draft_forward
 
-        start, stop = self.plan.context_range
-        rows = corrupted.context_positions
-        if rows.shape[1] != stop - start or (rows.numel() and (int(rows[0, 0]) != start)):
-            raise RuntimeError(f"the batch holds feature rows {int(rows[0, 0]) if rows.numel() else start}..+"
-                               f"{rows.shape[1]}, the plan gives this rank [{start}, {stop}): the collator and the "
-                               "plan disagree on the context split.")
+        features = corrupted.features
+        if isinstance(features, DeferredFeatures):  # read only the rows the plan has this rank project
+            features = features.rows(self.plan.projected_runs)
+        elif features.shape[1] == self.plan.sequence_length:  # every row collated: keep this rank's
+            features = features[:, self.plan.projected_rows.to(features.device)]
         share = self.plan.select(corrupted.anchors)
-        out = sharded_draft_forward(drafter, corrupted.features, corrupted.input_ids, share, self.plan, self.comm)
+        out = sharded_draft_forward(drafter, features, corrupted.input_ids, share, self.plan, self.comm)
         return share, out.hidden_states
 
 
@@ -295,20 +336,6 @@ def draft_layout(plugin, drafter, corrupted: "DFlashTrainingBatch"):
     plan = DFlashShardPlan.build(corrupted.anchors, mode=str(plugin.mode), world=plugin.block_parallel_size,
                                  rank=plugin.group_rank, layer_windows=windows)
     return ShardedDraftLayout(plan, groups.group, _world_sum(plugin, plan.loss_scale), plan.loss_scale)
-
-
-def context_rows(plugin) -> Callable[[int], tuple[int, int]] | None:
-    """This rank's feature rows ``[start, stop)`` of a batch of length ``L``: what the block-parallel plan gives it
-    (``cp``, ``csbp``: the ``r``-th of ``P`` equal contiguous shards; ``bp``: all), ``None`` (all) without
-    sharding. The layout checks the plan agrees."""
-    if not plugin.is_active or str(plugin.mode) == "bp":
-        return None
-    P, r = plugin.block_parallel_size, plugin.group_rank
-
-    def rows(length: int) -> tuple[int, int]:
-        return r * length // P, (r + 1) * length // P
-
-    return rows
 
 
 def _cat_batches(parts: list[DFlashBatch]) -> DFlashBatch:
@@ -344,6 +371,7 @@ class DFlashTrainingObjective:
         self.mask_token_id = config.mask_token_id
         self.token_accuracy = token_accuracy
         self.teacher_head = teacher_head
+        self.feature_stores: Sequence[FeatureStore] | None = None  # DFlashTrainer's captures, for deferred features
 
     @classmethod
     def build(cls, config_or_kwargs) -> "DFlashTrainingObjective":
@@ -392,10 +420,13 @@ class DFlashTrainingObjective:
         """Draw the anchors of a collated batch (:class:`DFlashFeatureCollator`): sequence ``s`` with the objective
         seeded by :func:`sample_seed` ``(seed, s)`` at ``step``. ``total_steps``: the selector loss's schedule
         (training only; evaluation weighs it fully)."""
-        if "features" not in batch:
+        if "features" not in batch and "feature_records" not in batch:
             raise ValueError("a DFlash batch carries the target's features (keys: "
                              f"{sorted(batch)}): train drafters with DFlashTrainer, whose collator reads them from the "
                              "capture (DFlashFeatureCollator).")
+        if "features" not in batch and self.feature_stores is None:
+            raise ValueError("the batch defers its features (feature_records) but the objective knows no feature "
+                             "stores: train with DFlashTrainer, which sets objective.feature_stores.")
         input_ids = batch["input_ids"]
         supervised = supervised_mask(batch)
         sample_ids = batch.get("sample_ids")
@@ -416,7 +447,8 @@ class DFlashTrainingObjective:
         samples = int((sample_ids >= 0).sum())
         alpha = self.objective.selector_alpha(step, total_steps) if total_steps else None
         return DFlashTrainingBatch(anchors=select_anchors(full, slots), input_ids=input_ids,
-                                   features=batch["features"], context_positions=batch["context_positions"],
+                                   features=batch["features"] if "features" in batch else
+                                   DeferredFeatures(self.feature_stores, batch["feature_records"].cpu()),
                                    teacher=batch.get("teacher"), samples=samples, normalizer=float(max(samples, 1)),
                                    selector_alpha=alpha)
 
@@ -538,9 +570,11 @@ class DFlashTrainer(BDLMSFTTrainer):
                          callbacks=callbacks, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          block_parallel_plugin=block_parallel_plugin)
         collator.pad_token_id = self._pad_token_id
-        # cp / csbp cut the context into P equal shards: sequences padded to a multiple of P.
+        # cp / csbp cut the context into P shards (equal ones unless compacted): sequences padded to a multiple of P.
         collator.pad_to_multiple_of = self.plugin.block_parallel_size
-        collator.context_rows = context_rows(self.plugin)
+        # Under block parallelism a rank reads only the feature rows of its step's plan (DeferredFeatures).
+        collator.defer_features = self.plugin.is_active
+        self.objective.feature_stores = stores
         self.feature_stores = stores
         self.target_heads = heads.to(self.args.device) if heads is not None else None
         if kl:
@@ -723,4 +757,4 @@ def _teacher_head(heads: TargetHeads | None, target) -> Callable[[torch.Tensor],
 
 
 __all__ = ["DFlashFeatureCollator", "DFlashTrainer", "DFlashTrainingBatch", "DFlashTrainingObjective",
-           "LocalDraftLayout", "ShardedDraftLayout", "context_rows", "draft_layout", "feature_dataset", "sample_seed"]
+           "DeferredFeatures", "LocalDraftLayout", "ShardedDraftLayout", "draft_layout", "feature_dataset", "sample_seed"]
