@@ -32,6 +32,7 @@ from hf_bdlm.models.dflash.planning import PUBLISHED_DFLASH2
 from hf_bdlm.models.dflash.modeling import (
     CandidateSelector,
     DFlash2DraftModel,
+    DFlashContextCache,
     DFlashDraftModel,
     attend_with_lse,
     document_starts,
@@ -341,6 +342,97 @@ def test_padding_anchors_see_no_context():
     base = model(features, ids, anchors, anchor_valid=valid).hidden_states.view(2, BLOCK, -1)
     moved = model(features + 1.0, ids, anchors, anchor_valid=valid).hidden_states.view(2, BLOCK, -1)
     assert torch.equal(moved[1], base[1]) and not torch.allclose(moved[0], base[0])
+
+
+# --- decoding from the context cache -------------------------------------------------------------------------------
+# (that it drafts what the whole context drafts, step after step and for ragged batches: in
+# tests/test_dflash_speculative.py)
+def sliding_and_full_drafter():
+    config = drafter_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    return drafter(config, qwen3_target())
+
+
+def test_cropping_the_cache_equals_never_appending_the_cropped_rows():
+    """Appending a whole block and cropping back to what each row kept leaves the cache drafting exactly what a
+    cache that appended only the kept rows drafts."""
+    model = sliding_and_full_drafter()
+    features = features_for(model.config, 2, 30)
+    ids = torch.randint(1, VOCAB - 1, (2, 31), generator=torch.Generator().manual_seed(0))
+    cropped, counted = DFlashContextCache(model, 2), DFlashContextCache(model, 2)
+    for cache in (cropped, counted):
+        cache.append(features[:, :9])
+    for keep in ([1, 4], [3, 2], [4, 1], [2, 2]):
+        keep = torch.tensor(keep)
+        block = features.gather(1, (cropped.lengths[:, None] + torch.arange(BLOCK))[..., None].expand(
+            -1, -1, features.shape[-1]))
+        cropped.append(block)
+        cropped.crop(counted.lengths + keep)
+        counted.append(block, counts=keep)
+        assert torch.equal(cropped.lengths, counted.lengths)
+        anchor_ids = ids[torch.arange(2), counted.lengths]
+        assert torch.equal(model.draft_from_cache(cropped, anchor_ids).hidden_states,
+                           model.draft_from_cache(counted, anchor_ids).hidden_states)
+
+
+def test_a_crop_within_a_block_of_an_append_stays_exact_and_a_deeper_one_is_refused():
+    """A sliding layer keeps window - 1 + B rows: cropping up to B rows drafts as a cache that never held them;
+    cropping more is an error that says why (the rows the window needs are gone)."""
+    model = sliding_and_full_drafter()                       # window 3, B = 4: the sliding ring holds 6 rows
+    features = features_for(model.config, 1, 12)
+    ids = torch.randint(1, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = DFlashContextCache(model, 1)
+    cache.append(features[:, :10])                            # the ring holds rows 4 .. 9
+    cache.crop(torch.tensor([6]))
+    fresh = DFlashContextCache(model, 1)
+    fresh.append(features[:, :6])
+    out, expected = model.draft_from_cache(cache, ids[:, 6]), model.draft_from_cache(fresh, ids[:, 6])
+    assert torch.allclose(out.hidden_states, expected.hidden_states, atol=1e-12, rtol=0)
+    cache = DFlashContextCache(model, 1)
+    cache.append(features[:, :10])
+    with pytest.raises(ValueError, match="cannot crop row 0 to 5 context rows.*no longer hold row 3"):
+        cache.crop(torch.tensor([5]))
+
+
+def test_a_long_append_to_an_all_sliding_cache_projects_only_the_rows_its_windows_keep():
+    """Every layer slides (window 3, B = 4: rings of 6 rows): of a 20-row prompt, only the rows a ring keeps go
+    through `fc`, and the blocks drafted after it are those of the whole context."""
+    config = drafter_config(layer_types=["sliding_attention"] * 2, sliding_window=3)
+    model = drafter(config, qwen3_target())
+    features = features_for(config, 2, 20)
+    ids = torch.randint(1, VOCAB - 1, (2, 21), generator=torch.Generator().manual_seed(0))
+    projected = []
+    model.fc.register_forward_hook(lambda module, args, out: projected.append(tuple(args[0].shape[:2])))
+    cache = DFlashContextCache(model, 2)
+    counts = torch.tensor([20, 15])
+    cache.append(features, counts=counts)
+    assert projected == [(2, 20 - (15 - 6))]                 # rows before the shorter row's last 6 are skipped
+    out = model.draft_from_cache(cache, ids[torch.arange(2), counts])
+    expected = model(features, ids, counts[:, None])
+    assert torch.allclose(out.hidden_states, expected.hidden_states[:, 1:], atol=1e-12, rtol=0)
+
+
+def test_an_empty_cache_drafts_like_an_anchor_without_context():
+    model = sliding_and_full_drafter()
+    features = features_for(model.config, 2, 1)
+    ids = torch.randint(1, VOCAB - 1, (2, 1), generator=torch.Generator().manual_seed(0))
+    cache = DFlashContextCache(model, 2)
+    out = model.draft_from_cache(cache, ids[:, 0])
+    expected = model(features, ids, torch.zeros(2, 1, dtype=torch.long))   # anchor 0 sees no context
+    assert torch.allclose(out.logits, expected.logits[:, 1:], atol=1e-12, rtol=0)
+
+
+def test_context_cache_misuse_is_refused():
+    model = sliding_and_full_drafter()
+    other = drafter(drafter_config(), qwen3_target())
+    cache = DFlashContextCache(model, 2)
+    with pytest.raises(ValueError, match=r"features must be \[batch=2, n, feature_width\], got \(3, 4, 96\)"):
+        cache.append(features_for(model.config, 3, 4))
+    with pytest.raises(ValueError, match=r"counts must be an integer tensor \[batch=2\]"):
+        cache.append(features_for(model.config, 2, 4), counts=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="built for another drafter"):
+        other.draft_from_cache(cache, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"anchor_token_ids must be an integer tensor \[batch=2\]"):
+        model.draft_from_cache(cache, torch.tensor([[1, 2]]))
 
 
 # --- saving: the serving contract ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Speculative decoding with a DFlash drafter is lossless: both entry points return the target's greedy decoding.
+"""Speculative decoding with a DFlash drafter is lossless: both entry points return the target's greedy decoding; the
+drafter's context cache drafts what the whole context drafts.
 
 Tiny random float64 targets (Llama, Qwen3) so that tokens compare exactly across code paths, and a random-init
 drafter from `from_target`. A random drafter is almost never right, so the tests that need accepted drafts (ragged
@@ -14,11 +15,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_bdlm.models.dflash import speculative
-from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
+from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashContextCache, DFlashDraftModel
 from hf_bdlm.models.dflash.speculative import (
     DFlashCandidateGenerator,
+    SpeculativeSession,
     dflash_assisted_decoding,
     draft_block,
+    draft_from_cache,
     speculative_generate,
     target_features,
 )
@@ -64,21 +67,46 @@ def greedy(target, ids, mask=None, **kwargs) -> torch.Tensor:
 
 
 def oracle_proposals(monkeypatch, continuations: list[torch.Tensor], wrong=lambda row, anchor, slot: False):
-    """Make `draft_block` propose the target's own greedy tokens (row ``r``: ``continuations[r]``, prompt + output,
-    no padding), replaced by a wrong token where ``wrong(row, anchor, slot)``; returns the list of calls."""
+    """Make the loops' drafting (`draft_from_cache`) propose the target's own greedy tokens (row ``r``:
+    ``continuations[r]``, prompt + output, no padding), replaced by a wrong token where ``wrong(row, anchor, slot)``;
+    returns the list of calls, ``(anchors, anchor_token_ids)`` (a row's anchor is its cached context's length)."""
     calls = []
 
-    def propose(drafter, features, tokens, anchors):
-        calls.append((features.clone(), tokens.clone(), anchors.clone()))
-        out = torch.zeros(tokens.shape[0], BLOCK - 1, dtype=torch.long)
+    def propose(drafter, context_cache, anchor_token_ids):
+        anchors = context_cache.lengths.clone()
+        calls.append((anchors, anchor_token_ids.clone()))
+        out = torch.zeros(anchors.shape[0], BLOCK - 1, dtype=torch.long)
         for r, a in enumerate(anchors.tolist()):
             for k in range(1, BLOCK):
                 truth = continuations[r][a + k] if a + k < continuations[r].numel() else 0
                 out[r, k - 1] = (truth + 1) % VOCAB if wrong(r, a, k) else truth
         return out
 
-    monkeypatch.setattr(speculative, "draft_block", propose)
+    monkeypatch.setattr(speculative, "draft_from_cache", propose)
     return calls
+
+
+def record_appends(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Record every `DFlashContextCache.append`: ``(lengths before, features, counts)``."""
+    appends = []
+    original = DFlashContextCache.append
+
+    def append(self, features, counts=None):
+        n = torch.full_like(self.lengths, features.shape[1]) if counts is None else counts.clone()
+        appends.append((self.lengths.clone(), features.clone(), n))
+        return original(self, features, counts)
+
+    monkeypatch.setattr(DFlashContextCache, "append", append)
+    return appends
+
+
+def appended_rows(appends, row: int) -> torch.Tensor:
+    """Row ``row``'s context features in the order they were appended (each append continues where it stood)."""
+    parts = []
+    for lengths, features, counts in appends:
+        assert int(lengths[row]) == sum(p.shape[0] for p in parts)
+        parts.append(features[row, :int(counts[row])])
+    return torch.cat(parts)
 
 
 def spy_generator(monkeypatch) -> dict:
@@ -127,21 +155,24 @@ def test_generate_with_custom_generate_equals_greedy_generate(family):
 
 
 def test_candidate_generator_keeps_the_features_of_a_full_target_forward(monkeypatch):
-    """Through generate, the features the drafter reads (prefill + the accepted slots of each verification) are
-    those of one plain forward over the committed tokens."""
+    """Through generate, the features appended to the drafter's context cache (prefill + the accepted slots of each
+    verification) are those of one plain forward over the committed tokens, and each block drafts right after them."""
     target = tiny_target()
     drafter = tiny_drafter(target)
     ids = prompts()[2][None]
     reference = greedy(target, ids, max_new_tokens=30)
-    oracle_proposals(monkeypatch, [reference[0]], wrong=lambda r, a, k: (a + k) % 3 == 0)
+    calls = oracle_proposals(monkeypatch, [reference[0]], wrong=lambda r, a, k: (a + k) % 3 == 0)
+    appends = record_appends(monkeypatch)
     generator = spy_generator(monkeypatch)
     out = target.generate(ids, custom_generate=dflash_assisted_decoding, drafter=drafter, max_new_tokens=14)
     assert torch.equal(out, reference[:, :ids.shape[1] + 14])
     assert 1 < max(generator["it"].acceptance_lengths) < BLOCK + 1
-    collected = generator["it"].features
-    full = target(out[:, :collected.shape[1]], output_hidden_states=True).hidden_states
-    assert collected.shape[1] >= ids.shape[1] + 8
-    worst = (collected - target_features(full, drafter.config.target_layer_ids)).abs().max().item()
+    collected = appended_rows(appends, 0)
+    assert int(generator["it"].context_cache.lengths[0]) == collected.shape[0] >= ids.shape[1] + 8
+    for anchors, anchor_tokens in calls:  # the anchor is the token right after the cached context
+        assert torch.equal(anchor_tokens, out[:, int(anchors[0])])
+    full = target(out[:, :collected.shape[0]], output_hidden_states=True).hidden_states
+    worst = (collected - target_features(full, drafter.config.target_layer_ids)[0]).abs().max().item()
     print(f"max abs feature difference (generate): {worst:.3e}")
     assert worst < 1e-10, worst
 
@@ -175,23 +206,27 @@ def test_rows_accepting_different_lengths_stay_exact(monkeypatch):
 
 
 def test_drafter_reads_the_features_of_a_full_target_forward(monkeypatch):
-    """The features the loop collects from prefill and verification forwards (with cache holes) are those of one
-    plain forward over each row's committed tokens, and a block sees no feature at or after its anchor."""
+    """The features the loop appends to the drafter's context cache from prefill and verification forwards (with
+    cache holes) are those of one plain forward over each row's committed tokens, and a block's context is exactly
+    the tokens before its anchor."""
     target = tiny_target()
     rows = prompts()
     ids, mask = left_pad(rows)
     reference = greedy(target, ids, mask, max_new_tokens=30)
     continuations = [torch.cat([row, reference[r, ids.shape[1]:]]) for r, row in enumerate(rows)]
     calls = oracle_proposals(monkeypatch, continuations, wrong=lambda r, a, k: (a + k) % (r + 2) == 0)
+    appends = record_appends(monkeypatch)
     drafter = tiny_drafter(target)
     speculative_generate(target, drafter, ids, mask, max_new_tokens=16)
     worst = 0.0
-    for features, tokens, anchors in calls[-3:]:
-        for r, a in enumerate(anchors.tolist()):
-            assert torch.equal(tokens[r, :a + 1], continuations[r][:a + 1])
-            full = target(continuations[r][None, :a], output_hidden_states=True).hidden_states
-            expected = target_features(full, drafter.config.target_layer_ids)[0]
-            worst = max(worst, (features[r, :a] - expected).abs().max().item())
+    for r in range(len(rows)):
+        for anchors, anchor_tokens in calls:
+            assert int(anchor_tokens[r]) == int(continuations[r][int(anchors[r])])
+        collected = appended_rows(appends, r)
+        assert collected.shape[0] >= int(calls[-1][0][r]) > rows[r].numel()
+        full = target(continuations[r][None, :collected.shape[0]], output_hidden_states=True).hidden_states
+        expected = target_features(full, drafter.config.target_layer_ids)[0]
+        worst = max(worst, (collected - expected).abs().max().item())
     print(f"max abs feature difference (batched loop): {worst:.3e}")
     assert worst < 1e-10, worst
 
@@ -346,6 +381,154 @@ def test_dflash_drafter_without_selector_proposes_argmax():
     anchors = torch.tensor([ids.shape[1] - 1])
     out = drafter(target_hidden_states=features[:, :-1], input_ids=ids, anchor_positions=anchors[:, None])
     assert torch.equal(draft_block(drafter, features[:, :-1], ids, anchors), out.logits[:, 1:].argmax(-1))
+
+
+# --- the drafter's context cache ------------------------------------------------------------------------------------
+
+CACHE_CASES = {
+    "dflash2_full": dict(dflash2=True),
+    "dflash2_sliding": dict(dflash2=True, layer_types=["sliding_attention"] * 2, sliding_window=3),
+    "dflash_full": dict(dflash2=False),
+    "dflash_sliding_and_full": dict(dflash2=False, layer_types=["sliding_attention", "full_attention"],
+                                    sliding_window=3),
+}
+
+
+def random_drafter(target, dflash2: bool = True, **kwargs):
+    """A 2-layer drafter whose every parameter is random (convolutions and selector included: nothing is identity)."""
+    torch.manual_seed(1)
+    cls = DFlash2DraftModel if dflash2 else DFlashDraftModel
+    model = cls.from_target(target, init="scratch", num_hidden_layers=2, target_layer_ids=(1, 3), block_size=BLOCK,
+                            mask_token_id=MASK, **kwargs).double().eval()
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    return model
+
+
+def sequence_features(target, drafter, batch: int = 3, length: int = 26, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, MASK, (batch, length), generator=g)
+    hidden = target(tokens, output_hidden_states=True).hidden_states
+    return tokens, target_features(hidden, drafter.config.target_layer_ids)
+
+
+@pytest.mark.parametrize("case", list(CACHE_CASES))
+@torch.no_grad()
+def test_drafting_from_the_cache_equals_drafting_from_the_whole_context(case):
+    """A ragged batch whose rows commit 0 to B context rows per step (as the batched loop appends them): at every
+    step, drafting from the cache proposes what `draft_block` proposes from all the features, with the same states
+    (full layers, sliding layers whose window of 3 is much shorter than the context, DFlash and DFlash2)."""
+    target = tiny_target()
+    drafter = random_drafter(target, **CACHE_CASES[case])
+    tokens, features = sequence_features(target, drafter)
+    batch = tokens.shape[0]
+    rows = torch.arange(batch)
+    cache = DFlashContextCache(drafter, batch, capacity=4)  # smaller than the context: the buffers grow
+    lengths = torch.zeros(batch, dtype=torch.long)
+    worst = 0.0
+    for counts in ([2, 5, 7], [4, 1, 0], [0, 3, 4], [3, 4, 1], [4, 2, 3], [1, 4, 4]):
+        counts = torch.tensor(counts)
+        columns = lengths[:, None] + torch.arange(int(counts.max()))
+        cache.append(features.gather(1, columns[..., None].expand(-1, -1, features.shape[-1])), counts=counts)
+        lengths = lengths + counts
+        assert torch.equal(cache.lengths, lengths)
+        anchor_tokens = tokens[rows, lengths]
+        proposals = draft_from_cache(drafter, cache, anchor_tokens)
+        assert torch.equal(proposals, draft_block(drafter, features, tokens, lengths))
+        cached = drafter.draft_from_cache(cache, anchor_tokens)
+        full = drafter(features, tokens, lengths[:, None])
+        worst = max(worst, (cached.hidden_states - full.hidden_states[:, 1:]).abs().max().item(),
+                    (cached.logits - full.logits[:, 1:]).abs().max().item())
+    assert int(lengths.min()) > 6  # a sliding ring (window - 1 + B = 6 rows) has wrapped in every row
+    print(f"max abs difference, cache vs whole context ({case}): {worst:.3e}")
+    assert worst < 1e-12, worst
+
+
+@pytest.mark.parametrize("dflash2", [True, False])
+def test_the_batched_loop_drafts_what_the_whole_context_drafts(monkeypatch, dflash2):
+    """Inside `speculative_generate` on a left-padded batch, every draft from the cache equals `draft_block` over
+    the features appended so far, and the output is still the target's greedy decoding."""
+    target = tiny_target()
+    drafter = random_drafter(target, dflash2, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    appends = record_appends(monkeypatch)
+    checked = []
+
+    def checked_draft(drafter, context_cache, anchor_token_ids):
+        proposals = draft_from_cache(drafter, context_cache, anchor_token_ids)
+        anchors = context_cache.lengths
+        features = torch.zeros(anchors.shape[0], int(anchors.max()), drafter.config.feature_width,
+                               dtype=torch.float64)
+        tokens = torch.zeros(anchors.shape[0], int(anchors.max()) + 1, dtype=torch.long)
+        for r in range(anchors.shape[0]):
+            context = appended_rows(appends, r)
+            features[r, :context.shape[0]] = context
+            tokens[r, int(anchors[r])] = anchor_token_ids[r]
+        assert torch.equal(proposals, draft_block(drafter, features, tokens, anchors))
+        checked.append(anchors.clone())
+        return proposals
+
+    monkeypatch.setattr(speculative, "draft_from_cache", checked_draft)
+    ids, mask = left_pad(prompts())
+    sequences, stats = speculative_generate(target, drafter, ids, mask, max_new_tokens=10)
+    assert torch.equal(sequences, greedy(target, ids, mask, max_new_tokens=10))
+    assert len(checked) == stats.draft_forwards >= 3 and int(checked[-1].min()) > 6
+
+
+def test_a_draft_step_projects_only_the_newly_committed_rows():
+    """`fc` (and with it every layer's context K/V) runs once per appended row; drafting from the cache runs none."""
+    target = tiny_target()
+    drafter = random_drafter(target)
+    tokens, features = sequence_features(target, drafter)
+    projected = []
+    drafter.fc.register_forward_hook(lambda module, args, out: projected.append(args[0].shape[:-1].numel()))
+    cache = DFlashContextCache(drafter, tokens.shape[0])
+    cache.append(features[:, :9])
+    assert projected == [3 * 9]
+    for step in range(3):
+        draft_from_cache(drafter, cache, tokens[:, 9 + 2 * step])
+        assert len(projected) == 1 + step
+        cache.append(features[:, 9 + 2 * step:11 + 2 * step])
+        assert projected[-1] == 3 * 2
+
+
+def test_the_head_reads_out_only_the_drafted_rows(monkeypatch):
+    """The target's LM head runs over the B - 1 drafted rows of a block, never over the anchor's row."""
+    target = tiny_target()
+    drafter = random_drafter(target)
+    tokens, features = sequence_features(target, drafter)
+    rows = []
+    original = drafter.compute_logits
+    monkeypatch.setattr(drafter, "compute_logits", lambda hidden: rows.append(hidden.shape[1]) or original(hidden))
+    anchors = torch.tensor([5, 9, 12])
+    draft_block(drafter, features, tokens, anchors)
+    cache = DFlashContextCache(drafter, 3)
+    cache.append(features[:, :12], counts=anchors)
+    out = drafter.draft_from_cache(cache, tokens[torch.arange(3), anchors])
+    draft_from_cache(drafter, cache, tokens[torch.arange(3), anchors])
+    assert rows == [BLOCK - 1] * 3
+    assert out.logits.shape == (3, BLOCK - 1, VOCAB) and out.hidden_states.shape[1] == BLOCK - 1
+
+
+def test_the_session_passes_the_target_views_of_one_mask_buffer(monkeypatch):
+    """Each verification's attention mask is a view of one preallocated buffer (no concatenation per step), and the
+    buffer's columns say which cache slots each row kept."""
+    target = tiny_target()
+    ids, mask = left_pad(prompts())
+    reference = greedy(target, ids, mask, max_new_tokens=30)
+    continuations = [torch.cat([row, reference[r, ids.shape[1]:]]) for r, row in enumerate(prompts())]
+    oracle_proposals(monkeypatch, continuations, wrong=lambda r, a, k: (a + k) % (r + 2) == 0)
+    session = SpeculativeSession(target, tiny_drafter(target), ids, mask, max_new_tokens=12)
+    buffer = session.kv_mask
+    while not session.done:
+        session.step()
+        assert session.kv_mask.data_ptr() == buffer.data_ptr()
+    # Each row's real slots: its prompt, then one per committed token but the last (the last anchor never ran).
+    real = session.kv_mask[:, :session.kv_used].sum(-1)
+    assert torch.equal(real, mask.sum(-1) + session.generated - 1)
+    assert torch.equal(session.result()[0], reference[:, :ids.shape[1] + 12])
 
 
 # --- clear errors ----------------------------------------------------------------------------------------------------

@@ -192,8 +192,9 @@ def apply_rotary(states: torch.Tensor, rotary: Rotary) -> torch.Tensor:
 
 
 class ContextAttention(Protocol):
-    """Where a layer's draft queries find their context when it is not one local tensor of projected features (the
-    sharded training forward, ``hf_bdlm.models.dflash.sharded``, whose context rows live on several ranks).
+    """Where a layer's draft queries find their context when it is not one local tensor of projected features: the
+    sharded training forward (``hf_bdlm.models.dflash.sharded``, whose context rows live on several ranks) and
+    decoding from a :class:`DFlashContextCache` (whose keys and values were projected when their rows were committed).
 
     A layer's attention passes itself and its queries; the provider returns partial attention results over disjoint
     sets of context keys (each from :meth:`DFlashAttention.attend_context`), which the layer merges with its draft
@@ -236,6 +237,7 @@ class DFlashAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = config.head_dim**-0.5
         self.block_size = config.block_size
+        self.layer_idx = layer_idx
         self.sliding_window = config.layer_window(layer_idx)
         self.block_causal = config.layer_block_causal(layer_idx)
         bias = config.attention_bias
@@ -626,6 +628,46 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         logits = self.compute_logits(hidden_states) if return_logits else None
         return DFlashDraftOutput(hidden_states=hidden_states, logits=logits)
 
+    def draft_from_cache(
+        self,
+        context_cache: "DFlashContextCache",
+        anchor_token_ids: torch.LongTensor,
+        return_logits: bool = True,
+    ) -> DFlashDraftOutput:
+        r"""
+        Decoding: draft the block after each row's cached context, reading keys and values the cache projected when
+        their rows were appended (nothing of the context is projected again).
+
+        Row ``r``'s anchor sits at sequence index ``context_cache.lengths[r]``, right after its context; the block
+        sees that context under :func:`draft_context_mask`, as :meth:`forward` would with the same features,
+        ``input_ids`` whose column ``lengths[r]`` holds the anchor, and ``anchor_positions = lengths[:, None]``.
+
+        Args:
+            context_cache ([`DFlashContextCache`]): this drafter's cache of every row's committed context.
+            anchor_token_ids (`torch.LongTensor` of shape `[b]`): each row's anchor token.
+            return_logits (`bool`, defaults to `True`): also apply the target's head.
+
+        Returns:
+            [`DFlashDraftOutput`]: `hidden_states` and `logits` of the `B - 1` drafted rows only (`[b, B - 1, ...]`,
+            row `k - 1` drafting the token at `anchor + k`): the anchor's own row is never read out.
+        """
+        self._require_target()
+        if context_cache.drafter is not self:
+            raise ValueError("this context cache was built for another drafter: build one with "
+                             "DFlashContextCache(drafter, batch_size) for the drafter that drafts from it.")
+        anchors = context_cache.lengths
+        if tuple(anchor_token_ids.shape) != tuple(anchors.shape) or anchor_token_ids.dtype.is_floating_point:
+            raise ValueError(f"anchor_token_ids must be an integer tensor [batch={anchors.shape[0]}] (one anchor per "
+                             f"cache row), got {tuple(anchor_token_ids.shape)} {anchor_token_ids.dtype}.")
+        hidden_states, draft_rotary = self.draft_blocks(anchor_token_ids[:, None], torch.zeros_like(anchors)[:, None],
+                                                        anchors[:, None])
+        context = context_cache.context_for(anchors)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, draft_rotary=draft_rotary)
+        hidden_states = self.norm(hidden_states[:, 1:])
+        logits = self.compute_logits(hidden_states) if return_logits else None
+        return DFlashDraftOutput(hidden_states=hidden_states, logits=logits)
+
     def _check_inputs(self, features, input_ids, anchors, anchor_valid, position_ids, context_positions,
                       document_ids) -> None:
         config = self.config
@@ -754,6 +796,175 @@ class DFlash2DraftModel(DFlashDraftModel):
                                                     method["selector_top_k"])
 
 
+# --- decoding: the drafter's context cache --------------------------------------------------------------------------
+# Sequence index of an empty cache slot: never before an anchor, so the mask rule hides it.
+_EMPTY = torch.iinfo(torch.long).max // 2
+
+
+class DFlashContextCache:
+    """The projected context of a drafter while it decodes: per layer, the context keys (after ``k_norm`` and RoPE)
+    and values of every committed row, computed once when the row is appended (``fc``, ``hidden_norm`` and each
+    layer's ``k_proj`` / ``v_proj``), so that a draft step projects only the rows committed since the last one.
+
+    Each batch row has its own length (:attr:`lengths`): its context is its own rows ``0 .. lengths[r] - 1``, at
+    sequence indices (and RoPE positions) ``0 .. lengths[r] - 1``, however many rows the others have (a ragged,
+    left-padded batch keeps each row compact from 0). A full-attention layer keeps every row (its buffer doubles when
+    full); a sliding-window layer keeps only its last ``sliding_window - 1 + block_size`` rows, a ring: the
+    ``sliding_window - 1`` any next block can see, and ``block_size`` more so that a :meth:`crop` of up to a block
+    stays exact. Slots carry their sequence index (:data:`_EMPTY` when empty), so the one mask rule,
+    :func:`draft_context_mask`, decides what each draft token sees. It is the :class:`ContextAttention` of
+    :meth:`DFlashDraftModel.draft_from_cache` (through :meth:`context_for`).
+
+    Args:
+        drafter ([`DFlashDraftModel`]): the drafter whose layers project (and later attend to) the context.
+        batch_size (`int`): rows of the batch.
+        capacity (`int`, *optional*, defaults to 256): context rows per batch row the full-attention buffers hold
+            before they grow.
+
+    Example::
+
+        cache = DFlashContextCache(drafter, batch_size=1)
+        cache.append(features)                                      # [1, T, feature_width]: rows 0 .. T-1
+        out = drafter.draft_from_cache(cache, anchor_token_ids=ids[:, T])      # the block after position T
+        cache.append(new_features, counts=torch.tensor([accepted + 1]))       # what the target kept
+    """
+
+    def __init__(self, drafter: "DFlashDraftModel", batch_size: int, capacity: int = 256):
+        if batch_size < 1 or capacity < 1:
+            raise ValueError(f"batch_size and capacity must be >= 1, got {batch_size} and {capacity}.")
+        self.drafter = drafter
+        weight = drafter.fc.weight
+        self.block_size = int(drafter.config.block_size)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=weight.device)
+        self._longest = 0  # max(lengths), kept on the host: slicing the buffers needs no device sync
+        attentions = [layer.self_attn for layer in drafter.layers]
+        self._windows = sorted({a.sliding_window for a in attentions}, key=lambda w: -1 if w is None else w)
+        # Per window (None: full attention): slot count, then per layer the key and value buffers, [b, H_kv, slots + 1,
+        # d]; slot `slots` is a trash slot that absorbs the rows an append does not keep.
+        self._slots = {w: capacity if w is None else w - 1 + self.block_size for w in self._windows}
+        self._positions = {w: torch.full((batch_size, self._slots[w] + 1), _EMPTY, dtype=torch.long,
+                                         device=weight.device) for w in self._windows}
+        shape = (batch_size, drafter.config.num_key_value_heads)
+
+        def buffer(window):
+            return torch.zeros(*shape, self._slots[window] + 1, drafter.config.head_dim, dtype=weight.dtype,
+                               device=weight.device)
+
+        self._keys = [buffer(a.sliding_window) for a in attentions]
+        self._values = [buffer(a.sliding_window) for a in attentions]
+
+    def append(self, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Project and keep the next context rows of every batch row.
+
+        Args:
+            features (`torch.Tensor` of shape `[b, n, feature_width]`): the target's features of each row's next `n`
+                tokens, at sequence indices ``lengths[r] .. lengths[r] + n - 1``.
+            counts (`torch.LongTensor` of shape `[b]`, *optional*): how many of them row ``r`` commits (its first
+                ``counts[r]``; the others are ignored). Defaults to all `n`.
+        """
+        if features.dim() != 3 or features.shape[0] != self.lengths.shape[0]:
+            raise ValueError(f"features must be [batch={self.lengths.shape[0]}, n, feature_width], got "
+                             f"{tuple(features.shape)}.")
+        b, n = features.shape[0], features.shape[1]
+        device = self.lengths.device
+        if counts is None:
+            counts = torch.full_like(self.lengths, n)
+        elif tuple(counts.shape) != (b,) or counts.dtype.is_floating_point:
+            raise ValueError(f"counts must be an integer tensor [batch={b}], got {tuple(counts.shape)} {counts.dtype}.")
+        counts = counts.to(device)
+        if n == 0:
+            return
+        offsets = torch.arange(n, device=device)
+        if None not in self._windows:  # every layer slides: rows older than every ring are never needed
+            first = int((counts - min(self._slots.values())).clamp_min(0).min())
+            features, offsets = features[:, first:], offsets[first:]
+        positions = self.lengths[:, None] + offsets                                         # [b, n]
+        committed = offsets[None] < counts[:, None]
+        new_lengths = self.lengths + counts
+        longest = int(new_lengths.max())
+        if None in self._windows and longest > self._slots[None]:
+            self._grow(max(longest, 2 * self._slots[None]))
+        states = self.drafter.project_context(features.to(device))
+        rotary = self.drafter.rotary(positions)
+        slots = {}
+        for window in self._windows:
+            size = self._slots[window]
+            if window is None:
+                slot, keep = positions, committed
+            else:  # a ring keeps the newest `size` rows of the append
+                slot, keep = positions % size, committed & (offsets[None] >= counts[:, None] - size)
+            slots[window] = torch.where(keep, slot, size)
+            self._positions[window].scatter_(1, slots[window], torch.where(keep, positions, _EMPTY))
+        for i, layer in enumerate(self.drafter.layers):
+            key, value = layer.self_attn.key_value(states, rotary)                          # [b, H_kv, n, d]
+            index = slots[layer.self_attn.sliding_window][:, None, :, None].expand_as(key)
+            self._keys[i].scatter_(2, index, key.to(self._keys[i].dtype))
+            self._values[i].scatter_(2, index, value.to(self._values[i].dtype))
+        self.lengths = new_lengths
+        self._longest = longest
+
+    def crop(self, lengths: torch.Tensor) -> None:
+        """Forget the rows at or after ``lengths[r]`` of each row ``r`` (a row shorter than that keeps all of its).
+
+        Raises:
+            `ValueError`: a sliding-window layer no longer holds rows the cropped context would need (more than
+                `block_size` rows cropped since they were appended).
+        """
+        new = torch.minimum(self.lengths, lengths.to(self.lengths.device))
+        for window in self._windows:
+            positions = self._positions[window]
+            if window is not None:
+                held = positions.masked_fill(positions >= new[:, None], _EMPTY).min(dim=1).values
+                needed = (new - (window - 1)).clamp_min(0)
+                lost = (new > 0) & (held > needed)
+                if bool(lost.any()):
+                    row = int(lost.nonzero()[0, 0])
+                    raise ValueError(f"cannot crop row {row} to {int(new[row])} context rows: its sliding-window "
+                                     f"layers keep the last {self._slots[window]} rows and no longer hold row "
+                                     f"{int(needed[row])}. Crop at most block_size = {self.block_size} rows after "
+                                     "an append.")
+            positions.masked_fill_(positions >= new[:, None], _EMPTY)
+        self.lengths = new
+        self._longest = int(new.max())
+
+    def context_for(self, anchors: torch.Tensor) -> ContextAttention:
+        """The context a draft block at sequence index ``anchors[r]`` sees, as a :class:`ContextAttention`."""
+        masks = {}
+        for window in self._windows:
+            used = min(self._longest, self._slots[window])
+            masks[window] = draft_context_mask(anchors[:, None], self._positions[window][:, :used], self.block_size,
+                                               sliding_window=window).flatten(1, 2)
+        return _CachedContext(self, masks)
+
+    def _grow(self, slots: int) -> None:
+        old = self._slots[None]
+        for i, layer in enumerate(self.drafter.layers):
+            if layer.self_attn.sliding_window is None:
+                for buffers in (self._keys, self._values):
+                    grown = buffers[i].new_zeros(*buffers[i].shape[:2], slots + 1, buffers[i].shape[-1])
+                    grown[:, :, :old] = buffers[i][:, :, :old]
+                    buffers[i] = grown
+        positions = self._positions[None]
+        self._positions[None] = positions.new_full((positions.shape[0], slots + 1), _EMPTY)
+        self._positions[None][:, :old] = positions[:, :old]
+        self._slots[None] = slots
+
+
+class _CachedContext:
+    """A :class:`DFlashContextCache` seen from one draft step's anchors: each layer's cached keys and values, masked
+    by :func:`draft_context_mask` (``masks[window]``, ``[b, B, slots]``)."""
+
+    def __init__(self, cache: DFlashContextCache, masks: dict[int | None, torch.Tensor]):
+        self.cache, self.masks = cache, masks
+
+    def partials(self, attention: DFlashAttention, query: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mask = self.masks[attention.sliding_window]
+        used = mask.shape[-1]
+        key = self.cache._keys[attention.layer_idx][:, :, :used]
+        value = self.cache._values[attention.layer_idx][:, :, :used]
+        return [attention.attend_context(query, key, value, mask)]
+
+
 def _decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
     for candidate in (decoder, getattr(target, "model", None), getattr(getattr(target, "model", None),
@@ -794,8 +1005,8 @@ def _norm_scale(norm: nn.Module, width: int) -> torch.Tensor | None:
 
 
 __all__ = [
-    "BlockConvolution", "CandidateSelector", "ContextAttention", "DFlash2DraftModel", "DFlashDraftModel",
-    "DFlashDraftOutput",
+    "BlockConvolution", "CandidateSelector", "ContextAttention", "DFlash2DraftModel", "DFlashContextCache",
+    "DFlashDraftModel", "DFlashDraftOutput",
     "DFlashPreTrainedModel", "attend_with_lse", "document_starts", "draft_block_mask", "draft_context_mask",
     "merge_partials", "rotary_factors",
 ]

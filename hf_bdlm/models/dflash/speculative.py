@@ -7,7 +7,9 @@ proposals equal to its own greedy choice, plus its own next token (the next anch
 target's argmax after the tokens before it, so the output is the target's greedy decoding whatever the drafter
 proposes; the drafter only decides how many tokens one target forward yields (1 to ``B``). The target's features
 for the drafter come from that same verification forward (``output_hidden_states=[ids]`` keeps only the drafter's
-layers): the target never runs twice.
+layers): the target never runs twice. The drafter keeps its projected context in a
+:class:`~.modeling.DFlashContextCache`: each committed row is projected once, when the target keeps it, and a draft
+step runs only the block itself and the head over its ``B - 1`` drafted rows.
 
 Two entry points, both greedy and token for token ``target.generate(input_ids, do_sample=False, ...)``:
 
@@ -54,6 +56,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from .modeling import DFlashContextCache
+
 if TYPE_CHECKING:
     from .modeling import DFlashDraftModel
 
@@ -64,6 +68,7 @@ __all__ = [
     "check_drafter_for_target",
     "dflash_assisted_decoding",
     "draft_block",
+    "draft_from_cache",
     "speculative_generate",
     "target_features",
 ]
@@ -123,7 +128,8 @@ def target_features(hidden_states: Sequence[torch.Tensor | None], layer_ids: Seq
 
 def draft_block(drafter: "DFlashDraftModel", features: torch.Tensor, tokens: torch.Tensor,
                 anchors: torch.Tensor) -> torch.LongTensor:
-    """The drafter's greedy proposals for the ``B - 1`` positions after each row's anchor.
+    """The drafter's greedy proposals for the ``B - 1`` positions after each row's anchor, from the whole context's
+    features (projected again at each call: the decoding loops draft from a context cache, :func:`draft_from_cache`).
 
     Args:
         drafter (`DFlashDraftModel`):
@@ -143,15 +149,42 @@ def draft_block(drafter: "DFlashDraftModel", features: torch.Tensor, tokens: tor
     """
     dtype = next(drafter.parameters()).dtype
     out = drafter(target_hidden_states=features.to(dtype), input_ids=tokens, anchor_positions=anchors[:, None],
-                  return_logits=True)
-    # Block slot k (k >= 1) predicts the token at anchor + k; slot 0 holds the anchor itself.
-    logits, hidden = out.logits[:, 1:], out.hidden_states[:, 1:]
+                  return_logits=False)
+    # Block slot k (k >= 1) predicts the token at anchor + k; slot 0 holds the anchor itself: no head over it.
+    hidden = out.hidden_states[:, 1:]
+    return _propose(drafter, drafter.compute_logits(hidden), hidden, tokens.gather(1, anchors[:, None])[:, 0])
+
+
+def draft_from_cache(drafter: "DFlashDraftModel", context_cache: DFlashContextCache,
+                     anchor_token_ids: torch.LongTensor) -> torch.LongTensor:
+    """:func:`draft_block` from the drafter's context cache: the proposals for the ``B - 1`` positions after each
+    row's anchor, which sits right after the row's cached context (``context_cache.lengths[r]``).
+
+    Args:
+        drafter (`DFlashDraftModel`):
+            The drafter, bound to the target.
+        context_cache ([`~.modeling.DFlashContextCache`]):
+            The drafter's projected context of every row (the target's features of the tokens before the anchor).
+        anchor_token_ids (`torch.LongTensor` of shape `(batch_size,)`):
+            Each row's anchor token.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, B - 1)`: what :func:`draft_block` proposes from the same context.
+    """
+    out = drafter.draft_from_cache(context_cache, anchor_token_ids)
+    return _propose(drafter, out.logits, out.hidden_states, anchor_token_ids)
+
+
+def _propose(drafter: "DFlashDraftModel", logits: torch.Tensor, hidden: torch.Tensor,
+             anchor_token_ids: torch.Tensor) -> torch.LongTensor:
+    """Proposals from the drafted rows' logits and states (``[b, B - 1, ...]``): the candidate selector's greedy path
+    over each row's top-k (DFlash2), else the argmax."""
     selector = getattr(drafter, "candidate_selector", None)
     if selector is None:
         return logits.argmax(dim=-1)
     top = logits.topk(min(int(selector.top_k), logits.shape[-1]), dim=-1)
     return selector.greedy_path(candidate_ids=top.indices, unary_logits=top.values, hidden_states=hidden,
-                                anchor_token_ids=tokens.gather(1, anchors[:, None])[:, 0])
+                                anchor_token_ids=anchor_token_ids)
 
 
 # --- transformers' assisted generation ------------------------------------------------------------------------------
@@ -162,9 +195,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     `_assisted_decoding` hands it the target's outputs of the previous verification forward
     (``requires_model_outputs``) run with ``output_hidden_states=list(target_layer_ids)``
-    (``model_kwargs_overrides``): the generator keeps the features of the tokens the target accepted and drafts
-    after the anchor (the target's newest token). The first call returns no candidates, so the target's prefill
-    produces the first anchor. Use it through :func:`dflash_assisted_decoding`.
+    (``model_kwargs_overrides``): the generator appends the features of the tokens the target accepted to the
+    drafter's context cache and drafts after the anchor (the target's newest token). The first call returns no
+    candidates, so the target's prefill produces the first anchor. Use it through :func:`dflash_assisted_decoding`.
 
     Args:
         drafter (`DFlashDraftModel`):
@@ -175,6 +208,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
             The generation config of the call (its `max_length` caps the proposals).
 
     Attributes:
+        context_cache ([`~.modeling.DFlashContextCache`] or `None`): the drafter's projected context (every token
+            the target has run and kept), from the first verification on.
         draft_forwards (`int`): drafter forwards run so far.
         acceptance_lengths (`list[int]`): per target forward after the prefill, the tokens the target kept
             (accepted proposals + its own token, before `generate` cuts at EOS or `max_length`).
@@ -188,7 +223,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.block_size = int(drafter.config.block_size)
         self.max_length = generation_config.max_length
         self.model_kwargs_overrides = {"output_hidden_states": list(self.layer_ids)}
-        self.features: torch.Tensor | None = None  # [1, tokens the target has run, F]
+        self.context_cache: DFlashContextCache | None = None
         self.draft_forwards = 0
         self.acceptance_lengths: list[int] = []
 
@@ -199,20 +234,23 @@ class DFlashCandidateGenerator(CandidateGenerator):
             return input_ids, None
         # The last target forward ran the prompt (prefill) or [anchor, proposals]; of the latter, the anchor and the
         # accepted proposals are now context.
-        fresh = input_ids.shape[1] - 1 if self.features is None else int(n_last_matches) + 1
-        new = target_features(model_outputs.hidden_states, self.layer_ids)[:, :fresh]
-        self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
+        if self.context_cache is None:
+            self.context_cache = DFlashContextCache(self.drafter, batch_size=1, capacity=self.max_length or 256)
+            fresh = input_ids.shape[1] - 1
+        else:
+            fresh = int(n_last_matches) + 1
+        self.context_cache.append(target_features(model_outputs.hidden_states, self.layer_ids)[:, :fresh])
         budget = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
         if budget <= 0:
             return input_ids, None
-        anchor = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
-        proposals = draft_block(self.drafter, self.features.to(input_ids.device), input_ids, anchor)[:, :budget]
+        proposals = draft_from_cache(self.drafter, self.context_cache,
+                                     input_ids[:, -1].to(self.context_cache.lengths.device))[:, :budget]
         self.draft_forwards += 1
-        return torch.cat([input_ids, proposals.to(input_ids.dtype)], dim=1), None
+        return torch.cat([input_ids, proposals.to(input_ids.device, input_ids.dtype)], dim=1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Records the acceptance length of the step (the strategy itself is fixed: always ``B - 1`` proposals)."""
-        if self.features is not None:  # the prefill step verifies nothing
+        if self.context_cache is not None:  # the prefill step verifies nothing
             self.acceptance_lengths.append(int(num_matches) + 1)
 
 
@@ -337,9 +375,10 @@ def speculative_generate(target: PreTrainedModel, drafter: "DFlashDraftModel", i
     is shared: every verification forward appends ``B`` slots (the anchor and its proposals) to every row, the
     cache is cropped to the most slots any row kept, and a row's rejected slots stay behind as holes that its
     attention mask hides; RoPE positions are passed per row (the count of its real tokens before), so every kept
-    token sees exactly its row's tokens at their true positions, as in a left-padded `generate`. The drafter is fed
-    one compact copy per row (its tokens and features from column 0, right-padded; a block never reads past its
-    anchor). Finished rows ride along until the last row ends, their results unused.
+    token sees exactly its row's tokens at their true positions, as in a left-padded `generate`. The drafter sees
+    each row compact from column 0: its tokens, and its context in a :class:`~.modeling.DFlashContextCache` with the
+    row's own length, appended with the features of the tokens the row kept. Finished rows ride along until the
+    last row ends, their results unused.
 
     Args:
         target (`PreTrainedModel`):
@@ -412,23 +451,32 @@ class SpeculativeSession:
         self.stats.target_forwards += 1
         features = target_features(out.hidden_states, layer_ids)
 
-        # Compact per-row copies for the drafter: a row's tokens (and their features) from column 0.
+        # The drafter's view of each row, compact from column 0: its tokens (one spare column takes the writes of the
+        # slots a row does not keep) and its context cache, holding the prompt's projected features (the first
+        # anchor is the prefill's token).
         lengths = mask.sum(-1)                                                 # committed tokens per row
-        self.capacity = prompt_len + max_new_tokens + self.block
+        self.capacity = prompt_len + max_new_tokens
         gather = (torch.arange(prompt_len, device=device)[None] + (prompt_len - lengths)[:, None]).clamp_max(
             prompt_len - 1)
-        self.tokens = torch.full((batch, self.capacity), self.pad_id, dtype=torch.long, device=device)
+        self.tokens = torch.full((batch, self.capacity + 1), self.pad_id, dtype=torch.long, device=device)
         self.tokens[:, :prompt_len] = input_ids.gather(1, gather)
-        self.feats = features.new_zeros(batch, self.capacity, features.shape[-1])
-        self.feats[:, :prompt_len] = features.gather(1, gather[..., None].expand(-1, -1, features.shape[-1]))
+        self.context_cache = DFlashContextCache(drafter, batch, capacity=self.capacity)
+        self.context_cache.append(features.gather(1, gather[..., None].expand(-1, -1, features.shape[-1])),
+                                  counts=lengths)
 
         first = out.logits[:, -1].argmax(dim=-1)
         self.tokens[self.rows, lengths] = first
         self.lengths = lengths + 1
         self.generated = torch.ones(batch, dtype=torch.long, device=device)
         self.finished = torch.isin(first, self.eos) | (self.generated >= max_new_tokens)
-        self.kv_mask = mask.clone()                                            # which cache slots are real, per row
-        self.accepted_sum, self.accepted_count = 0, 0
+        # Which target cache slots are real, per row: the first `kv_used` columns of a buffer that grows by doubling
+        # (each verification passes a view of it, not a new concatenation).
+        self.kv_mask = torch.zeros(batch, prompt_len + max_new_tokens + self.block, dtype=torch.long, device=device)
+        self.kv_mask[:, :prompt_len] = mask
+        self.kv_used = prompt_len
+        self.offsets = torch.arange(self.block, device=device)
+        self.accepted_sum = torch.zeros((), dtype=torch.long, device=device)
+        self.accepted_count = torch.zeros((), dtype=torch.long, device=device)
         self.new_tokens = {i: [int(t)] for i, t in enumerate(first.tolist())}
 
     @property
@@ -446,51 +494,60 @@ class SpeculativeSession:
         target, device, block, rows = self.target, self.device, self.block, self.rows
         batch, max_new_tokens, finished = rows.shape[0], self.max_new_tokens, self.finished
         anchors = self.lengths - 1                    # position of each row's newest token (not yet in the cache)
-        room = int((max_new_tokens - self.generated)[~finished].max()) - 1
+        anchor_tokens = self.tokens[rows, anchors]
+        room = int((max_new_tokens - self.generated).masked_fill(finished, 0).max()) - 1
         k = min(block - 1, room)
         if k > 0:
-            width = int(anchors.max()) + 1
-            proposals = draft_block(self.drafter, self.feats[:, :width - 1], self.tokens[:, :width], anchors)[:, :k]
+            proposals = draft_from_cache(self.drafter, self.context_cache, anchor_tokens)[:, :k].to(device)
             self.stats.draft_forwards += 1
         else:
             proposals = self.tokens.new_zeros(batch, 0)
-        step = torch.cat([self.tokens[rows, anchors][:, None], proposals.to(device)], dim=1)      # [b, k + 1]
-        out = target(input_ids=step,
-                     attention_mask=torch.cat([self.kv_mask, self.kv_mask.new_ones(batch, k + 1)], 1).long(),
-                     position_ids=anchors[:, None] + torch.arange(k + 1, device=device), cache=self.cache,
-                     use_cache=True, output_hidden_states=list(self.layer_ids))
+        offsets, used = self.offsets[:k + 1], self.kv_used
+        self._reserve_kv_mask(used + k + 1)
+        self.kv_mask[:, used:used + k + 1] = 1
+        out = target(input_ids=torch.cat([anchor_tokens[:, None], proposals], dim=1),
+                     attention_mask=self.kv_mask[:, :used + k + 1], position_ids=anchors[:, None] + offsets,
+                     cache=self.cache, use_cache=True, output_hidden_states=list(self.layer_ids))
         self.stats.target_forwards += 1
         choice = out.logits.argmax(dim=-1)                                      # the target's token after each slot
         accepted = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
         keep = accepted + 1                               # accepted proposals + the target's own token
-        self.accepted_sum += int(keep[~finished].sum())
-        self.accepted_count += int((~finished).sum())
+        self.accepted_sum += keep.masked_fill(finished, 0).sum()
+        self.accepted_count += (~finished).sum()
         # Cut at the token budget and after the first EOS; finished rows keep nothing.
         keep = torch.minimum(keep, max_new_tokens - self.generated)
-        offsets = torch.arange(k + 1, device=device)
         is_eos = torch.isin(choice, self.eos) & (offsets[None] < keep[:, None])
-        keep = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, keep)
-        keep = keep.masked_fill(finished, 0)
-        self.finished = finished | is_eos.any(1) | (self.generated + keep >= max_new_tokens)
+        ends = is_eos.any(1)
+        keep = torch.where(ends, is_eos.long().argmax(1) + 1, keep).masked_fill(finished, 0)
+        self.finished = finished | ends | (self.generated + keep >= max_new_tokens)
 
         # Slots 0 .. keep-1 ran the anchor and the accepted proposals: their K/V and features are context now; the
         # last kept token (the target's own) is the next anchor.
         kept = offsets[None] < keep[:, None]
-        row, slot = kept.nonzero(as_tuple=True)
-        self.tokens[row, self.lengths[row] + slot] = choice[row, slot]
-        self.feats[row, anchors[row] + slot] = target_features(out.hidden_states, self.layer_ids)[row, slot]
-        widest = int(keep.max())
+        self.tokens.scatter_(1, torch.where(kept, self.lengths[:, None] + offsets, self.capacity), choice)
+        self.context_cache.append(target_features(out.hidden_states, self.layer_ids), counts=keep)
+        counts = keep.tolist()
+        widest = max(counts)
         self.cache.crop(-(k + 1 - widest))            # drop the slots no row kept
-        self.kv_mask = torch.cat([self.kv_mask, kept[:, :widest]], dim=1)
-        self.new_tokens = {i: choice[i, :n].tolist() for i, n in enumerate(keep.tolist()) if n}
+        self.kv_mask[:, used:used + widest] = kept[:, :widest]
+        self.kv_used = used + widest
+        choices = choice.tolist()
+        self.new_tokens = {i: choices[i][:n] for i, n in enumerate(counts) if n}
         self.lengths = self.lengths + keep
         self.generated = self.generated + keep
         return self.new_tokens
 
+    def _reserve_kv_mask(self, width: int) -> None:
+        if width > self.kv_mask.shape[1]:
+            grown = self.kv_mask.new_zeros(self.kv_mask.shape[0], max(width, 2 * self.kv_mask.shape[1]))
+            grown[:, :self.kv_used] = self.kv_mask[:, :self.kv_used]
+            self.kv_mask = grown
+
     def result(self) -> tuple[torch.LongTensor, SpeculativeStats]:
         """The sequences so far (as :func:`speculative_generate` returns them) and the statistics."""
         stats, device, generated = self.stats, self.device, self.generated
-        stats.mean_acceptance_length = self.accepted_sum / self.accepted_count if self.accepted_count else 0.0
+        count = int(self.accepted_count)
+        stats.mean_acceptance_length = int(self.accepted_sum) / count if count else 0.0
         stats.generated_tokens = int(generated.sum())
         new = int(generated.max())
         prompt_lengths = self.mask.sum(-1)
