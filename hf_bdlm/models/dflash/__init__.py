@@ -2,7 +2,8 @@
 states, proposes a block of next tokens in one forward; the target verifies the block, so decoding stays lossless.
 
 - :mod:`.configuration`: `DFlashConfig` (its ``config.json`` is the folder vLLM and SGLang serve);
-- :mod:`.modeling`: `DFlashDraftModel`, `DFlash2DraftModel` (the target's embedding and head bound, never saved);
+- :mod:`.modeling`: `DFlashDraftModel`, `DFlash2DraftModel` (the target's embedding and head bound, never saved),
+  `DFlashContextCache` (decoding: each committed context row projected once);
 - :mod:`.objective`: anchors, labels, position weights, the CE / KL / D-PACE losses, the dealing of anchors to ranks;
 - :mod:`.sharded`: the forward of one rank under ``cp`` / ``bp`` / ``csbp`` (context rows sharded, anchors dealt);
 - :mod:`.trainer`, :mod:`.trainer_config`: `DFlashTrainer` (`BDLMSFTTrainer`'s machinery over captured features);
@@ -20,6 +21,7 @@ import importlib
 # Names and the module defining each, imported on first use (the `hf-bdlm dflash` parser loads no model code).
 _EXPORTS = {
     "DFlashConfig": "configuration", "DFlashDraftModel": "modeling", "DFlash2DraftModel": "modeling",
+    "DFlashContextCache": "modeling",
     "DFlashBatch": "objective", "DFlashObjective": "objective", "DFlashObjectiveConfig": "objective",
     "DFlashShardPlan": "sharded", "sharded_draft_forward": "sharded",
     "DFlashTrainer": "trainer", "DFlashTrainingConfig": "trainer_config",
