@@ -1,9 +1,7 @@
 """`hf-bdlm bench`: the power-law fit, tables and plots on synthetic records, the longest-context search with a fake
-probe, argument errors, and one tiny real run of the command."""
+probe, argument errors, and tiny real runs of the command (each measurement a torchrun launch)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -228,19 +226,20 @@ def test_report_only_redraws_plots_and_markdown_from_the_json(tmp_path, capsys):
 
 
 @pytest.mark.distributed
-def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path):
-    """The installed command end to end: L = 256, csbp (all-gather) at P = 2 and the single process."""
-    exe = Path(sys.executable).parent / "hf-bdlm"
+def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path, capsys):
+    """The command end to end (through the main the console script calls, in this process: the console script
+    itself answers in tests/test_cli.py, the wheel's command runs this configuration in tests/test_installed_wheel.py):
+    L = 256, csbp (all-gather) at P = 2 and the single process, each measurement its own launch."""
     out = tmp_path / "bench"
-    proc = subprocess.run([str(exe), "bench", "--only", "modes", "--lengths", "256", "--nprocs", "2", "--modes", "csbp",
-                           "--transports", "allgather", "--layers", "1", "--steps", "1", "--min-time", "0",
-                           "--no-calibrate", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    if proc.returncode and (out / "parallel_modes.json").exists():  # the failed launch's own output, not its summary
+    code = cli.main(["bench", "--only", "modes", "--lengths", "256", "--nprocs", "2", "--modes", "csbp", "--transports",
+                     "allgather", "--layers", "1", "--steps", "1", "--min-time", "0", "--no-calibrate", "--out",
+                     str(out)])
+    stdout, stderr = capsys.readouterr()
+    if code and (out / "parallel_modes.json").exists():  # the failed launch's own output, not its summary
         failed = [r["error"] for r in json.loads((out / "parallel_modes.json").read_text()) if "error" in r]
-        pytest.fail("a measurement failed:\n" + "\n".join(failed) + proc.stdout[-1000:])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "[modes 2/2," in proc.stdout
+        pytest.fail("a measurement failed:\n" + "\n".join(failed) + stdout[-1000:])
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    assert "[modes 2/2," in stdout
     records = json.loads((out / "parallel_modes.json").read_text())
     assert isinstance(records, list)
     assert {(r["mode"], r["transport"]) for r in records} == {("single", None), ("csbp", "allgather")}
@@ -289,16 +288,16 @@ def test_baselines_table_gives_csbps_speedup_over_each_baseline():
 
 
 @pytest.mark.distributed
-def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path):
-    """The installed command: csbp and the paper's CP baseline at L = 256, P = 2; a second run adds its layout."""
-    exe = Path(sys.executable).parent / "hf-bdlm"
+def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path, capsys):
+    """The command (in this process, as above): csbp and the paper's CP baseline at L = 256, P = 2, each layout its
+    own launch; a second run adds its layout."""
     out = tmp_path / "bench"
-    common = [str(exe), "bench", "--only", "baselines", "--baseline-lengths", "256", "--baseline-nprocs", "2",
+    common = ["bench", "--only", "baselines", "--baseline-lengths", "256", "--baseline-nprocs", "2",
               "--baseline-models", "dense", "--steps", "1", "--min-time", "0", "--out", str(out)]
     for layouts in (["csbp", "cp-paper"], ["cp"]):
-        proc = subprocess.run(common + ["--baseline-layouts", *layouts], capture_output=True, text=True, timeout=240,
-                              cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        code = cli.main(common + ["--baseline-layouts", *layouts])
+        stdout, stderr = capsys.readouterr()
+        assert code == 0, stdout[-2000:] + stderr[-2000:]
     records = json.loads((out / "baselines.json").read_text())
     by = {(r["mode"], r.get("cp_layout")): r for r in records}
     assert set(by) == {("csbp", "balanced"), ("cp", "paper"), ("cp", "balanced")}

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 import dflash_trainer_worker as fixtures  # noqa: E402
+from torchrun import SharedJob  # noqa: E402
 from trainer_common import tiny_tokenizer  # noqa: E402
 
 from hf_bdlm.models.dflash.capture import FeatureStore  # noqa: E402
@@ -227,14 +228,15 @@ def test_deferred_features_read_exactly_the_rows_asked_and_zero_past_a_records_e
 
 
 # --- two processes ----------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory, target):
-    from torchrun import run_torchrun
+# The 2-process runs: a job of the shared launch (tests/torchrun.py), which captures the features; the one-process
+# references then train here on the same features.
+SHARED_JOBS = [SharedJob("dflash_trainer", "dflash_trainer_worker.py", 2, ("--scenario", "parallel", "--out", "{out}"))]
 
-    out = tmp_path_factory.mktemp("dflash_trainer")
-    features = fixtures.capture(out, target)
-    reference = fixtures.scenario_reference(out, features, target)
-    run_torchrun("dflash_trainer_worker.py", 2, "--scenario", "parallel", "--out", str(out), timeout=600)
+
+@pytest.fixture(scope="module")
+def parallel_runs(shared_launch, target):
+    out = shared_launch.folder("dflash_trainer", 2)
+    reference = fixtures.scenario_reference(out, out / "features", target)
     ranks = [json.loads((out / f"parallel_rank{r}.json").read_text()) for r in range(2)]
     return reference, ranks
 

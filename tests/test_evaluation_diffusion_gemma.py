@@ -21,7 +21,7 @@ pytest.importorskip("minisweagent", reason="the evaluation tests need mini-swe-a
 pytest.importorskip("swebench", reason="the evaluation tests need swebench (eval/dev extra)")
 pytest.importorskip("fastapi", reason="the evaluation tests serve the model (serve extra)")
 
-from torchrun import run_torchrun  # noqa: E402
+from torchrun import SharedJob  # noqa: E402
 
 from hf_bdlm.cli import main  # noqa: E402
 from hf_bdlm.evaluation.tasksets import load_swebench_instances  # noqa: E402
@@ -121,10 +121,12 @@ def test_eval_callback_evaluates_every_diffusion_gemma_checkpoint_and_leaves_tra
     assert losses[0] == losses[1]  # the evaluation drew nothing from the training's random streams
 
 
+SHARED_JOBS = [SharedJob("eval_callback", "eval_callback_worker.py", 2, timeout=420)]
+
+
 @pytest.fixture(scope="module")
-def torchrun_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval_callback")
-    run_torchrun("eval_callback_worker.py", 2, "--out", str(out), timeout=420)
+def torchrun_runs(shared_launch):
+    out = shared_launch.folder("eval_callback", 2)
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from torchrun import run_torchrun
+from torchrun import SharedJob
 
 pytestmark = pytest.mark.distributed
 
@@ -25,11 +25,14 @@ LOSS_TOL = 1e-5
 GRAD_TOL = 3e-2
 
 
+SHARED_JOBS = [SharedJob("mixed_precision", "mixed_precision_worker.py", world, ("--out", "{out}/results.json"),
+                         timeout=900) for world in (2, 4)]
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def cases(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bf16") / "results.json"
-    run_torchrun("mixed_precision_worker.py", request.param, "--out", str(out), timeout=900)
-    return request.param, json.loads(out.read_text())
+def cases(request, shared_launch):
+    folder = shared_launch.folder("mixed_precision", request.param)
+    return request.param, json.loads((folder / "results.json").read_text())
 
 
 def _name(c):

@@ -11,18 +11,19 @@ import json
 import pytest
 
 from hf_bdlm.parallel.dims import ParallelDims
-from torchrun import run_torchrun
+from torchrun import SharedJob
 
 # Measured (4 processes, float32, three SGD steps at lr 0.5): losses <= 1.4e-7 relative, final weights <= 2.3e-6
 # relative to each tensor's largest element (Gemma 3's norms; Llama and Qwen3 <= 4e-7). Bounds keep a ~4x margin.
 LOSS_TOL, WEIGHT_TOL = 5e-7, 1e-5
 
 
+SHARED_JOBS = [SharedJob("tensor_parallel", "tensor_parallel_worker.py", 4, ("--out", "{out}/results.json"))]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "results.json"
-    run_torchrun("tensor_parallel_worker.py", 4, "--out", str(out), timeout=600)
-    return json.loads(out.read_text())
+def results(shared_launch):
+    return json.loads((shared_launch.folder("tensor_parallel", 4) / "results.json").read_text())
 
 
 @pytest.mark.distributed

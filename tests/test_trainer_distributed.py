@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from torchrun import run_torchrun
+from torchrun import SharedJob, run_in_process
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -27,20 +27,22 @@ def _load(out, scenario, world):
     return [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(world)]
 
 
+SHARED_JOBS = [SharedJob("trainer_layouts", "trainer_worker.py", 2, ("--scenario", "layouts", "--out", "{out}")),
+               SharedJob("trainer_data", "trainer_worker.py", 4, ("--scenario", "data", "--out", "{out}"))]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer")
-    run_torchrun("trainer_worker.py", 2, "--scenario", "layouts", "--out", str(out), timeout=600)
-    run_torchrun("trainer_worker.py", 1, "--scenario", "reference", "--out", str(out), timeout=600)
+def runs(shared_launch):
+    out = shared_launch.folder("trainer_layouts", 2)
+    # The P = 1 references (one of them resumes a P = 2 checkpoint) in this process: one process is all they need.
+    run_in_process("trainer_worker.py", "--scenario", "reference", "--out", str(out))
     layouts = _load(out, "layouts", 2)
     return layouts[0], _load(out, "reference", 1)[0], layouts[1]
 
 
 @pytest.fixture(scope="module")
-def data_parallel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer_dp")
-    run_torchrun("trainer_worker.py", 4, "--scenario", "data", "--out", str(out), timeout=600)
-    return _load(out, "data", 4)
+def data_parallel(shared_launch):
+    return _load(shared_launch.folder("trainer_data", 4), "data", 4)
 
 
 def _rel(a, b):

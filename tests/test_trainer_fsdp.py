@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun import ROOT, run_torchrun
+from torchrun import ROOT, SharedJob
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import prompt_completion, tiny_bdlm, tiny_tokenizer  # noqa: E402
@@ -39,32 +39,41 @@ def _load(out, scenario, world):
     return [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_pairs")
-    run_torchrun("fsdp_worker.py", 2, "--scenario", "pairs", "--out", str(out), timeout=600)
-    return _load(out, "pairs", 2)
+# Each world size's scenarios run in turn as one job of the shared launch of that size (tests/torchrun.py).
+SHARED_JOBS = [SharedJob("fsdp", "fsdp_worker.py", 2, ("--scenario", "pairs", "resume", "diffusion_gemma", "--out",
+                                                         "{out}"), timeout=900),
+               SharedJob("fsdp", "fsdp_worker.py", 4, ("--scenario", "pairs4", "tensor_parallel", "--out", "{out}"),
+                         timeout=900)]
 
 
 @pytest.fixture(scope="module")
-def pairs4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_pairs4")
-    run_torchrun("fsdp_worker.py", 4, "--scenario", "pairs4", "--out", str(out), timeout=600)
-    return _load(out, "pairs4", 4)
+def launch2(shared_launch):
+    return shared_launch.folder("fsdp", 2)
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_tp")
-    run_torchrun("fsdp_worker.py", 4, "--scenario", "tensor_parallel", "--out", str(out), timeout=600)
-    return _load(out, "tensor_parallel", 4)
+def launch4(shared_launch):
+    return shared_launch.folder("fsdp", 4)
 
 
 @pytest.fixture(scope="module")
-def resume(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_resume")
-    run_torchrun("fsdp_worker.py", 2, "--scenario", "resume", "--out", str(out), timeout=600)
-    return _load(out, "resume", 2)[0]
+def pairs(launch2):
+    return _load(launch2 / "pairs", "pairs", 2)
+
+
+@pytest.fixture(scope="module")
+def pairs4(launch4):
+    return _load(launch4 / "pairs4", "pairs4", 4)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(launch4):
+    return _load(launch4 / "tensor_parallel", "tensor_parallel", 4)
+
+
+@pytest.fixture(scope="module")
+def resume(launch2):
+    return _load(launch2 / "resume", "resume", 2)[0]
 
 
 def _rel(a, b):
@@ -256,10 +265,8 @@ DG_PAIRS = ["plain/csbp", "plain/cp", "accum_ckpt_packed/csbp", "lora/csbp", "dp
 
 
 @pytest.fixture(scope="module")
-def diffusion_gemma(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_dg")
-    run_torchrun("fsdp_worker.py", 2, "--scenario", "diffusion_gemma", "--out", str(out), timeout=600)
-    return _load(out, "diffusion_gemma", 2)
+def diffusion_gemma(launch2):
+    return _load(launch2 / "diffusion_gemma", "diffusion_gemma", 2)
 
 
 @pytest.mark.distributed

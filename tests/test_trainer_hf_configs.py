@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrun import ROOT, run_torchrun
+from torchrun import ROOT, SharedJob, run_in_process
 
 FAMILIES = ["converted_qwen3", "diffusion_gemma"]
 # Measured: float32 P = 2 against P = 1, 0 to 1.2e-7 relative (DiffusionGemma under FSDP2: its reduce-scatter sums in
@@ -37,11 +37,13 @@ def _load(out: Path, tag: str) -> dict:
     return json.loads((out / f"{tag}_rank0.json").read_text())
 
 
+SHARED_JOBS = [SharedJob("hf_configs", "hf_configs_worker.py", 2)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_configs")
-    run_torchrun("hf_configs_worker.py", 1, "--out", str(out), timeout=600)
-    run_torchrun("hf_configs_worker.py", 2, "--out", str(out), timeout=600)
+def runs(shared_launch):
+    out = shared_launch.folder("hf_configs", 2)
+    run_in_process("hf_configs_worker.py", "--out", str(out))  # the P = 1 references: one process
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "recipes" / "accelerate" / "cpu_2proc_fsdp2.yaml"),

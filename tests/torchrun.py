@@ -1,10 +1,20 @@
-"""Launch a worker script under ``torchrun`` with the gloo backend (used by the distributed tests)."""
+"""Launch worker scripts under ``torchrun`` with the gloo backend (used by the distributed tests).
+
+``run_torchrun`` starts one launch of one worker. A test module can instead declare its workers as ``SHARED_JOBS``
+(a list of :class:`SharedJob`): tests/conftest.py then runs the jobs of every collected module in one launch per
+world size (tests/distributed/shared_launch.py), and the module's fixtures read their results from
+``shared_launch.folder(name, world)``: the processes' start-up (most of a small worker's time) is paid once.
+``run_in_process`` runs a single-process worker inside the test process.
+"""
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,3 +28,90 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> sub
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+@dataclass(frozen=True)
+class SharedJob:
+    """A worker of tests/distributed/ run inside the shared launch of ``world`` processes.
+
+    Args:
+        name (`str`): the job's name, unique among the jobs of its world size.
+        script (`str`): the worker file; it must take part as tests/distributed/shared_launch.py describes.
+        world (`int`): the number of processes.
+        args (`tuple[str, ...]`): the worker's arguments; ``{out}`` stands for the job's own folder.
+        timeout (`int`): seconds the job may take (the launch's limit is its jobs' sum).
+    """
+
+    name: str
+    script: str
+    world: int
+    args: tuple[str, ...] = ("--out", "{out}")
+    timeout: int = 600
+
+
+class SharedLaunches:
+    """The shared launches of a test session: one per world size, started when a fixture first asks for a job of it.
+
+    A job that fails ends its launch; the jobs after it then run in a fresh launch, so that one failure reports in
+    its own tests only.
+    """
+
+    def __init__(self, jobs: list[SharedJob], root: Path):
+        self.jobs = list(jobs)
+        self.root = root
+        self.launched: set[int] = set()
+        self.errors: dict[tuple[int, str], str] = {}
+
+    def _folder(self, job: SharedJob) -> Path:
+        return self.root / f"world{job.world}" / job.name
+
+    def _launch(self, world: int) -> None:
+        pending = [j for j in self.jobs if j.world == world]
+        for attempt in range(len(pending)):
+            spec = self.root / f"world{world}-{attempt}.json"
+            spec.parent.mkdir(parents=True, exist_ok=True)
+            spec.write_text(json.dumps([dict(name=j.name, script=j.script, folder=str(self._folder(j)),
+                                             args=[a.replace("{out}", str(self._folder(j))) for a in j.args])
+                                        for j in pending], indent=1))
+            try:
+                run_torchrun("shared_launch.py", world, "--jobs", str(spec), timeout=sum(j.timeout for j in pending))
+                return
+            except (AssertionError, subprocess.TimeoutExpired) as error:
+                done = [(self._folder(j) / "DONE").is_file() for j in pending]
+                failed = done.index(False) if False in done else len(done) - 1
+                self.errors[(world, pending[failed].name)] = (
+                    f"the shared launch of {world} processes ({', '.join(j.name for j in pending)}) failed in "
+                    f"{pending[failed].name!r}:\n{error}")
+                pending = pending[failed + 1:]
+                if not pending:
+                    return
+
+    def folder(self, name: str, world: int) -> Path:
+        """The folder of the finished job ``name`` of the ``world``-process launch (launching it first if needed)."""
+        job = next((j for j in self.jobs if (j.name, j.world) == (name, world)), None)
+        if job is None:
+            raise KeyError(f"no shared job {name!r} of {world} processes; declare it in the module's SHARED_JOBS")
+        if world not in self.launched:
+            self.launched.add(world)
+            self._launch(world)
+        folder = self._folder(job)
+        if not (folder / "DONE").is_file():
+            raise AssertionError(self.errors.get((world, name), f"job {name!r} of {world} processes did not run"))
+        return folder
+
+
+def run_in_process(script: str, *args: str) -> None:
+    """Run the worker ``script`` of tests/distributed/ as ``main(args)`` in this process, its environment changes undone.
+
+    A worker meant for one process (a single-process reference) gives what a 1-process launch gives, without the
+    launch's start-up.
+    """
+    folder = str(ROOT / "tests" / "distributed")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    saved = dict(os.environ)
+    try:
+        importlib.import_module(Path(script).stem).main(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 2 tests/distributed/dflash_trainer_worker.py --scenario parallel --out /tmp/d
 
 Every run trains a tiny DFlash2 drafter (or a DFlash one) for a tiny random Llama target, for 3 SGD steps, from
-the features the test captured before the launch (``capture(out)``: ``<out>/features``), on the same global batch
-of 4 sequences per step:
+the features in ``<out>/features`` (``capture(out)``: by rank 0 at the start unless they are there already), on the
+same global batch of 4 sequences per step:
 
 - ``reference`` (1 rank): one process, batch 4;
 - ``parallel`` (2 ranks): data parallel (2 replicas of batch 2) and, when the sharded forward exists, one
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shared_launch import join_process_group, leave_process_group
 from trainer_common import tiny_tokenizer, vocab_size
 
 STEPS = 3
@@ -148,16 +149,24 @@ def scenario_parallel(out: Path, features: Path, target) -> dict:
     return results
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenario", required=True, choices=["reference", "parallel"])
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Under torchrun: the default process group (the shared launch's, or one the trainers' Accelerate then uses).
+    started = join_process_group() if "WORLD_SIZE" in os.environ else False
     out = Path(args.out)
-    features = out / "features"  # captured by the test before the launch (capture(out))
+    out.mkdir(parents=True, exist_ok=True)
+    features = out / "features"
     target = tiny_target()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not features.exists() and rank == 0:  # unless the test captured them before the launch
+        capture(out, target)
+    if dist.is_initialized():
+        dist.barrier()
     scenario = {"reference": scenario_reference, "parallel": scenario_parallel}[args.scenario]
     try:
         result = scenario(out, features, target)
@@ -165,12 +174,8 @@ def main():
         result = {"error": traceback.format_exc()}
         raise
     finally:
-        rank = dist.get_rank() if dist.is_initialized() else 0
         (out / f"{args.scenario}_rank{rank}.json").write_text(json.dumps(result, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
+    leave_process_group(started)
 
 if __name__ == "__main__":
     main()

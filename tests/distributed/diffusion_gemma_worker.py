@@ -16,10 +16,11 @@ import argparse
 import json
 import os
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
+from flat_reduce import all_reduce_flat
+from shared_launch import join_process_group, leave_process_group
 from tiny_diffusion_gemma import B, EOS, HEAD_DIM, HKV, TURN_END, VOCAB, W, float64_faithful, make_batch, tiny_model
 
 from hf_bdlm.models.diffusion_gemma.modeling import diffusion_gemma_rule
@@ -81,24 +82,13 @@ def expected_bytes(case, layout, corrupted, dtype) -> dict:
     return {"fwd": encoder + passes * decoder, "bwd": encoder + decoder, "window": window, "ring": n}
 
 
-def run_case(case, groups, world):
+def run_sharded(case, groups, world):
+    """This rank's rows of its group's batch, the frame padded as the layout needs: the group-summed loss (mean over
+    groups), the DDP-averaged gradients by name (the same on every rank) and the bytes every rank received."""
     dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
     P, C, mode = case["P"], case["C"], case["mode"]
     model = build_model(case["dtype"])
     num_groups = world // P
-    # Reference: every group's batch on one process (the default frame), mean over the data-parallel groups.
-    reference = objective(case["self_conditioning"])
-    ref_grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    ref_loss = 0.0
-    for gi in range(num_groups):
-        model.zero_grad(set_to_none=True)
-        loss, _ = reference.loss(model, reference.corrupt(make_batch(case["batch"], seed=gi), seed=SEED, step=STEP))
-        loss.backward()
-        ref_loss += loss.item() / num_groups
-        for n, p in model.named_parameters():
-            if p.grad is not None:
-                ref_grads[n] += p.grad / num_groups
-    # Sharded: this rank's rows of its group's batch, the frame padded as the layout needs.
     dims = ParallelDims(P, C, mode, transport=case["transport"], cp_layout=case.get("cp_layout", "balanced"))
     sharded = objective(case["self_conditioning"], dims)
     corrupted = sharded.corrupt(make_batch(case["batch"], seed=groups.group_index), seed=SEED, step=STEP)
@@ -112,17 +102,10 @@ def run_case(case, groups, world):
     loss, _ = sharded.loss(model, corrupted, layout)
     (loss * P).backward()  # DDP averages over all W ranks
     seconds = time.perf_counter() - start
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    total = total.item() / num_groups
-    rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-    errors = []
-    for n, p in model.named_parameters():
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(grad)
-        grad /= world
-        errors.append((rel(grad, ref_grads[n]), n))
-    grad_err, worst = max(errors)
+    params = list(model.named_parameters())
+    total, *summed = all_reduce_flat([loss.reshape(1)] + [torch.zeros_like(p) if p.grad is None else p.grad
+                                                          for _, p in params])
+    grads = {n: grad / world for (n, _), grad in zip(params, summed)}
     names = meter.by_name()
     if case["transport"] == "ring":
         got = {"fwd": names.get("kv.ring_kv", 0), "bwd": names.get("kv_backward.ring_kv", 0),
@@ -133,25 +116,56 @@ def run_case(case, groups, world):
     got["window"] = sum(v for k, v in names.items() if "window" in k and k.endswith("all_to_all"))
     per_rank = [None] * world  # every rank's bytes against its own expectation
     dist.all_gather_object(per_rank, (got, expected_bytes(case, layout, corrupted, dtype)))
-    return dict(case, loss_err=abs(total - ref_loss) / abs(ref_loss), grad_err=grad_err, worst_param=worst,
-                loss=ref_loss, bytes=[g for g, _ in per_rank], expect=[e for _, e in per_rank], seconds=seconds,
-                frame=frame.frame_length, canvas_rows=frame.num_canvas_rows,
-                nonzero_grads=sum(1 for _, p in model.named_parameters() if p.grad is not None))
+    result = dict(case, bytes=[g for g, _ in per_rank], expect=[e for _, e in per_rank], seconds=seconds,
+                  frame=frame.frame_length, canvas_rows=frame.num_canvas_rows,
+                  nonzero_grads=sum(1 for _, p in model.named_parameters() if p.grad is not None))
+    return result, total.item() / num_groups, grads
+
+
+def compare_with_reference(case, result, loss, grads, world):
+    """The single-process reference of ``case`` (every group's batch on one process with the default frame, mean over
+    the data-parallel groups) against the sharded run's reduced ``loss`` and ``grads``."""
+    model = build_model(case["dtype"])
+    num_groups = world // case["P"]
+    reference = objective(case["self_conditioning"])
+    ref_grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    ref_loss = 0.0
+    for gi in range(num_groups):
+        model.zero_grad(set_to_none=True)
+        ref, _ = reference.loss(model, reference.corrupt(make_batch(case["batch"], seed=gi), seed=SEED, step=STEP))
+        ref.backward()
+        ref_loss += ref.item() / num_groups
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                ref_grads[n] += p.grad / num_groups
+    rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    grad_err, worst = max((rel(grads[n], ref_grads[n]), n) for n in ref_grads)
+    return dict(result, loss_err=abs(loss - ref_loss) / abs(ref_loss), grad_err=grad_err, worst_param=worst,
+                loss=ref_loss)
 
 
 VARIANTS = (("float32", "mixed", "packed"), ("float32", "off", "plain"), ("float64", "mixed", "plain"),
             ("float64", "off", "packed"))
+# P > 2 runs two variants per layout, each pair both dtypes and both self-conditioning settings on one batch kind:
+# the layouts alternate the pairs (every variant on four layouts); cp and csbp with C = P take the same pair on each
+# transport, so that their bytes compare.
+PAIRS = {"packed": (VARIANTS[0], VARIANTS[3]), "plain": (VARIANTS[1], VARIANTS[2])}
+PAIR_OF_LAYOUT = {("cp", "P", "allgather"): "packed", ("cp", "P", "ring"): "plain", ("bp", 1, "allgather"): "packed",
+                  ("csbp", 1, "allgather"): "plain", ("csbp", 2, "allgather"): "plain", ("csbp", 2, "ring"): "packed",
+                  ("csbp", "P", "allgather"): "packed", ("csbp", "P", "ring"): "plain"}
 
 
 def cases(world: int) -> list[dict]:
-    """Every layout of P = world (cp, bp, csbp with C in {1, 2, P}; ring transport where a ring exists) in the four
-    variants of dtype x self-conditioning x batch; with 4 processes also P = 2 x 2 data-parallel groups."""
+    """Every layout of P = world (cp, bp, csbp with C in {1, 2, P}; ring transport where a ring exists): at P = 2 in
+    the four variants of dtype x self-conditioning x batch, at P > 2 in two of them (:data:`PAIR_OF_LAYOUT`); the
+    paper's CP baseline in the four; with 4 processes also P = 2 x 2 data-parallel groups."""
     out = []
     P = world
     layouts = [("cp", P, "allgather"), ("cp", P, "ring"), ("bp", 1, "allgather"), ("csbp", 1, "allgather")]
     layouts += [("csbp", C, t) for C in sorted({2, P}) for t in ("allgather", "ring")]
     for mode, C, transport in layouts:
-        for dtype, sc, batch in VARIANTS:
+        variants = VARIANTS if P == 2 else PAIRS[PAIR_OF_LAYOUT[(mode, "P" if C == P else C, transport)]]
+        for dtype, sc, batch in variants:
             out.append(dict(P=P, C=C, mode=mode, transport=transport, dtype=dtype, self_conditioning=sc, batch=batch))
     for dtype, sc, batch in VARIANTS:  # the paper's CP baseline layout (token slices of every canvas block)
         out.append(dict(P=P, C=P, mode="cp", transport="allgather", cp_layout="paper", dtype=dtype,
@@ -163,12 +177,12 @@ def cases(world: int) -> list[dict]:
     return out
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    started = join_process_group()
     world = dist.get_world_size()
     todo = cases(world)
     only = os.environ.get("EXACTNESS_ONLY")  # e.g. "mode=cp,dtype=float32" to debug a subset
@@ -176,21 +190,24 @@ def main():
         want = dict(kv.split("=") for kv in only.split(","))
         todo = [c for c in todo if all(str(c.get(k)) == v for k, v in want.items())]
     groups = {}
-    results = []
-    for case in todo:
+    owned, results = [], []
+    for index, case in enumerate(todo):
         key = (case["P"], case["C"])
         if key not in groups:
             groups[key] = BlockParallelGroups.create(case["P"], case["C"], ByteMeter())
-        try:
-            results.append(run_case(case, groups[key], world))
-        except Exception:
-            results.append(dict(case, error=traceback.format_exc()))
-            raise
+        result, loss, grads = run_sharded(case, groups[key], world)
+        if index % world == dist.get_rank():
+            owned.append((index, case, result, loss, grads))
+    # Each case's reference once, on the rank that owns it (the reduced loss and gradients are the same everywhere).
+    for index, case, result, loss, grads in owned:
+        results.append((index, compare_with_reference(case, result, loss, grads, world)))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    results = [r for _, r in sorted(r for rs in gathered for r in rs)]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group(started)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shared_launch import leave_process_group
 from tiny_diffusion_gemma import EOS, PAD, TURN_END, conversations, tiny_model, tiny_tokenizer
 
 EVAL_CONTEXT = 8192
@@ -87,10 +88,11 @@ def train(out: Path, P: int, with_callback: bool, **overrides) -> dict:
             "training_after": trainer.model.training, "served": seen}
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    shared = dist.is_initialized()  # inside tests/distributed/shared_launch.py: its process group
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)  # the trainer's arguments start the process group (gloo on CPU)
@@ -104,9 +106,7 @@ def main():
     finally:
         rank = dist.get_rank() if dist.is_initialized() else 0
         (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group(started=not shared)  # the trainer's arguments started it, or the launch
 
 
 if __name__ == "__main__":

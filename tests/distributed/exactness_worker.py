@@ -2,11 +2,12 @@
 
     torchrun --nproc_per_node 2 tests/distributed/exactness_worker.py --out /tmp/exact.json
 
-For each case (backbone x objective x mode x clean ring x batch kind x dtype) every rank builds
-the same tiny model and batch, computes the single-process reference loss and gradients
-locally, then runs its own rows of the sharded layout; the summed losses and gradients of the
-group (and the data-parallel mean across groups) must equal the reference. Bytes recorded by
-the meter are checked against the formulas of docs/design.md §3 on full-attention models.
+For each case (backbone x objective x mode x clean ring x batch kind x dtype) every rank builds the same tiny model
+and batch and runs its own rows of the sharded layout; the summed losses and gradients of the group (and the
+data-parallel mean across groups) must equal the single-process reference. The reference of a case is computed once,
+by the rank that owns the case (cases dealt round-robin over the ranks), after all the sharded runs: the reduced
+losses and gradients are the same on every rank, so one rank can compare them. Bytes recorded by the meter are checked
+against the formulas of docs/design.md §3 on full-attention models.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
+from flat_reduce import all_reduce_flat
+from shared_launch import join_process_group, leave_process_group
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.parallel.collectives import ByteMeter
@@ -92,30 +94,26 @@ def make_batch(kind: str, seed: int, batch_size: int = 2):
     return batch
 
 
-def run_case(case, groups_by_shape, world, rank):
+def build(case):
+    """The case's tiny model (the same weights on every rank and for the reference) and its objective."""
     dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
-    P, C, mode = case["P"], case["C"], case["mode"]
-    groups = groups_by_shape[(P, C)]
     torch.manual_seed(0)
     cfg = BlockDiffusionConfig(backbone_config=backbone(case["backbone"]), block_size=B, mask_token_id=MASK,
                                clean_attention=case["clean"], attention_backend=case["backend"])
     model = BlockDiffusionForMaskedLM(cfg).to(dtype)
     if dtype == torch.float64:
         float64_faithful_norms(model)
-    objective = get_objective(case["objective"], cfg)
+    return model, get_objective(case["objective"], cfg)
+
+
+def run_sharded(case, groups_by_shape, world):
+    """This rank's rows of its group's batch; returns the group-summed loss (mean over groups), the DDP-averaged
+    gradients (the same on every rank) and the bytes the meter recorded."""
+    dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
+    P, C, mode = case["P"], case["C"], case["mode"]
+    groups = groups_by_shape[(P, C)]
+    model, objective = build(case)
     num_groups = world // P
-    # Reference: every group's batch on one process, DDP mean over groups.
-    ref_grads = [torch.zeros_like(p) for p in model.parameters()]
-    ref_loss = 0.0
-    for gi in range(num_groups):
-        corrupted = objective.corrupt(make_batch(case["batch"], seed=gi), seed=7, step=3)
-        model.zero_grad()
-        loss, _ = objective.loss(model, corrupted)
-        loss.backward()
-        ref_loss += loss.item() / num_groups
-        for acc, p in zip(ref_grads, model.parameters()):
-            acc += p.grad / num_groups
-    # Sharded: this rank's rows of its group's batch.
     batch = make_batch(case["batch"], seed=groups.group_index)
     corrupted = objective.corrupt(batch, seed=7, step=3)
     meter = groups.group.meter
@@ -124,25 +122,16 @@ def run_case(case, groups_by_shape, world, rank):
     layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), case["backend"], corrupted.document_ids,
                                  transport=case.get("transport", "allgather"))
     model.zero_grad()
-    loss, _ = objective.loss(model, corrupted, layout)  # the step the reference ran, on this rank's rows
+    loss, _ = objective.loss(model, corrupted, layout)  # the step the reference runs, on this rank's rows
     (loss * P).backward()  # DDP averages over all W ranks
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    total = total.item() / num_groups
-    grads = [p.grad.clone() for p in model.parameters()]
-    for gr in grads:
-        dist.all_reduce(gr)
-        gr /= world
-    rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-    errs = [(rel(a, b), n) for (n, _), a, b in zip(model.named_parameters(), grads, ref_grads)]
-    grad_err, worst_param = max(errs)
-    loss_err = abs(total - ref_loss) / abs(ref_loss)
-    result = dict(case, loss_err=loss_err, grad_err=grad_err, worst_param=worst_param, bytes=meter.by_name())
+    total, *grads = all_reduce_flat([loss.reshape(1)] + [p.grad for p in model.parameters()])
+    grads = [gr / world for gr in grads]
+    result = dict(case, bytes=meter.by_name())
     # Expected K/V bytes received per rank (full-attention layers only; forward + backward). The paper's CP baseline
     # gathers the whole sequence on sliding layers too, so every layer of every backbone counts.
     if case["backbone"] != "gemma3" or case.get("cp_layout") == "paper":
         s = torch.finfo(dtype).bits // 8
-        layers = cfg.backbone_config.num_hidden_layers
+        layers = model.config.backbone_config.num_hidden_layers
         per_kv = {"cp": (P - 1) / P * 2 * (2 * L), "csbp": (C - 1) / C * 2 * L, "bp": 0}[mode]
         expect = per_kv * HKV * HEAD_DIM * s * layers * corrupted.clean_ids.shape[0]
         names = meter.by_name()
@@ -157,7 +146,47 @@ def run_case(case, groups_by_shape, world, rank):
             got_fwd = sum(v for k, v in names.items() if k.endswith("all_gather"))
             got_bwd = sum(v for k, v in names.items() if k.endswith("reduce_scatter"))
         result.update(expect_bytes=expect, fwd_bytes=got_fwd, bwd_bytes=got_bwd)
-    return result
+    return result, total.item() / num_groups, grads
+
+
+def compare_with_reference(case, result, loss, grads, world):
+    """The single-process reference of ``case`` (every group's batch on one process, DDP mean over the groups)
+    against the sharded run's reduced ``loss`` and ``grads``."""
+    model, objective = build(case)
+    num_groups = world // case["P"]
+    ref_grads = [torch.zeros_like(p) for p in model.parameters()]
+    ref_loss = 0.0
+    for gi in range(num_groups):
+        corrupted = objective.corrupt(make_batch(case["batch"], seed=gi), seed=7, step=3)
+        model.zero_grad()
+        ref, _ = objective.loss(model, corrupted)
+        ref.backward()
+        ref_loss += ref.item() / num_groups
+        for acc, p in zip(ref_grads, model.parameters()):
+            acc += p.grad / num_groups
+    rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    errs = [(rel(a, b), n) for (n, _), a, b in zip(model.named_parameters(), grads, ref_grads)]
+    grad_err, worst_param = max(errs)
+    return dict(result, loss_err=abs(loss - ref_loss) / abs(ref_loss), grad_err=grad_err, worst_param=worst_param)
+
+
+BACKBONE_OBJECTIVES = [(bb, obj) for bb in ("llama", "gemma3", "qwen3") for obj in ("standard", "fast_dllm_v2")]
+BATCHES = ("plain", "padded", "packed")
+# P > 2: each layout runs every backbone x objective once, the batch kind turning with the pair; the layouts start the
+# turn at different kinds so that together they run every backbone x objective x batch kind at P > 2 (cp and csbp
+# with C = P start alike: their bytes are compared case by case).
+BATCH_TURN = {("cp", "P"): 0, ("csbp", "P"): 0, ("bp", 1): 1, ("csbp", 1): 2, ("csbp", 2): 1}
+
+
+def float64_batches(P: int, mode: str, C: int, replicas: bool) -> list[tuple[str, str, str]]:
+    """(backbone, objective, batch kind) of a layout's float64 all-gather cases: the whole product at P = 2 (P = 2's
+    whole matrix, in the 2-process launch), one data-parallel case with replicas, a turn of batch kinds at P > 2."""
+    if replicas:
+        return [("llama", "standard", "padded")]
+    if P == 2:
+        return [(bb, obj, batch) for bb, obj in BACKBONE_OBJECTIVES for batch in BATCHES]
+    turn = BATCH_TURN[(mode, "P" if C == P else C)]
+    return [(bb, obj, BATCHES[(i + turn) % 3]) for i, (bb, obj) in enumerate(BACKBONE_OBJECTIVES)]
 
 
 def cases(world: int):
@@ -172,14 +201,10 @@ def cases(world: int):
             for C in Cs:
                 if P % C:
                     continue
-                for bb in ("llama", "gemma3", "qwen3"):
-                    for obj in ("standard", "fast_dllm_v2"):
-                        clean = "causal" if obj == "fast_dllm_v2" else "block_causal"
-                        for batch in ("plain", "padded", "packed"):
-                            if replicas and (bb, obj, batch) != ("llama", "standard", "padded"):
-                                continue
-                            out.append(dict(P=P, C=C, mode=mode, backbone=bb, objective=obj, clean=clean,
-                                            batch=batch, dtype="float64", backend="blockwise", transport="allgather"))
+                for bb, obj, batch in float64_batches(P, mode, C, replicas):
+                    clean = "causal" if obj == "fast_dllm_v2" else "block_causal"
+                    out.append(dict(P=P, C=C, mode=mode, backbone=bb, objective=obj, clean=clean,
+                                    batch=batch, dtype="float64", backend="blockwise", transport="allgather"))
                 if mode != "bp" and (C > 1 or mode == "cp") and not replicas:
                     for bb, obj, batch in (("llama", "standard", "plain"), ("llama", "fast_dllm_v2", "packed"),
                                            ("gemma3", "standard", "padded"), ("qwen3", "fast_dllm_v2", "plain")):
@@ -195,13 +220,17 @@ def cases(world: int):
                 out.append(dict(P=P, C=C, mode=mode, backbone="gemma3", objective="fast_dllm_v2", clean="causal",
                                 batch="padded", dtype="float64", backend="dense", transport="allgather"))
         # The paper's CP baseline (contiguous clean shards, token slices of every noisy block, blocking gathers): every
-        # backbone and objective, each batch kind, float64 and float32, and the dense backend once.
+        # backbone and objective in float64 (two batch kinds each at P = 2, one at P > 2, every kind over the six),
+        # float32, and the dense backend once.
         paper = dict(P=P, C=P, mode="cp", cp_layout="paper", backend="blockwise", transport="allgather")
-        for i, (bb, obj) in enumerate((b, o) for b in ("llama", "gemma3", "qwen3") for o in ("standard", "fast_dllm_v2")):
+        for i, (bb, obj) in enumerate(BACKBONE_OBJECTIVES):
             clean = "causal" if obj == "fast_dllm_v2" else "block_causal"
-            for batch in (("plain", "padded", "packed")[i % 3], ("plain", "padded", "packed")[(i + 1) % 3]):
-                if replicas and i:
-                    break
+            batches = (BATCHES[i % 3], BATCHES[(i + 1) % 3])
+            if replicas and i:
+                batches = ()
+            elif P > 2:
+                batches = batches[:1]
+            for batch in batches:
                 out.append(dict(paper, backbone=bb, objective=obj, clean=clean, batch=batch, dtype="float64"))
         out.append(dict(paper, backbone="llama", objective="standard", clean="block_causal", batch="packed",
                         dtype="float32"))
@@ -212,12 +241,12 @@ def cases(world: int):
     return out
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    started = join_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     all_cases = cases(world)
     only = os.environ.get("EXACTNESS_ONLY")  # e.g. "mode=bp,backbone=llama" to debug a subset
@@ -229,18 +258,19 @@ def main():
         key = (case["P"], case["C"])
         if key not in groups_by_shape:
             groups_by_shape[key] = BlockParallelGroups.create(case["P"], case["C"], ByteMeter())
-    results = []
-    for case in all_cases:
-        try:
-            results.append(run_case(case, groups_by_shape, world, rank))
-        except Exception:
-            results.append(dict(case, error=traceback.format_exc()))
-            raise
+    owned, results = [], []
+    for index, case in enumerate(all_cases):
+        result, loss, grads = run_sharded(case, groups_by_shape, world)
+        if index % world == rank:
+            owned.append((index, case, result, loss, grads))
+    for index, case, result, loss, grads in owned:
+        results.append((index, compare_with_reference(case, result, loss, grads, world)))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+            json.dump([r for _, r in sorted(r for rs in gathered for r in rs)], f, indent=1)
+    leave_process_group(started)
 
 
 if __name__ == "__main__":

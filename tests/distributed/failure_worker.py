@@ -1,6 +1,11 @@
 """Worker for tests/test_parallel_failures.py: disagreeing plans and hung collectives fail clearly.
 
-    torchrun --nproc_per_node 2 tests/distributed/failure_worker.py --case disagree --out /tmp/f.json
+    torchrun --nproc_per_node 2 tests/distributed/failure_worker.py --out /tmp/f
+
+Both cases run in one launch, in this order: ``disagree`` (the ranks build plans of different sequence lengths; each
+writes the error it raised to ``OUT.disagree.<rank>``), then ``timeout`` (rank 0 starts an all-gather that rank 1
+never joins, on groups with a 3 s timeout; rank 0 writes the timeout's message to ``OUT.timeout.0``, rank 1 waits for
+that file, so that it is alive, not gone, while rank 0 waits).
 """
 
 from __future__ import annotations
@@ -8,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,39 +27,52 @@ from hf_bdlm.parallel.groups import BlockParallelGroups
 from hf_bdlm.parallel.sharded import ShardedLayout
 
 
+def write(out: str, case: str, rank: int, error: str | None) -> None:
+    path = Path(f"{out}.{case}.{rank}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "error": error}))
+    tmp.rename(path)  # whole or absent: rank 1 reads rank 0's file as soon as it exists
+
+
+def disagree(out: str, rank: int) -> None:
+    # The agreement check must not race slow starters: a generous timeout.
+    groups = BlockParallelGroups.create(2, 2, ByteMeter(), timeout=timedelta(seconds=60))
+    seq_len = 64 if rank == 0 else 128  # rank 1 got a different batch
+    error = None
+    try:
+        ShardedLayout.build(PlanConfig(ParallelDims(2, mode="csbp"), seq_len=seq_len, block_size=4), groups,
+                            MaskRule(4))
+    except ValueError as err:
+        error = str(err)
+    write(out, "disagree", rank, error)
+    dist.barrier()  # both ranks have written their error
+
+
+def timeout(out: str, rank: int) -> None:
+    # A short timeout only where a peer is meant to hang.
+    groups = BlockParallelGroups.create(2, 2, ByteMeter(), timeout=timedelta(seconds=3))
+    groups.ring.meter.step = 5
+    if rank == 0:  # rank 1 never joins the all-gather
+        error = None
+        try:
+            start_gather(torch.zeros(1, 1, 4, 2), groups.ring, "k").wait()
+        except CollectiveTimeout as err:
+            error = str(err)
+        write(out, "timeout", rank, error)
+    else:
+        deadline = time.monotonic() + 60
+        while not Path(f"{out}.timeout.0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=["disagree", "timeout"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    # A short timeout only where a peer is meant to hang; the agreement check must not race slow starters.
-    timeout = timedelta(seconds=3 if args.case == "timeout" else 60)
-    groups = BlockParallelGroups.create(2, 2, ByteMeter(), timeout=timeout)
-    error = None
-    if args.case == "disagree":
-        seq_len = 64 if rank == 0 else 128  # rank 1 got a different batch
-        try:
-            ShardedLayout.build(PlanConfig(ParallelDims(2, mode="csbp"), seq_len=seq_len, block_size=4), groups,
-                                MaskRule(4))
-        except ValueError as err:
-            error = str(err)
-    else:
-        groups.ring.meter.step = 5
-        if rank == 0:  # rank 1 never joins the all-gather
-            try:
-                start_gather(torch.zeros(1, 1, 4, 2), groups.ring, "k").wait()
-            except CollectiveTimeout as err:
-                error = str(err)
-        else:
-            import time
-
-            time.sleep(8)
-    with open(f"{args.out}.{rank}", "w") as f:
-        json.dump({"rank": rank, "error": error}, f)
-    if args.case == "disagree":
-        dist.barrier()  # both ranks have written their error
+    disagree(args.out, rank)
+    timeout(args.out, rank)
     # After a timed-out collective the group holds work that can never finish; tearing it down (even implicitly at
     # interpreter exit) may abort inside gloo. Teardown after the disagreement aborted there too, about once in a few
     # hundred runs ("terminate called without an active exception" in rank 0). The errors are what these cases

@@ -1,12 +1,12 @@
 """Worker for tests/test_trainer_fsdp.py: BDLMSFTTrainer with FSDP2 against DDP, under torchrun (gloo).
 
-    torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario pairs --out /tmp/f
-    torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario resume --out /tmp/f
-    torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario pairs4 --out /tmp/f
-    torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario diffusion_gemma --out /tmp/f
-    torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario tensor_parallel --out /tmp/f
+    torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario pairs resume diffusion_gemma --out /tmp/f
+    torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario pairs4 tensor_parallel --out /tmp/f
     accelerate launch --config_file recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml tests/distributed/fsdp_worker.py \
         --scenario tensor_parallel_launch --out /tmp/f
+
+Several scenarios run in turn in one launch (the start-up of the processes is paid once), each in its own subfolder
+``OUT/<scenario>`` (a single scenario writes to ``OUT`` itself); each rank writes ``<scenario>_rank<r>.json``.
 
 Scenarios (the setups are tests/distributed/trainer_worker.py's):
 - ``pairs`` (2 ranks): each run twice, as DDP and with ``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``:
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shared_launch import leave_process_group
 from trainer_worker import run
 
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
@@ -270,30 +271,31 @@ def scenario_diffusion_gemma(out: Path) -> dict:
     return r
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True,
+    parser.add_argument("--scenario", required=True, nargs="+", help="one or more, run in turn in one launch",
                         choices=["pairs", "resume", "pairs4", "diffusion_gemma", "tensor_parallel",
                                  "tensor_parallel_launch"])
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    shared = dist.is_initialized()  # inside tests/distributed/shared_launch.py: its process group
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = Path(args.out)
-    scenario = {"pairs": scenario_pairs, "resume": scenario_resume, "pairs4": scenario_pairs4,
-                "diffusion_gemma": scenario_diffusion_gemma, "tensor_parallel": scenario_tensor_parallel,
-                "tensor_parallel_launch": scenario_tensor_parallel_launch}[args.scenario]
-    try:
-        result = scenario(out)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-        raise
-    finally:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        (out / f"{args.scenario}_rank{rank}.json").write_text(json.dumps(result, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    scenarios = {"pairs": scenario_pairs, "resume": scenario_resume, "pairs4": scenario_pairs4,
+                 "diffusion_gemma": scenario_diffusion_gemma, "tensor_parallel": scenario_tensor_parallel,
+                 "tensor_parallel_launch": scenario_tensor_parallel_launch}
+    for name in args.scenario:
+        out = Path(args.out) / name if len(args.scenario) > 1 else Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            result = scenarios[name](out)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+            raise
+        finally:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            (out / f"{name}_rank{rank}.json").write_text(json.dumps(result, indent=1))
+    leave_process_group(started=not shared)  # the trainer's arguments started it, or the launch
 
 
 if __name__ == "__main__":

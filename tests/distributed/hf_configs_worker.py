@@ -1,14 +1,15 @@
 """Worker for tests/test_trainer_hf_configs.py: the training settings users paste from the HF docs, end to end.
 
     torchrun --nproc_per_node 2 tests/distributed/hf_configs_worker.py --out /tmp/h       # P = 2 csbp
-    torchrun --nproc_per_node 1 tests/distributed/hf_configs_worker.py --out /tmp/h       # P = 1, the references
+    python tests/distributed/hf_configs_worker.py --out /tmp/h                             # P = 1, the references
     accelerate launch --config_file recipes/accelerate/cpu_2proc_fsdp2.yaml \\
         tests/distributed/hf_configs_worker.py --out /tmp/h --only plain                  # FSDP2 from the config file
 
 For each model family (a tiny Qwen3 converted with ``convert_causal_lm``, transformers' tiny DiffusionGemma) and each
 setting of :data:`SETTINGS`, ``BDLMSFTTrainer`` trains 3 steps with AdamW under csbp (``block_parallel_size`` = the
 world: 2, or 1 for the reference) and records the logged losses and what the setting turned on (DTensor parameters
-under FSDP2, activation checkpointing, LoRA adapters, the autocast dtype).
+under FSDP2, activation checkpointing, LoRA adapters, the autocast dtype). tests/test_trainer_hf_configs.py runs the
+P = 2 runs in the shared 2-process launch (tests/distributed/shared_launch.py) and the references in its own process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from shared_launch import leave_process_group
 
 QWEN3_FSDP = dict(fsdp="full_shard",
                   fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]})
@@ -112,11 +115,12 @@ def run(family: str, setting: str, out: Path, P: int) -> dict:
     }
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", default=None, help="settings to run (default: all that fit the world)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    shared = dist.is_initialized()  # inside tests/distributed/shared_launch.py: its process group
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -137,9 +141,7 @@ def main():
         rank = dist.get_rank() if dist.is_initialized() else 0
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{tag}_rank{rank}.json").write_text(json.dumps(results, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group(started=not shared)  # the trainer's arguments started it, or the launch
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from shared_launch import join_process_group, leave_process_group
+
 from hf_bdlm.parallel.collectives import ByteMeter, CommContext, start_gather
 from hf_bdlm.parallel.link import LinkModel
 
@@ -28,8 +30,11 @@ def timed(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def main(out: str) -> None:
-    dist.init_process_group("gloo")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = parser.parse_args(argv).out
+    started = join_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     plain = CommContext(None, "world", ByteMeter())
     linked = CommContext(None, "world", ByteMeter(), link=LinkModel(BANDWIDTH, LATENCY, "test"))
@@ -63,10 +68,8 @@ def main(out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f, indent=1)
-    dist.destroy_process_group()
+    leave_process_group(started)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    main(parser.parse_args().out)
+    main()

@@ -4,10 +4,11 @@
 
 The sequence is long enough (L = 2048, 4096 rows) that the all-gathers and ring transfers are
 still in flight while a rank computes its local sources, so any read of a buffer before its wait
-shows up as wrong or non-finite numbers. For each layout (cp / bp / csbp with every clean ring
-size, both transports) every rank computes the single-process autocast reference locally, then
-its own rows of the layout, twice; it records the error of the group's loss and gradients
-against the reference, whether everything is finite, and whether the two runs are bit-identical.
+shows up as wrong or non-finite numbers. For each layout of P = world (cp / bp / csbp with every
+clean ring size, both transports) every rank runs its own rows of the layout twice; it records the
+error of the group's loss and gradients against the single-process autocast reference (computed
+once per backbone on one rank and broadcast), whether everything is finite, and whether the two
+runs are bit-identical.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 
 import torch
 import torch.distributed as dist
+from flat_reduce import all_reduce_flat
+from shared_launch import join_process_group, leave_process_group
 from transformers import Gemma3TextConfig, Qwen3Config
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
@@ -71,36 +74,43 @@ def sharded(m, objective, corrupted, groups, P, C, mode, transport):
     loss.backward()
     # Every data-parallel group runs the same batch here: sum over the world, then average over the groups.
     groups_count = dist.get_world_size() // P
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    grads = grads_of(m)
-    for g in grads:
-        dist.all_reduce(g)
-        g /= groups_count
-    return total.item() / groups_count, grads
+    total, *grads = all_reduce_flat([loss.detach().reshape(1)] + grads_of(m))
+    return total.item() / groups_count, [g / groups_count for g in grads]
 
 
 def layouts(world: int):
+    """Every layout of P = world (one group: P = 2's layouts run in the 2-process launch)."""
     out = []
-    for P in sorted({2, world}):
-        for mode, Cs in (("cp", [P]), ("bp", [1]), ("csbp", sorted({1, 2, P}))):
-            for C in Cs:
-                transports = ["allgather", "ring"] if C > 1 or mode == "cp" else ["allgather"]
-                out += [dict(P=P, C=C, mode=mode, transport=t, backbone="qwen3") for t in transports]
+    P = world
+    for mode, Cs in (("cp", [P]), ("bp", [1]), ("csbp", sorted({1, 2, P}))):
+        for C in Cs:
+            transports = ["allgather", "ring"] if C > 1 or mode == "cp" else ["allgather"]
+            out += [dict(P=P, C=C, mode=mode, transport=t, backbone="qwen3") for t in transports]
     # Sliding-window layers exchange only their window's rows (all-to-all): one csbp case per world.
     out.append(dict(P=world, C=world, mode="csbp", transport="allgather", backbone="gemma3"))
     return out
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    started = join_process_group()
     world = dist.get_world_size()
     groups = {}
+    # The single-process reference of each backbone, computed once (backbones dealt over the ranks) and broadcast.
+    backbones = sorted({case["backbone"] for case in layouts(world)})
     refs = {}
+    for i, name in enumerate(backbones):
+        if i % world == dist.get_rank():
+            m = model(name)
+            objective = get_objective("standard", m.config)
+            refs[name] = reference(m, objective, objective.corrupt(batch(), seed=5, step=0))
+    for i, name in enumerate(backbones):
+        shared = [refs.get(name)]
+        dist.broadcast_object_list(shared, src=i % world)
+        refs[name] = shared[0]
     results = []
     for case in layouts(world):
         P, C = case["P"], case["C"]
@@ -109,8 +119,6 @@ def main():
         m = model(case["backbone"])
         objective = get_objective("standard", m.config)
         corrupted = objective.corrupt(batch(), seed=5, step=0)
-        if case["backbone"] not in refs:
-            refs[case["backbone"]] = reference(m, objective, corrupted)
         ref_loss, ref_grads = refs[case["backbone"]]
         runs = [sharded(m, objective, corrupted, groups[P, C], P, C, case["mode"], case["transport"]) for _ in range(2)]
         (loss, grads), (loss2, grads2) = runs
@@ -127,8 +135,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group(started)
 
 
 if __name__ == "__main__":

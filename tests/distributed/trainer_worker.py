@@ -10,6 +10,8 @@ Scenarios:
   step 2; logged losses, final weights and (plain setup) the held-out loss are written.
 - ``reference`` (1 rank): the same setups with P = 1, plus two resumes of the AdamW setup from step 2: from
   its own checkpoint (same layout) and from the P = 2 csbp checkpoint of ``layouts`` (layout change).
+  tests/test_trainer_distributed.py runs it inside the test process (``torchrun.run_in_process``) and the other
+  two in the shared launches of 2 and 4 processes (tests/distributed/shared_launch.py).
 - ``data`` (4 ranks = 2 data-parallel groups x P 2): one epoch with gradient accumulation, recording the
   sample ids and scored targets of every micro-batch on every rank; plus the bad-world-size error.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shared_launch import leave_process_group
 from trainer_common import language_modeling, long_documents, prompt_completion, tiny_bdlm, tiny_tokenizer
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
@@ -169,11 +172,12 @@ def scenario_data(out: Path) -> dict:
     return result
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenario", required=True, choices=["layouts", "reference", "data"])
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    shared = dist.is_initialized()  # inside tests/distributed/shared_launch.py: its process group
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -187,9 +191,7 @@ def main():
     finally:
         rank = dist.get_rank() if dist.is_initialized() else 0
         (out / f"{args.scenario}_rank{rank}.json").write_text(json.dumps(result, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group(started=not shared)  # the trainer's arguments started it, or the launch
 
 
 if __name__ == "__main__":

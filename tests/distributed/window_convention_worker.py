@@ -15,6 +15,8 @@ import json
 
 import torch
 import torch.distributed as dist
+from flat_reduce import all_reduce_flat
+from shared_launch import join_process_group, leave_process_group
 from transformers import Gemma3TextConfig
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
@@ -51,23 +53,20 @@ def run_case(case: dict, groups: BlockParallelGroups) -> dict:
     model.zero_grad()
     loss, _ = objective.loss(model, corrupted, layout)
     loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
+    total, *grads = all_reduce_flat([loss.detach().reshape(1)] + [p.grad for p in model.parameters()])
     grad_err = 0.0
-    for p, ref in zip(model.parameters(), ref_grads):
-        grad = p.grad.clone()
-        dist.all_reduce(grad)
+    for grad, ref in zip(grads, ref_grads):
         grad_err = max(grad_err, (grad - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30))
     return dict(case, loss_err=abs(total.item() - ref_loss.item()) / abs(ref_loss.item()), grad_err=grad_err,
                 window_bytes=sum(v for k, v in groups.group.meter.by_name().items() if "window" in k))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    started = join_process_group()
     groups = BlockParallelGroups.create(dist.get_world_size(), dist.get_world_size(), ByteMeter())
     results = []
     for window in (3, 10):
@@ -79,8 +78,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group(started)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""The shared launches of the distributed tests (tests/torchrun.py): one launch per world size runs every declared job
+in order, a job's folder is handed out only once the job finished, and a failing job reports in its own tests while
+the jobs after it run in a fresh launch. torchrun itself is replaced by a fake that plays the jobs of a spec."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import torchrun
+from torchrun import SharedJob, SharedLaunches
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Fake launches: each "runs" its spec's jobs in order (writing DONE), failing at a job named ``fail*``."""
+    calls = []
+
+    def fake_run_torchrun(script, nproc, *args, timeout=600):
+        jobs = json.loads(Path(args[args.index("--jobs") + 1]).read_text())
+        calls.append((script, nproc, [job["name"] for job in jobs], timeout))
+        for job in jobs:
+            if job["name"].startswith("fail"):
+                raise AssertionError(f"torchrun {script} failed: Traceback ... in {job['name']}")
+            assert job["args"][-1] == job["folder"]  # "{out}" became the job's own folder
+            Path(job["folder"]).mkdir(parents=True)
+            (Path(job["folder"]) / "DONE").touch()
+
+    monkeypatch.setattr(torchrun, "run_torchrun", fake_run_torchrun)
+    return calls
+
+
+def test_one_launch_per_world_size_runs_its_jobs_in_the_declared_order(launches, tmp_path):
+    jobs = [SharedJob("a", "a_worker.py", 2, timeout=60), SharedJob("b", "b_worker.py", 4),
+            SharedJob("c", "c_worker.py", 2, timeout=30)]
+    shared = SharedLaunches(jobs, tmp_path)
+    assert shared.folder("c", 2) == tmp_path / "world2" / "c"
+    assert shared.folder("a", 2) == tmp_path / "world2" / "a"
+    assert launches == [("shared_launch.py", 2, ["a", "c"], 90)]  # one launch, its timeout the jobs' sum
+    shared.folder("b", 4)
+    assert launches[1:] == [("shared_launch.py", 4, ["b"], 600)]
+
+
+def test_a_failing_job_fails_its_tests_only_and_the_jobs_after_it_run_in_a_fresh_launch(launches, tmp_path):
+    jobs = [SharedJob(name, "worker.py", 2) for name in ("a", "fail_b", "c", "fail_d")]
+    shared = SharedLaunches(jobs, tmp_path)
+    assert shared.folder("a", 2).name == "a"
+    assert shared.folder("c", 2).name == "c"
+    for name in ("fail_b", "fail_d"):
+        with pytest.raises(AssertionError, match=f"failed in '{name}':\ntorchrun shared_launch.py failed: .* {name}"):
+            shared.folder(name, 2)
+    assert [names for _, _, names, _ in launches] == [["a", "fail_b", "c", "fail_d"], ["c", "fail_d"]]
+
+
+def test_a_job_no_module_declared_is_refused(launches, tmp_path):
+    with pytest.raises(KeyError, match="no shared job 'x' of 2 processes; declare it in the module's SHARED_JOBS"):
+        SharedLaunches([SharedJob("x", "worker.py", 4)], tmp_path).folder("x", 2)
+    assert launches == []
