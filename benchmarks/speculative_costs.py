@@ -10,7 +10,8 @@ with ``custom_generate=dflash_assisted_decoding`` (transformers' assisted loop);
 around the target's forward, the drafting functions, the context cache's appends and a whole step give each cost;
 the loop overhead is a step's time minus its drafter and verification time. A second table times one drafter
 forward at growing context lengths: re-projecting the whole context (``draft_block``) and from the context cache
-(``draft_from_cache``).
+(``draft_from_cache``). A third times one verification forward of the target over 1 .. B tokens after a prompt
+(what ``num_speculative_tokens`` = rows - 1 costs per step).
 
     python -m benchmarks.speculative_costs                           # 3 prompts x 32 tokens, block 8, ~1 min
     python -m benchmarks.speculative_costs --prompts 8 --new-tokens 128 --contexts 128 1024 8192
@@ -289,6 +290,30 @@ def drafter_forward_costs(drafter, contexts: list[int], repeats: int) -> list[di
     return rows
 
 
+@torch.inference_mode()
+def verification_costs(target, prompt: torch.Tensor, block_size: int, repeats: int) -> list[dict]:
+    """One target forward over ``rows`` = 1 .. B new tokens after ``prompt`` (its KV cache prefilled, cropped back
+    after each forward): the cost of verifying ``rows - 1`` proposals, in ms and in 1-token forwards."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    length = prompt.shape[1]
+    target(input_ids=prompt, cache=cache, use_cache=True)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.config.vocab_size, (1, block_size), generator=g)
+    rows = []
+    for count in range(1, block_size + 1):
+        def forward():
+            target(input_ids=tokens[:, :count], position_ids=torch.arange(length, length + count)[None], cache=cache,
+                   use_cache=True)
+            cache.crop(length)
+
+        rows.append({"rows": count, "ms": _best_ms(forward, repeats)})
+    for row in rows:
+        row["one_token_forwards"] = row["ms"] / rows[0]["ms"]
+    return rows
+
+
 # --- the report -------------------------------------------------------------------------------------------------------
 def print_tables(args, result: dict) -> None:
     decode, unit = result["decode"], result["decode"]["target_step_ms"]
@@ -317,6 +342,9 @@ def print_tables(args, result: dict) -> None:
         for row in result["drafter_forward"]:
             print(f"| {row['context']} | {row['full_ms']:.2f} | {row.get('cached_ms', float('nan')):.2f} | "
                   f"{row.get('append_block_ms', float('nan')):.2f} |")
+    print("\n| verification rows (anchor + proposals) | target forward ms | in 1-token forwards |\n|---:|---:|---:|")
+    for row in result["verification"]:
+        print(f"| {row['rows']} | {row['ms']:.2f} | {row['one_token_forwards']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -331,7 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
               "threads": torch.get_num_threads(), "clock": args.clock,
               "machine": platform.processor() or platform.machine(),
               "decode": decode_costs(target, drafter, prompts, args.new_tokens),
-              "drafter_forward": drafter_forward_costs(drafter, args.contexts, args.repeats)}
+              "drafter_forward": drafter_forward_costs(drafter, args.contexts, args.repeats),
+              "verification": verification_costs(target, prompts[0], args.block_size, args.repeats)}
     result["seconds"] = time.perf_counter() - start
     print_tables(args, result)
     out = pathlib.Path(args.out) if args.out else RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -48,6 +48,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="a drafter folder: serve model_dir as the causal LM it is, decoded greedily with the "
                         "drafter's proposals (each completion is the model's own greedy output)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+                   help="with --draft: proposals the model verifies per forward, 1 .. block size - 1 (default: "
+                        "block size - 1); fewer can be faster where a forward's cost grows with its tokens (CPU)")
     p.set_defaults(func=run_serve)
 
 
@@ -64,7 +67,8 @@ def run_serve(args) -> int:
         config.api_key = args.api_key
     dtype = getattr(torch, args.dtype) if args.dtype else None
     engine = Engine.from_pretrained(args.model_dir, name=args.served_model_name, dtype=dtype, device=args.device,
-                                    block_size=args.block_size, draft=args.draft)
+                                    block_size=args.block_size, draft=args.draft,
+                                    num_speculative_tokens=args.num_speculative_tokens)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print(f"warning: serving on {config.host} without an API key", file=sys.stderr)
     print(f"serving {engine.name!r} on http://{config.host}:{config.port}/v1 (batch {config.max_batch_size}, "

@@ -18,9 +18,10 @@ Stages (the data stages run once, cached in ``data_dir``; a rerun reuses what is
 3. **training**: a new drafter (``drafter_layers`` layers, initialised from the target's last layers) trained by
    `DFlashTrainer` on every process (each reads only its context rows of the features), saved to ``output_dir``;
 4. **measurement** (main process): ``eval_prompts`` held-out prompts decoded greedily by the target alone
-   (``generate``) and with the drafter (``speculative_generate``), ``eval_max_new_tokens`` each; the outputs must be
-   identical. ``output_dir/dflash_results.json`` records the acceptance length, both tokens/s and their ratio, and
-   the time of every stage.
+   (``generate``) and with the drafter (``speculative_generate``) at each of ``eval_speculative_tokens`` proposals
+   per target forward, ``eval_max_new_tokens`` each; the outputs must be identical.
+   ``output_dir/dflash_results.json`` records, per proposal count, the acceptance length, both tokens/s and their
+   ratio (the first count is the headline, ``speculative``), and the time of every stage.
 
 Arguments: :class:`DFlashRecipeArguments` below and :class:`~hf_bdlm.models.dflash.trainer_config.DFlashTrainingConfig`
 (`target_model`, the objective's options, TRL's training fields, block parallelism), from the YAML and the command
@@ -76,6 +77,9 @@ class DFlashRecipeArguments:
             Where the answers and features are cached; defaults to `<output_dir>/data`.
         eval_prompts (`int`, defaults to `20`), eval_max_new_tokens (`int`, defaults to `96`):
             The measurement: held-out prompts, decoded one at a time, and the new tokens of each.
+        eval_speculative_tokens (`list[int]`, *optional*):
+            The proposal counts measured (``num_speculative_tokens``: proposals the target verifies per forward,
+            ``1 .. block - 1``), the first one the headline; default ``[block - 1]``.
         main_process_threads (`int`, defaults to `0`):
             Threads of the stages the main process runs alone (answers, features, measurement); `0`: every core.
             On a machine other work also loads, 1 avoids multithreaded matrix products stalling on busy cores.
@@ -93,6 +97,8 @@ class DFlashRecipeArguments:
     data_dir: str | None = field(default=None, metadata={"help": "Cache of answers and features."})
     eval_prompts: int = field(default=20, metadata={"help": "Held-out prompts of the measurement."})
     eval_max_new_tokens: int = field(default=96, metadata={"help": "New tokens per measured prompt."})
+    eval_speculative_tokens: list[int] = field(default_factory=list, metadata={
+        "help": "Proposals verified per target forward, each measured (default: block - 1); the first is the headline."})
     main_process_threads: int = field(default=0, metadata={"help": "Threads of the main process's own stages (0: "
                                                                    "every core)."})
 
@@ -195,38 +201,49 @@ def main_process_threads(count: int):
 
 # --- the measurement -----------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def measure(target, drafter, tokenizer, prompts, *, max_new_tokens: int) -> dict:
-    """Greedy decoding of each prompt alone, by the target and with the drafter: acceptance length, tokens/s of each
-    and their ratio; raises when an output differs (speculative decoding is lossless)."""
-    from hf_bdlm.models.dflash.speculative import speculative_generate
+def measure(target, drafter, tokenizer, prompts, *, max_new_tokens: int, speculative_tokens=()) -> list[dict]:
+    """Greedy decoding of each prompt alone, by the target and with the drafter at each of ``speculative_tokens``
+    proposals per target forward (default: ``B - 1``): per count, the acceptance length, tokens/s of each and their
+    ratio, measured prompt by prompt side by side; raises when an output differs (speculative decoding is
+    lossless)."""
+    from hf_bdlm.models.dflash.speculative import speculative_generate, speculative_token_count
 
+    block = int(drafter.config.block_size)
+    counts = [speculative_token_count(k, block) for k in (speculative_tokens or [None])]
     drafter.eval()
     encoded = [torch.tensor([prompt_ids(tokenizer, p)]) for p in prompts]
     target.generate(encoded[0], do_sample=False, max_new_tokens=4)  # warm-up (first-call allocations)
     speculative_generate(target, drafter, encoded[0], max_new_tokens=4)
-    plain_s = spec_s = 0.0
-    tokens = verified = accepted = 0
+    plain_s, tokens = 0.0, 0
+    spec_s, verified, accepted = [0.0] * len(counts), [0] * len(counts), [0.0] * len(counts)
     for ids in encoded:
         tick = time.perf_counter()
         plain = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
         plain_s += time.perf_counter() - tick
-        tick = time.perf_counter()
-        fast, stats = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens)
-        spec_s += time.perf_counter() - tick
-        if not torch.equal(fast, plain):
-            raise RuntimeError(f"speculative decoding changed the output of a prompt ({ids.shape[1]} tokens): "
-                               f"{fast[0, ids.shape[1]:].tolist()} vs {plain[0, ids.shape[1]:].tolist()}")
         tokens += plain.shape[1] - ids.shape[1]
-        forwards = stats.target_forwards - 1  # the prefill proposes nothing
-        verified += forwards
-        accepted += stats.mean_acceptance_length * forwards
-    acceptance, speedup = accepted / max(verified, 1), plain_s / spec_s
-    return {"prompts": len(encoded), "new_tokens": tokens, "max_new_tokens": max_new_tokens,
-            "acceptance_length": acceptance, "block_size": drafter.config.block_size,
-            "target_tokens_per_s": tokens / plain_s, "speculative_tokens_per_s": tokens / spec_s,
+        for i, count in enumerate(counts):
+            tick = time.perf_counter()
+            fast, stats = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens,
+                                               num_speculative_tokens=count)
+            spec_s[i] += time.perf_counter() - tick
+            if not torch.equal(fast, plain):
+                raise RuntimeError(f"speculative decoding changed the output of a prompt ({ids.shape[1]} tokens, "
+                                   f"{count} proposals per forward): {fast[0, ids.shape[1]:].tolist()} vs "
+                                   f"{plain[0, ids.shape[1]:].tolist()}")
+            forwards = stats.target_forwards - 1  # the prefill proposes nothing
+            verified[i] += forwards
+            accepted[i] += stats.mean_acceptance_length * forwards
+    results = []
+    for i, count in enumerate(counts):
+        acceptance, speedup = accepted[i] / max(verified[i], 1), plain_s / spec_s[i]
+        results.append({
+            "prompts": len(encoded), "new_tokens": tokens, "max_new_tokens": max_new_tokens,
+            "acceptance_length": acceptance, "block_size": block, "num_speculative_tokens": count,
+            "target_tokens_per_s": tokens / plain_s, "speculative_tokens_per_s": tokens / spec_s[i],
             "speedup": speedup, "outputs_identical": True, "threads": torch.get_num_threads(),
             "goal": {"acceptance_length": GOAL_ACCEPTANCE, "speedup": GOAL_SPEEDUP,
-                     "met": acceptance >= GOAL_ACCEPTANCE and speedup >= GOAL_SPEEDUP}}
+                     "met": acceptance >= GOAL_ACCEPTANCE and speedup >= GOAL_SPEEDUP}})
+    return results
 
 
 # --- the recipe ----------------------------------------------------------------------------------------------------
@@ -300,13 +317,17 @@ def main(recipe: DFlashRecipeArguments, args: DFlashTrainingConfig) -> dict:
         drafter.bind_target(target)
         tick = time.perf_counter()
         with main_process_threads(recipe.main_process_threads):
-            results["speculative"] = measure(target, drafter, tokenizer, held_out[: recipe.eval_prompts],
-                                             max_new_tokens=recipe.eval_max_new_tokens)
+            sweep = measure(target, drafter, tokenizer, held_out[: recipe.eval_prompts],
+                            max_new_tokens=recipe.eval_max_new_tokens, speculative_tokens=recipe.eval_speculative_tokens)
         timings["measure_s"] = time.perf_counter() - tick
-        spec = results["speculative"]
-        say(f"[3/3] {spec['prompts']} held-out prompts, {spec['new_tokens']} tokens: acceptance length "
-            f"{spec['acceptance_length']:.2f} (block {spec['block_size']}), {spec['target_tokens_per_s']:.1f} -> "
-            f"{spec['speculative_tokens_per_s']:.1f} tokens/s ({spec['speedup']:.2f}x), outputs identical")
+        results["speculative"], results["speculative_sweep"] = sweep[0], sweep
+        spec = sweep[0]
+        say(f"[3/3] {spec['prompts']} held-out prompts, {spec['new_tokens']} tokens, outputs identical; target alone "
+            f"{spec['target_tokens_per_s']:.1f} tokens/s")
+        for row in sweep:
+            say(f"      {row['num_speculative_tokens']} proposals per forward (block {row['block_size']}): acceptance "
+                f"length {row['acceptance_length']:.2f}, {row['speculative_tokens_per_s']:.1f} tokens/s "
+                f"({row['speedup']:.2f}x)")
         trainer.model_card_info["results"] = {"acceptance_length": round(spec["acceptance_length"], 3)}
     state.wait_for_everyone()
     trainer.save_model(args.output_dir)

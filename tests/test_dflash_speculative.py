@@ -72,7 +72,7 @@ def oracle_proposals(monkeypatch, continuations: list[torch.Tensor], wrong=lambd
     returns the list of calls, ``(anchors, anchor_token_ids)`` (a row's anchor is its cached context's length)."""
     calls = []
 
-    def propose(drafter, context_cache, anchor_token_ids):
+    def propose(drafter, context_cache, anchor_token_ids, count=None):
         anchors = context_cache.lengths.clone()
         calls.append((anchors, anchor_token_ids.clone()))
         out = torch.zeros(anchors.shape[0], BLOCK - 1, dtype=torch.long)
@@ -80,7 +80,7 @@ def oracle_proposals(monkeypatch, continuations: list[torch.Tensor], wrong=lambd
             for k in range(1, BLOCK):
                 truth = continuations[r][a + k] if a + k < continuations[r].numel() else 0
                 out[r, k - 1] = (truth + 1) % VOCAB if wrong(r, a, k) else truth
-        return out
+        return out[:, :BLOCK - 1 if count is None else count]
 
     monkeypatch.setattr(speculative, "draft_from_cache", propose)
     return calls
@@ -329,6 +329,69 @@ def test_budget_caps_the_last_block(monkeypatch):
     assert stats.mean_acceptance_length == (BLOCK + 2) / 2
 
 
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("entry", ["ours", "transformers"])
+def test_fewer_proposals_per_step_verify_only_those(monkeypatch, entry, count):
+    """num_speculative_tokens = k < B - 1: each target forward runs the anchor and k proposals, so a perfect drafter
+    yields k + 1 tokens per forward; the output is still the target's greedy decoding (a ragged batch for ours)."""
+    target = tiny_target()
+    n = 1 + 3 * (count + 1)
+    verified = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: verified.append(kwargs["input_ids"].shape[1]),
+                                     with_kwargs=True)
+    if entry == "transformers":
+        ids = prompts()[1][None]
+        reference = greedy(target, ids, max_new_tokens=n + BLOCK)
+        oracle_proposals(monkeypatch, [reference[0]])
+        generator = spy_generator(monkeypatch)
+        verified.clear()
+        out = target.generate(ids, custom_generate=dflash_assisted_decoding, drafter=tiny_drafter(target),
+                              num_speculative_tokens=count, max_new_tokens=n)
+        assert generator["it"].acceptance_lengths == [count + 1] * 3
+        assert torch.equal(out, reference[:, :ids.shape[1] + n])
+    else:
+        ids, mask = left_pad(prompts())
+        reference = greedy(target, ids, mask, max_new_tokens=n + BLOCK)
+        continuations = [torch.cat([row, reference[r, ids.shape[1]:]]) for r, row in enumerate(prompts())]
+        oracle_proposals(monkeypatch, continuations)
+        verified.clear()
+        out, stats = speculative_generate(target, tiny_drafter(target), ids, mask, max_new_tokens=n,
+                                          num_speculative_tokens=count)
+        assert stats.mean_acceptance_length == count + 1
+        assert stats.target_forwards == 4 and stats.draft_forwards == 3
+        assert torch.equal(out, reference[:, :ids.shape[1] + n])
+    assert verified[1:] == [count + 1] * 3  # after the prefill, every verification runs k + 1 tokens
+
+
+def test_fewer_proposals_are_the_first_of_the_whole_blocks_proposals():
+    """The candidate selector picks each position given the ones before it, so the first k proposals do not
+    depend on k."""
+    target = tiny_target()
+    drafter = random_drafter(target)
+    tokens, features = sequence_features(target, drafter)
+    anchors = torch.tensor([5, 9, 12])
+    cache = DFlashContextCache(drafter, 3)
+    cache.append(features[:, :12], counts=anchors)
+    whole = draft_from_cache(drafter, cache, tokens[torch.arange(3), anchors])
+    assert whole.shape == (3, BLOCK - 1)
+    for count in range(1, BLOCK - 1):
+        assert torch.equal(draft_from_cache(drafter, cache, tokens[torch.arange(3), anchors], count),
+                           whole[:, :count])
+
+
+def test_a_bad_number_of_speculative_tokens_is_refused():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = prompts()[0][None]
+    for bad in (0, BLOCK, -1, True, 1.5):
+        with pytest.raises(ValueError, match=rf"num_speculative_tokens must be an integer in \[1, {BLOCK - 1}\].*"
+                                             rf"got {bad!r}"):
+            speculative_generate(target, drafter, ids, max_new_tokens=4, num_speculative_tokens=bad)
+    with pytest.raises(ValueError, match=rf"in \[1, {BLOCK - 1}\].*got {BLOCK}"):
+        target.generate(ids, custom_generate=dflash_assisted_decoding, drafter=drafter, num_speculative_tokens=BLOCK,
+                        max_new_tokens=4)
+
+
 def test_sampling_through_generate_with_top_k_1_is_greedy():
     """do_sample=True runs through transformers' verification by sampling; top_k=1 makes its samples greedy."""
     target = tiny_target()
@@ -456,8 +519,8 @@ def test_the_batched_loop_drafts_what_the_whole_context_drafts(monkeypatch, dfla
     appends = record_appends(monkeypatch)
     checked = []
 
-    def checked_draft(drafter, context_cache, anchor_token_ids):
-        proposals = draft_from_cache(drafter, context_cache, anchor_token_ids)
+    def checked_draft(drafter, context_cache, anchor_token_ids, count=None):
+        proposals = draft_from_cache(drafter, context_cache, anchor_token_ids, count)
         anchors = context_cache.lengths
         features = torch.zeros(anchors.shape[0], int(anchors.max()), drafter.config.feature_width,
                                dtype=torch.float64)
@@ -466,7 +529,7 @@ def test_the_batched_loop_drafts_what_the_whole_context_drafts(monkeypatch, dfla
             context = appended_rows(appends, r)
             features[r, :context.shape[0]] = context
             tokens[r, int(anchors[r])] = anchor_token_ids[r]
-        assert torch.equal(proposals, draft_block(drafter, features, tokens, anchors))
+        assert torch.equal(proposals, draft_block(drafter, features, tokens, anchors)[:, :proposals.shape[1]])
         checked.append(anchors.clone())
         return proposals
 
@@ -509,6 +572,8 @@ def test_the_head_reads_out_only_the_drafted_rows(monkeypatch):
     out = drafter.draft_from_cache(cache, tokens[torch.arange(3), anchors])
     draft_from_cache(drafter, cache, tokens[torch.arange(3), anchors])
     assert rows == [BLOCK - 1] * 3
+    draft_from_cache(drafter, cache, tokens[torch.arange(3), anchors], 1)  # fewer proposals: fewer head rows
+    assert rows[-1] == 1
     assert out.logits.shape == (3, BLOCK - 1, VOCAB) and out.hidden_states.shape[1] == BLOCK - 1
 
 

@@ -354,11 +354,15 @@ def test_the_recipe_answers_captures_trains_measures_and_saves_for_a_tiny_target
         "--block_parallel_size", "1", "--train_prompts", "6", "--response_max_tokens", "12", "--drafter_block_size",
         "4", "--target_features", "2", "--selector_rank", "8", "--max_steps", "2", "--per_device_train_batch_size",
         "3", "--eval_prompts", "2", "--eval_max_new_tokens", "8", "--main_process_threads", "1", "--disable_tqdm",
-        "true", "--logging_steps", "1"])[:2]
+        "true", "--logging_steps", "1", "--eval_speculative_tokens", "3", "1"])[:2]
     results = recipe.main(script, args)
     spec = results["speculative"]
     assert results["steps"] == 2 and spec["outputs_identical"] and spec["prompts"] == 2
     assert spec["new_tokens"] == 2 * 8 and 1.0 <= spec["acceptance_length"] <= 4 and spec["speedup"] > 0
+    # Each proposal count measured over the same prompts; one proposal per forward keeps 1 or 2 tokens.
+    sweep = results["speculative_sweep"]
+    assert sweep[0] == spec and [r["num_speculative_tokens"] for r in sweep] == [3, 1]
+    assert 1.0 <= sweep[1]["acceptance_length"] <= 2 and sweep[1]["new_tokens"] == 2 * 8
     assert json.loads((out / "dflash_results.json").read_text())["speculative"] == spec
     assert len((out / "data" / "responses.jsonl").read_text().splitlines()) == 6
     assert check_serving_inventory(out)["block_size"] == 4

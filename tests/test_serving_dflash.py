@@ -123,3 +123,26 @@ def test_a_folder_that_is_not_a_drafter_is_a_clear_error(folders):
         Engine.from_pretrained(folders / "target", draft=folders / "bdlm")
     with pytest.raises(FileNotFoundError, match="holds no config.json"):
         Engine.from_pretrained(folders / "target", draft=folders / "missing")
+
+
+def test_fewer_speculative_tokens_per_forward_serve_the_same_completions(folders, engine):
+    """--num-speculative-tokens 1: each verification runs the anchor and one proposal; completions are unchanged."""
+    one = Engine.from_pretrained(folders / "target", name="tiny", draft=folders / "drafter", num_speculative_tokens=1)
+    assert one.decoder.num_speculative_tokens == 1 and engine.decoder.num_speculative_tokens == 3
+    widths = []
+    one.model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                        with_kwargs=True)
+    budgets = (12, 7, 20, 5)
+    jobs = [chat_job(one, p, n) for p, n in zip(PROMPTS, budgets)]
+    one.run_batch(jobs)
+    assert [j.stream.ids for j in jobs] == [reference(engine, engine.chat_prompt(p), n)
+                                            for p, n in zip(PROMPTS, budgets)]
+    # The prefill, then anchor + one proposal per forward (the anchor alone where the budget leaves no room).
+    assert widths[0] > 2 and widths[1:].count(2) > len(widths[1:]) // 2 and set(widths[1:]) <= {1, 2}
+
+
+def test_a_bad_number_of_speculative_tokens_is_a_clear_error(folders):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 3\].*got 4"):
+        Engine.from_pretrained(folders / "target", draft=folders / "drafter", num_speculative_tokens=4)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=2 .*pass a drafter folder \(--draft DIR\)"):
+        Engine.from_pretrained(folders / "target", num_speculative_tokens=2)

@@ -65,10 +65,10 @@ class ModelFamily:
         raise NotImplementedError(f"hf-bdlm serve does not serve {self.name!r} checkpoints yet ({path}).")
 
     def load_speculative_for_serving(self, target_path: str, draft_path: str, init_kwargs: dict[str, Any],
-                                     device: str | None = None):
+                                     device: str | None = None, num_speculative_tokens: int | None = None):
         """A causal LM at ``target_path`` decoded with this family's drafter at ``draft_path`` (``hf-bdlm serve
-        TARGET --draft DIR``), both on ``device``; returns ``(target, tokenizer, decoder)``. Only a family of drafters
-        implements it."""
+        TARGET --draft DIR``), both on ``device``, verifying ``num_speculative_tokens`` proposals per step (`None`:
+        the drafter's default); returns ``(target, tokenizer, decoder)``. Only a family of drafters implements it."""
         raise ValueError(f"--draft takes a drafter folder; {draft_path} holds a {self.name!r} checkpoint, which does "
                          "not draft for another model. Pass a drafter folder, or serve it without --draft.")
 

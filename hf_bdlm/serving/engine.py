@@ -51,12 +51,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, name: str | None = None, dtype: torch.dtype | None = None,
-                        device: str | None = None, block_size: int = 32, draft: str | os.PathLike | None = None
-                        ) -> "Engine":
+                        device: str | None = None, block_size: int = 32, draft: str | os.PathLike | None = None,
+                        num_speculative_tokens: int | None = None) -> "Engine":
         """Load a checkpoint folder through the family its config names (``hf_bdlm.models``); a causal-LM folder (or
         `embedded:smollm2`) is converted on the fly (``block_size``: the conversion's). With ``draft`` (a drafter
         folder), the folder is a causal LM served as it is, decoded greedily with the drafter's proposals (the
-        drafter's family decides how: ``ModelFamily.load_speculative_for_serving``)."""
+        drafter's family decides how: ``ModelFamily.load_speculative_for_serving``), verifying
+        ``num_speculative_tokens`` proposals per target forward (`None`: the drafter's default)."""
         from transformers import AutoConfig
 
         import hf_bdlm  # noqa: F401  (registers the Auto classes)
@@ -78,12 +79,17 @@ class Engine:
             raise ValueError(f"{path} holds a model_type={_declared_model_type(path)!r} checkpoint that transformers "
                              f"cannot read; hf-bdlm serve loads the model types {_family_model_types()} and converts "
                              f"decoder-only causal LMs. (transformers: {reason})") from None
+        if num_speculative_tokens is not None and draft is None:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} sets how many of a drafter's proposals "
+                             "each target forward verifies; pass a drafter folder (--draft DIR) with it, or leave it "
+                             "unset.")
         if draft is not None:
             draft = str(draft)
             if not (Path(draft) / "config.json").is_file():
                 raise FileNotFoundError(f"draft folder {draft!r} holds no config.json (pass a saved drafter folder).")
             family = family_for_config(AutoConfig.from_pretrained(draft))
-            model, tokenizer, decoder = family.load_speculative_for_serving(path, draft, kwargs, device)
+            model, tokenizer, decoder = family.load_speculative_for_serving(path, draft, kwargs, device,
+                                                                            num_speculative_tokens)
             return cls(model, tokenizer, name or Path(path).name, decoder=decoder)
         family = family_for_config(config)
         model, tokenizer = family.load_for_serving(path, config, kwargs, block_size)

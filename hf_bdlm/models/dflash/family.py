@@ -76,10 +76,11 @@ class DFlashFamily(ModelFamily):
         raise ValueError(f"{path} is a DFlash drafter, which drafts for a target model and does not generate on its "
                          f"own: serve the target with it, `hf-bdlm serve TARGET --draft {path}`.")
 
-    def load_speculative_for_serving(self, target_path, draft_path, init_kwargs, device=None):
+    def load_speculative_for_serving(self, target_path, draft_path, init_kwargs, device=None,
+                                     num_speculative_tokens=None):
         from .serving import load_speculative
 
-        return load_speculative(target_path, draft_path, init_kwargs, device)
+        return load_speculative(target_path, draft_path, init_kwargs, device, num_speculative_tokens)
 
     def objective_class(self, name: str):
         from .trainer import DFlashTrainingObjective

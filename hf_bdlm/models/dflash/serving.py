@@ -4,7 +4,8 @@ Each batch of requests runs one :class:`~.speculative.SpeculativeSession` (left-
 cache): every target forward verifies a drafted block for every row and commits 1 to ``B`` tokens per row, which
 stream as one chunk. Whatever the drafter proposes, every committed token is the target's argmax after the tokens
 before it, so a completion is token for token ``target.generate(prompt_ids, do_sample=False, max_new_tokens=...)``,
-alone or batched. Sampling is refused (``temperature`` above 0, ``top_p`` below 1): serve without ``--draft`` to
+alone or batched. ``--num-speculative-tokens N`` verifies the first ``N`` proposals of each drafted block (default
+``B - 1``). Sampling is refused (``temperature`` above 0, ``top_p`` below 1): serve without ``--draft`` to
 sample. The diffusion fields (``steps_per_block``, ``confidence_threshold``) do not apply and are refused too.
 
     engine = Engine.from_pretrained("path/to/causal-lm", draft="runs/drafter")   # what serve --draft builds
@@ -30,10 +31,11 @@ class SpeculativeSettings:
 class SpeculativeServingDecoder(ServingDecoder):
     """Serves a causal LM ``target`` with greedy speculative decoding through ``drafter`` (module docstring)."""
 
-    def __init__(self, target, drafter, tokenizer=None):
-        from .speculative import check_drafter_for_target
+    def __init__(self, target, drafter, tokenizer=None, num_speculative_tokens: int | None = None):
+        from .speculative import check_drafter_for_target, speculative_token_count
 
         check_drafter_for_target(target, drafter)
+        self.num_speculative_tokens = speculative_token_count(num_speculative_tokens, int(drafter.config.block_size))
         self.model, self.drafter = target.eval(), drafter.eval()
         text = target.config.get_text_config()
         self.context_length = int(getattr(text, "max_position_embeddings", 0) or 1 << 30)
@@ -76,7 +78,8 @@ class SpeculativeServingDecoder(ServingDecoder):
             mask[row, width - len(prompt):] = 1
         budgets = [s.max_new_tokens for s in settings]
         session = SpeculativeSession(self.model, self.drafter, ids, mask, max_new_tokens=max(budgets),
-                                     eos_token_id=list(settings[0].eos_token_ids), pad_token_id=int(self.pad_token_id))
+                                     eos_token_id=list(settings[0].eos_token_ids), pad_token_id=int(self.pad_token_id),
+                                     num_speculative_tokens=self.num_speculative_tokens)
         sent = [0] * len(prompts)
         new = session.new_tokens
         while True:
@@ -95,19 +98,23 @@ class SpeculativeServingDecoder(ServingDecoder):
             new = session.step()
 
 
-def load_speculative(target_path: str, draft_path: str, init_kwargs: dict, device: str | None = None):
+def load_speculative(target_path: str, draft_path: str, init_kwargs: dict, device: str | None = None,
+                     num_speculative_tokens: int | None = None):
     """The causal ``target_path`` and the drafter at ``draft_path`` bound to it, on ``device``; returns ``(target,
-    tokenizer, decoder)``. ``init_kwargs`` go to both ``from_pretrained`` calls (``dtype``)."""
+    tokenizer, decoder)``. ``init_kwargs`` go to both ``from_pretrained`` calls (``dtype``); the decoder verifies
+    ``num_speculative_tokens`` proposals per step (`None`: the drafter's ``B - 1``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .configuration import DFlashConfig
+    from .speculative import speculative_token_count
     from .target import drafter_class
 
     config = DFlashConfig.from_pretrained(draft_path)
+    speculative_token_count(num_speculative_tokens, int(config.block_size))  # before loading anything
     target = AutoModelForCausalLM.from_pretrained(target_path, **init_kwargs).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     drafter = drafter_class(config).from_pretrained(draft_path, **init_kwargs)
     if device:
         target, drafter = target.to(device), drafter.to(device)
     drafter.bind_target(target)
-    return target, tokenizer, SpeculativeServingDecoder(target, drafter, tokenizer)
+    return target, tokenizer, SpeculativeServingDecoder(target, drafter, tokenizer, num_speculative_tokens)

@@ -11,6 +11,10 @@ layers): the target never runs twice. The drafter keeps its projected context in
 :class:`~.modeling.DFlashContextCache`: each committed row is projected once, when the target keeps it, and a draft
 step runs only the block itself and the head over its ``B - 1`` drafted rows.
 
+Both verify ``num_speculative_tokens`` proposals per step (``1 .. B - 1``, default ``B - 1``, vLLM's name for the
+same knob): the drafter always drafts its whole block, and the target verifies the first ``num_speculative_tokens``
+of it. Where a target forward costs more with more rows (a CPU), fewer proposals can decode faster.
+
 Two entry points, both greedy and token for token ``target.generate(input_ids, do_sample=False, ...)``:
 
 * transformers' own assisted-generation loop, batch size 1, through ``custom_generate`` (any ``generate`` argument
@@ -156,9 +160,9 @@ def draft_block(drafter: "DFlashDraftModel", features: torch.Tensor, tokens: tor
 
 
 def draft_from_cache(drafter: "DFlashDraftModel", context_cache: DFlashContextCache,
-                     anchor_token_ids: torch.LongTensor) -> torch.LongTensor:
-    """:func:`draft_block` from the drafter's context cache: the proposals for the ``B - 1`` positions after each
-    row's anchor, which sits right after the row's cached context (``context_cache.lengths[r]``).
+                     anchor_token_ids: torch.LongTensor, count: int | None = None) -> torch.LongTensor:
+    """:func:`draft_block` from the drafter's context cache: the proposals for the first ``count`` positions after
+    each row's anchor, which sits right after the row's cached context (``context_cache.lengths[r]``).
 
     Args:
         drafter (`DFlashDraftModel`):
@@ -167,12 +171,30 @@ def draft_from_cache(drafter: "DFlashDraftModel", context_cache: DFlashContextCa
             The drafter's projected context of every row (the target's features of the tokens before the anchor).
         anchor_token_ids (`torch.LongTensor` of shape `(batch_size,)`):
             Each row's anchor token.
+        count (`int`, *optional*):
+            Proposals per row, ``1 .. B - 1`` (`None`: ``B - 1``). The block is drafted whole; only the head and the
+            candidate selector stop after ``count`` positions, and the first ``count`` proposals are those of the
+            whole block (each position's pick depends on the ones before it only).
 
     Returns:
-        `torch.LongTensor` of shape `(batch_size, B - 1)`: what :func:`draft_block` proposes from the same context.
+        `torch.LongTensor` of shape `(batch_size, count)`: the first ``count`` of what :func:`draft_block` proposes
+        from the same context.
     """
-    out = drafter.draft_from_cache(context_cache, anchor_token_ids)
-    return _propose(drafter, out.logits, out.hidden_states, anchor_token_ids)
+    count = speculative_token_count(count, int(drafter.config.block_size))
+    out = drafter.draft_from_cache(context_cache, anchor_token_ids, return_logits=False)
+    hidden = out.hidden_states[:, :count]
+    return _propose(drafter, drafter.compute_logits(hidden), hidden, anchor_token_ids)
+
+
+def speculative_token_count(value: int | None, block_size: int) -> int:
+    """The proposals a step verifies: `value` (``1 .. block_size - 1``), or ``block_size - 1`` for `None`; any other
+    value is an error that names it."""
+    if value is None:
+        return block_size - 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= block_size - 1:
+        raise ValueError(f"num_speculative_tokens must be an integer in [1, {block_size - 1}] (the drafter's block "
+                         f"size {block_size} minus its anchor), got {value!r}; leave it unset for {block_size - 1}.")
+    return value
 
 
 def _propose(drafter: "DFlashDraftModel", logits: torch.Tensor, hidden: torch.Tensor,
@@ -206,6 +228,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
             The target causal LM running `generate`.
         generation_config (`GenerationConfig`):
             The generation config of the call (its `max_length` caps the proposals).
+        num_speculative_tokens (`int`, *optional*):
+            Proposals per step, ``1 .. B - 1`` (`None`: ``B - 1``).
 
     Attributes:
         context_cache ([`~.modeling.DFlashContextCache`] or `None`): the drafter's projected context (every token
@@ -217,10 +241,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter: "DFlashDraftModel", target: PreTrainedModel, generation_config: GenerationConfig):
+    def __init__(self, drafter: "DFlashDraftModel", target: PreTrainedModel, generation_config: GenerationConfig,
+                 num_speculative_tokens: int | None = None):
         self.drafter = drafter
         self.layer_ids = check_drafter_for_target(target, drafter)
         self.block_size = int(drafter.config.block_size)
+        self.num_speculative_tokens = speculative_token_count(num_speculative_tokens, self.block_size)
         self.max_length = generation_config.max_length
         self.model_kwargs_overrides = {"output_hidden_states": list(self.layer_ids)}
         self.context_cache: DFlashContextCache | None = None
@@ -229,7 +255,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict | None = None, model_outputs=None,
                        is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
-        """`input_ids` followed by up to ``B - 1`` proposals, and no candidate logits (the target verifies greedily)."""
+        """`input_ids` followed by up to ``num_speculative_tokens`` proposals, and no candidate logits (the target
+        verifies greedily)."""
         if is_first_iteration:
             return input_ids, None
         # The last target forward ran the prompt (prefill) or [anchor, proposals]; of the latter, the anchor and the
@@ -240,16 +267,17 @@ class DFlashCandidateGenerator(CandidateGenerator):
         else:
             fresh = int(n_last_matches) + 1
         self.context_cache.append(target_features(model_outputs.hidden_states, self.layer_ids)[:, :fresh])
-        budget = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        budget = min(self.num_speculative_tokens, self.max_length - input_ids.shape[1] - 1)
         if budget <= 0:
             return input_ids, None
         proposals = draft_from_cache(self.drafter, self.context_cache,
-                                     input_ids[:, -1].to(self.context_cache.lengths.device))[:, :budget]
+                                     input_ids[:, -1].to(self.context_cache.lengths.device), budget)
         self.draft_forwards += 1
         return torch.cat([input_ids, proposals.to(input_ids.device, input_ids.dtype)], dim=1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        """Records the acceptance length of the step (the strategy itself is fixed: always ``B - 1`` proposals)."""
+        """Records the acceptance length of the step (the strategy itself is fixed: ``num_speculative_tokens``
+        proposals per step)."""
         if self.context_cache is not None:  # the prefill step verifies nothing
             self.acceptance_lengths.append(int(num_matches) + 1)
 
@@ -257,7 +285,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
 def dflash_assisted_decoding(model: PreTrainedModel, input_ids: torch.LongTensor,
                              logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList,
                              generation_config: GenerationConfig, synced_gpus: bool = False, streamer=None,
-                             drafter: "DFlashDraftModel | None" = None, **model_kwargs):
+                             drafter: "DFlashDraftModel | None" = None, num_speculative_tokens: int | None = None,
+                             **model_kwargs):
     """transformers' assisted decoding with a DFlash drafter, to pass as ``custom_generate`` to `generate`.
 
     ``target.generate(input_ids, custom_generate=dflash_assisted_decoding, drafter=drafter, max_new_tokens=N)``
@@ -270,6 +299,9 @@ def dflash_assisted_decoding(model: PreTrainedModel, input_ids: torch.LongTensor
     Args:
         drafter (`DFlashDraftModel`):
             The drafter, bound to `model` (passed to `generate` as the ``drafter=`` keyword).
+        num_speculative_tokens (`int`, *optional*):
+            Proposals verified per target forward, ``1 .. B - 1`` (`None`: ``B - 1``). Fewer proposals make each
+            verification cheaper where the target's forward grows with its rows (a CPU), at some acceptance length.
 
     Returns:
         What `generate` returns (a `torch.LongTensor`, or a `GenerateDecoderOnlyOutput` with
@@ -285,7 +317,7 @@ def dflash_assisted_decoding(model: PreTrainedModel, input_ids: torch.LongTensor
     if mask is not None and not bool(mask.all()):
         raise ValueError("dflash_assisted_decoding takes an unpadded prompt (the attention_mask has zeros); drop the "
                          "padding, or use speculative_generate, which handles left-padded batches.")
-    generator = DFlashCandidateGenerator(drafter, model, generation_config)
+    generator = DFlashCandidateGenerator(drafter, model, generation_config, num_speculative_tokens)
     # `_assisted_decoding` asks `self._get_candidate_generator` for its generator: an instance attribute shadows the
     # class method for this one call.
     model._get_candidate_generator = lambda *args, **kwargs: generator
@@ -363,7 +395,8 @@ def _check_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 def speculative_generate(target: PreTrainedModel, drafter: "DFlashDraftModel", input_ids: torch.LongTensor,
                          attention_mask: torch.Tensor | None = None, *,
                          max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
-                         pad_token_id: int | None = None) -> tuple[torch.LongTensor, SpeculativeStats]:
+                         pad_token_id: int | None = None, num_speculative_tokens: int | None = None
+                         ) -> tuple[torch.LongTensor, SpeculativeStats]:
     """Greedy speculative decoding of a batch with a DFlash drafter: exactly the target's greedy output.
 
     Returns what ``target.generate(input_ids, attention_mask=attention_mask, do_sample=False,
@@ -397,13 +430,18 @@ def speculative_generate(target: PreTrainedModel, drafter: "DFlashDraftModel", i
             `generate` does; ``[]`` disables EOS.
         pad_token_id (`int`, *optional*):
             Fills a row after its EOS. `None` uses ``target.generation_config.pad_token_id``, else the first EOS id.
+        num_speculative_tokens (`int`, *optional*):
+            Proposals verified per target forward, ``1 .. B - 1`` (`None`: ``B - 1``, the whole drafted block). A
+            verification runs ``num_speculative_tokens + 1`` rows; where that costs more than one row (a CPU), fewer
+            proposals can decode faster at a lower acceptance length. The output does not depend on it.
 
     Returns:
         `tuple(torch.LongTensor, SpeculativeStats)`: the sequences (`(batch_size, prompt_len + new)`) and the
         statistics of the call.
     """
     session = SpeculativeSession(target, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                 num_speculative_tokens=num_speculative_tokens)
     while not session.done:
         session.step()
     return session.result()
@@ -418,7 +456,8 @@ class SpeculativeSession:
     @torch.no_grad()
     def __init__(self, target: PreTrainedModel, drafter: "DFlashDraftModel", input_ids: torch.LongTensor,
                  attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
-                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None):
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                 num_speculative_tokens: int | None = None):
         self.start = time.perf_counter()
         self.target, self.drafter = target, drafter
         self.layer_ids = layer_ids = check_drafter_for_target(target, drafter)
@@ -438,6 +477,7 @@ class SpeculativeSession:
         device = self.device = input_ids.device
         self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
         self.block = int(drafter.config.block_size)
+        self.num_speculative_tokens = speculative_token_count(num_speculative_tokens, self.block)
         batch, prompt_len = input_ids.shape
         self.stats = SpeculativeStats()
         self.rows = torch.arange(batch, device=device)
@@ -491,14 +531,14 @@ class SpeculativeSession:
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
         """One draft + verification forward; returns (and keeps in :attr:`new_tokens`) each row's committed tokens."""
-        target, device, block, rows = self.target, self.device, self.block, self.rows
+        target, device, rows = self.target, self.device, self.rows
         batch, max_new_tokens, finished = rows.shape[0], self.max_new_tokens, self.finished
         anchors = self.lengths - 1                    # position of each row's newest token (not yet in the cache)
         anchor_tokens = self.tokens[rows, anchors]
         room = int((max_new_tokens - self.generated).masked_fill(finished, 0).max()) - 1
-        k = min(block - 1, room)
+        k = min(self.num_speculative_tokens, room)
         if k > 0:
-            proposals = draft_from_cache(self.drafter, self.context_cache, anchor_tokens)[:, :k].to(device)
+            proposals = draft_from_cache(self.drafter, self.context_cache, anchor_tokens, k).to(device)
             self.stats.draft_forwards += 1
         else:
             proposals = self.tokens.new_zeros(batch, 0)
