@@ -306,7 +306,7 @@ def verification_costs(target, prompt: torch.Tensor, block_size: int, repeats: i
         def forward():
             target(input_ids=tokens[:, :count], position_ids=torch.arange(length, length + count)[None], cache=cache,
                    use_cache=True)
-            cache.crop(length)
+            cache.crop(-count)  # back to the prompt
 
         rows.append({"rows": count, "ms": _best_ms(forward, repeats)})
     for row in rows:
