@@ -18,15 +18,13 @@ Each rank writes ``<scenario>_rank<r>.json`` with the logged losses per run; ran
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from shared_launch import join_process_group, leave_process_group
+from shared_launch import join_process_group, leave_process_group, record_rank_result
 from trainer_common import tiny_tokenizer, vocab_size
 
 STEPS = 3
@@ -168,13 +166,7 @@ def main(argv: list[str] | None = None):
     if dist.is_initialized():
         dist.barrier()
     scenario = {"reference": scenario_reference, "parallel": scenario_parallel}[args.scenario]
-    try:
-        result = scenario(out, features, target)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-        raise
-    finally:
-        (out / f"{args.scenario}_rank{rank}.json").write_text(json.dumps(result, indent=1))
+    record_rank_result(out, f"{args.scenario}_", lambda: scenario(out, features, target))
     leave_process_group(started)
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ parameter of the model the server decoded at each save (under FSDP2: the plain c
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from shared_launch import leave_process_group
+from shared_launch import leave_process_group, record_rank_result
 from tiny_diffusion_gemma import EOS, PAD, TURN_END, conversations, tiny_model, tiny_tokenizer
 
 EVAL_CONTEXT = 8192
@@ -96,16 +94,9 @@ def main(argv: list[str] | None = None):
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)  # the trainer's arguments start the process group (gloo on CPU)
-    try:
-        result = {"reference": train(out / "reference", 2, False),
-                  "ddp": train(out / "ddp", 2, True),
-                  "fsdp2": train(out / "fsdp2", 2, True, **FSDP2)}
-    except Exception:
-        result = {"error": traceback.format_exc()}
-        raise
-    finally:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    record_rank_result(out, "", lambda: {"reference": train(out / "reference", 2, False),
+                                         "ddp": train(out / "ddp", 2, True),
+                                         "fsdp2": train(out / "fsdp2", 2, True, **FSDP2)})
     leave_process_group(started=not shared)  # the trainer's arguments started it, or the launch
 
 

@@ -30,17 +30,15 @@ Each run records its logged losses, whether its parameters are sharded (DTensors
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from shared_launch import leave_process_group
+from shared_launch import leave_process_group, record_rank_result
 from trainer_worker import run
 
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
@@ -287,14 +285,7 @@ def main(argv: list[str] | None = None):
     for name in args.scenario:
         out = Path(args.out) / name if len(args.scenario) > 1 else Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        try:
-            result = scenarios[name](out)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-            raise
-        finally:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            (out / f"{name}_rank{rank}.json").write_text(json.dumps(result, indent=1))
+        record_rank_result(out, f"{name}_", lambda: scenarios[name](out))
     leave_process_group(started=not shared)  # the trainer's arguments started it, or the launch
 
 

@@ -21,6 +21,8 @@ import importlib
 import json
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +47,21 @@ def leave_process_group(started: bool) -> None:
         dist.barrier()
         if started:
             dist.destroy_process_group()
+
+
+def record_rank_result(out: Path, prefix: str, run: Callable[[], dict]) -> dict:
+    """Run ``run`` and write what it returns to ``out/<prefix>rank<r>.json`` (``r``: this process's rank, 0 without a
+    process group); if it raises, the file holds ``{"error": traceback}`` for the test to report, and the error
+    propagates (the launch ends as it would without this call)."""
+    try:
+        result = run()
+    except Exception:
+        result = {"error": traceback.format_exc()}
+        raise
+    finally:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        (out / f"{prefix}rank{rank}.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def main() -> None:

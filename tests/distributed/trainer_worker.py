@@ -19,15 +19,13 @@ Scenarios:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from shared_launch import leave_process_group
+from shared_launch import leave_process_group, record_rank_result
 from trainer_common import language_modeling, long_documents, prompt_completion, tiny_bdlm, tiny_tokenizer
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
@@ -183,14 +181,7 @@ def main(argv: list[str] | None = None):
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     out = Path(args.out)
     scenario = {"layouts": scenario_layouts, "reference": scenario_reference, "data": scenario_data}[args.scenario]
-    try:
-        result = scenario(out)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-        raise
-    finally:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        (out / f"{args.scenario}_rank{rank}.json").write_text(json.dumps(result, indent=1))
+    record_rank_result(out, f"{args.scenario}_", lambda: scenario(out))
     leave_process_group(started=not shared)  # the trainer's arguments started it, or the launch
 
 
