@@ -1,6 +1,9 @@
-"""The shared launches of the distributed tests (tests/torchrun.py): one launch per world size runs every declared job
-in order, a job's folder is handed out only once the job finished, and a failing job reports in its own tests while
-the jobs after it run in a fresh launch. torchrun itself is replaced by a fake that plays the jobs of a spec."""
+"""The launches of the distributed tests (tests/torchrun.py).
+
+Shared launches: one launch per world size runs every declared job in order, a job's folder is handed out only once
+the job finished, and a failing job reports in its own tests while the jobs after it run in a fresh launch (torchrun
+itself is replaced by a fake that plays the jobs of a spec). A launch whose rank crashes in native code runs once
+more, with a warning; a second crash or a Python error fails (real torchrun launches)."""
 
 import json
 from pathlib import Path
@@ -56,3 +59,39 @@ def test_a_job_no_module_declared_is_refused(launches, tmp_path):
     with pytest.raises(KeyError, match="no shared job 'x' of 2 processes; declare it in the module's SHARED_JOBS"):
         SharedLaunches([SharedJob("x", "worker.py", 4)], tmp_path).folder("x", 2)
     assert launches == []
+
+
+# --- a rank that crashes in native code (real torchrun launches of tests/distributed/crash_worker.py) ----------------
+@pytest.mark.distributed
+def test_a_native_crash_launches_once_more_with_a_warning_that_carries_the_crash(tmp_path):
+    marker = tmp_path / "launches"
+    with pytest.warns(UserWarning, match=r"crashed in native code \(SIGABRT\)") as caught:
+        torchrun.run_torchrun("crash_worker.py", 2, "--marker", str(marker), "--mode", "abort_first_launch",
+                              timeout=120)
+    assert marker.read_text() == "2"
+    assert "Fatal Python error: Aborted" in str(caught[0].message)  # the faulthandler's stack of the crashed rank
+
+
+@pytest.mark.distributed
+def test_a_second_native_crash_fails_with_the_crashed_ranks_python_stack(tmp_path):
+    marker = tmp_path / "launches"
+    with pytest.warns(UserWarning), pytest.raises(AssertionError, match="Fatal Python error: Aborted"):
+        torchrun.run_torchrun("crash_worker.py", 2, "--marker", str(marker), "--mode", "abort_every_launch",
+                              timeout=120)
+    assert marker.read_text() == "2"
+
+
+@pytest.mark.distributed
+def test_a_python_error_fails_at_once(tmp_path):
+    marker = tmp_path / "launches"
+    with pytest.raises(AssertionError, match="the worker's own error"):
+        torchrun.run_torchrun("crash_worker.py", 2, "--marker", str(marker), "--mode", "raise", timeout=120)
+    assert marker.read_text() == "1"
+
+
+def test_native_crash_reads_the_signal_from_torchruns_summary():
+    summary = ("rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 1)  (SIGTERM)\n"
+               "rank      : 3 (local_rank: 3)\n  exitcode  : -6 (pid: 2)  (SIGABRT)\n")
+    assert torchrun.native_crash(summary) == "SIGABRT"
+    assert torchrun.native_crash(summary.replace("-6 (pid", "1 (pid")) is None  # a Python error exits with 1
+    assert torchrun.native_crash("exitcode  : -11 (pid: 2)") == "SIGSEGV"
