@@ -174,7 +174,7 @@ def test_diffusion_gemma_passes_send_their_head_with_named_collectives(seen, mod
     layout = ShardedDiffusionGemmaLayout(plan, _groups(dims, 0), frame, diffusion_gemma_rule(4))
     n, canvas = layout.num_clean, layout.decoder.queries.num_rows
     enc, dec = layout.encoder, layout.decoder
-    assert enc.sent == slice(0, n) and enc.unsent.start == enc.unsent.stop and enc.key_streams
+    assert enc.sent == slice(0, n) and enc.unsent.start == enc.unsent.stop
     assert dec.sent == slice(0, n + canvas if mode == "cp" else n) and dec.keys.num_rows == n + canvas
 
     key, value = _kv(n, b=2)

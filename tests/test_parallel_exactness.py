@@ -6,7 +6,8 @@ in the paper's baseline layout) x batches (plain, padded, packed documents), flo
 2-process launch runs P = 2's whole product; the 4-process launch runs every P = 4 layout on every backbone x objective
 (the batch kind turning with them, so that the layouts together run the whole product at P = 4) plus data parallelism
 (2 groups x P 2: every layout in float32 and one float64 case each). Loss and every parameter gradient must match;
-K/V bytes recorded by the meter must equal the formulas of docs/design.md §3.
+K/V bytes recorded by the meter must equal the formulas of docs/design.md §3, and on every case (sliding-window
+layers included) the planner's prediction.
 """
 
 import json
@@ -98,6 +99,15 @@ def test_bytes_received_match_design_formulas(results):
         assert c["bwd_bytes"] == c["expect_bytes"], c
         if c["transport"] == "ring":  # plus dK/dV walking the whole ring back to their owners
             assert c["bwd_grad_bytes"] == c["expect_bwd_grad_bytes"], c
+
+
+def test_planner_predicts_the_bytes_the_meter_records(results):
+    # Every case, sliding-window layers (the halos) and the paper's CP (whole gathers) included, name by name.
+    _, cases = results
+    wrong = [(c["P"], c["mode"], c["C"], c.get("cp_layout"), c["transport"], c["backbone"], c["predicted_bytes"],
+              c["bytes"]) for c in cases if c["predicted_bytes"] != c["bytes"]]
+    assert not wrong, wrong
+    assert {c["backbone"] for c in cases if c["mode"] != "bp"} >= {"gemma3", "llama"}
 
 
 def test_ring_transport_is_covered(results):

@@ -6,6 +6,9 @@
 - The sharded layouts give it work to overlap: in ``cp`` and ``csbp`` the rank's own rows are a local source and
   only the peers' rows are deferred (an all-gather without the own slot); sliding-window layers exchange only the
   peers' halo rows (all-to-all), deferred the same way.
+- The paper's CP baseline runs a layer as its reference code does: its noisy rows' gather completes first, then its
+  clean rows' gather starts and the block-diagonal part computes while it travels; backward computes every gradient
+  before the clean rows' reduce-scatter starts, then the noisy rows'.
 The collectives themselves run under torchrun in test_parallel_exactness.py (loss, gradients, bytes).
 """
 
@@ -14,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hf_bdlm.parallel.collectives as collectives
 import hf_bdlm.parallel.engine as engine
 import hf_bdlm.parallel.sharded as sharded
 from hf_bdlm.attention import kernels
@@ -113,9 +117,12 @@ class _Comm:
     def __init__(self, size, rank):
         self.size, self.rank = size, rank
 
+    def hold(self, ready_at):  # no emulated link
+        assert ready_at is None
 
-def _layout(mode, P=2, rank=0, window=None):
-    dims = ParallelDims(P, mode=mode)
+
+def _layout(mode, P=2, rank=0, window=None, cp_layout="balanced"):
+    dims = ParallelDims(P, mode=mode, cp_layout=cp_layout)
     comm = _Comm(P, rank)
     groups = SimpleNamespace(dims=dims, group_rank=rank, group=comm, ring=comm, kv_exchange=lambda mode: comm)
     plan = make_plan(PlanConfig.from_dims(dims, L, B))
@@ -154,3 +161,59 @@ def test_window_layers_exchange_only_the_peers_halo(monkeypatch):
     assert isinstance(halo, ExchangedKV)
     assert halo.send_counts[0] == halo.recv_counts[0] == 0  # nothing to or from itself
     assert 0 < halo.num_rows == halo_rows.num_rows < layout.gathered_rows.num_rows - key.shape[2] + layout.num_noisy
+
+
+class _LoggedCollective:
+    """A started collective whose transfer is a log entry; ``wait`` logs and returns ``result``."""
+
+    def __init__(self, log, what, result):
+        self.log, self.what, self.result = log, what, result
+
+    def wait(self):
+        self.log.append(f"wait {self.what}")
+        return self.result
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding"])
+def test_the_papers_cp_overlaps_its_clean_gather_with_the_block_diagonal_part_only(monkeypatch, window):
+    # Its reference (turbo-dllm 0.1.6) runs _GatherPureCPActiveKV (the noisy rows, synchronous), then in
+    # _PureContextShardedActiveAttentionImpl starts the clean gather, computes the block-diagonal part, waits, attends
+    # to the clean rows; backward every gradient, then the clean reduce-scatter; then the noisy rows' reduce-scatter.
+    log = []
+
+    def start_gather(x, comm, name, peers_only=False):
+        log.append(f"gather {name}")
+        return _LoggedCollective(log, f"gather {name}", x.repeat(1, 1, comm.size - peers_only, 1))
+
+    def start_reduce_scatter(full, comm, name, peers_only=False):
+        log.append(f"reduce_scatter {name}")
+        return _LoggedCollective(log, f"reduce_scatter {name}", full[:, :, : full.shape[2] // comm.size])
+
+    def logged(calls_fn, label):
+        def run(calls, *args, **kw):
+            if calls:
+                log.append(f"{label}[{calls[0].source}]")
+            return calls_fn(calls, *args, **kw)
+        return run
+
+    monkeypatch.setattr(collectives, "start_gather", start_gather)
+    monkeypatch.setattr(collectives, "start_reduce_scatter", start_reduce_scatter)
+    monkeypatch.setattr(kernels, "forward_calls", logged(kernels.forward_calls, "forward"))
+    monkeypatch.setattr(kernels, "backward_calls", logged(kernels.backward_calls, "backward"))
+    layout = _layout("cp", cp_layout="paper")
+    rows = layout.q_rows.num_rows
+    q = torch.randn(1, 4, rows, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, rows, 8, requires_grad=True) for _ in range(2))
+    rule = layout.base_rule.with_window(window)
+    layout.attend(None, q, k, v, rule, 0.3).sum().backward()
+    forward = ["gather k", "wait gather k", "gather v", "wait gather v",  # the noisy rows, complete
+               "gather k", "gather v", "forward[0]",  # the clean rows start; the block-diagonal part meanwhile
+               "wait gather k", "wait gather v", "forward[1]"]  # every clean key after the wait
+    backward = ["backward[1]", "backward[0]",  # every gradient first
+                "reduce_scatter k", "reduce_scatter v", "wait reduce_scatter k", "wait reduce_scatter v"]  # clean
+    got = _compress(log)
+    assert got[:len(forward) + len(backward)] == forward + backward
+    noisy = got[len(forward) + len(backward):]  # the noisy rows' gradients return last (K and V in either order)
+    assert sorted(noisy) == sorted(["reduce_scatter k", "wait reduce_scatter k", "reduce_scatter v",
+                                    "wait reduce_scatter v"])
+    assert all(noisy[i + 1] == "wait " + noisy[i] for i in (0, 2))  # each returns before the next starts

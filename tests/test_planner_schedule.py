@@ -84,6 +84,20 @@ def test_latency_is_paid_per_ring_rotation():
     assert slow - base == pytest.approx(2 * 0.5)
 
 
+def test_the_papers_cp_hides_its_clean_gather_behind_the_block_diagonal_part_only():
+    # As its reference runs a layer: the noisy rows' gather completes first (3 s: half of a 6 s shard, P = 2), then
+    # the clean rows' gather (3 s) starts and the block-diagonal part (2 s of pairs) computes meanwhile; the other 8 s
+    # of pairs wait for it. Backward: all 10 s of pairs, then the clean rows' reduce-scatter, then the noisy rows'.
+    dims = ParallelDims(2, 2, "cp", world_size=2, cp_layout="paper")
+    works = [replace(w, pairs={None: 10.0}, noisy_pairs={None: 2.0}) for w in rank_work(dims, 64, MaskRule(4), (None,))]
+    assert all(w.noisy_rows * 2 == w.sent_rows for w in works)  # half of what a rank sends is noisy
+    for transfer, forward in ((6.0, 3.0 + 3.0 + 8.0), (2.0, 1.0 + 2.0 + 8.0)):  # a gather longer / shorter than 2 s
+        costs = [_LayerCost(0.0, 0.0, 1.0, 1.0, transfer, 0.0, 0.0)] * 2
+        fwd, bwd = _layer_programs(dims, works, costs, None, latency=0.0)
+        assert [s.finish for s in simulate(fwd)] == pytest.approx([forward] * 2)
+        assert [s.finish for s in simulate(bwd)] == pytest.approx([10.0 + transfer] * 2)  # nothing overlaps
+
+
 def _cpu(cores, efficiency=1.0):
     return DeviceSpec("cpu", 1e11, 1e11, float("inf"), 2e10, 5e8, 5e8, shared_cores=cores,
                       oversubscribed_efficiency=efficiency)

@@ -224,7 +224,9 @@ class GatheredKV:
 
     With ``peers_only`` the source is the other ranks' rows only, in rank order: the caller attends to its
     own rows as a local source, computed while the peers' rows are in flight (and their gradients, in backward,
-    while the peers' gradients travel back). The bytes that travel are the same.
+    while the peers' gradients travel back). The bytes that travel are the same. With ``overlap_backward=False`` the
+    gradients' reduce-scatter starts only at the backward handle's wait, which the kernel reaches after its local
+    gradients: nothing overlaps it (the paper's CP baseline returns its clean gradients so).
 
     The block-sparse kernel starts :meth:`start_forward` itself and reads the result after its
     wait; gradients of the gathered rows go back through :meth:`start_backward`.
@@ -235,6 +237,7 @@ class GatheredKV:
     comm: CommContext
     names: tuple[str, str] = ("k", "v")
     peers_only: bool = False
+    overlap_backward: bool = True
 
     @property
     def num_rows(self) -> int:
@@ -250,9 +253,16 @@ class GatheredKV:
         return InFlight(self.comm, [], "gathered_kv", lambda: (pk.wait(), pv.wait()))
 
     def start_backward(self, dk_all: torch.Tensor, dv_all: torch.Tensor) -> InFlight:
-        """Return gathered-row gradients to their owners; ``wait()`` returns this rank's ``(dk, dv)``."""
-        pk = start_reduce_scatter(dk_all, self.comm, self.names[0], self.peers_only)
-        pv = start_reduce_scatter(dv_all, self.comm, self.names[1], self.peers_only)
+        """Return gathered-row gradients to their owners; ``wait()`` returns this rank's ``(dk, dv)`` (without
+        ``overlap_backward``, the transfer starts there)."""
+
+        def start():
+            return (start_reduce_scatter(dk_all, self.comm, self.names[0], self.peers_only),
+                    start_reduce_scatter(dv_all, self.comm, self.names[1], self.peers_only))
+
+        if not self.overlap_backward:
+            return InFlight(self.comm, [], "gathered_kv_grad", lambda: tuple(h.wait() for h in start()))
+        pk, pv = start()
         return InFlight(self.comm, [], "gathered_kv_grad", lambda: (pk.wait(), pv.wait()))
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:

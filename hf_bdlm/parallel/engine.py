@@ -19,10 +19,13 @@ communicator's rank order. :meth:`ExchangePass.attend` then runs the attention o
   batch item when the items' documents differ); the unsent part of the key tensor is the only local source. The ring
   runs the block-sparse kernels, so it needs ``attention_backend="blockwise"``.
 
-- **blocking** (``blocking=True``, the paper's CP baseline, :class:`~.dims.CPLayout`): on every layer, sliding ones
-  included, the sent rows of all members are all-gathered (own slot included) before any attention runs, and in
-  backward their dK/dV are reduce-scattered after every gradient is computed: nothing overlaps, and a sliding layer
-  moves the whole sequence instead of its halo.
+- **blocking** (``blocking=True``, the paper's CP baseline, :class:`~.dims.CPLayout`), as the reference code runs a
+  layer (``turbo-dllm`` 0.1.6: ``_GatherPureCPActiveKV``, then ``_PureContextShardedActiveAttentionImpl``): the
+  members' sent *noisy* rows are all-gathered first, complete before anything else; then the gather of their sent
+  *clean* rows starts (own slot included), the rank's queries attend to the gathered noisy K/V meanwhile (each noisy
+  query to its own block: the block-diagonal part) and to all clean K/V after the wait. Backward computes every
+  gradient, then reduce-scatters the clean rows' dK/dV, then the noisy rows'. Sliding layers run the same way: the
+  whole sequence travels, not the halo.
 
 With a communicator of one rank nothing travels: the key tensor is the only source. The result of an asynchronous
 collective is reachable only after its wait: the deferred sources hand their rows over through the handles of
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.backends import attend, common_dtype
-from ..attention.masks import MaskRule
+from ..attention.masks import NOISY, MaskRule
 from ..attention.rows import RowMeta
 from ..attention.tiles import plan_attention
 from .collectives import CommContext, ExchangedKV, GatheredKV, gather_rows
@@ -65,8 +68,8 @@ class ExchangePass:
     tail); the rest is unsent and stays a local source. ``member_queries`` / ``member_sent``: per member of ``comm`` (in
     its rank order) the query rows it runs and the rows it sends; ``me``: this rank's index among them. ``name``:
     prefix of the collectives' names in the byte meter (``{name}_k``, ``{name}_k_window``, ...; ``None``: the
-    collectives' own names). ``key_streams``: whether the window lists cut each query's reach per key stream
-    (:func:`~.plan.window_exchange`). ``blocking``: move K/V as the paper's CP baseline does (module docstring).
+    collectives' own names). ``blocking``: move K/V as the paper's CP baseline does (module docstring; every member
+    then sends as many noisy rows as the others, and as many clean ones, each stream one contiguous run).
     ``cache`` holds what depends only on the rows and the rule (plans, window lists).
     """
 
@@ -80,7 +83,6 @@ class ExchangePass:
     member_sent: list[RowMeta]
     me: int
     name: str | None = None
-    key_streams: bool = False
     blocking: bool = False
     cache: dict = field(default_factory=dict)
 
@@ -94,6 +96,12 @@ class ExchangePass:
             raise ValueError(f"the sent rows must be a head or a tail of the {total} key rows, got {self.sent}.")
         self.sent = slice(start, stop)
         self.unsent = slice(stop, total) if start == 0 else slice(0, start)
+        if self.blocking:
+            counts = {_stream_runs(rows)[2:] for rows in self.member_sent}
+            if len(counts) != 1:
+                raise ValueError(f"blocking gathers need equal noisy and clean row counts on every member; the members "
+                                 f"send (noisy, clean) = {sorted(counts)}.")
+            self.own_runs = _stream_runs(self.member_sent[self.me])[:2]
 
     @property
     def peer_rows(self) -> RowMeta:
@@ -121,17 +129,33 @@ class ExchangePass:
                       self.cache)
 
     def _attend_blocking(self, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:
-        """Every member's sent rows, gathered before the attention runs (autograd: the reduce-scatter of their
-        gradients runs after the kernel's backward); the unsent rows are a local source."""
+        """The paper's CP baseline (module docstring): the noisy rows gathered before the attention, the clean rows'
+        gather overlapped with the block-diagonal part, every gradient computed before either returns."""
+        noisy, clean = self.own_runs
+        k_sent, v_sent = _rows(key, self.sent), _rows(value, self.sent)
         k_name, v_name = self._names().get("names", ("k", "v"))
-        gathered = gather_rows(_rows(key, self.sent), self.comm, k_name), gather_rows(_rows(value, self.sent),
-                                                                                       self.comm, v_name)
-        rows = self.cache.get("all_sent_rows")
-        if rows is None:
-            rows = self.cache["all_sent_rows"] = RowMeta.cat(self.member_sent)
-        unsent = [(key[:, :, self.unsent], value[:, :, self.unsent])] if self._has_unsent else []
-        return attend(self.backend, query, unsent + [gathered], self.queries, self._unsent_rows() + [rows], rule, scale,
-                      self.cache)
+        sources, rows = ([(key[:, :, self.unsent], value[:, :, self.unsent])], self._unsent_rows()) \
+            if self._has_unsent else ([], [])
+        noisy_rows, clean_rows = self._rows_by_stream()
+        if noisy.stop > noisy.start:  # complete on return, as the reference gathers its active K/V first
+            sources.append((gather_rows(k_sent[:, :, noisy], self.comm, k_name),
+                            gather_rows(v_sent[:, :, noisy], self.comm, v_name)))
+            rows.append(noisy_rows)
+        if clean.stop > clean.start:
+            sources.append(GatheredKV(k_sent[:, :, clean], v_sent[:, :, clean], self.comm, (k_name, v_name),
+                                      overlap_backward=False))
+            rows.append(clean_rows)
+        return attend(self.backend, query, sources, self.queries, rows, rule, scale, self.cache)
+
+    def _rows_by_stream(self) -> tuple[RowMeta, RowMeta]:
+        """Every member's sent noisy rows, then every member's sent clean rows, each in member order."""
+        found = self.cache.get("rows_by_stream")
+        if found is None:
+            parts = [_stream_runs(rows) for rows in self.member_sent]
+            found = self.cache["rows_by_stream"] = tuple(
+                RowMeta.cat([rows.slice(p[i].start, p[i].stop) for rows, p in zip(self.member_sent, parts)])
+                for i in (0, 1))
+        return found
 
     def _names(self, suffix: str = "") -> dict:
         return {} if self.name is None else {"names": (f"{self.name}_k{suffix}", f"{self.name}_v{suffix}")}
@@ -143,7 +167,7 @@ class ExchangePass:
         found = self.cache.get(key)
         if found is None:
             send_index, send_counts, recv_counts, recv_rows = window_exchange(
-                self.me, self.member_queries, self.member_sent, rule, key_streams=self.key_streams)
+                self.me, self.member_queries, self.member_sent, rule)
             found = self.cache[key] = (send_index.to(device), tuple(send_counts), tuple(recv_counts), recv_rows)
         return found
 
@@ -187,6 +211,23 @@ class ExchangePass:
             shards = [plan_attention(q, [rows.batch_item(item)], rule) for rows in self.member_sent]
             found = self.cache[key] = (local, shards)
         return found
+
+
+def _stream_runs(rows: RowMeta) -> tuple[slice, slice, int, int]:
+    """``(noisy, clean, noisy count, clean count)``: the two contiguous runs of ``rows`` by stream (either first)."""
+    noisy = (rows.stream == NOISY).nonzero().flatten()
+    n, total = int(noisy.numel()), rows.num_rows
+    if n == 0 or n == total:
+        run = slice(0, n)
+    elif int(noisy[0]) == 0 and int(noisy[-1]) == n - 1:
+        run = slice(0, n)
+    elif int(noisy[0]) == total - n and int(noisy[-1]) == total - 1:
+        run = slice(total - n, total)
+    else:
+        raise ValueError("a member's sent rows must hold each stream in one contiguous run (noisy then clean, or "
+                         "clean then noisy).")
+    clean = slice(n, total) if run.start == 0 else slice(0, total - n)
+    return run, clean, n, total - n
 
 
 def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -515,14 +515,15 @@ def make_plan(cfg: PlanConfig) -> GroupPlan:
     return GroupPlan(cfg, tuple(build(cfg)))
 
 
-def window_exchange(me: int, queries: list[RowMeta], sent: list[RowMeta], rule: MaskRule,
-                    key_streams: bool = False) -> tuple[torch.Tensor, list[int], list[int], RowMeta]:
+def window_exchange(me: int, queries: list[RowMeta], sent: list[RowMeta],
+                    rule: MaskRule) -> tuple[torch.Tensor, list[int], list[int], RowMeta]:
     """All-to-all lists of a sliding-window layer: which sent rows each member needs from each other member.
 
     ``queries[m]`` are the query rows member ``m`` runs, ``sent[m]`` the rows it offers; ``me`` is this rank's
-    index among the members. A row is needed when its position lies in some query's window as ``rule`` defines
-    it (``keys_in_window``; ``key_streams`` also passes the keys' streams, for rules that depend on them). The
-    rank's own rows are a local source: nothing is exchanged with itself.
+    index among the members. A row is needed when some query's window and the stream table reach it
+    (:func:`~hf_bdlm.attention.masks.keys_in_window` with the keys' streams): a noisy query reaches clean rows before
+    its block and noisy rows of its own block only, a clean query no noisy row. Documents are not consulted (the
+    lists serve every item of a batch). The rank's own rows are a local source: nothing is exchanged with itself.
 
     Returns ``(send_index, send_counts, recv_counts, recv_rows)``: indices into ``sent[me]`` for peer 0, then
     peer 1, ...; the rows sent to and received from each member; the received rows, in member order.
@@ -532,8 +533,8 @@ def window_exchange(me: int, queries: list[RowMeta], sent: list[RowMeta], rule: 
         q, k = queries[requester], sent[owner]
         if q.num_rows == 0 or k.num_rows == 0:
             return torch.empty(0, dtype=torch.long)
-        k_stream = k.stream.cpu() if key_streams else None
-        return keys_in_window(q.stream.cpu(), q.pos.cpu(), k.pos.cpu(), rule, k_stream=k_stream).nonzero().flatten()
+        reached = keys_in_window(q.stream.cpu(), q.pos.cpu(), k.pos.cpu(), rule, k_stream=k.stream.cpu())
+        return reached.nonzero().flatten()
 
     send_parts, send_counts, recv_counts, recv_rows = [], [], [], []
     for peer in range(len(sent)):

@@ -468,24 +468,29 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
                 continue
             total, local, calls = _computed_rank_pairs(plan, r, q, members, exchanged, dims.is_paper_cp, rule_w,
                                                        plan_attention)
+            # The paper's CP computes its block-diagonal part (the gathered noisy source) while the clean rows travel.
+            noisy = {**w.noisy_pairs, window: local} if dims.is_paper_cp and exchanged else w.noisy_pairs
             out[r] = replace(w, pairs={**w.pairs, window: total}, local_pairs={**w.local_pairs, window: local},
-                             kernel_calls={**w.kernel_calls, window: calls})
+                             noisy_pairs=noisy, kernel_calls={**w.kernel_calls, window: calls})
     return out
 
 
 def _computed_rank_pairs(plan, r: int, q, members, exchanged: bool, blocking: bool, rule, plan_attention):
-    """``(all, local, calls)``: the pairs the kernel computes for rank ``r`` under ``rule`` (all sources, its own
-    rows) and its kernel calls, over the sources :class:`~hf_bdlm.parallel.engine.ExchangePass` attends to
-    (allgather / all-to-all transports)."""
+    """``(all, local, calls)``: the pairs the kernel computes for rank ``r`` under ``rule`` (all sources; those it
+    computes before its wait: its own rows, or under the paper's CP the gathered noisy rows) and its kernel calls,
+    over the sources :class:`~hf_bdlm.parallel.engine.ExchangePass` attends to (allgather / all-to-all transports)."""
     from ..attention.rows import RowMeta
     from ..parallel.plan import window_exchange
 
     if not exchanged:
         tiles = plan_attention(q, [q], rule)
         return computed_pairs(tiles), computed_pairs(tiles), len(tiles.calls)
-    if blocking:  # the paper's CP: every member's rows (sliding layers too), gathered before attending
-        tiles = plan_attention(q, [RowMeta.cat([plan.sent_rows(m) for m in members])], rule)
-        return computed_pairs(tiles), 0, len(tiles.calls)
+    if blocking:  # the paper's CP: every member's noisy rows, then every member's clean rows (sliding layers too)
+        noisy = RowMeta.cat([plan.ranks[m].rows().slice(0, plan.ranks[m].local_noisy_rows) for m in members])
+        clean = RowMeta.cat([plan.ranks[m].rows().slice(plan.ranks[m].local_noisy_rows, plan.ranks[m].num_rows)
+                             for m in members])
+        tiles = plan_attention(q, [noisy, clean], rule)
+        return computed_pairs(tiles), computed_pairs(tiles, 0), len(tiles.calls)
     if rule.sliding_window is None:
         peers = RowMeta.cat([plan.sent_rows(m) for m in members if m != r])
     else:  # the halo rows the all-to-all brings

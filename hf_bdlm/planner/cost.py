@@ -171,7 +171,9 @@ def allowed_key_counts(q_stream: torch.Tensor, q_pos: torch.Tensor, rule: MaskRu
 class RankWork:
     """What one rank computes and receives per layer kind (keyed by the layer's window, ``None`` = full).
 
-    ``pairs[w]`` allowed (query, key) pairs of its queries, ``local_pairs[w]`` those among its own rows;
+    ``pairs[w]`` allowed (query, key) pairs of its queries, ``local_pairs[w]`` those among its own rows,
+    ``noisy_pairs[w]`` those of its noisy queries over noisy keys (the block-diagonal part: what the paper's CP
+    computes while its clean rows travel);
     ``sent_rows`` rows it contributes to the K/V gather (0 for ``bp``); ``halo_recv[w]`` / ``halo_sent[w]``
     rows a sliding layer receives from / sends to the peers. For the ring transport (full layers):
     ``source_pairs`` the pairs against the rank's local source (``csbp``: its noisy rows; ``cp``: none) and
@@ -192,6 +194,7 @@ class RankWork:
     shard_pairs: tuple = ()
     members: tuple = ()
     kernel_calls: dict = field(default_factory=dict)
+    noisy_pairs: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -217,9 +220,9 @@ def _cumulative_counts(seq_len: int, rule: MaskRule) -> tuple[torch.Tensor, torc
 
 
 def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, int, tuple[int, ...]]:
-    """A rank's allowed pairs: all, among its own rows, against its noisy keys, and against each gather member's
-    clean rows (in member order). (The paper's CP baseline holds a slice of each noisy block, so its noisy keys are
-    not all its own; it computes nothing before its blocking gather, and the schedule does not read its local part.)"""
+    """A rank's allowed pairs: all, among its own rows, against noisy keys (the block-diagonal part), and against
+    each gather member's clean rows (in member order). (The paper's CP baseline holds a slice of each noisy block, so
+    its noisy keys are not all its own: its schedule reads the block-diagonal part, not the local one.)"""
     rp = plan.ranks[rank]
     noisy_cum, clean_cum = _cumulative_counts(rp.seq_len, rule)
     streams = ((NOISY, rp.noisy_positions(), noisy_cum), (CLEAN, rp.clean_position_index(), clean_cum))
@@ -244,23 +247,31 @@ def _rank_pairs(plan: GroupPlan, rank: int, rule: MaskRule) -> tuple[int, int, i
 
 
 def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]:
-    """Rows each rank receives from / sends to its peers on a sliding layer: the peers' sent rows inside the
-    window of its queries (:func:`keys_in_window`, as the sharded layout selects them)."""
+    """Rows each rank receives from / sends to its peers on a sliding layer: the peers' sent rows that some query of
+    the rank reaches through its window and the stream table (:func:`keys_in_window` with the keys' streams, as
+    :func:`~hf_bdlm.parallel.plan.window_exchange` selects them for the engine)."""
     P, L = len(plan.ranks), plan.config.seq_len
     recv, sent = [0] * P, [0] * P
     if not plan.config.mode.exchanges_kv or rule.sliding_window is None:
         return recv, sent
+    positions = torch.arange(L)
     for me in range(P):
         peers = [p for p in plan.exchange_members(me) if p != me]
         if not peers:
             continue
-        # Which positions some query of this rank reaches (the window is an interval per query), as prefix sums:
-        # a peer's rows in reach are then a few range sums.
+        # Which positions some query of this rank reaches, per key stream (the reach is an interval per query and
+        # stream), as prefix sums: a peer's rows in reach are then a few range sums.
         q = plan.ranks[me].rows()
-        reached = keys_in_window(q.stream, q.pos, torch.arange(L), rule).long().cumsum(0)
-        reached = torch.cat([torch.zeros(1, dtype=torch.long), reached])
+        reached = {}
+        for stream in (CLEAN, NOISY):
+            hit = keys_in_window(q.stream, q.pos, positions, rule, k_stream=torch.full_like(positions, stream))
+            reached[stream] = torch.cat([torch.zeros(1, dtype=torch.long), hit.long().cumsum(0)])
         for p in peers:
-            n = sum(int(reached[e] - reached[s]) for s, e in plan.sent_ranges(p))
+            rp = plan.ranks[p]
+            ranges = [(CLEAN, r) for r in rp.clean_positions]
+            if plan.config.mode.sends_noisy_kv:
+                ranges += [(NOISY, r) for r in rp.noisy_ranges]
+            n = sum(int(reached[stream][e] - reached[stream][s]) for stream, (s, e) in ranges)
             recv[me] += n
             sent[p] += n
     return recv, sent
@@ -291,6 +302,7 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple,
     P = dims.block_parallel_size
     pairs = [dict() for _ in range(P)]
     local = [dict() for _ in range(P)]
+    diagonal = [dict() for _ in range(P)]
     recv = [dict() for _ in range(P)]
     sent = [dict() for _ in range(P)]
     source, shards = [0] * P, [()] * P
@@ -298,6 +310,7 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple,
         r_w = rule.with_window(w)
         for r in range(P):
             pairs[r][w], local[r][w], noisy_keys, clean_keys = _rank_pairs(plan, r, r_w)
+            diagonal[r][w] = noisy_keys
             if w is None and gather_size(dims) > 1:
                 # The ring: csbp's noisy rows are a local source; cp's own shard carries them.
                 own = plan.exchange_members(r).index(r)
@@ -313,7 +326,7 @@ def rank_work(dims: ParallelDims, seq_len: int, rule: MaskRule, windows: tuple,
         # What the engine sends (GroupPlan.sent_rows), to a ring of more than itself.
         sent_rows = rp.num_rows - plan.sent_row_start(r) if len(plan.exchange_members(r)) > 1 else 0
         out.append(RankWork(rp.local_noisy_rows, rp.local_clean_rows, pairs[r], local[r], sent_rows, recv[r], sent[r],
-                            source[r], shards[r], plan.exchange_members(r)))
+                            source[r], shards[r], plan.exchange_members(r), noisy_pairs=diagonal[r]))
     return tuple(out)
 
 
@@ -565,15 +578,32 @@ def _layer_programs(dims: ParallelDims, works: Sequence[RankWork], costs: Sequen
             hops = G - 1 if whole else 1  # the all-gather's G - 1 shards; an all-to-all
             done = max(costs[m].transfer for m in members) * hops + latency
             keys = tuple(("c", m) for m in members)
-            if style.blocking:  # gather, then attend; every gradient, then reduce-scatter
-                pf += [Send(("c", r), done), Wait(keys), Compute(pairs * f)]
-                pb += [Compute(pairs * b), Send(("c", r), done), Wait(keys)]
+            if style.blocking:
+                # As the paper's reference runs it: the noisy rows' gather completes first; the clean rows' gather
+                # starts and the block-diagonal part computes meanwhile, the rest after its wait. Backward: every
+                # gradient, then the clean rows' reduce-scatter, then the noisy rows'.
+                noisy = [_noisy_share(dims, works[m]) for m in members]
+                n_done = max(costs[m].transfer * n for m, n in zip(members, noisy)) * hops + latency
+                c_done = max(costs[m].transfer * (1 - n) for m, n in zip(members, noisy)) * hops + latency
+                n_keys = tuple(("n", m) for m in members)
+                diagonal = w.noisy_pairs[window] if noisy[members.index(r)] else 0
+                head = [Send(("n", r), n_done), Wait(n_keys)] if any(noisy) else []
+                pf += head + [Send(("c", r), c_done), Compute(diagonal * f), Wait(keys),
+                              Compute((pairs - diagonal) * f)]
+                pb += [Compute(pairs * b), Send(("c", r), c_done), Wait(keys)] + head
             else:
                 pf += [Send(("c", r), done), Compute(local * f), Wait(keys), Compute((pairs - local) * f)]
                 pb += [Compute((pairs - local) * b), Send(("c", r), done), Compute(local * b), Wait(keys)]
         fwd.append(tuple(pf))
         bwd.append(tuple(pb))
     return tuple(fwd), tuple(bwd)
+
+
+def _noisy_share(dims: ParallelDims, work: RankWork) -> float:
+    """The fraction of a rank's sent rows that are noisy (``cp``: its noisy rows travel too; ``csbp``: none)."""
+    if not dims.mode.sends_noisy_kv or not work.sent_rows:
+        return 0.0
+    return work.noisy_rows / work.sent_rows
 
 
 @lru_cache(maxsize=1024)

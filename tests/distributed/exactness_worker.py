@@ -7,7 +7,8 @@ and batch and runs its own rows of the sharded layout; the summed losses and gra
 data-parallel mean across groups) must equal the single-process reference. The reference of a case is computed once,
 by the rank that owns the case (cases dealt round-robin over the ranks), after all the sharded runs: the reduced
 losses and gradients are the same on every rank, so one rank can compare them. Bytes recorded by the meter are checked
-against the formulas of docs/design.md §3 on full-attention models.
+against the formulas of docs/design.md §3 on full-attention models, and on every model against the planner's
+prediction (``hf_bdlm.planner.cost.kv_bytes_by_name``), name by name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,8 @@ from hf_bdlm.parallel.collectives import ByteMeter
 from hf_bdlm.parallel.plan import ParallelDims, PlanConfig
 from hf_bdlm.parallel.groups import BlockParallelGroups
 from hf_bdlm.parallel.sharded import ShardedLayout
+from hf_bdlm.planner.cost import kv_bytes_by_name, layer_windows, mask_rule_of, rank_work
+from hf_bdlm.planner.model import model_spec
 
 VOCAB, MASK, PAD = 96, 95, 0
 L, B = 64, 4
@@ -126,7 +130,8 @@ def run_sharded(case, groups_by_shape, world):
     (loss * P).backward()  # DDP averages over all W ranks
     total, *grads = all_reduce_flat([loss.reshape(1)] + [p.grad for p in model.parameters()])
     grads = [gr / world for gr in grads]
-    result = dict(case, bytes=meter.by_name())
+    result = dict(case, bytes=meter.by_name(), predicted_bytes=predicted_bytes(case, model, groups.group_rank,
+                                                                         corrupted.clean_ids.shape[0]))
     # Expected K/V bytes received per rank (full-attention layers only; forward + backward). The paper's CP baseline
     # gathers the whole sequence on sliding layers too, so every layer of every backbone counts.
     if case["backbone"] != "gemma3" or case.get("cp_layout") == "paper":
@@ -147,6 +152,17 @@ def run_sharded(case, groups_by_shape, world):
             got_bwd = sum(v for k, v in names.items() if k.endswith("reduce_scatter"))
         result.update(expect_bytes=expect, fwd_bytes=got_fwd, bwd_bytes=got_bwd)
     return result, total.item() / num_groups, grads
+
+
+def predicted_bytes(case, model, rank: int, batch: int) -> dict[str, int]:
+    """The planner's K/V bytes of this rank, by the byte meter's names, for the case's model and layout (every
+    layer: full ones gathered, sliding ones' halos, the paper's CP whole)."""
+    spec = model_spec(model.config)
+    dims = ParallelDims(case["P"], case["C"], case["mode"], transport=case.get("transport", "allgather"),
+                        cp_layout=case.get("cp_layout", "balanced"))
+    work = rank_work(replace(dims, transport="allgather"), L, mask_rule_of(spec), layer_windows(spec))[rank]
+    s = torch.finfo(torch.float64 if case["dtype"] == "float64" else torch.float32).bits // 8
+    return kv_bytes_by_name(spec, dims, work, s, batch)
 
 
 def compare_with_reference(case, result, loss, grads, world):

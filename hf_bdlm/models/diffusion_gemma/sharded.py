@@ -125,10 +125,10 @@ class ShardedDiffusionGemmaLayout:
         canvas_of = [canvas_rows(m) for m in members]
 
         def exchange(name, queries, keys, sent, member_queries, member_sent) -> ExchangePass:
-            # Collectives named after the pass; window lists cut per key stream (a canvas block reaches no canvas
-            # key of another block).
+            # Collectives named after the pass (the window lists cut each reach per key stream: a canvas block
+            # reaches no canvas key of another block).
             return ExchangePass(self.comm, self.transport, backend, queries, keys, sent, member_queries, member_sent,
-                                at, name, key_streams=True, blocking=plan.config.dims.is_paper_cp)
+                                at, name, blocking=plan.config.dims.is_paper_cp)
 
         self.encoder = exchange("encoder", clean_of[at], clean_of[at], slice(0, self.num_clean), clean_of, clean_of)
         decoder_keys = RowMeta.cat([clean_of[at], canvas_of[at]])  # the decoder's keys: [cache ; canvas]
