@@ -287,6 +287,18 @@ def test_diffusion_gemma_fsdp2_shards_every_parameter_and_matches_ddp(diffusion_
 
 
 @pytest.mark.distributed
+def test_diffusion_gemma_trains_in_the_papers_cp_layout_as_in_csbp(diffusion_gemma):
+    # The baseline a comparison runs (block_parallel_cp_layout="paper": contiguous clean shards, a token slice of every
+    # canvas block, its reference's transfers) trains the same model: csbp's losses, held-out losses and weights.
+    paper, csbp = (diffusion_gemma[0][f"plain/{mode}/fsdp2"] for mode in ("cp_paper", "csbp"))
+    assert paper["steps"] == csbp["steps"] == [1, 2, 3, 4] and paper["dtensors"] == paper["parameters"]
+    assert _rel(paper["losses"], csbp["losses"]) <= TOL, (paper["losses"], csbp["losses"])
+    assert paper["eval_loss"] == pytest.approx(csbp["eval_loss"], rel=TOL)
+    assert _weights_rel(paper["weights"], csbp["weights"]) <= TOL
+    assert diffusion_gemma[1]["plain/cp_paper/fsdp2"]["losses"] == paper["losses"]
+
+
+@pytest.mark.distributed
 def test_diffusion_gemma_trains_the_whole_text_model_under_fsdp2(diffusion_gemma):
     from tiny_diffusion_gemma import tiny_model
 

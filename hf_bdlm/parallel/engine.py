@@ -215,13 +215,11 @@ class ExchangePass:
 
 def _stream_runs(rows: RowMeta) -> tuple[slice, slice, int, int]:
     """``(noisy, clean, noisy count, clean count)``: the two contiguous runs of ``rows`` by stream (either first)."""
-    noisy = (rows.stream == NOISY).nonzero().flatten()
+    noisy = (rows.stream == NOISY).nonzero().flatten()  # ascending, distinct
     n, total = int(noisy.numel()), rows.num_rows
-    if n == 0 or n == total:
+    if n == 0 or int(noisy[-1]) == n - 1:  # the head (or none)
         run = slice(0, n)
-    elif int(noisy[0]) == 0 and int(noisy[-1]) == n - 1:
-        run = slice(0, n)
-    elif int(noisy[0]) == total - n and int(noisy[-1]) == total - 1:
+    elif int(noisy[0]) == total - n:  # the tail
         run = slice(total - n, total)
     else:
         raise ValueError("a member's sent rows must hold each stream in one contiguous run (noisy then clean, or "

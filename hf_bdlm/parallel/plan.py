@@ -174,7 +174,8 @@ class PlanConfig:
 
 def _subset_rows_dims(dims: ParallelDims) -> ParallelDims:
     """The layout whose clean shards and dealing a plan with ``noisy_blocks`` uses: ``cp`` as ``csbp`` with ``C = P``
-    (both passes of an encoder-decoder cut head-tail), the others (and the paper's CP baseline) as declared."""
+    (both passes of an encoder-decoder cut head-tail, as context parallelism cuts each pass's rows; ``cp`` then differs
+    from ``csbp`` only in what travels), the others (and the paper's CP baseline) as declared."""
     if dims.mode is not Mode.CP or dims.is_paper_cp:
         return dims
     return ParallelDims(dims.block_parallel_size, dims.block_parallel_size, Mode.CSBP, Schedule.DUAL_END)

@@ -23,12 +23,13 @@ local gradients while it travels. With ``block_parallel_transport="ring"`` the s
 through the ring instead, and the noisy rows (``csbp``) are the local source.
 
 The paper's CP baseline (``cp_layout="paper"``, :class:`~.dims.CPLayout`) holds a contiguous clean shard and a token
-slice of every noisy block, and moves K/V blocking: its exchange gathers all members' rows before attending, on every
-layer (:class:`~.engine.ExchangePass` with ``blocking``).
+slice of every noisy block, and moves K/V as its reference does, on every layer: the noisy rows gathered first, the
+clean rows' gather overlapped with the block-diagonal part only (:class:`~.engine.ExchangePass` with ``blocking``).
 
 On sliding-window layers a rank needs only the peers' rows within the window of its queries (the
 halo): instead of the all-gather it fetches exactly those rows from their owners (all-to-all),
-deferred and overlapped the same way.
+deferred and overlapped the same way; each query's reach is cut per key stream, so a clean query fetches no noisy
+row (``cp``) and a noisy block only the clean window before it.
 
 The layout does not care where clean K/V come from: a source is a tensor plus its
 :class:`~hf_bdlm.attention.rows.RowMeta`.

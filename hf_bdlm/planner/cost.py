@@ -12,14 +12,16 @@ whose validation is the only one. docs/design.md §6 states the formulas:
   the LM head on the rows that carry a loss.
 - K/V bytes received per rank (what the ``ByteMeter`` records): all-gather ``2·(G-1)·rows_sent·H_kv·d·s``
   forward and the same in the reduce-scatter backward; the ``ring`` transport ``(G-1)`` shards forward,
-  ``(G-1)`` + ``G`` (dK/dV) backward; sliding layers the halo rows (all-to-all), back in backward.
+  ``(G-1)`` + ``G`` (dK/dV) backward; sliding layers the halo rows (all-to-all; each query's reach cut per key
+  stream, as the engine selects them), back in backward.
 - step time: every layer's forward and backward and the LM head, each scheduled across the group's ranks
   (:mod:`.schedule`: compute, sends and waits in the order the kernels issue them; ``cp`` / ``csbp`` overlap the
   transfer with attention over the rank's own rows, the ring chains its rotations, ``bp`` has nothing to move;
   on a CPU with more ranks than cores they share the cores), summed, plus FSDP2's exposed traffic.
 - the paper's CP baseline (``cp_layout="paper"``): its plan's contiguous clean shards give the imbalance; its
-  transfers are blocking (the gather completes before any attention, the reduce-scatter after every gradient) and
-  its sliding layers gather the whole sequence like full ones.
+  transfers are its reference's (the noisy rows' gather completes before any attention, the clean rows' gather hides
+  behind the block-diagonal part only, both reduce-scatters run after every gradient) and its sliding layers gather
+  the whole sequence like full ones.
 
     python -c "from hf_bdlm.planner.cost import *; from hf_bdlm.planner.model import model_spec; \\
 from hf_bdlm.planner.hardware import device_spec; from hf_bdlm.parallel.dims import ParallelDims; \\
@@ -279,8 +281,9 @@ def _halo_counts(plan: GroupPlan, rule: MaskRule) -> tuple[list[int], list[int]]
 
 @dataclass(frozen=True)
 class CommStyle:
-    """How a layout's K/V move. ``blocking``: the gather completes before any attention, the reduce-scatter runs after
-    every gradient (nothing overlaps); ``whole_sliding``: sliding-window layers gather the whole sequence like full
+    """How a layout's K/V move. ``blocking``: as the paper's reference code moves them, the noisy rows' gather
+    completes before any attention, the clean rows' gather overlaps the block-diagonal part (noisy queries over noisy
+    keys) only, and both reduce-scatters run after every gradient; ``whole_sliding``: sliding-window layers gather the whole sequence like full
     ones instead of fetching their halos. Both hold for the paper's CP baseline, neither for the other layouts;
     :func:`predict` takes another style to price a hypothetical one (e.g. the breakdown of ``hf-bdlm plan --paper``)."""
 

@@ -21,7 +21,8 @@ Scenarios (the setups are tests/distributed/trainer_worker.py's):
 - ``diffusion_gemma`` (2 ranks, transformers' DiffusionGemma with self-conditioning; :data:`DG_SETUPS`): as DDP and
   FSDP2, P = 2 csbp and cp (SGD; the held-out loss before and after training), csbp with gradient accumulation +
   activation checkpointing + packing, csbp with LoRA (the reference targets), and P = 1 over 2 data-parallel replicas
-  where one replica has no target in a step; then FSDP2 csbp with AdamW saving full checkpoints at steps 2 and 4 and
+  where one replica has no target in a step; the paper's CP baseline (cp_layout="paper") under FSDP2; then FSDP2 csbp
+  with AdamW saving full checkpoints at steps 2 and 4 and
   its final model, resumed from step 2 under FSDP2 on the same layout, under DDP with bp and (the control) without its
   optimizer state; and the same run with sharded checkpoints, resumed under FSDP2 with P = 1 (2 replicas).
 Each run records its logged losses, whether its parameters are sharded (DTensors), and its final weights.
@@ -243,6 +244,10 @@ def scenario_diffusion_gemma(out: Path) -> dict:
             start = time.perf_counter()
             r[f"{setup}/{mode}/{name}"] = run_diffusion_gemma(setup, out / setup / f"{mode}_{name}", P, mode, **kw)
             r[f"{setup}/{mode}/{name}"]["seconds"] = time.perf_counter() - start
+    # The paper's CP baseline through the trainer under FSDP2, as a comparison would run it (tests/test_trainer_fsdp.py:
+    # the csbp run's losses and weights).
+    r["plain/cp_paper/fsdp2"] = run_diffusion_gemma("plain", out / "plain" / "cp_paper_fsdp2", 2, "cp",
+                                                    block_parallel_cp_layout="paper", **FSDP2)
     full = out / "resume"
     r["resume"] = run_diffusion_gemma("resume", full, 2, "csbp", save_final=True, **FSDP2)
     r["resume/same_layout"] = run_diffusion_gemma("resume", out / "resume_same", 2, "csbp",

@@ -13,7 +13,11 @@ blocks). Both passes call the attention interface, and a rank runs both over its
   all-gathered (``csbp``, ``cp``) or held (``bp``);
 - **decoder** (per layer): queries = the rank's canvas blocks; keys = the encoder's cached clean K/V of the ring
   gathered again, plus its own canvas K/V, local (``csbp``, ``bp``); ``cp`` gathers the canvas K/V of the whole group
-  too, as context parallelism of an encoder-decoder does (only their own block uses them);
+  too, as context parallelism of an encoder-decoder does (only their own block uses them). ``cp``'s rows are thus
+  ``csbp``'s with ``C = P`` and the gathered canvas keys are all masked: the two compute the same losses bitwise and
+  differ in bytes and memory only. The paper's CP baseline (``cp_layout="paper"``) computes differently: contiguous
+  clean shards, a token slice of every canvas block, its transfers as :class:`~hf_bdlm.parallel.engine.ExchangePass`
+  runs them with ``blocking``;
 - **exchange**: each pass is an :class:`~hf_bdlm.parallel.engine.ExchangePass`, and the K/V exchange is
   :mod:`hf_bdlm.parallel.engine`'s, as for :class:`~hf_bdlm.parallel.sharded.ShardedLayout`. The pass's key tensor is
   ``[clean ; canvas]`` (the encoder: clean only); a rank sends its clean head (``cp``: all of it). Its own rows are a
