@@ -108,7 +108,7 @@ def test_bad_option_values_exit_2_naming_the_value(argv, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def _record(layout, P, L, times, loss=9.0, match=True, rate=10.0, peak=100, **extra):
+def _record(layout, P, L, times, loss=9.0, match=True, rate=10.0, peak=100, cpu=1.0, **extra):
     received = 0 if layout in ("single", "bp", "dp") else MiB
     share = L // 512 // (1 if layout in ("single", "cp", "dp") else P)
     sequences = P if layout == "dp" else 1
@@ -116,7 +116,8 @@ def _record(layout, P, L, times, loss=9.0, match=True, rate=10.0, peak=100, **ex
     rec = dict(study="drafter", layout=layout, P=P, C=P if layout in ("cp", "csbp") else 1, L=L, layers=1,
                window=2048, anchors=L // 512, anchors_per_rank=[share] * P, steps=len(times),
                step_s=step_s, step_times=list(times), sequences_per_step=sequences,
-               seconds_per_sequence=[t / sequences for t in times], compute_s_per_rank=[step_s - 0.25] * P,
+               seconds_per_sequence=[t / sequences for t in times], compute_s_per_rank=[step_s * cpu] * P,
+               cpu_seconds_per_sequence=[t * cpu / sequences for t in times],
                compute_rate_gflops=rate, context_tokens_per_s=sequences * L / step_s,
                supervised_tokens_per_s=7 * (L // 512) * sequences / step_s,
                projected_rows_per_rank=[1000] + [0] * (P - 1), features_bytes_per_rank=[L * 5120 // P] * P,
@@ -131,7 +132,7 @@ def test_the_report_compares_csbp_per_sequence_with_every_baseline_ties_where_th
                _record("csbp", 2, 16384, [0.5, 0.52, 0.51], loss=9.0 * (1 + 2e-7), rate=5.0, peak=40),
                _record("cp", 2, 16384, [2.0, 2.1, 1.9], rate=5.0, peak=80),
                _record("bp", 2, 16384, [0.5, 0.6, 0.7], match=False, rate=5.0, peak=50),
-               _record("dp", 2, 16384, [1.6, 1.7, 1.8], rate=10.0, peak=100),  # two sequences a step: 0.85 s each
+               _record("dp", 2, 16384, [1.6, 1.7, 1.8], rate=10.0, peak=100, cpu=0.5),  # 2 sequences: 0.85 s each
                dict(study="drafter", layout="cp", P=4, L=16384, error="Traceback ...\nMemoryError: killed")]
     rows = {(r["layout"], r["P"]): r for r in benchmark.rows(records)}
     assert rows[("dp", 2)]["per_sequence"].values == (0.8, 0.85, 0.9)
@@ -145,16 +146,17 @@ def test_the_report_compares_csbp_per_sequence_with_every_baseline_ties_where_th
     assert against["dp"]["comparison"].ratio == pytest.approx(0.85 / 0.51)
     assert entry["strongest"] == "bp"  # 0.6 s per sequence against dp's 0.85
     assert against["dp"]["normalised"].ratio == pytest.approx(0.85 / (0.51 * 0.5))
+    assert against["dp"]["cpu"].ratio == pytest.approx(0.425 / 0.51) and against["dp"]["cpu"].tie is False
     assert against["cp"]["memory_ratio"] == 0.5 and against["dp"]["memory_ratio"] == 0.4
     section = benchmark.report(records)
     assert "cp is the paper's reference CP-only drafter layout" in section and "2.48x" in section
     assert ("| P | L | csbp s/sequence | vs cp (paper) | vs bp | vs dp | strongest | vs strongest | vs strongest, one "
-            "core per rank | peak memory csbp/cp | csbp/bp | csbp/dp |") in section
-    assert ("| 2 | 16K | 0.510 [0.500-0.520] | 3.92x | tie (1.18x) | 1.67x | bp | tie (1.18x) | tie (1.18x) | 0.50x | "
-            "0.80x | 0.40x |") in section
-    assert "- P = 2: csbp vs cp 3.92x; vs bp 1.18x (1 of 1 ties); vs dp 1.67x; vs strongest 1.18x (1 of 1 ties)" \
-        in section
-    assert "| 2 | 16K | dp | 32 | 0-1000 | 2 | 0.850 [0.800-0.900] | 1.450 | 1.00 | 0.850 [0.800-0.900] |" in section
+            "core per rank | vs strongest, CPU s | peak memory csbp/cp | csbp/bp | csbp/dp |") in section
+    assert ("| 2 | 16K | 0.510 [0.500-0.520] | 3.92x | tie (1.18x) | 1.67x | bp | tie (1.18x) | tie (1.18x) | "
+            "tie (1.18x) | 0.50x | 0.80x | 0.40x |") in section
+    assert ("- P = 2: csbp vs cp 3.92x; vs bp 1.18x (1 of 1 ties); vs dp 1.67x; vs strongest 1.18x (1 of 1 ties); vs "
+            "strongest by CPU seconds 1.18x (1 of 1 ties)") in section
+    assert "| 2 | 16K | dp | 32 | 0-1000 | 2 | 0.850 [0.800-0.900] | 0.850 | 1.00 | 0.850 [0.800-0.900] |" in section
     assert "| 2 | 16K | bp | 16 | 0-1000 | 1 | 0.600 [0.500-0.700] |" in section and "| 0.00 | NO |" in section
     assert "| 4 | 16K | cp | - |" in section and "ERROR MemoryError: killed |" in section
     # rows by L, then P, then single / csbp / cp / bp / dp
@@ -258,7 +260,9 @@ def test_the_quick_study_measures_every_layout_with_the_single_process_loss_and_
         assert r["context_tokens_per_s"] == pytest.approx(sequences * 2048 / r["step_s"])
         assert len(r["compute_rates_per_rank"]) == P and all(len(x) == 3 and min(x) > 0
                                                               for x in r["compute_rates_per_rank"])
-        assert all(0 < c <= t for c, t in zip(r["compute_s_per_rank"], r["step_s_per_rank"]))
+        assert len(r["cpu_times_per_rank"]) == P and all(len(x) == 3 and min(x) > 0 for x in r["cpu_times_per_rank"])
+        assert r["cpu_seconds_per_sequence"] == [max(x[i] for x in r["cpu_times_per_rank"]) / sequences
+                                                 for i in range(3)]
         assert all(peak > 0 for peak in r["peak_mem_per_rank"]) and len(r["peak_mem_per_rank"]) == P
         assert r["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)  # the group's loss is one process's
         assert r["bytes_match"]

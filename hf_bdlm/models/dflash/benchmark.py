@@ -46,14 +46,15 @@ process. Ratios between layouts at the same P share the oversubscription; the no
 
 **Per (P, L, layout)**, one fresh launch (``torchrun`` for ``P > 1``): every timed step after one warm-up (at least
 :data:`~hf_bdlm.benchmarks.spread.MIN_TIMED_STEPS`; the slowest rank's time of each), reported as median and range
-(:class:`~hf_bdlm.benchmarks.spread.Spread`); per rank its step times, its compute time (step minus exposed waits)
-and its compute rate; context tokens/s and supervised tokens/s (per sequence); peak memory per rank (``ru_maxrss``
-above the RSS once the drafter is built: the rank's feature rows, listed beside, and the step), the context rows each
-rank projected, context K/V bytes each rank received in the last step (the group's byte meter) beside
-:func:`~.sharded.context_bytes`' formula, exposed waits (time blocked on the K/V exchanges, forward and backward),
-and the group's summed loss (``dp``: rank 0's), which equals the single process's on the same anchors. The report
-compares csbp with every baseline by :func:`~hf_bdlm.benchmarks.spread.compare` (ratio of medians per sequence; a
-tie where the ranges overlap) and gives the peak-memory ratios.
+(:class:`~hf_bdlm.benchmarks.spread.Spread`); per rank its step times, its compute time (the process's CPU time over
+the step: what it computed, whatever else shared its core) and its compute rate; context tokens/s and supervised
+tokens/s (per sequence); peak memory per rank (``ru_maxrss`` above the RSS once the drafter is built: the rank's
+feature rows, listed beside, and the step), the context rows each rank projected, context K/V bytes each rank received
+in the last step (the group's byte meter) beside :func:`~.sharded.context_bytes`' formula, exposed waits (time
+blocked on the K/V exchanges, forward and backward), and the group's summed loss (``dp``: rank 0's), which equals the
+single process's on the same anchors. The report compares csbp with every baseline by
+:func:`~hf_bdlm.benchmarks.spread.compare` (ratio of medians per sequence; a tie where the ranges overlap), also on
+the slowest rank's CPU seconds per sequence, and gives the peak-memory ratios.
 
     hf-bdlm bench --only drafter --quick --out /tmp/bench       # L = 2048, P = 2: about a minute on 2 idle cores
     hf-bdlm bench --only drafter --out bench_results             # L = 64K, 128K, 192K: ~20 minutes
@@ -301,13 +302,13 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
 
     base = _current_rss()  # the peak counts the rank's feature rows: the layout decides them
     kv = dict(batch_size=1, kv_width=config.num_key_value_heads * config.head_dim, element_size=4)
-    times, rates, fwd_waits, waits, losses, supervised, projected, feature_bytes = [], [], [], [], [], [], [], []
+    times, cpu_times, rates, fwd_waits, waits, losses, supervised, projected, feature_bytes = ([] for _ in range(9))
     for step in range(args.steps + 1):  # step 0 is the warm-up
         drafter.zero_grad(set_to_none=True)
-        t_plan = time.perf_counter()
+        t_plan, c_plan = time.perf_counter(), time.process_time()
         batch = objective.prepare(ids, loss_mask, step=step)
         plan = plan_of(batch)
-        t_plan = time.perf_counter() - t_plan
+        t_plan, c_plan = time.perf_counter() - t_plan, time.process_time() - c_plan
         # The rows this rank projects (the plan's, from this step's anchors), as the trainer reads them from the
         # capture; drawn outside the timed step (a trainer reads them from disk, not from a random generator).
         features = benchmark_features(plan.projected_runs, config.feature_width, sequence)
@@ -320,6 +321,7 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
             dist.barrier()  # start together: the slowest rank's time is the group's step time
         wait0 = sum(c.wait_seconds for c in comms)
         t0 = time.perf_counter() - t_plan  # the step counts its anchors' draw and its plan
+        c0 = time.process_time() - c_plan
         share = plan.select(batch)
         out = sharded_draft_forward(drafter, features, ids, share, plan, ring)
         loss = _loss(objective, drafter, out.hidden_states, share, plan.global_sum(groups and groups.group))
@@ -327,11 +329,13 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
         wait_fwd = sum(c.wait_seconds for c in comms) - wait0
         loss.backward()
         dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0  # this process's CPU time: its compute, whatever else shares its core
         total = loss.detach().clone()
         if groups is not None:
             dist.all_reduce(total, group=groups.group.group)  # the group's loss: the single process's
         if step:
             times.append(dt)
+            cpu_times.append(cpu)
             rates.append(rate)
             fwd_waits.append(wait_fwd)
             waits.append(sum(c.wait_seconds for c in comms) - wait0)
@@ -341,7 +345,8 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
             feature_bytes.append(features.numel() * 4)
         del out, loss, features
     names = groups.meter.by_name() if groups is not None else {}
-    return dict(times=times, rates=rates, fwd_waits=fwd_waits, waits=waits, bytes=names, losses=losses,
+    return dict(times=times, cpu_times=cpu_times, rates=rates, fwd_waits=fwd_waits, waits=waits, bytes=names,
+                losses=losses,
                 supervised=supervised, anchors=len(plan.anchor_slots[rank]), projected=projected,
                 features=max(feature_bytes),
                 forward_bytes=sum(v for k, v in names.items() if k.endswith((".all_gather", ".all_to_all"))),
@@ -357,7 +362,8 @@ def _loss(objective, drafter, hidden, batch, global_sum=None):
 
 def _group_record(args, P: int, C: int, everyone: list[dict]) -> dict:
     """The group's record from every rank's measurements: per step the slowest rank's time (per sequence: over the
-    step's sequences); per rank its step times, compute times (step minus exposed waits), compute rates, peak
+    step's sequences) and the slowest rank's CPU time (per sequence); per rank its step times, CPU times, compute
+    rates, peak
     memory, received bytes and their formula."""
     steps = len(everyone[0]["times"])
     step_times = [max(r["times"][i] for r in everyone) for i in range(steps)]
@@ -373,7 +379,9 @@ def _group_record(args, P: int, C: int, everyone: list[dict]) -> dict:
         sequences_per_step=sequences, seconds_per_sequence=[t / sequences for t in step_times],
         step_times_per_rank=[r["times"] for r in everyone],
         step_s_per_rank=[statistics.median(r["times"]) for r in everyone],
-        compute_s_per_rank=[statistics.median([t - w for t, w in zip(r["times"], r["waits"])]) for r in everyone],
+        cpu_times_per_rank=[r["cpu_times"] for r in everyone],
+        compute_s_per_rank=[statistics.median(r["cpu_times"]) for r in everyone],
+        cpu_seconds_per_sequence=[max(r["cpu_times"][i] for r in everyone) / sequences for i in range(steps)],
         compute_rates_per_rank=[r["rates"] for r in everyone], compute_rate_per_rank=rates,
         compute_rate_gflops=statistics.median(rates),
         context_tokens_per_s=sequences * args.length / step_s,
@@ -518,6 +526,13 @@ def per_sequence(record: dict, scale: float = 1.0) -> Spread:
     return Spread([t * scale for t in times])
 
 
+def cpu_per_sequence(record: dict) -> Spread | None:
+    """A record's compute per trained sequence over its timed steps: the slowest rank's CPU seconds (exposed waits and
+    time spent descheduled excluded) over the step's sequences; ``None`` for a record without them."""
+    times = record.get("cpu_seconds_per_sequence")
+    return Spread(times) if times else None
+
+
 def rate_ratio(record: dict, single: dict | None) -> float | None:
     """The record's per-rank compute rate over the single process's at the same length (same run): about 1 when
     every rank has a core of its own, about 1/2 when two ranks share one. ``None`` without both rates."""
@@ -529,8 +544,8 @@ def rate_ratio(record: dict, single: dict | None) -> float | None:
 def rows(records: list[dict]) -> list[dict]:
     """One row per measured (P, L, layout), sorted by L, P and layout (single, csbp, cp, bp, dp): the record, its
     time per sequence (:func:`per_sequence`), its rate relative to the single process (:func:`rate_ratio`) and that
-    time normalised to one core per rank (times the ratio), and the relative difference of its loss (first timed
-    step) from the single process's."""
+    time normalised to one core per rank (times the ratio), its compute per sequence (:func:`cpu_per_sequence`), and
+    the relative difference of its loss (first timed step) from the single process's."""
     ok = {(r["layout"], r["P"], r["L"]): r for r in records if "error" not in r}
     order = (SINGLE, *LAYOUTS)
     out = []
@@ -540,15 +555,17 @@ def rows(records: list[dict]) -> list[dict]:
         loss_diff = (abs(r["losses"][0] - single["losses"][0]) / abs(single["losses"][0])
                      if single and r.get("losses") and single.get("losses") else None)
         out.append(dict(layout=layout, P=P, L=L, record=r, per_sequence=per_sequence(r), rate_ratio=ratio,
-                        normalised=None if ratio is None else per_sequence(r, ratio), loss_diff=loss_diff))
+                        normalised=None if ratio is None else per_sequence(r, ratio), cpu=cpu_per_sequence(r),
+                        loss_diff=loss_diff))
     return out
 
 
 def comparisons(records: list[dict]) -> list[dict]:
     """Per (P, L) with a csbp record: csbp's time per sequence, and against each baseline measured there the
     :class:`~hf_bdlm.benchmarks.spread.Comparison` (baseline's time per sequence over csbp's: > 1 csbp is faster;
-    a tie where the ranges overlap), the same on times normalised to one core per rank, and csbp's peak memory per
-    rank over the baseline's; ``strongest``: the faster of ``bp`` and ``dp`` (median time per sequence)."""
+    a tie where the ranges overlap), the same on times normalised to one core per rank and on compute (the slowest
+    rank's CPU seconds per sequence), and csbp's peak memory per rank over the baseline's; ``strongest``: the
+    faster of ``bp`` and ``dp`` (median time per sequence)."""
     by = {(row["layout"], row["P"], row["L"]): row for row in rows(records)}
     out = []
     for (layout, P, L), row in by.items():
@@ -561,8 +578,9 @@ def comparisons(records: list[dict]) -> list[dict]:
                 continue
             normalised = (compare(other["normalised"], row["normalised"])
                           if other["normalised"] is not None and row["normalised"] is not None else None)
+            cpu = compare(other["cpu"], row["cpu"]) if other["cpu"] is not None and row["cpu"] is not None else None
             entry["against"][base] = dict(
-                comparison=compare(other["per_sequence"], row["per_sequence"]), normalised=normalised,
+                comparison=compare(other["per_sequence"], row["per_sequence"]), normalised=normalised, cpu=cpu,
                 memory_ratio=row["record"]["peak_mem_bytes"] / other["record"]["peak_mem_bytes"])
         alternatives = [b for b in ALTERNATIVES if b in entry["against"]]
         entry["strongest"] = min(alternatives, key=lambda b: by[(b, P, L)]["per_sequence"].median, default=None)
@@ -574,7 +592,7 @@ HEAD = ["P", "L", "layout", "anchors/rank", "rows projected/rank", "sequences/st
         "compute s/rank/step", "rate vs P=1", "s/sequence, one core per rank", "supervised tok/s", "features MiB/rank",
         "peak MiB/rank", "K/V MiB/rank", "= context_bytes", "wait s (fwd/bwd)", "loss vs P=1"]
 COMPARE_HEAD = ["P", "L", "csbp s/sequence", "vs cp (paper)", "vs bp", "vs dp", "strongest", "vs strongest",
-                "vs strongest, one core per rank", "peak memory csbp/cp", "csbp/bp", "csbp/dp"]
+                "vs strongest, one core per rank", "vs strongest, CPU s", "peak memory csbp/cp", "csbp/bp", "csbp/dp"]
 
 
 def _spread(values, fmt: str = "{:g}") -> str:
@@ -585,8 +603,8 @@ def _spread(values, fmt: str = "{:g}") -> str:
 
 def table(records: list[dict], markdown: bool = False) -> str:
     """The study's measurements: per (P, L, layout) the anchors and projected context rows per rank, sequences per
-    step, the time per sequence (median [range] over the timed steps), the largest rank's compute time (step minus
-    exposed waits, median), the per-rank compute rate relative to the single process's and the time per sequence
+    step, the time per sequence (median [range] over the timed steps), the largest rank's compute time (its CPU
+    seconds a step, median), the per-rank compute rate relative to the single process's and the time per sequence
     normalised by it (one core per rank), supervised tokens/s, the feature rows held and the peak memory (largest
     rank), K/V bytes received (largest rank) and whether every rank's equal the formula, exposed waits and the loss
     against the single process's; failed launches last."""
@@ -617,8 +635,8 @@ def table(records: list[dict], markdown: bool = False) -> str:
 def comparison_table(records: list[dict], markdown: bool = False) -> str:
     """csbp against every baseline per (P, L): its time per sequence (median [range]); the baselines' time over it
     (``2.52x``, or ``tie (0.97x)`` where the ranges overlap); the strongest baseline (faster of bp and dp) and the
-    ratio over it, also with every time normalised to one core per rank; csbp's peak memory per rank over each
-    baseline's."""
+    ratio over it, also with every time normalised to one core per rank and on the slowest rank's CPU seconds per
+    sequence; csbp's peak memory per rank over each baseline's."""
     from ...benchmarks.report import _length_label, _rows_table
 
     body = []
@@ -635,7 +653,8 @@ def comparison_table(records: list[dict], markdown: bool = False) -> str:
         strongest = entry["strongest"]
         body.append([str(entry["P"]), _length_label(entry["L"]), entry["csbp"].describe(".3f"), cell("cp"),
                      cell("bp"), cell("dp"), strongest or "-", cell(strongest) if strongest else "-",
-                     cell(strongest, "normalised") if strongest else "-", memory("cp"), memory("bp"), memory("dp")])
+                     cell(strongest, "normalised") if strongest else "-", cell(strongest, "cpu") if strongest else "-",
+                     memory("cp"), memory("bp"), memory("dp")])
     return _rows_table(COMPARE_HEAD, body, markdown)
 
 
@@ -660,6 +679,12 @@ def findings(records: list[dict]) -> list[str]:
             ties = sum(c.tie for c in found)
             parts.append(f"vs {base} {_extent([c.ratio for c in found])}"
                          + (f" ({ties} of {len(found)} ties)" if ties else ""))
+        cpu = [e["against"][e["strongest"]]["cpu"] for e in mine
+               if e["strongest"] and e["against"][e["strongest"]].get("cpu") is not None]
+        if cpu:
+            ties = sum(c.tie for c in cpu)
+            parts.append(f"vs strongest by CPU seconds {_extent([c.ratio for c in cpu])}"
+                         + (f" ({ties} of {len(cpu)} ties)" if ties else ""))
         memory = {b: [e["against"][b]["memory_ratio"] for e in mine if b in e["against"]] for b in BASELINES}
         ratios = [row["rate_ratio"] for row in rows(records) if row["P"] == P and row["rate_ratio"] is not None]
         lines.append(f"- P = {P}: csbp {'; '.join(parts)}; peak memory per rank "
@@ -691,7 +716,9 @@ def report(records: list[dict]) -> str:
              "time per sequence over csbp's, a tie where the ranges overlap; the strongest baseline is the faster of "
              "bp and dp. Rate vs P=1: each launch's per-rank compute rate (a fixed matrix product before every step, "
              "all ranks at once) over the single process's at that length; `one core per rank`: times multiplied by "
-             "it (P = 4 runs four processes on this machine's cores). Rows projected: context rows a rank projects "
+             "it (P = 4 runs four processes on this machine's cores); `CPU s`: compared on the slowest rank's CPU "
+             "seconds per sequence (its compute, whatever else shared its core; exposed waits excluded). Rows "
+             "projected: context rows a rank projects "
              "(every layer slides, so only those its ring's anchors can see). Peak MiB: above the built drafter, the "
              "rank's feature rows (features MiB) included. K/V MiB: context K/V received per rank and step, forward "
              "and backward; `= context_bytes`: every rank's bytes equal the formula.")

@@ -893,9 +893,9 @@ def format_reference_readings(readings: list[dict], projection: list[dict]) -> s
     def side(label, seconds, fits, peak):
         return f"{label} {seconds:.3f}" + ("" if fits else f" (NO: {peak / GB:.0f} GB)")
 
-    lines = ["The published pair against the reference's own recipe (turbo-dllm 0.1.6, runs/dflash2-qwen3-8-27b-1m.yaml:"
-             " the package ships no 512K drafter recipe and no CP-only baseline), its constants switched in one after "
-             "another:", f"  {'':3}{'constant':40} {'reference':53} this planner"]
+    lines = ["The published pair against the reference's own recipe (turbo-dllm 0.1.6, "
+             "runs/dflash2-qwen3-8-27b-1m.yaml: the package ships no 512K drafter recipe and no CP-only baseline), "
+             "its constants switched in one after another:", f"  {'':3}{'constant':40} {'reference':53} this planner"]
     for i, entry in enumerate(readings[1:], 1):
         lines.append(f"  {i:<3}{entry['constant']:40} {entry['reference']:53} {entry['ours']}")
     for row in projection:
@@ -908,8 +908,9 @@ def format_reference_readings(readings: list[dict], projection: list[dict]) -> s
             if c is None:
                 lines.append(f"  {i if i else '-':<6} n/a")
                 continue
-            lines.append(f"  {i if i else '-':<6} {side(c['csbp'], c['csbp_s'], c['csbp_fits'], c['csbp_peak_bytes']):54} "
-                         f"{side(c['baseline'], c['baseline_s'], c['baseline_fits'], c['baseline_peak_bytes']):46} "
+            csbp = side(c["csbp"], c["csbp_s"], c["csbp_fits"], c["csbp_peak_bytes"])
+            base = side(c["baseline"], c["baseline_s"], c["baseline_fits"], c["baseline_peak_bytes"])
+            lines.append(f"  {i if i else '-':<6} {csbp:54} {base:46} "
                          f"{c['ratio']:.2f}x" + (f"  ({c['anchors']} anchors)" if "anchors" in c else ""))
         if row["published"]:
             found = [(abs(e[str(L)]["ratio"] / row["published"] - 1), i, e[str(L)]["ratio"])
@@ -1002,9 +1003,10 @@ def format_projection(rows: list[dict], top: int | None = 8) -> str:
               "reads (hidden behind its longer step). The ratio therefore does not grow with context here. A published "
               "ratio that grows from 512K to 1M points at its baseline (CP over a smaller group, where one fits, "
               "replicates the draft fewer times: compare 'vs cp') or at costs of the published CP run that grow with "
-              "L and are not counted here (whole shards projected or gathered, memory pressure). Plain data parallelism (one GPU "
-              "per sequence, 'vs dp') replicates nothing either, and with the compact context one sequence fits on "
-              "one GPU: it is the strongest baseline, and csbp's gain over it is memory per GPU, not throughput."]
+              "L and are not counted here (whole shards projected or gathered, memory pressure). Plain data "
+              "parallelism (one GPU per sequence, 'vs dp') replicates nothing either, and with the compact context one "
+              "sequence fits on one GPU: it is the strongest baseline, and csbp's gain over it is memory per GPU, not "
+              "throughput."]
     return "\n".join(lines)
 
 
