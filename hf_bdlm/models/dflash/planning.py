@@ -36,8 +36,10 @@ rates, 2 FLOPs per multiply-add, 4 / 10 attention FLOPs per pair and head dim fo
 :func:`~hf_bdlm.planner.schedule.simulate`: each layer's transfer overlaps the local attention and the draft matrices);
 memory its :class:`~hf_bdlm.planner.cost.Recipe` (bf16 states, AdamW's fp32 moments, FSDP2 over the world, the loss's
 ``chunk_rows x vocabulary`` logits). :func:`project_drafter_training` prices every layout of 8 H100 at 512K and 1M for
-the published DFlash2 drafter of a Qwen3-27B-class target and sets the CSBP / CP-only ratio next to the paper's
-published 2.48x and 7.59x; nothing is fitted to them.
+the published DFlash2 drafter of a Qwen3-27B-class target and sets the CSBP / CP-only ratio (and CSBP / plain data
+parallelism, the strongest baseline) next to the paper's published 2.48x and 7.59x; nothing is fitted to them.
+:func:`reference_readings` then switches the reference recipe's constants (:data:`REFERENCE_RECIPE`: its layout,
+feature reads, optimizer, checkpointing, CP-only group, anchors) in one after another.
 
     python -c "from hf_bdlm.models.dflash.planning import *; print(format_projection(project_drafter_training()))"
 """
