@@ -150,12 +150,15 @@ def test_the_report_compares_csbp_per_sequence_with_every_baseline_ties_where_th
     assert against["cp"]["memory_ratio"] == 0.5 and against["dp"]["memory_ratio"] == 0.4
     section = benchmark.report(records)
     assert "cp is the paper's reference CP-only drafter layout" in section and "2.48x" in section
+    assert entry["strongest_cpu"] == "dp"  # 0.425 CPU s per sequence against bp's 0.6
     assert ("| P | L | csbp s/sequence | vs cp (paper) | vs bp | vs dp | strongest | vs strongest | vs strongest, one "
-            "core per rank | vs strongest, CPU s | peak memory csbp/cp | csbp/bp | csbp/dp |") in section
+            "core per rank | csbp CPU s/sequence | vs cp, CPU s | vs bp, CPU s | vs dp, CPU s | peak memory csbp/cp | "
+            "csbp/bp | csbp/dp |") in section
     assert ("| 2 | 16K | 0.510 [0.500-0.520] | 3.92x | tie (1.18x) | 1.67x | bp | tie (1.18x) | tie (1.18x) | "
-            "tie (1.18x) | 0.50x | 0.80x | 0.40x |") in section
-    assert ("- P = 2: csbp vs cp 3.92x; vs bp 1.18x (1 of 1 ties); vs dp 1.67x; vs strongest 1.18x (1 of 1 ties); vs "
-            "strongest by CPU seconds 1.18x (1 of 1 ties)") in section
+            "0.510 [0.500-0.520] | 3.92x | tie (1.18x) | 0.83x | 0.50x | 0.80x | 0.40x |") in section
+    assert ("- P = 2: csbp vs cp 3.92x; vs bp 1.18x (1 of 1 ties); vs dp 1.67x; vs strongest 1.18x (1 of 1 ties); by "
+            "CPU seconds vs cp 3.92x; by CPU seconds vs bp 1.18x (1 of 1 ties); by CPU seconds vs dp 0.83x; by CPU "
+            "seconds vs strongest 0.83x; peak memory") in section
     assert "| 2 | 16K | dp | 32 | 0-1000 | 2 | 0.850 [0.800-0.900] | 0.850 | 1.00 | 0.850 [0.800-0.900] |" in section
     assert "| 2 | 16K | bp | 16 | 0-1000 | 1 | 0.600 [0.500-0.700] |" in section and "| 0.00 | NO |" in section
     assert "| 4 | 16K | cp | - |" in section and "ERROR MemoryError: killed |" in section

@@ -565,13 +565,15 @@ def comparisons(records: list[dict]) -> list[dict]:
     :class:`~hf_bdlm.benchmarks.spread.Comparison` (baseline's time per sequence over csbp's: > 1 csbp is faster;
     a tie where the ranges overlap), the same on times normalised to one core per rank and on compute (the slowest
     rank's CPU seconds per sequence), and csbp's peak memory per rank over the baseline's; ``strongest``: the
-    faster of ``bp`` and ``dp`` (median time per sequence)."""
+    faster of ``bp`` and ``dp`` (median time per sequence), ``strongest_cpu``: the one with less compute (median
+    CPU seconds per sequence)."""
     by = {(row["layout"], row["P"], row["L"]): row for row in rows(records)}
     out = []
     for (layout, P, L), row in by.items():
         if layout != "csbp":
             continue
-        entry = dict(P=P, L=L, csbp=row["per_sequence"], csbp_normalised=row["normalised"], against={})
+        entry = dict(P=P, L=L, csbp=row["per_sequence"], csbp_normalised=row["normalised"], csbp_cpu=row["cpu"],
+                     against={})
         for base in BASELINES:
             other = by.get((base, P, L))
             if other is None:
@@ -584,6 +586,8 @@ def comparisons(records: list[dict]) -> list[dict]:
                 memory_ratio=row["record"]["peak_mem_bytes"] / other["record"]["peak_mem_bytes"])
         alternatives = [b for b in ALTERNATIVES if b in entry["against"]]
         entry["strongest"] = min(alternatives, key=lambda b: by[(b, P, L)]["per_sequence"].median, default=None)
+        with_cpu = [b for b in alternatives if by[(b, P, L)]["cpu"] is not None]
+        entry["strongest_cpu"] = min(with_cpu, key=lambda b: by[(b, P, L)]["cpu"].median, default=None)
         out.append(entry)
     return out
 
@@ -592,7 +596,8 @@ HEAD = ["P", "L", "layout", "anchors/rank", "rows projected/rank", "sequences/st
         "compute s/rank/step", "rate vs P=1", "s/sequence, one core per rank", "supervised tok/s", "features MiB/rank",
         "peak MiB/rank", "K/V MiB/rank", "= context_bytes", "wait s (fwd/bwd)", "loss vs P=1"]
 COMPARE_HEAD = ["P", "L", "csbp s/sequence", "vs cp (paper)", "vs bp", "vs dp", "strongest", "vs strongest",
-                "vs strongest, one core per rank", "vs strongest, CPU s", "peak memory csbp/cp", "csbp/bp", "csbp/dp"]
+                "vs strongest, one core per rank", "csbp CPU s/sequence", "vs cp, CPU s", "vs bp, CPU s",
+                "vs dp, CPU s", "peak memory csbp/cp", "csbp/bp", "csbp/dp"]
 
 
 def _spread(values, fmt: str = "{:g}") -> str:
@@ -653,8 +658,10 @@ def comparison_table(records: list[dict], markdown: bool = False) -> str:
         strongest = entry["strongest"]
         body.append([str(entry["P"]), _length_label(entry["L"]), entry["csbp"].describe(".3f"), cell("cp"),
                      cell("bp"), cell("dp"), strongest or "-", cell(strongest) if strongest else "-",
-                     cell(strongest, "normalised") if strongest else "-", cell(strongest, "cpu") if strongest else "-",
-                     memory("cp"), memory("bp"), memory("dp")])
+                     cell(strongest, "normalised") if strongest else "-",
+                     "-" if entry["csbp_cpu"] is None else entry["csbp_cpu"].describe(".3f"),
+                     cell("cp", "cpu"), cell("bp", "cpu"), cell("dp", "cpu"), memory("cp"), memory("bp"),
+                     memory("dp")])
     return _rows_table(COMPARE_HEAD, body, markdown)
 
 
@@ -679,12 +686,14 @@ def findings(records: list[dict]) -> list[str]:
             ties = sum(c.tie for c in found)
             parts.append(f"vs {base} {_extent([c.ratio for c in found])}"
                          + (f" ({ties} of {len(found)} ties)" if ties else ""))
-        cpu = [e["against"][e["strongest"]]["cpu"] for e in mine
-               if e["strongest"] and e["against"][e["strongest"]].get("cpu") is not None]
-        if cpu:
-            ties = sum(c.tie for c in cpu)
-            parts.append(f"vs strongest by CPU seconds {_extent([c.ratio for c in cpu])}"
-                         + (f" ({ties} of {len(cpu)} ties)" if ties else ""))
+        for base in (*BASELINES, "strongest"):
+            cpu = [e["against"][e["strongest_cpu"] if base == "strongest" else base]["cpu"] for e in mine
+                   if (e["strongest_cpu"] if base == "strongest" else base) in e["against"]]
+            cpu = [c for c in cpu if c is not None]
+            if cpu:
+                ties = sum(c.tie for c in cpu)
+                parts.append(f"by CPU seconds vs {base} {_extent([c.ratio for c in cpu])}"
+                             + (f" ({ties} of {len(cpu)} ties)" if ties else ""))
         memory = {b: [e["against"][b]["memory_ratio"] for e in mine if b in e["against"]] for b in BASELINES}
         ratios = [row["rate_ratio"] for row in rows(records) if row["P"] == P and row["rate_ratio"] is not None]
         lines.append(f"- P = {P}: csbp {'; '.join(parts)}; peak memory per rank "
