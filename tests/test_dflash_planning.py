@@ -25,14 +25,16 @@ from hf_bdlm.models.dflash.planning import (
     drafter_memory,
     drafter_work,
     format_projection,
+    format_reference_readings,
     forward_matmul_flops,
     kv_bytes,
     predict_drafter,
     project_drafter_training,
     reachable_rows,
+    reference_readings,
     step_flops,
 )
-from hf_bdlm.models.dflash.planning import _draw
+from hf_bdlm.models.dflash.planning import REFERENCE_STEPS, _draw
 from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.planner.cost import Cluster, Recipe
 from hf_bdlm.planner.hardware import device_spec
@@ -295,18 +297,59 @@ def test_layouts_cover_every_group_and_clean_ring():
     assert all(P % C == 0 and 8 % P == 0 for _, P, C, _ in labels)
 
 
-def test_the_projection_prints_both_contexts_next_to_the_published_speedups():
-    rows = project_drafter_training(draws=1)
+@pytest.fixture(scope="module")
+def projection():
+    return project_drafter_training(draws=1)
+
+
+def test_the_projection_prints_both_contexts_next_to_the_published_speedups(projection):
+    rows = projection
     assert [r["context"] for r in rows] == [524288, 1048576] and [r["published"] for r in rows] == [2.48, 7.59]
     for r in rows:
         assert r["host"]["baseline"]["label"].startswith("cp P=8 C=8 D=1 ring")
         parts = r["host"]["breakdown"]
         assert sum(parts.values()) == pytest.approx(r["host"]["difference_s"])
         assert parts["draft layers"] > 0 and parts["head and loss"] > 0  # replicated under CP-only
+        # plain data parallelism replicates nothing and, the context compacted, one sequence fits on one GPU: it
+        # trains as fast as the fastest csbp (the strongest baseline)
+        assert r["host"]["data_parallel"]["label"].startswith("bp P=1 C=1 D=8")
+        assert r["host"]["ratio_over_data_parallel"] == pytest.approx(1.0, abs=0.02)
     text = format_projection(rows)
     summary = [line for line in text.splitlines() if line.split()[:2] in (["512K", "host"], ["1M", "host"])]
     assert len(summary) == 2 and summary[0].endswith("2.48x") and summary[1].endswith("7.59x")
-    assert "cp P=8 C=8 D=1 ring" in text and "Where the CP-only" in text
+    assert "cp P=8 C=8 D=1 ring" in text and "Where the CP-only" in text and "vs dp" in text
+
+
+def test_the_reference_recipes_constants_switched_in_one_by_one(projection):
+    readings = reference_readings(projection, draws=1)
+    assert len(readings) == 1 + len(REFERENCE_STEPS)
+    limit = projection[0]["memory_limit_bytes"]
+    first, layout, transport, optimizer, checkpointing, baseline, anchors = readings
+    for row in projection:  # the first row is the projection's own picks
+        c = first[str(row["context"])]
+        assert c["ratio"] == pytest.approx(row["host"]["ratio"]) and c["baseline"] == row["host"]["baseline"]["label"]
+    half, whole = "524288", "1048576"
+    for L in (half, whole):
+        assert layout[L]["csbp"].startswith("csbp P=2 C=2 D=4 allgather")  # the recipe's cp 2 x bp 2
+        assert transport[L]["csbp"].startswith("csbp P=2 C=2 D=4 ring")
+        assert checkpointing[L]["csbp"].endswith("AC off") and baseline[L]["baseline"].endswith("AC off")
+    # whole 512K-row shards of 25600 bf16 features, two on the GPU (the reference prefetches the next step's): the
+    # recipe's own layout does not fit at 1M, and reading a shard from the host takes longer than the step
+    assert not transport[whole]["csbp_fits"] and transport[whole]["csbp_peak_bytes"] > max(limit, 2 * 2**19 * 25600 * 2)
+    assert transport[whole]["ratio"] < 0.6 * layout[whole]["ratio"]
+    # every GPU keeping all optimizer states (fused AdamW, no FSDP) costs memory: at 512K the recipe's layout with
+    # activation checkpointing off no longer fits either
+    assert optimizer[half]["csbp_peak_bytes"] <= limit and not checkpointing[half]["csbp_fits"]
+    # the fastest CP-only group that fits under those constants: 4 GPUs at 512K, all 8 at 1M
+    assert baseline[half]["baseline"].startswith("cp P=4 C=4 D=2 ring") and baseline[half]["baseline_fits"]
+    assert baseline[whole]["baseline"].startswith("cp P=8 C=8 D=1 ring")
+    assert 0.45 < baseline[half]["ratio"] / checkpointing[half]["ratio"] < 0.55  # half the replicated draft work
+    # the recipe's density (2048 anchors per 1M tokens): 1024 at 512K
+    assert (anchors[half]["anchors"], anchors[whole]["anchors"]) == (1024, 2048)
+    text = format_reference_readings(readings, projection)
+    assert "runs/dflash2-qwen3-8-27b-1m.yaml" in text and "512K (published 2.48x" in text
+    assert "1M (published 7.59x" in text and text.count("closest to the published") == 2
+    assert "(NO: " in text
 
 
 # --- errors --------------------------------------------------------------------------------------------------------

@@ -36,8 +36,10 @@ rates, 2 FLOPs per multiply-add, 4 / 10 attention FLOPs per pair and head dim fo
 :func:`~hf_bdlm.planner.schedule.simulate`: each layer's transfer overlaps the local attention and the draft matrices);
 memory its :class:`~hf_bdlm.planner.cost.Recipe` (bf16 states, AdamW's fp32 moments, FSDP2 over the world, the loss's
 ``chunk_rows x vocabulary`` logits). :func:`project_drafter_training` prices every layout of 8 H100 at 512K and 1M for
-the published DFlash2 drafter of a Qwen3-27B-class target and sets the CSBP / CP-only ratio next to the paper's
-published 2.48x and 7.59x; nothing is fitted to them.
+the published DFlash2 drafter of a Qwen3-27B-class target and sets the CSBP / CP-only ratio (and CSBP / plain data
+parallelism, the strongest baseline) next to the paper's published 2.48x and 7.59x; nothing is fitted to them.
+:func:`reference_readings` then switches the reference recipe's constants (:data:`REFERENCE_RECIPE`: its layout,
+feature reads, optimizer, checkpointing, CP-only group, anchors) in one after another.
 
     python -c "from hf_bdlm.models.dflash.planning import *; print(format_projection(project_drafter_training()))"
 """
@@ -83,6 +85,16 @@ PAPER_GPUS = 8
 PAPER_ANCHORS = 2048
 # The recipe's topology: context_parallel 2 x block_parallel 2, i.e. csbp groups of 2 ranks, 4 data-parallel groups.
 RECIPE_GROUP, RECIPE_RING = 2, 2
+# The reference's own DFlash2 drafter recipe (turbo-dllm 0.1.6, recipes/runs/dflash2-qwen3-8-27b-1m.yaml, which its
+# tests call "the paper runtime configuration"; the package ships no 512K drafter recipe and no CP-only baseline
+# recipe): 1M tokens, topology context_parallel 2 x block_parallel 2 on 8 H100 80GB (4 data-parallel groups), batch 1
+# per group, 2048 locality anchors, block 8, D-PACE, bf16, offline features read from host memory (each rank copies
+# its whole context shard, pinned, one step ahead: two shards on the device), K/V moved around the ring, optimizer
+# torch_fused_adamw (every GPU keeps all parameters, gradients and moments: no FSDP), activation checkpointing off.
+REFERENCE_RECIPE = dict(seq_len=1048576, context_parallel_size=2, block_parallel_size=2, batch_size=1,
+                        max_anchors=2048, anchor_sampling="locality", block_size=8, dtype="bf16",
+                        target_features="offline (host memory, whole shards prefetched one step ahead)",
+                        transport="ring", optimizer="torch_fused_adamw (replicated)", activation_checkpointing=False)
 # Host -> device feature reads: PCIe Gen5 x16 per GPU ("NVIDIA H100 Tensor Core GPU Datasheet", SXM: 128 GB/s, both
 # directions together), one direction, at the planner's achievable link fraction. Host memory and storage behind it
 # are assumed not to be the bottleneck.
@@ -698,13 +710,14 @@ def _name(p: DrafterPrediction) -> str:
 
 def compare_layouts(preds: Sequence[DrafterPrediction], gpus: int) -> dict:
     """The picks of one context: ``baseline`` (the paper's CP-only layout: ``cp`` over all ``gpus`` ranks, K/V ring),
-    ``best_cp`` (the fastest fitting ``cp`` of any group size), ``recipe`` (the recipe's ``csbp``: groups of 2, clean
-    rings of 2), ``best_csbp``, each ``{label, seconds_per_sequence, peak_bytes}`` or ``None`` when it does not fit;
-    the throughput ratios ``ratio`` (best csbp / baseline), ``ratio_over_best_cp``, ``recipe_ratio``; ``breakdown``:
+    ``best_cp`` (the fastest fitting ``cp`` of any group size), ``data_parallel`` (one GPU per sequence: ``gpus``
+    sequences a step), ``recipe`` (the recipe's ``csbp``: groups of 2, clean rings of 2), ``best_csbp``, each
+    ``{label, seconds_per_sequence, peak_bytes}`` or ``None`` when it does not fit; the throughput ratios ``ratio``
+    (best csbp / baseline), ``ratio_over_best_cp``, ``ratio_over_data_parallel``, ``recipe_ratio``; ``breakdown``:
     seconds per sequence, baseline minus best csbp, by :data:`PARTS` (they add up to ``difference_s``); ``peaks``:
     the smallest peak (bytes) and fit of each ``cp`` group size and of the recipe's layout."""
     picks = dict(baseline=fastest(preds, mode="cp", block_parallel_size=gpus, transport="ring"),
-                 best_cp=fastest(preds, mode="cp"),
+                 best_cp=fastest(preds, mode="cp"), data_parallel=fastest(preds, block_parallel_size=1),
                  recipe=fastest(preds, mode="csbp", block_parallel_size=RECIPE_GROUP, clean_ring_size=RECIPE_RING,
                                 transport="allgather"),
                  best_csbp=fastest(preds, mode="csbp"))
@@ -716,6 +729,7 @@ def compare_layouts(preds: Sequence[DrafterPrediction], gpus: int) -> dict:
         return None if p is None or over is None else p.tokens_per_s / over.tokens_per_s
 
     out.update(ratio=ratio(best, base), ratio_over_best_cp=ratio(best, picks["best_cp"]),
+               ratio_over_data_parallel=ratio(best, picks["data_parallel"]),
                recipe_ratio=ratio(picks["recipe"], base), breakdown=None, difference_s=None)
     if base is not None and best is not None:
         D0, D1 = base.dims.data_parallel_size, best.dims.data_parallel_size
@@ -783,6 +797,132 @@ def project_drafter_training(
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# the reference's recipe, constant by constant
+# ----------------------------------------------------------------------------------------------
+# Each step switches one more of the planner's settings to the reference recipe's (:data:`REFERENCE_RECIPE`), after
+# the steps before it: (constant, the reference's value, this planner's default, what changes).
+REFERENCE_STEPS = (
+    ("CSBP layout", "cp 2 x bp 2: csbp P=2 C=2 D=4", "the fastest csbp (any P, C, transport)",
+     dict(csbp=(RECIPE_GROUP, RECIPE_RING, "allgather"))),
+    ("CSBP's K/V transport and feature reads", "K/V ring; whole L/C shards from host, two on the GPU",
+     "window exchange; only the rows it projects", dict(csbp=(RECIPE_GROUP, RECIPE_RING, "ring"))),
+    ("optimizer", "torch fused AdamW, replicated on every GPU", "FSDP2 over the 8 GPUs", dict(fsdp=False)),
+    ("activation checkpointing", "off", "off or on, the faster that fits", dict(checkpointing=(False,))),
+    ("CP-only baseline", "no recipe shipped", "cp over all 8 GPUs, K/V ring", dict(baseline="fastest")),
+    ("anchors at 512K", "no 512K recipe (1M: 2048, i.e. 2048 per 1M tokens)", "2048 at every context",
+     dict(anchor_density=True)),
+)
+
+
+def _fastest_prediction(spec, layouts, setting, device, cluster, recipe, checkpointing) -> DrafterPrediction:
+    """The fastest fitting prediction of ``layouts`` x ``checkpointing``, else the fastest of them (not fitting)."""
+    preds = [predict_drafter(spec, d.with_world(cluster.gpus), setting, device, cluster, recipe, ac)
+             for d in layouts for ac in checkpointing]
+    return max(preds, key=lambda p: (p.fits, p.tokens_per_s))
+
+
+def reference_readings(
+    projection: list[dict],
+    *,
+    config: DFlashConfig | dict | None = None,
+    device: DeviceSpec | None = None,
+    gpus: int = PAPER_GPUS,
+    gpus_per_node: int = PAPER_GPUS,
+    draws: int = 4,
+) -> list[dict]:
+    """CSBP / CP-only per sequence as the reference recipe's constants replace the planner's one after another
+    (:data:`REFERENCE_STEPS`), at each context of ``projection`` (:func:`project_drafter_training`, whose host picks
+    are the first row). A pick is the fastest that fits; where none fits, the fastest anyway (``fits`` False), so
+    each row still shows what the constant does to time.
+
+    Returns:
+        `list[dict]`: per row ``constant``, ``reference``, ``ours`` and per context (``"524288"``, ...) a dict
+        ``{csbp, csbp_s, csbp_fits, csbp_peak_bytes, baseline, baseline_s, baseline_fits, baseline_peak_bytes,
+        ratio}`` (seconds per sequence; ratio = the baseline's over csbp's).
+    """
+    spec = DrafterSpec.from_config(config if config is not None else PUBLISHED_DFLASH2,
+                                   None if config is not None else "z-lab/Qwen3.8-27B-DFlash2")
+    device = device or device_spec("h100")
+    cluster = Cluster(gpus, gpus_per_node)
+    first = dict(constant="(this planner's picks)", reference="-", ours="-")
+    for row in projection:
+        c = row["host"]
+        if c["best_csbp"] is None or c["baseline"] is None:
+            first[str(row["context"])] = None
+            continue
+        base, best = c["baseline"], c["best_csbp"]
+        first[str(row["context"])] = dict(
+            csbp=best["label"], csbp_s=best["seconds_per_sequence"], csbp_fits=True, csbp_peak_bytes=best["peak_bytes"],
+            baseline=base["label"], baseline_s=base["seconds_per_sequence"], baseline_fits=True,
+            baseline_peak_bytes=base["peak_bytes"], ratio=base["seconds_per_sequence"] / best["seconds_per_sequence"])
+    out = [first]
+    state = dict(csbp=None, fsdp=True, checkpointing=(False, True), baseline="all", anchor_density=False)
+    for constant, reference, ours, change in REFERENCE_STEPS:
+        state.update(change)
+        entry = dict(constant=constant, reference=reference, ours=ours)
+        recipe = Recipe(loss_chunk_rows=4096, fsdp=state["fsdp"])
+        for row in projection:
+            L = row["context"]
+            anchors = (max(1, L * REFERENCE_RECIPE["max_anchors"] // REFERENCE_RECIPE["seq_len"])
+                       if state["anchor_density"] else PAPER_ANCHORS)
+            setting = DrafterSetting(L, anchors, "locality", "host", draws=draws)
+            if state["csbp"] is None:
+                csbp_layouts = [d for d in drafter_layouts(gpus) if d.mode == "csbp"]
+            else:
+                P, C, transport = state["csbp"]
+                csbp_layouts = [ParallelDims(P, C, "csbp", transport=transport)]
+            cp_layouts = [ParallelDims(P, P, "cp", transport="ring") for P in divisors(gpus)[1:]]
+            if state["baseline"] == "all":
+                cp_layouts = cp_layouts[-1:]  # CP-only over every GPU
+            csbp = _fastest_prediction(spec, csbp_layouts, setting, device, cluster, recipe, state["checkpointing"])
+            base = _fastest_prediction(spec, cp_layouts, setting, device, cluster, recipe, state["checkpointing"])
+            entry[str(L)] = dict(csbp=_name(csbp), csbp_s=1 / csbp.sequences_per_s, csbp_fits=csbp.fits,
+                                 csbp_peak_bytes=csbp.memory.total, baseline=_name(base),
+                                 baseline_s=1 / base.sequences_per_s, baseline_fits=base.fits,
+                                 baseline_peak_bytes=base.memory.total, anchors=anchors,
+                                 ratio=csbp.sequences_per_s / base.sequences_per_s)
+        out.append(entry)
+    return out
+
+
+def format_reference_readings(readings: list[dict], projection: list[dict]) -> str:
+    """:func:`reference_readings` as two tables: the constants (the reference's value, this planner's), then per
+    context the CSBP and CP-only picks after each switch and their ratio, beside the published speed-up."""
+    GB = 1e9
+    limit = projection[0]["memory_limit_bytes"] / GB
+
+    def side(label, seconds, fits, peak):
+        return f"{label} {seconds:.3f}" + ("" if fits else f" (NO: {peak / GB:.0f} GB)")
+
+    lines = ["The published pair against the reference's own recipe (turbo-dllm 0.1.6, "
+             "runs/dflash2-qwen3-8-27b-1m.yaml: the package ships no 512K drafter recipe and no CP-only baseline), "
+             "its constants switched in one after another:", f"  {'':3}{'constant':40} {'reference':53} this planner"]
+    for i, entry in enumerate(readings[1:], 1):
+        lines.append(f"  {i:<3}{entry['constant']:40} {entry['reference']:53} {entry['ours']}")
+    for row in projection:
+        L = row["context"]
+        lines += ["", f"  {_k(L)} (published {_x(row['published'])}; seconds per sequence, features from the host; NO: "
+                      f"over the {limit:.0f} GB a GPU holds)",
+                  f"  {'after':6} {'CSBP':54} {'CP-only':46} CSBP / CP-only"]
+        for i, entry in enumerate(readings):
+            c = entry.get(str(L))
+            if c is None:
+                lines.append(f"  {i if i else '-':<6} n/a")
+                continue
+            csbp = side(c["csbp"], c["csbp_s"], c["csbp_fits"], c["csbp_peak_bytes"])
+            base = side(c["baseline"], c["baseline_s"], c["baseline_fits"], c["baseline_peak_bytes"])
+            lines.append(f"  {i if i else '-':<6} {csbp:54} {base:46} "
+                         f"{c['ratio']:.2f}x" + (f"  ({c['anchors']} anchors)" if "anchors" in c else ""))
+        if row["published"]:
+            found = [(abs(e[str(L)]["ratio"] / row["published"] - 1), i, e[str(L)]["ratio"])
+                     for i, e in enumerate(readings) if e.get(str(L))]
+            gap, i, ratio = min(found)
+            lines.append(f"  closest to the published {_x(row['published'])}: after {i if i else '-'}, {ratio:.2f}x "
+                         f"({ratio / row['published'] - 1:+.0%})")
+    return "\n".join(lines)
+
+
 def _k(L: int) -> str:
     return f"{L // 1048576}M" if L % 1048576 == 0 else f"{L // 1024}K"
 
@@ -810,7 +950,8 @@ def format_projection(rows: list[dict], top: int | None = 8) -> str:
             f"{'feat':>6} {'acts':>6} {'fits':>4} {'KV GB':>7} {'load_s':>7}")
     lines += [head, "-" * len(head)]
     for row in rows:
-        picked = {row["host"][k]["label"] for k in ("baseline", "best_cp", "recipe", "best_csbp") if row["host"][k]}
+        picked = {row["host"][k]["label"] for k in ("baseline", "best_cp", "data_parallel", "recipe", "best_csbp")
+                  if row["host"][k]}
         for i, p in enumerate(row["predictions"]):
             name = f"{p['label']} AC {'on' if p['checkpointing'] else 'off'}"
             if top is not None and i >= top and name not in picked:
@@ -825,15 +966,19 @@ def format_projection(rows: list[dict], top: int | None = 8) -> str:
                  "read per step in s, hidden behind the step unless longer)")
     lines += ["", "Picks (layout, AC, seconds per sequence) and CSBP's throughput over them:",
               f"{'context':>7} {'features':8}  {'CP-only over 8 (paper)':38} {'fastest cp':38} "
-              f"{'fastest csbp':38} {'vs paper':>8} {'vs cp':>6} {'recipe':>7} {'published':>9}"]
+              f"{'fastest csbp':38} {'vs paper':>8} {'vs cp':>6} {'vs dp':>6} {'recipe':>7} {'published':>9}"]
     for row in rows:
         for features in FEATURES:
             c = row[features]
             lines.append(f"{_k(row['context']):>7} {features:8}  {_pick(c['baseline']):38} {_pick(c['best_cp']):38} "
                          f"{_pick(c['best_csbp']):38} {_x(c['ratio']):>8} {_x(c['ratio_over_best_cp']):>6} "
-                         f"{_x(c['recipe_ratio']):>7} {_x(row['published']) if features == 'host' else '':>9}")
+                         f"{_x(c.get('ratio_over_data_parallel')):>6} {_x(c['recipe_ratio']):>7} "
+                         f"{_x(row['published']) if features == 'host' else '':>9}")
     lines.append("(vs paper: over the CP-only layout over all 8 GPUs; vs cp: over the fastest fitting cp of any group "
-                 "size; recipe: the recipe's csbp P=2 C=2 D=4 over the CP-only layout; n/a: it does not fit)")
+                 "size; vs dp: over plain data parallelism, one GPU per sequence ("
+                 + ", ".join(f"{_k(row['context'])}: {_pick(row['host'].get('data_parallel'))}" for row in rows)
+                 + "), the strongest baseline; recipe: the recipe's csbp P=2 C=2 D=4 over the CP-only layout; n/a: it "
+                 "does not fit)")
     lines += ["", "Peaks per GPU that decide what fits (GB, the smaller of AC on / off):"]
     for row in rows:
         for features in FEATURES:
@@ -860,7 +1005,10 @@ def format_projection(rows: list[dict], top: int | None = 8) -> str:
               "reads (hidden behind its longer step). The ratio therefore does not grow with context here. A published "
               "ratio that grows from 512K to 1M points at its baseline (CP over a smaller group, where one fits, "
               "replicates the draft fewer times: compare 'vs cp') or at costs of the published CP run that grow with "
-              "L and are not counted here (whole shards projected or gathered, memory pressure)."]
+              "L and are not counted here (whole shards projected or gathered, memory pressure). Plain data "
+              "parallelism (one GPU per sequence, 'vs dp') replicates nothing either, and with the compact context one "
+              "sequence fits on one GPU: it is the strongest baseline, and csbp's gain over it is memory per GPU, not "
+              "throughput."]
     return "\n".join(lines)
 
 
@@ -869,4 +1017,5 @@ __all__ = ["PUBLISHED_DFLASH2", "PUBLISHED_SPEEDUPS", "HOST_LINK_BYTES_PER_S", "
            "context_projection_flops", "context_kv_flops", "head_flops", "selector_flops", "forward_matmul_flops",
            "step_flops", "anchor_shares", "reachable_rows", "drafter_work", "kv_bytes", "drafter_memory",
            "draw_batches", "predict_drafter", "drafter_layouts", "plan_drafter", "fastest", "compare_layouts",
-           "project_drafter_training", "format_projection"]
+           "project_drafter_training", "format_projection", "REFERENCE_RECIPE", "REFERENCE_STEPS",
+           "reference_readings", "format_reference_readings"]
