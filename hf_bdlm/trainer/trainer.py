@@ -639,11 +639,16 @@ def _torch_optimizer(optimizer):
 
 
 def _emulated_link(args):
-    """The emulated link ``args.block_parallel_link`` names, at this machine's compute rate (or ``None``)."""
+    """The emulated link ``args.block_parallel_link`` names (or ``None``), stretched by the matmul rate every process
+    of this launch measures now, all at once, in the dtype the step computes in (a collective call)."""
     if args.block_parallel_link is None:
         return None
     from ..planner.link import link_for_this_machine
 
-    link = link_for_this_machine(args.block_parallel_link)
-    logger.warning("block_parallel_link: every K/V transfer goes through the emulated link %s", link.describe())
+    args.device  # sets up the launch's process group (Accelerate's state): every process then measures at once
+    link = link_for_this_machine(args.block_parallel_link, "bfloat16" if args.bf16 else "float32")
+    rate = link.details["compute_rate"]
+    logger.warning("block_parallel_link: every K/V transfer goes through the emulated link %s (this machine's rate "
+                   "%.1f GFLOP/s per process, %g process(es) per core)", link.describe(), rate["flops_per_s"] / 1e9,
+                   rate["processes_per_core"])
     return link
