@@ -78,8 +78,9 @@ def test_a_named_link_keeps_the_clusters_communication_to_compute_ratio_on_share
 @pytest.mark.distributed
 def test_the_modes_benchmark_runs_through_the_link_and_records_it(tmp_path):
     """csbp at P = 2, L = 512, 1 layer through a 1 MB/s link: its 256 KiB of K/V (gathers and dK/dV returns) take
-    0.26 s, of which the rank's own attention hides a little (measured: 0.249 s waited). The benchmark's driver runs
-    in this process; the measurement is its own torchrun launch."""
+    0.26 s, of which the rank's own attention hides a little, more when other jobs slow the rank (measured: 0.249 s
+    waited, one step on an idle machine; 0.206 s, the median of 3 steps under load 8). Without the link the waits are
+    milliseconds. The benchmark's driver runs in this process; the measurement is its own torchrun launch."""
     from hf_bdlm.benchmarks import parallel_modes
 
     out = tmp_path / "modes.json"
@@ -91,7 +92,7 @@ def test_the_modes_benchmark_runs_through_the_link_and_records_it(tmp_path):
     assert rec["link"] == {"name": "slow", "bytes_per_s": 1e6, "latency_s": 0.0, "element_bytes": None}
     modelled = rec["bytes_per_step"] / 1e6
     assert rec["bytes_per_step"] == rec["wire_bytes_per_step"] == 4 * 65536
-    assert 0.8 * modelled <= rec["comm_wait_s"] <= 1.1 * modelled
+    assert 0.7 * modelled <= rec["comm_wait_s"] <= 1.1 * modelled
     assert len(rec["step_times"]) == 3 and rec["step_spread"]["low"] <= rec["step_s"] <= rec["step_spread"]["high"]
 
 
