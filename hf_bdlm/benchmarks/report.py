@@ -189,14 +189,17 @@ def max_context_table(results: list[dict], markdown: bool = False) -> str:
 
 
 def attention_table(records: list[dict], markdown: bool = False) -> str:
-    """Time and peak memory of each attention backend / training step (:mod:`.attention` records)."""
+    """Time (median [range] of the timed runs) and peak memory of each attention backend / training step
+    (:mod:`.attention` records)."""
+    from .attention import spread
+
     head = ["measurement", "L", "time s", "peak MiB"]
     rows = []
     for r in records:
         if "skipped" in r:
             rows.append([r["name"], str(r["length"]), r["skipped"], ""])
         else:
-            rows.append([r["name"], str(r["length"]), f"{r['time_s']:.3f}", f"{r['peak_mb']:.0f}"])
+            rows.append([r["name"], str(r["length"]), spread(r).describe(".3f"), f"{r['peak_mb']:.0f}"])
     return _rows_table(head, rows, markdown)
 
 

@@ -78,7 +78,7 @@ QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), tran
              max_context_nprocs=(2,), max_context_modes=("csbp",), max_context_layers=1, max_context_limit=8192,
              baseline_lengths=(2048,), baseline_nprocs=(2,), baseline_models=("dense", "sliding"),
              attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
-                        "dense", "--repeats", "0"])
+                        "dense", "--repeats", str(MIN_TIMED_STEPS)])
 
 
 @dataclass
