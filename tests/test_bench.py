@@ -175,6 +175,9 @@ def test_bench_argument_errors_exit_2_naming_the_value(argv, message, capsys):
     (["--max-context-limit", "256"], "--max-context-limit 256: must be at least the search grid 512"),
     (["--min-time", "-1"], "--min-time -1.0: must be 0 (a fixed --steps) or a positive number of seconds"),
     (["--steps", "2"], "--steps=2: a timed comparison needs at least 3 timed steps"),
+    (["--link", "nvlink"], "--link nvlink: unknown link; the named links are h100-nvlink"),
+    (["--link", "none", "h200-ib"], "several links run the baselines study once per link"),
+    (["--only", "baselines", "--link", "h200-ib", "h200-ib"], "a link is named twice"),
 ])
 def test_bench_bad_values_are_refused_before_anything_runs(argv, message, tmp_path, capsys):
     out = tmp_path / "out"

@@ -77,11 +77,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--no-calibrate", action="store_true",
                        help="do not measure the planner's CPU figures (cpu_rates.json beside the records, which "
                             "hf-bdlm plan --validate reads; about 80 s; the full preset measures them, --quick not)")
-    modes.add_argument("--link", default=None, metavar="NAME",
+    modes.add_argument("--link", nargs="+", default=None, metavar="NAME",
                        help="run the modes and baselines studies through an emulated cluster link (h100-nvlink, "
-                            "h100-ib, h200-nvlink, h200-ib): K/V charged at the cluster's bf16 element size, the link "
-                            "stretched by the compute rate each launch's ranks measure at its start, all at once, so "
-                            "that a step's communication : compute ratio is the cluster's (docs/benchmarks.md)")
+                            "h100-ib, h200-nvlink, h200-ib; none: no link): K/V charged at the cluster's bf16 element "
+                            "size, the link stretched by the compute rate each launch's ranks measure at its start, "
+                            "all at once, so that a step's communication : compute ratio is the cluster's "
+                            "(docs/benchmarks.md). Several (e.g. none h200-ib): the baselines study once per link")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
     growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
     growth.add_argument("--growth-lengths", type=positive_int, nargs="+", default=None, metavar="L")

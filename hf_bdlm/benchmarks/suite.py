@@ -13,7 +13,8 @@ Studies (``--only`` picks some; all by default), each measured in fresh processe
   (:mod:`.max_context`). ``max_context.json``, ``max_context.png``.
 - ``baselines``: csbp against this project's balanced cp, the paper's CP baseline (``cp-paper``) and bp, for a dense
   model and one in Gemma 3's 5:1 sliding-window pattern, with exposed waits and per-rank attention work
-  (:mod:`.baselines`). ``baselines.json`` (``baselines_<link>.json`` with ``--link``).
+  (:mod:`.baselines`). ``baselines.json`` (``baselines_<link>.json`` with ``--link``; several links, ``none``
+  among them, run the study once per link in one command).
 
 Family studies: each model family may own studies (:data:`hf_bdlm.models.FAMILY_STUDIES`, a study name -> its
 module), declared and run through three functions of that module: ``add_arguments(group)`` (its options, in their own
@@ -109,7 +110,14 @@ class BenchConfig:
     baseline_nprocs: tuple[int, ...] = ()
     baseline_models: tuple[str, ...] = ()
     baseline_layouts: tuple[str, ...] = ("csbp", "cp", "cp-paper", "bp")
-    link: str | None = None  # a named cluster link the modes study runs through (hf_bdlm.planner.link)
+    # Named cluster links (hf_bdlm.planner.link; None: no link) the baselines study runs through, one pass each;
+    # the modes study takes one.
+    links: tuple[str | None, ...] = (None,)
+
+    @property
+    def link(self) -> str | None:
+        """The one link of the modes study."""
+        return self.links[0]
 
 
 def _check_lengths(option: str, lengths, nprocs) -> None:
@@ -150,12 +158,19 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         attention=tuple(preset["attention"]), baseline_lengths=pick("baseline_lengths"),
         baseline_nprocs=pick("baseline_nprocs"), baseline_models=pick("baseline_models"),
         baseline_layouts=tuple(getattr(args, "baseline_layouts", None) or ("csbp", "cp", "cp-paper", "bp")),
-        link=getattr(args, "link", None))
-    if cfg.link is not None:
-        from hf_bdlm.planner.link import LINKS
+        links=tuple(None if name == "none" else name for name in (getattr(args, "link", None) or ["none"])))
+    from hf_bdlm.planner.link import LINKS
 
-        if cfg.link not in LINKS:
-            raise ValueError(f"--link {cfg.link}: unknown link; the named links are {', '.join(LINKS)}")
+    bad = [name for name in cfg.links if name is not None and name not in LINKS]
+    if bad:
+        raise ValueError(f"--link {' '.join(bad)}: unknown link; the named links are {', '.join(LINKS)} (none: no "
+                         f"link)")
+    if len(set(cfg.links)) != len(cfg.links):
+        raise ValueError(f"--link {' '.join(getattr(args, 'link', None) or [])}: a link is named twice")
+    if len(cfg.links) > 1 and {"modes", "growth"} & set(cfg.studies):
+        raise ValueError(f"--link {' '.join(getattr(args, 'link', None) or [])}: several links run the baselines "
+                         f"study once per link; the modes and growth studies take one link (add --only baselines, or "
+                         f"give one link)")
     check_timed_steps(cfg.steps)
     if cfg.min_time < 0:
         raise ValueError(f"--min-time {cfg.min_time}: must be 0 (a fixed --steps) or a positive number of seconds")
@@ -212,22 +227,25 @@ def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list,
                 path.write_text(json.dumps(sink, indent=1))
 
 
-def _emulated_link(cfg: BenchConfig) -> str | None:
+def _emulated_link(link: str | None) -> str | None:
     """The named link the launches run through: each launch's ranks measure, at its start and all at once, the
     compute rate that stretches it (the records carry it)."""
-    if cfg.link is not None:
-        _progress(f"  emulated link {cfg.link}: K/V charged at the cluster's bf16 element size; bandwidth and latency "
+    if link is not None:
+        _progress(f"  emulated link {link}: K/V charged at the cluster's bf16 element size; bandwidth and latency "
                   "stretched by the matmul rate each launch's ranks measure at its start, all at once "
                   "(docs/benchmarks.md; every record's 'link' holds them)")
-    return cfg.link
+    return link
 
 
 def run_baselines(cfg: BenchConfig) -> list[dict]:
     from . import baselines
 
-    return baselines.run_study(cfg.baseline_models, cfg.baseline_nprocs, cfg.baseline_lengths, cfg.steps, cfg.timeout,
-                               _emulated_link(cfg), cfg.out / baselines.out_name(cfg.link), log=_progress,
-                               layouts=cfg.baseline_layouts)
+    records = []
+    for link in cfg.links:
+        records += baselines.run_study(cfg.baseline_models, cfg.baseline_nprocs, cfg.baseline_lengths, cfg.steps,
+                                       cfg.timeout, _emulated_link(link), cfg.out / baselines.out_name(link),
+                                       log=_progress, layouts=cfg.baseline_layouts)
+    return records
 
 
 def run_modes(cfg: BenchConfig) -> list[dict]:
@@ -247,7 +265,7 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
                               benchmark_layers=cfg.layers)
         _progress(f"  planner CPU figures for {', '.join(map(str, devices))} process(es) -> {cfg.out / RATES_FILE} "
                   f"({time.perf_counter() - t0:.0f} s)")
-    link = _emulated_link(cfg)
+    link = _emulated_link(cfg.link)
     records: list[dict] = []
     _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json", link)
     return records
