@@ -52,16 +52,17 @@ def test_a_named_link_keeps_the_clusters_communication_to_compute_ratio_on_share
     """Four ranks on this machine's cores (two here, each rank then gets half a core or less): the rate that stretches
     the link is what each rank computes at while all compute, so a matmul workload and a bare gather take, relative
     to each other, what they would on the cluster. A rate measured by one process alone would leave the workload
-    about twice its modelled time here. Measured in three runs on 2 cores shared with other jobs (load 4-9): the gather
-    +0.04 % to +0.05 %; the workload -8 %, -17 % and -27 % (other jobs' load changes between the rate's window and the
+    about twice its modelled time here. Measured in four runs on 2 cores shared with other jobs (load 4-13): the
+    gather +0.04 % to +0.05 %; the workload -27 % to +1 % (other jobs' load changes between the rate's window and the
     workload's, and the slowest rank's last runs go faster once the others have finished); the gather over the
-    workload 9 % and 20 % over the cluster's ratio; the shared rate 0.41-0.46x the rate of one process alone."""
+    workload -1 % to +20 % off the cluster's ratio; the shared rate 0.41-0.74x the rate of one process alone (nearer 1
+    the more other jobs load the cores: they slow the process alone too)."""
     ranks = json.loads((shared_launch.folder("link_shared_cores", 4) / "shared_cores.json").read_text())
     rate = ranks[0]["rate"]
     assert rate["processes"] == len(rate["per_rank"]) == 4 and rate["flops_per_s"] == min(rate["per_rank"])
     assert rate["processes_per_core"] == pytest.approx(4 / rate["cores"])
     if rate["cores"] < 4:  # sharing cores slows every rank, and the rate says so
-        assert rate["flops_per_s"] < 0.8 * ranks[0]["alone"]
+        assert rate["flops_per_s"] < 0.85 * ranks[0]["alone"]
     for rank in ranks:
         link = rank["link"]
         assert link["compute_rate"] == rate and link["element_bytes"] == 2 and link["cluster_dtype"] == "bfloat16"
