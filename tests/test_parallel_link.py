@@ -125,13 +125,14 @@ def test_a_link_without_its_own_element_size_charges_the_bytes_moved():
 
 def test_the_rate_of_a_process_alone_is_measured_and_recorded():
     """One process, no group: the rate of its matmul runs, with what the records need to judge it."""
+    from hf_bdlm.planner.calibrate import benchmark_model
     from hf_bdlm.planner.link import emulated_link
     from hf_bdlm.planner.rank_rate import measure_rank_rate
 
-    rate = measure_rank_rate(window_s=0.3)
+    rate = measure_rank_rate(benchmark_model(2), window_s=0.3)
     assert rate.processes == 1 and rate.per_rank == (rate.flops_per_s,) and rate.runs >= 1
     assert rate.dtype == "float32" and rate.processes_per_core == pytest.approx(rate.threads / rate.cores)
     record = emulated_link("h100-nvlink", rate).as_record()
     assert record["compute_rate"]["flops_per_s"] == rate.flops_per_s and "method" in record["compute_rate"]
     with pytest.raises(ValueError, match="window_s must be positive"):
-        measure_rank_rate(window_s=0)
+        measure_rank_rate(benchmark_model(2), window_s=0)

@@ -374,7 +374,7 @@ def _link(args) -> LinkModel | None:
         from ..planner.model import spec_from_config
 
         model = spec_from_config(model_config(args.layers, args.window, full_every=args.full_every).to_dict())
-        return link_for_this_machine(args.link, args.dtype, model=model)
+        return link_for_this_machine(args.link, model, args.dtype)
     if not getattr(args, "link_bytes_per_s", None):
         return None
     from ..parallel.link import LinkModel

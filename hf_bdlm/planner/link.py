@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..parallel.link import LinkModel
 from .hardware import DeviceSpec, device_spec
+from .model import ModelSpec
 from .rank_rate import DEFAULT_WINDOW_S, RankRate
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -79,10 +80,11 @@ def emulated_link(name: str, cpu_rate: float | RankRate, gpu: DeviceSpec | None 
     return LinkModel(bandwidth / scale, device.link_latency_s * scale, name, link.element_bytes, details)
 
 
-def link_for_this_machine(name: str, dtype: str = "float32", window_s: float = DEFAULT_WINDOW_S,
-                          model=None) -> LinkModel:
-    """:func:`emulated_link` at the matmul rate the ranks of this launch get now, all computing at once in ``dtype``
-    (:func:`.rank_rate.measure_rank_rate`: a collective call when a process group is up). Nothing is cached."""
+def link_for_this_machine(name: str, model: ModelSpec, dtype: str = "float32",
+                          window_s: float = DEFAULT_WINDOW_S) -> LinkModel:
+    """:func:`emulated_link` at the rate the ranks of this launch get now, all computing ``model``'s matmuls at once
+    in ``dtype`` (:func:`.rank_rate.measure_rank_rate`: a collective call when a process group is up). Nothing is
+    cached."""
     from .rank_rate import measure_rank_rate
 
     if name not in LINKS:

@@ -11,7 +11,8 @@ shapes (``rows`` rows) back to back for ``window_s`` seconds; its rate is the FL
 time (every run but the last is timed while every rank computes). Nothing is cached: a rate belongs to the machine's
 state when it was measured, and the records carry it (:meth:`RankRate.as_record`).
 
-    python -c "from hf_bdlm.planner.rank_rate import measure_rank_rate; print(measure_rank_rate().describe())"
+    python -c "from hf_bdlm.planner.calibrate import benchmark_model as m; from hf_bdlm.planner.rank_rate import \
+measure_rank_rate as r; print(r(m(2)).describe())"
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def matmul_workload(model: ModelSpec, rows: int, dtype=None) -> tuple[Callable[[
 
     dtype = dtype or torch.float32
     a = model.layers[0]
-    intermediate = model.intermediate or model.moe_intermediate
+    intermediate = model.intermediate or model.moe_intermediate or 4 * model.hidden
     shapes = [(model.hidden, a.heads * a.head_dim), (model.hidden, 2 * a.kv_heads * a.head_dim),
               (a.heads * a.head_dim, model.hidden), (model.hidden, 2 * intermediate), (intermediate, model.hidden)]
     g = torch.Generator().manual_seed(0)
@@ -97,19 +98,14 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def measure_rank_rate(model: ModelSpec | None = None, dtype: str = "float32", window_s: float = DEFAULT_WINDOW_S,
+def measure_rank_rate(model: ModelSpec, dtype: str = "float32", window_s: float = DEFAULT_WINDOW_S,
                       rows: int = DEFAULT_ROWS, together: bool = True) -> RankRate:
     """The matmul rate every rank of this launch gets while all compute (a collective call: every rank of the default
-    process group, when there is one, must call it). ``model``: whose shapes (default: the benchmark model of
-    :mod:`hf_bdlm.benchmarks.parallel_modes`). ``together=False``: this process alone, no collective (what a rank
-    gets while the others wait)."""
+    process group, when there is one, must call it). ``model``: whose projection shapes are timed (the run's model).
+    ``together=False``: this process alone, no collective (what a rank gets while the others wait)."""
     import torch
     import torch.distributed as dist
 
-    if model is None:
-        from .calibrate import benchmark_model
-
-        model = benchmark_model(2)
     if not window_s > 0:
         raise ValueError(f"window_s must be positive seconds, got {window_s!r}.")
     run, flops = matmul_workload(model, rows, getattr(torch, dtype))

@@ -88,9 +88,10 @@ def shared_cores(rank: int, world: int) -> dict:
     from hf_bdlm.planner.rank_rate import DEFAULT_ROWS, matmul_workload, measure_rank_rate
 
     torch.set_num_threads(1)
-    rate = measure_rank_rate(window_s=2.0)
+    model = benchmark_model(2)
+    rate = measure_rank_rate(model, window_s=2.0)
     # A fixed workload, every rank at once: it takes what the measured rate says (the slowest rank's).
-    run, flops = matmul_workload(benchmark_model(2), DEFAULT_ROWS)
+    run, flops = matmul_workload(model, DEFAULT_ROWS)
     run()
     dist.barrier()
     start = time.perf_counter()
@@ -100,7 +101,7 @@ def shared_cores(rank: int, world: int) -> dict:
     slowest: list = [None] * world
     dist.all_gather_object(slowest, workload_s)
     # The rate one process gets alone (the others wait in a barrier, which does not compute).
-    alone = measure_rank_rate(window_s=2.0, together=False) if rank == 0 else None
+    alone = measure_rank_rate(model, window_s=2.0, together=False) if rank == 0 else None
     dist.barrier()
     link = emulated_link("h200-ib", rate)
     meter = ByteMeter()
