@@ -166,9 +166,12 @@ def test_the_quick_study_measures_every_layout_with_the_single_process_loss_and_
     single = by["single"]
     config = benchmark.benchmark_config()
     ids, loss_mask = benchmark.benchmark_tokens(2048)
-    batch = benchmark.benchmark_objective(4).prepare(ids, loss_mask, step=1)  # the first timed step
+    # --quick: the suite's 3 timed steps, each drawing its own anchors. A record's bytes and anchors are its last
+    # step's, its projected rows the median over the steps, its feature bytes the largest step's.
+    batches = [benchmark.benchmark_objective(4).prepare(ids, loss_mask, step=step) for step in (1, 2, 3)]
+    batch = batches[-1]
     for layout, r in by.items():
-        assert r["steps"] == 3 and r["step_s"] > 0  # --quick: the suite's 3 timed steps and r["anchors"] == 4 and r["supervised_tokens"] == 4 * 7
+        assert r["steps"] == 3 and r["step_s"] > 0 and r["anchors"] == 4 and r["supervised_tokens"] == 4 * 7
         assert r["context_tokens_per_s"] == pytest.approx(2048 / r["step_s"])
         assert all(peak > 0 for peak in r["peak_mem_per_rank"]) and len(r["peak_mem_per_rank"]) == r["P"]
         assert r["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)  # the group's loss is one process's
@@ -187,20 +190,29 @@ def test_the_quick_study_measures_every_layout_with_the_single_process_loss_and_
     # are those rows' (what the trainer reads)
     from hf_bdlm.models.dflash.modeling import draft_context_mask
 
-    def seen_by(anchors):
-        return draft_context_mask(batch.anchor_positions[:, anchors], torch.arange(2048)[None], 8,
-                                  anchor_document_starts=batch.document_starts[:, anchors],
-                                  anchor_valid=batch.anchor_valid[:, anchors], sliding_window=2048).flatten(0, 2).any(0)
+    def seen_by(step_batch, anchors):
+        return int(draft_context_mask(step_batch.anchor_positions[:, anchors], torch.arange(2048)[None], 8,
+                                      anchor_document_starts=step_batch.document_starts[:, anchors],
+                                      anchor_valid=step_batch.anchor_valid[:, anchors],
+                                      sliding_window=2048).flatten(0, 2).any(0).sum())
 
-    seen = seen_by(slice(None))
+    def per_step(rows_of):  # rows_of(step batch) -> rows per rank, for each timed step
+        return [rows_of(b) for b in batches]
+
+    def median(steps):  # per rank, the median over the steps
+        return [sorted(rank_rows)[1] for rank_rows in zip(*steps)]
+
     row = config.feature_width * 4
-    assert single["projected_rows_per_rank"] == [int(seen.sum())] and 0 < seen.sum() < 2048
+    seen = per_step(lambda b: [seen_by(b, slice(None))])
+    assert single["projected_rows_per_rank"] == median(seen) and all(0 < s[0] < 2048 for s in seen)
+    assert single["features_bytes_per_rank"] == [max(s[0] for s in seen) * row]
     for layout in ("cp", "csbp"):  # one ring of both ranks: its anchors are all anchors, their rows split evenly
-        assert sorted(by[layout]["projected_rows_per_rank"]) == [int(seen.sum()) // 2, -(-int(seen.sum()) // 2)]
-    bp_plans = [DFlashShardPlan.build(batch, mode="bp", world=2, rank=r, layer_windows=[2048]) for r in range(2)]
-    assert by["bp"]["projected_rows_per_rank"] == [int(seen_by(p.anchor_index).sum()) for p in bp_plans]
-    for r in records:
-        assert r["features_bytes_per_rank"] == [rows * row for rows in r["projected_rows_per_rank"]]
+        split = per_step(lambda b: [seen_by(b, slice(None)) // 2, -(-seen_by(b, slice(None)) // 2)])
+        assert sorted(by[layout]["projected_rows_per_rank"]) == median(split)
+    bp = per_step(lambda b: [seen_by(b, DFlashShardPlan.build(b, mode="bp", world=2, rank=r,
+                                                               layer_windows=[2048]).anchor_index) for r in range(2)])
+    assert by["bp"]["projected_rows_per_rank"] == median(bp)
+    assert by["bp"]["features_bytes_per_rank"] == [max(rows) * row for rows in zip(*bp)]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["studies"]["drafter"]["failed"] == 0
     md = (out / "summary.md").read_text()
