@@ -3,7 +3,10 @@
 Same prompts (the shipped held-out tasks, chat template) and the same output length for every mode, EOS ignored so
 that every row produces exactly `--new-tokens` tokens; batch 1 (prompts one at a time) and batch 8 (left-padded;
 the BDLM decodes ragged prompts in one batch). Beside the speed, exact match on the held-out set (greedy, one
-block of new tokens, EOS honoured: the quickstart's metric).
+block of new tokens, EOS honoured: the quickstart's metric). Every group of prompts (one batch) is a timed sample,
+at least 3 per mode and batch size (the prompts are passed over again when they make fewer groups); tables give the
+median and range of tokens per second across them, and a mode's speed over AR is the ratio of median CPU seconds per
+token, a tie where the two ranges overlap (`hf_bdlm.benchmarks.spread.compare`).
 
 - `ar`: `AutoModelForCausalLM.generate` (greedy, KV cache) of the causal LM the BDLM was converted from;
 - `bdlm threshold`: block-wise decoding, positions with confidence >= `--threshold` unmasked in parallel;
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import time
 
 import torch
+
+from hf_bdlm.benchmarks.spread import MIN_TIMED_STEPS, Spread, compare
 
 
 def chat_ids(tokenizer, examples) -> list[list[int]]:
@@ -61,31 +67,45 @@ def run_mode(mode: dict, model, prompts, batch: int, new_tokens: int | None, pad
 
 
 def measure(modes, models, prompts, batches, new_tokens, pad_id) -> list[dict]:
-    """Tokens/s of every mode and batch size. The modes take turns group by group (the order rotating), so a load
-    change on a shared machine hits every mode alike; CPU time (all threads of this process) is reported beside
-    wall time, as the cost that contention inflates least."""
+    """Tokens/s of every mode and batch size, one sample per group of prompts (at least :data:`MIN_TIMED_STEPS`: the
+    prompts are passed over again when they make fewer groups). The modes take turns group by group (the order
+    rotating), so a load change on a shared machine hits every mode alike; CPU time (all threads of this process) is
+    reported beside wall time, as the cost that contention inflates least."""
     rows = []
     for batch in batches:
         for mode in modes:
             run_mode(mode, models[mode["kind"]], prompts[:batch], batch, 4, pad_id, None)  # warm-up
-        totals = {m["name"]: [0, 0.0, 0.0] for m in modes}  # tokens, wall s, cpu s
+        samples = {m["name"]: [] for m in modes}  # per group: tokens, wall s, cpu s
         groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+        groups *= math.ceil(MIN_TIMED_STEPS / len(groups))
         for g, group in enumerate(groups):
             for k in range(len(modes)):
                 mode = modes[(g + k) % len(modes)]
                 wall, cpu = time.perf_counter(), time.process_time()
                 outs = run_mode(mode, models[mode["kind"]], group, batch, new_tokens, pad_id, None)
-                total = totals[mode["name"]]
-                total[0] += sum(o.numel() for o in outs)
-                total[1] += time.perf_counter() - wall
-                total[2] += time.process_time() - cpu
+                samples[mode["name"]].append((sum(o.numel() for o in outs), time.perf_counter() - wall,
+                                              time.process_time() - cpu))
         for mode in modes:
-            tokens, wall, cpu = totals[mode["name"]]
+            got = samples[mode["name"]]
+            tokens, wall, cpu = (sum(x[i] for x in got) for i in range(3))
             rows.append({"mode": mode["name"], "batch": batch, "tokens": tokens, "seconds": wall, "cpu_seconds": cpu,
-                         "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu})
-            print(f"  {mode['name']:<22} batch {batch}: {tokens / wall:7.1f} tok/s wall, {tokens / cpu:7.1f} tok per "
-                  f"CPU-s ({tokens} tokens)", flush=True)
+                         "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
+                         "groups": [dict(tokens=t, seconds=w, cpu_seconds=c) for t, w, c in got]})
+            print(f"  {mode['name']:<22} batch {batch}: {_per_s(rows[-1]).describe('.1f')} tok/s wall, "
+                  f"{_per_s(rows[-1], cpu=True).describe('.1f')} tok per CPU-s ({tokens} tokens, {len(got)} groups)",
+                  flush=True)
     return rows
+
+
+def _per_s(row: dict, cpu: bool = False) -> Spread:
+    """Tokens per (wall or CPU) second of each timed group of a row."""
+    key = "cpu_seconds" if cpu else "seconds"
+    return Spread(g["tokens"] / g[key] for g in row["groups"])
+
+
+def _seconds_per_token(row: dict, cpu: bool = False) -> Spread:
+    key = "cpu_seconds" if cpu else "seconds"
+    return Spread(g[key] / g["tokens"] for g in row["groups"])
 
 
 def exact_match(modes, models, tokenizer, examples, block: int, pad_id: int, eos) -> dict[str, float]:
@@ -101,13 +121,17 @@ def exact_match(modes, models, tokenizer, examples, block: int, pad_id: int, eos
 
 
 def table(rows: list[dict], quality: dict[str, float]) -> str:
+    """Tokens per second (wall, CPU) as the median [range] over the timed groups; the speed over AR is the ratio of
+    median CPU seconds per token, a tie where the ranges overlap."""
     ar = {r["batch"]: r for r in rows if r["mode"] == "ar"}
     lines = ["| decoding | batch | tokens/s (wall) | tokens per CPU-s | vs AR (CPU) | exact match |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["tokens_per_cpu_s"] / ar[r["batch"]]["tokens_per_cpu_s"] if r["batch"] in ar else float("nan")
-        lines.append(f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['tokens_per_cpu_s']:.1f} | "
-                     f"{ratio:.2f}x | {quality.get(r['mode'], float('nan')):.0%} |")
+        base = ar.get(r["batch"])
+        ratio = "-" if base is None or base is r else \
+            compare(_seconds_per_token(base, cpu=True), _seconds_per_token(r, cpu=True)).describe()
+        lines.append(f"| {r['mode']} | {r['batch']} | {_per_s(r).describe('.1f')} | "
+                     f"{_per_s(r, cpu=True).describe('.1f')} | {ratio} | {quality.get(r['mode'], float('nan')):.0%} |")
     return "\n".join(lines)
 
 

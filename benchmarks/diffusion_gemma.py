@@ -12,22 +12,25 @@ always does), default noise range, encoder next-token loss included.
   from its documented algorithm: one random response block per example; the encoder reads the whole sequence, the
   decoder's mask cuts the cache at the block start; transformers' ``sdpa`` attention. Supervises ``canvas`` tokens.
 
-Reported per (method, L): step time (median of ``--steps`` after one warm-up), supervised tokens per second (the
-quantity a fixed training budget buys), all tokens per second, and peak memory (``ru_maxrss`` high-water mark minus
-the RSS once model and batch are built; each configuration runs in a fresh process). One thread per process.
+Reported per (method, L): step time (every one of ``--steps`` timed steps after one warm-up, at least 3: median and
+range), supervised tokens per second (the quantity a fixed training budget buys), all tokens per second, and peak
+memory (``ru_maxrss`` high-water mark minus the RSS once model and batch are built; each configuration runs in a
+fresh process). One thread per process. Ratios are of median seconds per supervised token, and a tie where the two
+ranges overlap (``hf_bdlm.benchmarks.spread.compare``).
 
-``--parallel P``: the same step on a block-parallel group of ``P`` ranks (``torchrun``, gloo) in each mode of
-``hf_bdlm.models.diffusion_gemma.sharded`` (``csbp``, ``cp``, ``bp``; all-gather transport), against ``ours`` at
-P = 1. Per
-rank: its rows of the frame, the loss of its targets, backward (the gradient all-reduce every data-parallel run adds
-is left out, the same in every mode). Reported: the group's step time (slowest rank), supervised tokens per second,
-peak memory per rank (max over ranks) and K/V bytes received per rank per step (ByteMeter, max over ranks).
+``--parallel P``: the same step on a block-parallel group of ``P`` ranks (``torchrun``, gloo) in each layout of
+``hf_bdlm.models.diffusion_gemma.sharded`` (``--layouts``: ``csbp``, ``cp``, ``cp-paper`` the paper's CP baseline,
+``block_parallel_cp_layout="paper"``, and ``bp``; all-gather transport), beside TRL's one-block step and ``ours`` at
+P = 1. Per rank: its rows of the frame, the loss of its targets, backward (the gradient all-reduce every data-parallel
+run adds is left out, the same in every mode). Reported: the group's step time (per step the slowest rank's) and the
+slowest rank's CPU time per step, supervised tokens per second, peak memory per rank (max over ranks), K/V bytes
+received per rank per step (ByteMeter, max over ranks) and CSBP's speed-up over each layout (wall and CPU time).
 
-    python -m benchmarks.diffusion_gemma --lengths 512 1024 --steps 2          # ~1 minute
+    python -m benchmarks.diffusion_gemma --lengths 512 1024 --steps 3          # ~1 minute
     python -m benchmarks.diffusion_gemma --lengths 512 1024 2048 4096 --out dg.json
-    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 2048 4096 --steps 2 --out dg_p2.json   # ~6 minutes
-    # the recorded table (~12 minutes): + summary.md and the planner's projection of the paper's DiffusionGemma setting
-    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 4096 8192 --steps 2 --out-dir benchmarks/results/dg_throughput
+    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 2048 4096 --out dg_p2.json   # ~8 minutes
+    # the recorded table: + summary.md and the planner's projection of the paper's DiffusionGemma setting
+    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 4096 8192 --steps 3 --out-dir benchmarks/results/dg_throughput
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ import subprocess
 import sys
 import time
 
+from hf_bdlm.benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
+
 CANVAS, VOCAB, WINDOW = 64, 8192, 128
 EOS, TURN_END, PAD = 1, 4, 0
+LAYOUTS = ("csbp", "cp", "cp-paper", "bp")  # cp-paper: cp in the paper's baseline layout
 
 
 def _current_rss() -> int:
@@ -157,13 +163,14 @@ def worker(method: str, length: int, steps: int) -> dict:
             cpu_times.append(time.process_time() - cpu_start)
     step_s = statistics.median(times)
     return {"method": method, "length": length, "step_s": step_s, "cpu_s": statistics.median(cpu_times),
-            "supervised_tokens": supervised,
+            "step_times": times, "cpu_times": cpu_times, "supervised_tokens": supervised,
             "supervised_tokens_per_s": supervised / step_s, "tokens_per_s": length / step_s,
             "peak_mem_bytes": _peak_rss() - base_rss, "loss": float(loss)}
 
 
-def parallel_worker(mode: str, length: int, steps: int, out: str) -> None:
-    """One rank of a block-parallel group (under torchrun): its rows of the step, timed; rank 0 writes the record."""
+def parallel_worker(layout_name: str, length: int, steps: int, out: str) -> None:
+    """One rank of a block-parallel group (under torchrun): its rows of the step, timed; rank 0 writes the record with
+    every timed step (per step the slowest rank's wall and CPU time)."""
     import torch
     import torch.distributed as dist
 
@@ -174,7 +181,8 @@ def parallel_worker(mode: str, length: int, steps: int, out: str) -> None:
 
     dist.init_process_group("gloo")
     P = dist.get_world_size()
-    groups = BlockParallelGroups.build(ParallelDims(P, None, mode))
+    mode, cp_layout = ("cp", "paper") if layout_name == "cp-paper" else (layout_name, "balanced")
+    groups = BlockParallelGroups.build(ParallelDims(P, None, mode, cp_layout=cp_layout))
     model = build_model()  # same seed on every rank: the group shares weights and batch
     batch = build_batch(length)
     frame_multiple, canvas_multiple = frame_padding(groups.dims, CANVAS)
@@ -199,14 +207,18 @@ def parallel_worker(mode: str, length: int, steps: int, out: str) -> None:
             times.append(elapsed)
             cpu_times.append(cpu)
             received.append(meter.total())
-    mine = [statistics.median(times), _peak_rss() - base_rss, max(received), statistics.median(cpu_times),
-            float(loss)]
+    mine = [times, _peak_rss() - base_rss, max(received), cpu_times, float(loss)]
     everyone = [None] * P
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
-        step_s = max(r[0] for r in everyone)
-        record = {"method": f"{mode} P={P}", "mode": mode, "P": P, "length": length, "step_s": step_s,
-                  "cpu_s": max(r[3] for r in everyone),
+        # The group advances at its slowest rank's pace, step by step.
+        step_times = [max(r[0][i] for r in everyone) for i in range(steps)]
+        cpu_step_times = [max(r[3][i] for r in everyone) for i in range(steps)]
+        step_s = statistics.median(step_times)
+        record = {"method": f"{layout_name} P={P}", "mode": mode, "cp_layout": cp_layout, "layout": layout_name,
+                  "P": P,
+                  "length": length, "step_s": step_s, "cpu_s": statistics.median(cpu_step_times),
+                  "step_times": step_times, "cpu_times": cpu_step_times,
                   "supervised_tokens": supervised, "supervised_tokens_per_s": supervised / step_s,
                   "tokens_per_s": length / step_s, "peak_mem_bytes": max(r[1] for r in everyone),
                   "kv_bytes_per_step": max(r[2] for r in everyone),
@@ -217,49 +229,71 @@ def parallel_worker(mode: str, length: int, steps: int, out: str) -> None:
 
 
 # --- driver -----------------------------------------------------------------------------------------------------
-def run_parallel(lengths, steps: int, P: int) -> list[dict]:
-    """TRL's one-block estimator and ``ours`` at P = 1, then the three modes at P (a fresh process or torchrun launch
-    each), one length after the other: every layout of a length is measured in the same run, minutes apart."""
+def run_parallel(lengths, steps: int, P: int, layouts=LAYOUTS) -> list[dict]:
+    """TRL's one-block estimator and ``ours`` at P = 1, then each of ``layouts`` at P (a fresh process or torchrun
+    launch each), one length after the other: every layout of a length is measured in the same run, minutes apart."""
     import tempfile
 
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for length in lengths:
         results += run([length], steps, methods=("trl", "ours"))
-        for mode in ("csbp", "cp", "bp"):
+        for layout in layouts:
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "result.json")
-                subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                str(P), "-m", "benchmarks.diffusion_gemma", "--parallel-worker", mode, "--lengths",
-                                str(length), "--steps", str(steps), "--out", out], env=env, check=True,
-                               capture_output=True, text=True)
+                proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc_per_node", str(P), "-m", "benchmarks.diffusion_gemma",
+                                       "--parallel-worker", layout, "--lengths", str(length), "--steps", str(steps),
+                                       "--out", out], env=env, capture_output=True, text=True)
+                if proc.returncode or not os.path.exists(out):
+                    raise RuntimeError(f"{layout} P={P} L={length} failed:\n{proc.stderr[-3000:]}")
                 with open(out) as f:
                     result = json.load(f)
             results.append(result)
-            print(f"  {result['method']:9s} L={length:6d}: {result['step_s']:.2f} s/step, "
+            print(f"  {result['method']:13s} L={length:6d}: {_steps(result).describe()} s/step, "
                   f"{result['supervised_tokens_per_s']:.0f} supervised tok/s, "
                   f"{result['peak_mem_bytes'] / 2**20:.0f} MiB/rank, {result['kv_bytes_per_step'] / 2**20:.1f} MiB K/V",
                   file=sys.stderr)
     return results
 
 
+def _steps(r: dict, cpu: bool = False) -> Spread:
+    """A record's timed steps (wall, or the slowest rank's CPU time); records of one step keep their median."""
+    key = "cpu_times" if cpu else "step_times"
+    return Spread(r.get(key) or [r["cpu_s" if cpu else "step_s"]])
+
+
+def per_token(r: dict, cpu: bool = False) -> Spread:
+    """Seconds per supervised token of every timed step: the quantity layouts doing different work per step (TRL's
+    one block, the all-blocks step) are compared by."""
+    return Spread(t / r["supervised_tokens"] for t in _steps(r, cpu).values)
+
+
+def _name(r: dict) -> str:
+    return {"ours": "P = 1", "trl": "TRL one-block, P = 1"}.get(r["method"], r["method"])
+
+
 def parallel_table(results: list[dict]) -> str:
-    """Per length: P = 1 and each mode. Throughput is also given per CPU second of the slowest rank (``cpu``), which a
-    machine shared with other jobs distorts less than wall time."""
-    rows = ["| L | layout | step (s) | step, slowest rank CPU (s) | supervised tok/s | supervised tok / CPU-s | "
-            "vs P = 1 (CPU) | peak memory per rank (MiB) | K/V received per rank per step (MiB) |",
+    """Per length: TRL's one block and the all-blocks step at P = 1, then each layout at P. Step times are the median
+    and range of the timed steps; the slowest rank's CPU time per step is distorted less by other jobs on a shared
+    machine than wall time. CSBP's speed-up over each layout is the ratio of median seconds per supervised token
+    (wall, then CPU), a tie where the two ranges overlap."""
+    rows = ["| L | layout | step (s) | slowest rank CPU (s) | supervised tok/s | peak memory per rank (MiB) | "
+            "K/V received per rank per step (MiB) | CSBP over it (wall) | CSBP over it (CPU) |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    names = {"ours": "P = 1", "trl": "TRL one-block, P = 1"}
+    order = {"trl": 0, "ours": 1, **{f"{m}": 2 + i for i, m in enumerate(LAYOUTS)}}
     for length in sorted({r["length"] for r in results}):
         here = [r for r in results if r["length"] == length]
-        single = next((r for r in here if r["method"] == "ours"), None)
-        for r in sorted(here, key=lambda r: (r["method"] != "trl", r["method"] != "ours", r["method"])):
-            name = names.get(r["method"], r["method"])
-            per_cpu = r["supervised_tokens"] / r["cpu_s"]
-            speedup = f"{per_cpu / (single['supervised_tokens'] / single['cpu_s']):.2f}x" if single else ""
-            rows.append(f"| {length} | {name} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | "
-                        f"{r['supervised_tokens_per_s']:.0f} | {per_cpu:.0f} | {speedup} | "
-                        f"{r['peak_mem_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_step', 0) / 2**20:.1f} |")
+        csbp = next((r for r in here if r.get("layout", r.get("mode")) == "csbp"), None)
+        for r in sorted(here, key=lambda r: order.get(r.get("layout", r["method"]), 9)):
+            if csbp is None or r is csbp:
+                wall = cpu = "-"
+            else:
+                wall = compare(per_token(r), per_token(csbp)).describe()
+                cpu = compare(per_token(r, True), per_token(csbp, True)).describe()
+            rows.append(f"| {length} | {_name(r)} | {_steps(r).describe()} | {_steps(r, True).describe()} | "
+                        f"{r['supervised_tokens_per_s']:.0f} | {r['peak_mem_bytes'] / 2**20:.0f} | "
+                        f"{r.get('kv_bytes_per_step', 0) / 2**20:.1f} | {wall} | {cpu} |")
     return "\n".join(rows)
 
 
@@ -304,7 +338,7 @@ def run(lengths, steps: int, methods=("trl", "ours")) -> list[dict]:
                                  capture_output=True, text=True, env=env, check=True)
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results.append(result)
-            print(f"  {method:4s} L={length:6d}: {result['step_s']:.2f} s/step, "
+            print(f"  {method:4s} L={length:6d}: {_steps(result).describe()} s/step, "
                   f"{result['supervised_tokens_per_s']:.0f} supervised tok/s, "
                   f"{result['peak_mem_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
     return results
@@ -318,13 +352,14 @@ def table(results: list[dict]) -> str:
         for method in ("trl", "ours"):
             r = by.get((method, length))
             if r:
-                rows.append(f"| {length} | {method} | {r['step_s']:.2f} | {r['supervised_tokens']} | "
+                rows.append(f"| {length} | {method} | {_steps(r).describe()} | {r['supervised_tokens']} | "
                             f"{r['supervised_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
                             f"{r['peak_mem_bytes'] / 2**20:.0f} |")
         if (("trl", length) in by) and (("ours", length) in by):
             ours, trl = by[("ours", length)], by[("trl", length)]
+            # Per supervised token: ours over TRL's (the ratio of TRL's seconds per token to ours, or a tie).
             rows.append(f"| {length} | ours / trl | {ours['step_s'] / trl['step_s']:.2f}x | | "
-                        f"**{ours['supervised_tokens_per_s'] / trl['supervised_tokens_per_s']:.1f}x** | "
+                        f"**{compare(per_token(trl), per_token(ours)).describe()}** | "
                         f"{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x | "
                         f"{ours['peak_mem_bytes'] / max(trl['peak_mem_bytes'], 1):.2f}x |")
     return "\n".join(rows)
@@ -333,13 +368,16 @@ def table(results: list[dict]) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=MIN_TIMED_STEPS,
+                        help=f"timed steps after one warm-up (at least {MIN_TIMED_STEPS})")
     parser.add_argument("--out", help="write the results as JSON")
     parser.add_argument("--out-dir", help="write records.json and summary.md (tables, the command, the planner's "
                                           "projection of the paper's DiffusionGemma setting) into this folder")
-    parser.add_argument("--parallel", type=int, metavar="P", help="compare csbp / cp / bp on P ranks with P = 1")
+    parser.add_argument("--parallel", type=int, metavar="P", help="compare the layouts on P ranks with P = 1")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS),
+                        help="layouts --parallel runs (cp-paper: the paper's CP baseline; default: all)")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
-    parser.add_argument("--parallel-worker", choices=("csbp", "cp", "bp"), help=argparse.SUPPRESS)
+    parser.add_argument("--parallel-worker", choices=LAYOUTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.lengths[0], args.steps)))
@@ -347,8 +385,12 @@ def main(argv=None):
     if args.parallel_worker:
         parallel_worker(args.parallel_worker, args.lengths[0], args.steps, args.out)
         return
+    try:
+        check_timed_steps(args.steps)
+    except ValueError as err:
+        parser.error(str(err))
     if args.parallel:
-        results = run_parallel(args.lengths, args.steps, args.parallel)
+        results = run_parallel(args.lengths, args.steps, args.parallel, tuple(args.layouts))
         measured = parallel_table(results)
     else:
         results = run(args.lengths, args.steps)
@@ -367,7 +409,8 @@ def main(argv=None):
         with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
             f.write(f"# DiffusionGemma SFT throughput\n\n`python -m benchmarks.diffusion_gemma "
                     f"{' '.join(argv or sys.argv[1:])}` ({os.cpu_count()} cores, one thread per process; every "
-                    f"layout of a length measured in this one run)\n\n{measured}\n\n"
+                    f"layout of a length measured in this one run; {args.steps} timed steps after a warm-up, median "
+                    f"[range]; a ratio whose ranges overlap is a tie)\n\n{measured}\n\n"
                     f"## The planner's projection of the paper's setting\n\n{projected}\n")
 
 

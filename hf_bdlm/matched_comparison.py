@@ -1,11 +1,14 @@
 """The matched comparison of block-parallel layouts: what is measured at every checkpoint, and the figure.
 
-`recipes/dg_matched.py` fine-tunes one model once per layout (csbp, cp, ...) from the same seed, data order and token
-budget. This module holds the pieces that recipe shares with anything else that wants the same record:
+`recipes/dg_matched.py` fine-tunes one model once per layout (csbp, the paper's CP, bp, ...) from the same seed, data
+order and token budget. This module holds the pieces that recipe shares with anything else that wants the same record:
 
 - :class:`MatchedRecorder`: a `TrainerCallback` that turns a run into points (layout, step, seconds, metrics): the
   training loss and supervised tokens of every logged step, and at every checkpoint the held-out loss (the trainer's
   `eval_loss`), exact match and the `eval/pass_rate` rows of the `BDLMEvalCallback`\\ s added before it;
+- :func:`step_times` / :func:`speed_comparison`: each layout's training seconds per step (every logged step after the
+  first, evaluation pauses excluded) as a :class:`~hf_bdlm.benchmarks.spread.Spread`, and one layout's speed over
+  another's: the ratio of median step times, a tie where the ranges overlap;
 - :func:`plot_matched`: each metric against training step and against training wall-clock, one line per layout.
 
     recorder = MatchedRecorder("csbp", benchmarks=["swebench"], exact_match_examples=held_out[:8])
@@ -21,6 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from transformers import TrainerCallback
+
+from .benchmarks.spread import Spread, compare
 
 # The metrics of a checkpoint point besides the pass rates, in the figure's order.
 CHECKPOINT_METRICS = ("held_out_loss", "exact_match")
@@ -138,6 +143,25 @@ def loss_agreement(points: list[dict], reference: str, other: str) -> dict:
     diffs = [abs(losses[reference][s] - losses[other][s]) for s in steps]
     rel = [d / max(abs(losses[reference][s]), 1e-12) for d, s in zip(diffs, steps)]
     return {"steps": len(steps), "max_abs_diff": max(diffs, default=0.0), "max_rel_diff": max(rel, default=0.0)}
+
+
+def step_times(points: list[dict], layout: str) -> Spread:
+    """``layout``'s training seconds per step: between consecutive logged training points, the training clock's advance
+    (evaluation pauses excluded) over the steps it covers. The first logged interval (from the start of training) is
+    the warm-up and is left out."""
+    train = sorted((p for p in points if p["layout"] == layout and p["kind"] == "train"), key=lambda p: p["step"])
+    if len(train) < 2:
+        raise ValueError(f"layout {layout!r} logged {len(train)} training step(s); the step times need at least 2 "
+                         "(set logging_steps so that a run logs several).")
+    return Spread((b["train_s"] - a["train_s"]) / (b["step"] - a["step"]) for a, b in zip(train, train[1:]))
+
+
+def speed_comparison(points: list[dict], reference: str, other: str) -> dict:
+    """How much faster ``reference`` trains than ``other`` per step: the ratio of their median step times (> 1:
+    ``reference`` is faster), the extreme ratios their ranges allow, whether the ranges overlap (a tie), and the text
+    tables print (``1.14x`` or ``tie (1.05x)``)."""
+    comparison = compare(step_times(points, other), step_times(points, reference))
+    return dict(comparison.as_record(), describe=comparison.describe())
 
 
 def plot_matched(points: list[dict], path: str | Path, title: str = "matched comparison") -> Path:

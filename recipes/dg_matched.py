@@ -1,11 +1,13 @@
 """The paper's matched comparison as one command: the same DiffusionGemma fine-tuned once per block-parallel layout.
 
-Each layout (csbp and the best baseline, cp, by default) trains from the same seed, data order and token budget, in
-the same processes, one after the other, into `<output_dir>/<layout>` (a rerun replaces its
-evaluations). Every saved checkpoint (and the initial
-weights, step 0) is evaluated with `BDLMEvalCallback` (the shipped offline SWE-bench tasks by default, optionally the
-terminal tasks) and, beside it, on held-out loss (the trainer's `eval_loss`) and exact match. The records of every
-point and one figure (each metric against step and against training wall-clock, both layouts) go to `results_dir`.
+Each layout (by default csbp, the paper's CP baseline `cp-paper` and bp: baselines that compute the step with other
+arithmetic than csbp's; `cp`, this project's balanced CP, on request) trains from the same seed, data order and token
+budget, in the same processes, one after the other, into `<output_dir>/<layout>` (a rerun replaces its evaluations).
+Every saved checkpoint (and the initial weights, step 0) is evaluated with `BDLMEvalCallback` (the shipped offline
+SWE-bench tasks by default, optionally the terminal tasks) and, beside it, on held-out loss (the trainer's `eval_loss`)
+and exact match. The records of every point, each layout's seconds per training step (median and range) with the
+first layout's speed over each other (a tie where the ranges overlap), and one figure (each metric against step and
+against training wall-clock, every layout) go to `results_dir`.
 
     # CPU, a tiny random DiffusionGemma, 2 processes (a few minutes)
     torchrun --nproc_per_node 2 recipes/dg_matched.py --config recipes/configs/dg_matched_cpu.yaml
@@ -33,10 +35,22 @@ from trl import ModelConfig, TrlParser
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
 from hf_bdlm.evaluation.callback import BDLMEvalCallback
-from hf_bdlm.matched_comparison import MatchedRecorder, loss_agreement, plot_matched
+from hf_bdlm.matched_comparison import MatchedRecorder, loss_agreement, plot_matched, speed_comparison, step_times
 from hf_bdlm.train import SFTScriptArguments, load_datasets, resolve_model_path
 
 TINY_MODEL = "tiny:diffusion_gemma"
+PAPER_CP = "cp-paper"  # block_parallel_mode cp in the paper's baseline layout (block_parallel_cp_layout "paper")
+LAYOUTS = ("csbp", PAPER_CP, "bp", "cp")
+
+
+def layout_arguments(layout: str) -> list[str]:
+    """The trainer arguments of one layout of the comparison."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r} in layouts; use any of {', '.join(LAYOUTS)} ({PAPER_CP}: the "
+                         "paper's CP baseline).")
+    if layout == PAPER_CP:
+        return ["--block_parallel_mode", "cp", "--block_parallel_cp_layout", "paper"]
+    return ["--block_parallel_mode", layout, "--block_parallel_cp_layout", "balanced"]
 
 
 @dataclass
@@ -45,8 +59,10 @@ class MatchedArguments:
     What the matched comparison adds to the SFT recipe's arguments.
 
     Parameters:
-        layouts (`list[str]`, defaults to `["csbp", "cp"]`):
-            Block-parallel modes to train, in this order, each from the same start (`block_parallel_mode` values).
+        layouts (`list[str]`, defaults to `["csbp", "cp-paper", "bp"]`):
+            Layouts to train, in this order, each from the same start: `csbp`, `cp-paper` (the paper's CP baseline:
+            `block_parallel_mode="cp"`, `block_parallel_cp_layout="paper"`), `bp`, `cp` (this project's balanced CP).
+            The first is the reference the others' losses and speed are compared with.
         benchmarks (`list[str]`, defaults to `["swebench"]`):
             `BDLMEvalCallback` benchmarks run at every checkpoint: `swebench` (the shipped offline set) and/or
             `terminal-bench` (the shipped terminal tasks).
@@ -64,8 +80,9 @@ class MatchedArguments:
             Width of the tiny random model (`model_name_or_path: tiny:diffusion_gemma`).
     """
 
-    layouts: list[str] = field(default_factory=lambda: ["csbp", "cp"],
-                               metadata={"help": "Block-parallel modes to compare, e.g. csbp cp."})
+    layouts: list[str] = field(default_factory=lambda: ["csbp", PAPER_CP, "bp"],
+                               metadata={"help": "Layouts to compare, the reference first: csbp, cp-paper (the "
+                                                 "paper's CP baseline), bp, cp."})
     benchmarks: list[str] = field(default_factory=lambda: ["swebench"],
                                   metadata={"help": "swebench and/or terminal-bench, run at every checkpoint."})
     eval_tasks: list[str] | None = field(default=None, metadata={"help": "A subset of the benchmark's tasks."})
@@ -147,6 +164,10 @@ def train_layout(layout: str, argv: list[str], say) -> tuple[list[dict], dict]:
 def main(argv: list[str] | None = None) -> dict | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     matched, _, training_args, _ = make_parser().parse_args_and_config(args=argv)[:4]
+    for layout in matched.layouts:
+        layout_arguments(layout)  # an unknown layout fails before any training
+    if len(set(matched.layouts)) != len(matched.layouts):
+        raise ValueError(f"layouts {matched.layouts} names a layout twice; each trains into <output_dir>/<layout>.")
     base_dir = Path(training_args.output_dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
     say = print if is_main else (lambda *a, **k: None)
@@ -154,24 +175,30 @@ def main(argv: list[str] | None = None) -> dict | None:
     cadence = ["--eval_strategy", "steps", "--eval_steps", str(training_args.save_steps)]
     points, summaries = [], {}
     for layout in matched.layouts:
-        layout_argv = argv + cadence + ["--block_parallel_mode", layout, "--output_dir", str(base_dir / layout)]
+        layout_argv = argv + cadence + layout_arguments(layout) + ["--output_dir", str(base_dir / layout)]
         layout_points, summaries[layout] = train_layout(layout, layout_argv, say)
         points += layout_points
     if not is_main:
         return None
     reference = matched.layouts[0]
     agreement = {other: loss_agreement(points, reference, other) for other in matched.layouts[1:]}
+    speed = {other: speed_comparison(points, reference, other) for other in matched.layouts[1:]}
+    for layout in matched.layouts:
+        summaries[layout]["step_s"] = step_times(points, layout).as_record()
     results_dir = Path(matched.results_dir or base_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     record = {"launch": " ".join(sys.argv), "arguments": {"matched": asdict(matched), "argv": argv},
               "world_size": int(os.environ.get("WORLD_SIZE", "1")), "layouts": matched.layouts,
               "summary": summaries, "loss_agreement": {f"{reference}_vs_{o}": a for o, a in agreement.items()},
-              "points": points}
+              "speed": {f"{reference}_over_{o}": c for o, c in speed.items()}, "points": points}
     (results_dir / "dg_matched_records.json").write_text(json.dumps(record, indent=1))
     figure = plot_matched(points, results_dir / "dg_matched.png",
                           title=f"{' vs '.join(matched.layouts)}: same seed, data order and token budget")
-    say(f"loss agreement ({reference} vs others): {agreement}\nrecords and figure in {results_dir.resolve()} "
-        f"({figure.name})")
+    say(f"loss agreement ({reference} vs others): {agreement}")
+    for layout in matched.layouts:
+        say(f"[{layout}] seconds per training step: {step_times(points, layout).describe('.3f')}"
+            + (f"; {reference} over it: {speed[layout]['describe']}" if layout in speed else ""))
+    say(f"records and figure in {results_dir.resolve()} ({figure.name})")
     return record
 
 

@@ -174,6 +174,10 @@ def test_bench_argument_errors_exit_2_naming_the_value(argv, message, capsys):
     (["--growth-lengths", "2048"], "the exponent fit needs at least two distinct lengths"),
     (["--max-context-limit", "256"], "--max-context-limit 256: must be at least the search grid 512"),
     (["--min-time", "-1"], "--min-time -1.0: must be 0 (a fixed --steps) or a positive number of seconds"),
+    (["--steps", "2"], "--steps=2: a timed comparison needs at least 3 timed steps"),
+    (["--link", "nvlink"], "--link nvlink: unknown link; the named links are h100-nvlink"),
+    (["--link", "none", "h200-ib"], "several links run the baselines study once per link"),
+    (["--only", "baselines", "--link", "h200-ib", "h200-ib"], "a link is named twice"),
 ])
 def test_bench_bad_values_are_refused_before_anything_runs(argv, message, tmp_path, capsys):
     out = tmp_path / "out"
@@ -209,6 +213,27 @@ def test_short_configurations_keep_the_median_of_three_launches(first, launches,
         assert rec == dict(mode="cp", step_s=3.0)
 
 
+def test_modes_comparison_gives_csbps_speed_up_or_a_tie_from_the_timed_steps():
+    recs = [_record("single", 1, 2048, step_s=4.0, step_times=[4.1, 4.0, 3.9]),
+            _record("csbp", 2, 2048, step_s=2.0, step_times=[2.0, 1.9, 2.2]),
+            _record("cp", 2, 2048, step_s=2.1, step_times=[2.1, 2.0, 2.3]),  # overlaps csbp's range
+            _record("cp", 2, 2048, transport="ring", step_s=9.0, step_times=[9.0, 9.0, 9.0]),  # not compared
+            _record("bp", 2, 2048, schedule="dual_end", step_s=3.0, step_times=[3.0, 3.1, 2.9]),
+            _record("bp", 2, 2048, schedule="contiguous", step_s=2.8, step_times=[2.8, 2.7, 2.9])]
+    md = report.modes_comparison_table(recs, markdown=True)
+    # vs bp: the faster schedule (contiguous, 2.8 s); vs single: 4.0 / 2.0
+    assert "| 2 | 2K | 2.000 [1.900-2.200] | tie (1.05x) | - | 1.40x | 2.00x |" in md
+    assert "| 2 | 2048 | 2.000 [1.900-2.200] |" in report.modes_table(recs, markdown=True)
+
+
+def test_link_table_gives_the_rate_that_scaled_each_launch_and_the_bytes_charged():
+    link = {"name": "h200-ib", "bytes_per_s": 5.0e6, "latency_s": 0.16, "element_bytes": 2, "scale": 8000.0,
+            "compute_rate": {"flops_per_s": 6.8e10, "processes_per_core": 2.0}}
+    rec = _record("csbp", 4, 16384, link=link, bytes_per_step=4 * MiB, wire_bytes_per_step=2 * MiB, model="sliding")
+    md = report.link_table([rec], markdown=True)
+    assert "| h200-ib (sliding) | csbp allgather | 4 | 16K | 68.0 | 2 | 8000 | 5.00 | 160.0 | 4.0 | 2.0 |" in md
+
+
 def test_report_only_needs_results_to_report(tmp_path, capsys):
     assert cli.main(["bench", "--report-only", "--out", str(tmp_path)]) == 2
     assert "holds none of parallel_modes.json" in capsys.readouterr().err
@@ -232,7 +257,7 @@ def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path, capsys):
     L = 256, csbp (all-gather) at P = 2 and the single process, each measurement its own launch."""
     out = tmp_path / "bench"
     code = cli.main(["bench", "--only", "modes", "--lengths", "256", "--nprocs", "2", "--modes", "csbp", "--transports",
-                     "allgather", "--layers", "1", "--steps", "1", "--min-time", "0", "--no-calibrate", "--out",
+                     "allgather", "--layers", "1", "--steps", "3", "--min-time", "0", "--no-calibrate", "--out",
                      str(out)])
     stdout, stderr = capsys.readouterr()
     if code and (out / "parallel_modes.json").exists():  # the failed launch's own output, not its summary
@@ -248,7 +273,8 @@ def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path, capsys):
                     "peak_mem_bytes", "bytes_per_step", "bytes_by_name", "comm_wait_s"):
             assert key in r, key
         assert r["L"] == 256 and r["step_s"] > 0 and r["peak_mem_bytes"] > 0
-        assert r["steps"] == len(r["step_times"]) == 1  # --steps 1 and no --min-time
+        assert r["steps"] == len(r["step_times"]) == 3  # --steps 3 and no --min-time
+        assert r["step_spread"]["values"] == r["step_times"] and r["step_spread"]["median"] == r["step_s"]
     gather = records[1]
     # docs/design.md §3: csbp receives (C - 1) / C * 2 (K, V) * L * H_kv * d * 4 bytes per layer forward, as much
     # backward.
@@ -256,6 +282,7 @@ def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["studies"]["modes"]["failed"] == 0 and summary["machine"]["cpus"] >= 1
     assert all(_is_png(out / n) for n in summary["plots"]) and len(summary["plots"]) == 4
+    assert "CSBP's speed-up over each mode" in (out / "summary.md").read_text()
 
 
 def test_report_of_a_study_where_everything_failed_lists_the_errors_without_plots(tmp_path):
@@ -271,19 +298,26 @@ def test_report_of_a_study_where_everything_failed_lists_the_errors_without_plot
 def test_baselines_table_gives_csbps_speedup_over_each_baseline():
     from hf_bdlm.benchmarks import baselines
 
-    recs = [_record("csbp", 4, 8192, step_s=2.0, model="dense", attention_imbalance=1.0),
-            _record("cp", 4, 8192, step_s=2.5, model="dense", attention_imbalance=1.0, cp_layout="balanced"),
-            _record("cp", 4, 8192, step_s=3.0, model="dense", attention_imbalance=1.37, cp_layout="paper"),
-            _record("bp", 4, 8192, step_s=4.0, model="dense"),
+    def timed(*steps):
+        return dict(step_s=sorted(steps)[1], step_times=list(steps))
+
+    recs = [_record("csbp", 4, 8192, model="dense", attention_imbalance=1.0, **timed(1.9, 2.0, 2.1)),
+            _record("cp", 4, 8192, model="dense", attention_imbalance=1.0, cp_layout="balanced", **timed(2.5, 2.4, 2.6)),
+            _record("cp", 4, 8192, model="dense", attention_imbalance=1.37, cp_layout="paper", **timed(2.0, 3.0, 3.1)),
+            _record("bp", 4, 8192, model="dense", **timed(4.0, 3.9, 4.2)),
             _record("csbp", 4, 8192, step_s=1.0, model="dense", link={"name": "h200-ib", "bytes_per_s": 1e6,
                                                                        "latency_s": 0.1})]
     rows = baselines.rows(recs)
     plain = next(r for r in rows if r["link"] is None)
-    assert plain["csbp_over"] == {"cp": 1.25, "cp-paper": 1.5, "bp": 2.0}
+    over = {m: (c.ratio, c.tie) for m, c in plain["csbp_over"].items()}
+    # The paper's CP's slowest step (2.0 s) falls inside csbp's range: a tie, whatever its median says.
+    assert over == {"cp": (pytest.approx(1.25), False), "cp-paper": (pytest.approx(1.5), True),
+                    "bp": (pytest.approx(2.0), False)}
     linked = next(r for r in rows if r["link"] == "h200-ib")
     assert linked["csbp_over"] == {"cp": None, "cp-paper": None, "bp": None}  # nothing to compare with yet
     md = baselines.table(recs, markdown=True)
-    assert "| none | dense | 4 | 8K | 2.00 | 2.50 | 3.00 | 4.00 | 1.50x | 1.25x | 2.00x |" in md
+    assert ("| none | dense | 4 | 8K | 2.00 [1.90-2.10] | 2.50 [2.40-2.60] | 3.00 [2.00-3.10] | 4.00 [3.90-4.20] | "
+            "tie (1.50x) | 1.25x | 2.00x |") in md
     assert "1.00/1.00/1.37" in md
 
 
@@ -293,7 +327,7 @@ def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path, capsys):
     own launch; a second run adds its layout."""
     out = tmp_path / "bench"
     common = ["bench", "--only", "baselines", "--baseline-lengths", "256", "--baseline-nprocs", "2",
-              "--baseline-models", "dense", "--steps", "1", "--min-time", "0", "--out", str(out)]
+              "--baseline-models", "dense", "--steps", "3", "--min-time", "0", "--out", str(out)]
     for layouts in (["csbp", "cp-paper"], ["cp"]):
         code = cli.main(common + ["--baseline-layouts", *layouts])
         stdout, stderr = capsys.readouterr()

@@ -241,11 +241,12 @@ def test_every_subcommand_answers_help(probe):
 
 @pytest.mark.distributed
 def test_bench_runs_its_smallest_configuration_from_the_wheel(site, work):
-    """csbp (all-gather) at P = 2 under torchrun and the single process, L = 256, 1 layer, 1 step."""
+    """csbp (all-gather) at P = 2 under torchrun and the single process, L = 256, 1 layer, 3 steps (the fewest a timed
+    study takes)."""
     out = work / "bench"
     proc = run_installed(site, work, "-m", "hf_bdlm.cli", "bench", "--only", "modes", "--lengths", "256",
                          "--nprocs", "2", "--modes", "csbp", "--transports", "allgather", "--layers", "1",
-                         "--steps", "1", "--min-time", "0", "--no-calibrate", "--out", "bench", timeout=240)
+                         "--steps", "3", "--min-time", "0", "--no-calibrate", "--out", "bench", timeout=240)
     if proc.returncode and (out / "parallel_modes.json").exists():
         failed = [r["error"] for r in json.loads((out / "parallel_modes.json").read_text()) if "error" in r]
         pytest.fail("a measurement failed:\n" + "\n".join(failed) + proc.stdout[-1000:])

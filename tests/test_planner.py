@@ -118,6 +118,19 @@ def test_predicted_bytes_equal_the_byte_meters_measurements():
         assert r["predicted_by_name"] == r["measured_by_name"], r["label"]
 
 
+def test_validation_of_a_linked_record_prices_its_bytes_at_the_links_element_size():
+    """A record whose float32 K/V went through a bf16 cluster's link (2 bytes charged per element) takes the time of
+    the same bytes through a link of twice the bandwidth charging the bytes moved."""
+    record = next(r for r in json.loads(RECORDS.read_text()) if r["mode"] == "csbp" and "error" not in r)
+    cpu = DeviceSpec("cpu", 5e10, 5e10, float("inf"), 1e10, 3e8, 3e8)
+    bf16 = dict(record, link=dict(name="h200-ib", bytes_per_s=1e6, latency_s=0.01, element_bytes=2))
+    moved = dict(record, link=dict(name="h200-ib", bytes_per_s=2e6, latency_s=0.01, element_bytes=None))
+    slower = dict(record, link=dict(name="h200-ib", bytes_per_s=1e6, latency_s=0.01))  # an older record: bytes moved
+    (a,), (b,), (c,) = validate([bf16], cpu), validate([moved], cpu), validate([slower], cpu)
+    assert a["predicted_s"] == pytest.approx(b["predicted_s"]) and a["exposed_comm_s"] > 0
+    assert c["exposed_comm_s"] > a["exposed_comm_s"]
+
+
 def test_memory_states_shard_over_the_world():
     model, cluster = model_spec("gemma3-27b"), Cluster(16, 8)
     dims = ParallelDims(16, 16, "csbp", world_size=16)

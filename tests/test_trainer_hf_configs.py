@@ -113,8 +113,10 @@ def test_an_emulated_cluster_link_delays_the_exchange_and_changes_no_loss(runs, 
     """block_parallel_link="h200-ib": every K/V transfer waits for the stretched link (at least its latency for each
     of the 3 steps' forward gathers of 2 layers), and the losses are P = 1's."""
     run = runs["p2"][f"{family}/emulated_link"]
-    name, latency = run["link"]
+    name, latency, rate = run["link"]
     assert name == "h200-ib" and latency > 0
+    # The compute rate that stretched the link was measured by both processes of the launch at once.
+    assert rate["processes"] == len(rate["per_rank"]) == 2 and rate["flops_per_s"] == min(rate["per_rank"])
     assert run["comm_wait_s"] >= 3 * 2 * latency
     assert runs["accelerate_fsdp"][f"{family}/plain"]["comm_wait_s"] < run["comm_wait_s"] / 10  # no link
     _check_against_p1(run, runs["p1"][f"{family}/plain"], FLOAT32_TOL)

@@ -4,6 +4,9 @@
   (:func:`~.parallel_modes.model_config`) is the one the planner's validation predicts.
 - :mod:`.attention`: attention backends and a BDLM against an AR training step.
 - :mod:`.max_context`: the longest trainable context under a per-rank memory cap.
+- :mod:`.baselines`: csbp against both CP baselines and bp, with and without an emulated cluster link.
+- :mod:`.spread`: repeated timings (median and range) and comparisons (a tie where the ranges overlap), the one rule
+  every timed study reports by.
 - :mod:`.report`: fits, tables and plots of the records (pure functions of the JSON).
 - :mod:`.suite`: the studies of ``hf-bdlm bench`` and their summary.
 - :mod:`.cli`: ``hf-bdlm bench``'s arguments.

@@ -13,13 +13,15 @@ Two tables:
 
 Every measurement runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own:
 the reported peak is the high-water mark of the first (cold) run minus the RSS after the
-inputs were allocated. The time is the minimum over that run and ``--repeats`` more (which
-reuse plans and masks, as every layer after the first does in a model); a measurement
-predicted to be long runs once.
+inputs were allocated. The time is the median of ``--repeats`` (at least 3) timed runs after
+that one (which reuse plans and masks, as every layer after the first does in a model); every
+timed run is recorded (``times``), and the summary's ratios are of medians, a tie where the two
+ranges overlap (:func:`.spread.compare`).
 Children run with ``OMP_WAIT_POLICY=PASSIVE`` (see ``--omp-wait-policy``): on a machine shared
 with other jobs, OpenMP's spin-waiting otherwise dominates every small parallel op.
-A measurement whose estimated memory exceeds ``--max-gb``, or whose time extrapolated from the
-previous length exceeds ``--max-seconds``, is skipped and says why.
+A measurement whose estimated memory exceeds ``--max-gb``, or whose runs (the cold one and the
+timed ones) extrapolated from the previous length exceed ``--max-seconds`` together, is skipped
+and says why.
 
     python -m hf_bdlm.benchmarks.attention --quick                       # < 3 min, L <= 2K
     python -m hf_bdlm.benchmarks.attention --lengths 1024 2048 4096 8192 16384 --out results.json
@@ -36,6 +38,7 @@ import tempfile
 import time
 
 from .processes import child_env, module_command
+from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 2, 64
 MODEL = dict(
@@ -58,18 +61,22 @@ def _max_rss_bytes() -> int:
 
 
 def _timed(fn, repeats: int):
-    """(first run seconds, peak bytes of the first run above the current RSS, best later run)."""
+    """(first run seconds, peak bytes of the first run above the current RSS, the ``repeats`` timed runs after it)."""
     base = _max_rss_bytes()
     start = time.perf_counter()
     fn()
     first = time.perf_counter() - start
     peak = _max_rss_bytes() - base
-    best = first
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return first, peak, best
+        times.append(time.perf_counter() - start)
+    return first, peak, times
+
+
+def _timed_record(first: float, peak: int, times: list[float]) -> dict:
+    return dict(first_s=first, time_s=Spread(times).median, times=times, peak_mb=peak / 2**20)
 
 
 def _attention_child(spec: dict) -> dict:
@@ -111,8 +118,7 @@ def _attention_child(spec: dict) -> dict:
     run(*inputs(2 * BLOCK), {})  # loads kernels and thread pools before the baseline
     rows, q, k, v = inputs(length)
     cache: dict = {}
-    first, peak, best = _timed(lambda: run(rows, q, k, v, cache), spec["repeats"])
-    return dict(first_s=first, time_s=best, peak_mb=peak / 2**20)
+    return _timed_record(*_timed(lambda: run(rows, q, k, v, cache), spec["repeats"]))
 
 
 def _step_child(spec: dict) -> dict:
@@ -159,8 +165,7 @@ def _step_child(spec: dict) -> dict:
         step(ids)
         model.zero_grad(set_to_none=True)
 
-    first, peak, best = _timed(run, spec["repeats"])
-    return dict(first_s=first, time_s=best, peak_mb=peak / 2**20)
+    return _timed_record(*_timed(run, spec["repeats"]))
 
 
 def child_main(spec: dict) -> None:
@@ -200,10 +205,15 @@ def run_child(spec: dict, timeout: float, omp_wait_policy: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def spread(rec: dict) -> Spread:
+    """A record's timed runs (records of an older version hold only their best time)."""
+    return Spread(rec.get("times") or [rec["time_s"]])
+
+
 def _fmt(rec: dict) -> str:
     if "skipped" in rec:
         return rec["skipped"]
-    return f"{rec['time_s']:8.2f} s  {rec['peak_mb']:8.0f} MB  (first run {rec['first_s']:.2f} s)"
+    return f"{spread(rec).describe('.3f'):>24} s  {rec['peak_mb']:8.0f} MB  (first run {rec['first_s']:.2f} s)"
 
 
 def measure(args, bench: str, name: str, lengths, extra: dict, records: list) -> None:
@@ -211,10 +221,8 @@ def measure(args, bench: str, name: str, lengths, extra: dict, records: list) ->
     for length in lengths:
         # Attention cost grows ~4x per doubling of L; a training step at these sizes ~2-3x.
         growth = 4.0 if bench == "attention" else 3.0
-        predicted = None if previous is None else previous * growth
-        # A long measurement runs once (its cold run is then also its timed run).
-        repeats = 0 if predicted is not None and predicted * (1 + args.repeats) > args.max_seconds else args.repeats
-        spec = dict(bench=bench, length=length, threads=args.threads, repeats=repeats, **extra)
+        predicted = None if previous is None else previous * growth * (1 + args.repeats)  # the cold run too
+        spec = dict(bench=bench, length=length, threads=args.threads, repeats=args.repeats, **extra)
         rec = dict(spec, name=name, omp_wait_policy=args.omp_wait_policy, loadavg=round(os.getloadavg()[0], 2))
         need = estimate_gb(extra.get("backend", ""), length)
         if need > args.max_gb:
@@ -238,17 +246,21 @@ def summarize(records: list) -> list[str]:
     header = (f"  {'L':>6}  {'blockwise/dense time':>21}  {'groups/block tiles':>21}  {'blockwise MB per 1K tok':>24}"
               f"  {'BDLM/AR step':>13}"
               f"  {'BDLM/AR backbone':>17}")  # fmt: skip
-    lines = ["", "Summary", header]
+    def cost(a, b):
+        """``a``'s time over ``b``'s: the ratio of medians, or a tie where the ranges of timed runs overlap."""
+        if not (a and b):
+            return "-"
+        c = compare(spread(a), spread(b))  # the baseline's median over the candidate's: here a / b
+        return f"tie ({c.ratio:.2f})" if c.tie else f"{c.ratio:.2f}"
+
+    lines = ["", "Summary (time ratios of medians; tie: the ranges of timed runs overlap)", header]
     for length in sorted({r["length"] for r in records}):
         b, d = get("blockwise", length), get("dense", length)
-        bdlm, ar = get("bdlm_step", length), get("ar_step", length)
-        ratio = f"{b['time_s'] / d['time_s']:.2f}" if b and d else "-"
+        ratio = cost(b, d)
         per_k = f"{b['peak_mb'] / (length / 1024):.1f}" if b else "-"
-        step = f"{bdlm['time_s'] / ar['time_s']:.2f}" if bdlm and ar else "-"
-        fine = get("block_tiles", length)
-        grouped = f"{b['time_s'] / fine['time_s']:.2f}" if b and fine else "-"
-        bdlm_body, ar_body = get("bdlm_body", length), get("ar_body", length)
-        body = f"{bdlm_body['time_s'] / ar_body['time_s']:.2f}" if bdlm_body and ar_body else "-"
+        step = cost(get("bdlm_step", length), get("ar_step", length))
+        grouped = cost(b, get("block_tiles", length))
+        body = cost(get("bdlm_body", length), get("ar_body", length))
         lines.append(f"  {length:>6}  {ratio:>21}  {grouped:>21}  {per_k:>24}  {step:>13}  {body:>17}")
     lines.append("  targets: blockwise <= 0.35x dense at L=8K; blockwise MB per 1K tokens ~constant; BDLM <= 2.2x AR")
     return lines
@@ -261,7 +273,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", nargs="+", default=["blockwise", "dense", "flex"])
     p.add_argument("--clean-attention", default="block_causal", choices=["block_causal", "causal"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs after the first (cold) run")
+    p.add_argument("--repeats", type=int, default=MIN_TIMED_STEPS,
+                   help=f"timed runs after the first (cold) run, at least {MIN_TIMED_STEPS}")
     p.add_argument("--max-gb", type=float, default=16.0, help="skip a measurement estimated to need more")
     p.add_argument("--max-seconds", type=float, default=300.0, help="skip a measurement predicted to take longer")
     # OpenMP's default spin-waiting makes every parallel op stall for a scheduler time slice
@@ -281,6 +294,7 @@ def main(argv=None) -> None:
     if args.child:
         child_main(json.loads(args.child))
         return
+    check_timed_steps(args.repeats, "--repeats")
     if args.quick:
         args.lengths = [n for n in args.lengths if n <= 2048]
         args.step_lengths = [n for n in args.step_lengths if n <= 1024]

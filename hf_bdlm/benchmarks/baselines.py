@@ -9,11 +9,13 @@ all-gathers and reduce-scatters, whole-sequence gathers on sliding layers); and 
 Models (hidden 256, 8 heads, 2 K/V heads of 32, block 64, float32): ``dense``, 2 full-attention layers; ``sliding``,
 6 layers in Gemma 3's 5:1 pattern (five sliding-window layers of width :data:`WINDOW`, then a full one).
 
-Each row of the table gives the step time of every layout, CSBP's throughput over each baseline, the exposed
-communication (time blocked in waits, slowest rank) and the per-rank attention work of each layout: allowed
+Each row of the table gives the step time of every layout (median and range of its timed steps, at least 3), CSBP's
+speed-up over each baseline (the ratio of medians; a tie where the two ranges overlap: :func:`.spread.compare`), the
+exposed communication (time blocked in waits, slowest rank) and the per-rank attention work of each layout: allowed
 (query, key) pairs of the slowest rank over the mean, summed over the layers (:func:`hf_bdlm.planner.cost.rank_work`).
-With ``--link NAME`` every K/V transfer goes through the named emulated cluster link; the records go to
-``baselines_<link>.json`` beside the plain ``baselines.json``.
+With ``--link NAME`` every K/V transfer goes through the named emulated cluster link, stretched by the compute rate
+each launch's ranks measure at its start (in every record's ``link``); the records go to ``baselines_<link>.json``
+beside the plain ``baselines.json``.
 
 Caveat of this machine: with more ranks than cores (P = 4 on 2 cores) the ranks share the cores, so a rank with
 less work yields its core to a busier one and the step time follows the group's total work more than its slowest
@@ -28,6 +30,7 @@ import tempfile
 import time
 
 from . import parallel_modes
+from .spread import check_timed_steps, compare
 
 WINDOW = 1024
 MODELS = {"dense": dict(layers=2, window=None, full_every=None),
@@ -57,11 +60,13 @@ def run_study(models, nprocs, lengths, steps: int, timeout: float, link=None, ou
               log=print, layouts=LAYOUTS) -> list[dict]:
     """Every (model, P, L, layout) record, written to ``out`` as it goes (records already in ``out`` are kept: a
     second run with other lengths or layouts adds its own)."""
+    check_timed_steps(steps)
     configs = [(m, P, L, layout) for m in models for L in lengths for P in nprocs for layout in LAYOUTS
                if layout in layouts]
+    what = link if isinstance(link, str) or link is None else link.describe()
     log(f"baselines: {len(configs)} runs (models {', '.join(models)}; P {', '.join(map(str, nprocs))}; "
-        f"L {', '.join(map(str, lengths))}; {steps} timed step(s) after a warm-up"
-        + (f"; through the emulated link {link.describe()}" if link is not None else "") + ")")
+        f"L {', '.join(map(str, lengths))}; {steps} timed steps after a warm-up"
+        + (f"; through the emulated link {what}" if link is not None else "") + ")")
     kept = json.loads(out.read_text()) if out is not None and out.exists() else []
     planned = set(configs)
     kept = [r for r in kept if (r.get("model"), r["P"], r["L"], parallel_modes.mode_name(r)) not in planned]
@@ -78,8 +83,8 @@ def run_study(models, nprocs, lengths, steps: int, timeout: float, link=None, ou
                 rec["attention_imbalance"] = attention_imbalance(layout, P, L, model)
             records.append(rec)
             what = (f"error {(rec['error'].strip().splitlines() or ['?'])[-1][:80]}" if "error" in rec else
-                    f"step {rec['step_s']:7.3f} s  wait {rec['comm_wait_s']:.3f} s  "
-                    f"attention imbalance {rec['attention_imbalance']:.3f}")
+                    f"step {parallel_modes.spread_of(rec).describe('.3f')} s  wait {rec['comm_wait_s']:.3f} s  "
+                    f"attention imbalance {rec['attention_imbalance']:.3f}" + _link_note(rec))
             log(f"  [baselines {i}/{len(configs)}, {time.perf_counter() - started:5.0f} s] {model:7} "
                 f"{layout:8} P={P} L={L:>6}: {what}")
             if out is not None:
@@ -87,8 +92,18 @@ def run_study(models, nprocs, lengths, steps: int, timeout: float, link=None, ou
     return records
 
 
+def _link_note(rec: dict) -> str:
+    link = rec.get("link")
+    if not link or "compute_rate" not in link:
+        return ""
+    rate = link["compute_rate"]
+    return (f"  link {link['bytes_per_s'] / 1e6:.2f} MB/s + {link['latency_s'] * 1e3:.1f} ms (rate "
+            f"{rate['flops_per_s'] / 1e9:.1f} GFLOP/s at {rate.get('processes_per_core', 0):g} process(es) per core)")
+
+
 def rows(records: list[dict]) -> list[dict]:
-    """One row per (link, model, P, L): every layout's record and CSBP's ratios."""
+    """One row per (link, model, P, L): every layout's record and CSBP's comparison with each baseline
+    (:class:`~.spread.Comparison`: the ratio of median step times, a tie where the ranges overlap)."""
     groups: dict = {}
     for r in records:
         if "error" in r:
@@ -98,14 +113,15 @@ def rows(records: list[dict]) -> list[dict]:
     out = []
     for (link, model, P, L), by in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), *kv[0][1:])):
         cs = by.get("csbp")
-        ratio = {m: (by[m]["step_s"] / cs["step_s"] if cs and m in by else None) for m in LAYOUTS[1:]}
-        out.append(dict(link=link, model=model, P=P, L=L, by=by, csbp_over=ratio))
+        over = {m: (compare(parallel_modes.spread_of(by[m]), parallel_modes.spread_of(cs)) if cs and m in by else None)
+                for m in LAYOUTS[1:]}
+        out.append(dict(link=link, model=model, P=P, L=L, by=by, csbp_over=over))
     return out
 
 
 def table(records: list[dict], markdown: bool = False) -> str:
-    """Step seconds of every layout, CSBP's speed-up over each (its tokens/s over theirs), exposed waits and the
-    attention imbalance of each layout."""
+    """Step seconds of every layout (median [range]), CSBP's speed-up over each (ratio of medians, or a tie), exposed
+    waits and the attention imbalance of each layout."""
     from .report import _length_label, _rows_table
 
     head = ["link", "model", "P", "L", *(f"{m} s" for m in LAYOUTS), "CSBP / cp-paper", "CSBP / cp", "CSBP / bp",
@@ -117,10 +133,10 @@ def table(records: list[dict], markdown: bool = False) -> str:
         def cell(m, key, fmt):
             return fmt.format(by[m][key]) if m in by and key in by[m] else "-"
 
-        ratios = [f"{row['csbp_over'][m]:.2f}x" if row["csbp_over"][m] else "-"
+        steps = [parallel_modes.spread_of(by[m]).describe() if m in by else "-" for m in LAYOUTS]
+        ratios = [row["csbp_over"][m].describe() if row["csbp_over"][m] else "-"
                   for m in (parallel_modes.PAPER_CP, "cp", "bp")]
-        body.append([row["link"] or "none", row["model"], str(row["P"]), _length_label(row["L"]),
-                     *(cell(m, "step_s", "{:.2f}") for m in LAYOUTS), *ratios,
+        body.append([row["link"] or "none", row["model"], str(row["P"]), _length_label(row["L"]), *steps, *ratios,
                      "/".join(cell(m, "comm_wait_s", "{:.2f}") for m in LAYOUTS[:3]),
                      "/".join(cell(m, "attention_imbalance", "{:.2f}") for m in LAYOUTS[:3])])
     return _rows_table(head, body, markdown)

@@ -51,7 +51,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_results",
                    help="folder for the JSON, PNG and markdown (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
-                   help="small preset (< 5 min on 2 idle cores): modes at L=1K,2K and P=2, 1 layer, 1 step; attention "
+                   help="small preset (< 5 min on 2 idle cores): modes at L=1K,2K and P=2, 1 layer, 3 steps; attention "
                         "at L<=2K; growth from those records; max-context under a 128 MiB cap for the single process "
                         "and csbp at P=2; each family study at its own quick preset")
     p.add_argument("--only", nargs="+", choices=suite.STUDIES, default=None, metavar="STUDY",
@@ -67,7 +67,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--transports", nargs="+", choices=("allgather", "ring"), default=None,
                        help="K/V transports of cp and csbp (default: both)")
     modes.add_argument("--layers", type=positive_int, default=None, help="decoder layers of the benchmark model")
-    modes.add_argument("--steps", type=positive_int, default=None, help="timed steps after one warm-up")
+    modes.add_argument("--steps", type=positive_int, default=None,
+                       help="timed steps after one warm-up, at least 3 (default: 3); every step is recorded and "
+                            "tables give the median and the range")
     modes.add_argument("--min-time", type=float, default=None, metavar="SECONDS",
                        help="time more steps when they are short, enough to fill SECONDS (at most 10), and launch a "
                             "configuration whose step is under SECONDS / 2 three times, keeping the median launch "
@@ -75,10 +77,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--no-calibrate", action="store_true",
                        help="do not measure the planner's CPU figures (cpu_rates.json beside the records, which "
                             "hf-bdlm plan --validate reads; about 80 s; the full preset measures them, --quick not)")
-    modes.add_argument("--link", default=None, metavar="NAME",
-                       help="run the modes and baselines studies through an emulated cluster link (h100-nvlink, h100-ib, "
-                            "h200-nvlink, h200-ib), stretched by this machine's compute rate so that a step's "
-                            "communication : compute ratio is the cluster's (docs/benchmarks.md)")
+    modes.add_argument("--link", nargs="+", default=None, metavar="NAME",
+                       help="run the modes and baselines studies through an emulated cluster link (h100-nvlink, "
+                            "h100-ib, h200-nvlink, h200-ib; none: no link): K/V charged at the cluster's bf16 element "
+                            "size, the link stretched by the compute rate each launch's ranks measure at its start, "
+                            "all at once, so that a step's communication : compute ratio is the cluster's "
+                            "(docs/benchmarks.md). Several (e.g. none h200-ib): the baselines study once per link")
     modes.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default: %(default)s)")
     growth = p.add_argument_group("cost growth (per-rank step time vs L, fitted exponent)")
     growth.add_argument("--growth-lengths", type=positive_int, nargs="+", default=None, metavar="L")

@@ -8,12 +8,13 @@ configuration's peak RSS is its own) running this same module with ``--worker``
 (``-m hf_bdlm.benchmarks.parallel_modes``); the single-process baseline (``single``: plain ``objective.loss``) runs
 in a fresh process too. One thread per rank.
 
-Per configuration: step time (median over ``--steps``, or as many as fill ``--min-time`` seconds up to 10, after
-one warm-up; the group's step time is the slowest rank's; with ``--min-time``, steps under half of it are launched
-3 times and the median launch kept), tokens/s (``L`` / step time), peak memory (``ru_maxrss`` high-water mark minus
+Per configuration: step time (median over ``--steps``, at least 3, or as many as fill ``--min-time`` seconds up to
+10, after one warm-up; the group's step time is the slowest rank's; every timed step is kept in ``step_times`` and
+``step_spread`` gives median and range; with ``--min-time``, steps under half of it are launched 3 times and the
+median launch kept), tokens/s (``L`` / step time), peak memory (``ru_maxrss`` high-water mark minus
 the RSS once model and batch are built, max over ranks; the absolute high-water mark is kept as
 ``peak_rss_bytes``), bytes received per step from the ByteMeter (max over ranks, and per
-collective name) and the exposed communication: time blocked in waits on collectives (``wait_s``,
+collective name; ``wire_bytes_*``: as an emulated link charged them) and the exposed communication: time blocked in waits on collectives (``wait_s``,
 max over ranks), split into forward (``fwd``, up to the loss) and backward (``bwd``). ``cp`` and
 ``csbp`` run with both transports (``--transports allgather ring``); ``bp`` has no communication
 and runs with both noisy-block schedules (``--bp-schedules``): the ratios compare against the faster
@@ -24,6 +25,9 @@ baseline layout (``block_parallel_cp_layout="paper"``; its records say ``mode: "
 memory from the CUDA allocator, times after a device synchronize; ``wait_s`` then counts host-side waits
 only, which NCCL's stream-ordered collectives make near zero), ``--dtype bfloat16`` the step under bf16
 autocast, ``--attention-backend`` another backend (the repository's ``benchmarks/gpu/`` runbook uses these).
+``--link NAME`` runs every K/V transfer through an emulated cluster link (:mod:`hf_bdlm.planner.link`): at the start
+of each launch its ranks measure their matmul rate all at once (the launch's processes per core) and stretch the
+named link by it; each record's ``link`` holds the rate, how it was measured and the link's figures.
 
     python -m hf_bdlm.benchmarks.parallel_modes --quick --out /tmp/pm.json          # < 3 min
     python -m hf_bdlm.benchmarks.parallel_modes --lengths 4096 8192 16384 --nprocs 2 4 --out results.json
@@ -44,6 +48,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .processes import child_env, module_command, module_name
+from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 if TYPE_CHECKING:
     from ..parallel.link import LinkModel
@@ -214,9 +219,11 @@ def _single_record(args, L: int, times: list[float], peak: int, peak_abs: int) -
     """The record of the single-process baseline: no communication."""
     return dict(mode="single", device=args.device, dtype=args.dtype, transport=None, schedule=None, P=1, C=1, L=L,
                 layers=args.layers, window=args.window, full_every=args.full_every, steps=len(times),
-                step_s=statistics.median(times), step_times=times, tokens_per_s=L / statistics.median(times),
+                step_s=statistics.median(times), step_times=times, step_spread=Spread(times).as_record(),
+                tokens_per_s=L / statistics.median(times),
                 peak_mem_bytes=peak, peak_rss_bytes=peak_abs, bytes_per_step=0, bytes_by_name={},
-                comm_wait_s=0.0, comm_wait_fwd_s=0.0, comm_wait_bwd_s=0.0)
+                wire_bytes_per_step=0, wire_bytes_by_name={}, comm_wait_s=0.0, comm_wait_fwd_s=0.0,
+                comm_wait_bwd_s=0.0)
 
 
 def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_rss: int) -> None:
@@ -233,7 +240,8 @@ def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_r
     P, rank = dist.get_world_size(), dist.get_rank()
     meter = ByteMeter()
     dims = ParallelDims(P, None, args.mode, args.schedule, cp_layout=args.cp_layout)
-    groups = BlockParallelGroups.build(dims, args.device, meter, link=_link(args))
+    link = _link(args)  # a named link: every rank measures its compute rate now, all at once
+    groups = BlockParallelGroups.build(dims, args.device, meter, link=link)
     plan_cfg = PlanConfig.from_dims(groups.dims, L, BLOCK)
     C = groups.dims.clean_ring_size
     mine = _rank_steps(args, dev, model, objective, corrupted, meter, groups, plan_cfg)
@@ -242,7 +250,7 @@ def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_r
     everyone: list = [None] * P
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        rec = _group_record(args, L, P, C, len(mine["times"]), everyone)
+        rec = _group_record(args, L, P, C, len(mine["times"]), everyone, link)
         pathlib.Path(args.out).write_text(json.dumps(rec))
     dist.barrier()
     dist.destroy_process_group()
@@ -256,7 +264,7 @@ def _rank_steps(args, dev: _Device, model, objective, corrupted, meter, groups, 
 
     from hf_bdlm.parallel.sharded import ShardedLayout
 
-    times, bytes_steps, waits, fwd_waits = [], [], [], []
+    times, bytes_steps, wire_steps, waits, fwd_waits = [], [], [], [], []
     # ``cp`` talks on the group, ``csbp`` on the ring (same ranks when C = P, but distinct
     # CommContexts): sum both wait counters so the mode does not matter here.
     comms = (groups.group, groups.ring)
@@ -278,6 +286,7 @@ def _rank_steps(args, dev: _Device, model, objective, corrupted, meter, groups, 
         if step:
             times.append(dt)
             bytes_steps.append(meter.by_name())
+            wire_steps.append(meter.by_name(wire=True))
             waits.append(sum(c.wait_seconds for c in comms) - wait0)
             fwd_waits.append(wait_fwd)
         else:
@@ -287,12 +296,12 @@ def _rank_steps(args, dev: _Device, model, objective, corrupted, meter, groups, 
             timed = timed_steps(args.steps, args.min_time, float(slowest))
         step += 1
         del loss, layout
-    return dict(times=times, bytes=bytes_steps, waits=waits, fwd_waits=fwd_waits)
+    return dict(times=times, bytes=bytes_steps, wire=wire_steps, waits=waits, fwd_waits=fwd_waits)
 
 
-def _group_record(args, L: int, P: int, C: int, steps: int, everyone: list[dict]) -> dict:
+def _group_record(args, L: int, P: int, C: int, steps: int, everyone: list[dict], link: LinkModel | None) -> dict:
     """The group's record from every rank's measurements: per step the slowest rank's time, bytes and waits as the
-    max over ranks."""
+    max over ranks; bytes as moved here and as the link charged them (``wire_*``: the cluster's element size)."""
     # The group advances at the pace of its slowest rank, step by step.
     step_times = [max(r["times"][i] for r in everyone) for i in range(steps)]
     step_s = statistics.median(step_times)
@@ -300,20 +309,25 @@ def _group_record(args, L: int, P: int, C: int, steps: int, everyone: list[dict]
     for name in sorted({n for r in everyone for n in r["bytes"][-1]}):
         by_name[name] = max(r["bytes"][-1].get(name, 0) for r in everyone)
     per_rank_bytes = [sum(r["bytes"][-1].values()) for r in everyone]
+    wire_by_name = {name: max(r["wire"][-1].get(name, 0) for r in everyone) for name in by_name}
+    per_rank_wire = [sum(r["wire"][-1].values()) for r in everyone]
     # Exposed communication: time blocked in waits, max over ranks (median over steps), split at the loss.
     fwd = max(statistics.median(r["fwd_waits"]) for r in everyone)
     bwd = max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])]) for r in everyone)
     return dict(mode=args.mode, device=args.device, dtype=args.dtype, transport=args.transport,
                 schedule=args.schedule, P=P, C=C, L=L, layers=args.layers, cp_layout=args.cp_layout,
                 window=args.window, full_every=args.full_every, steps=steps, comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
-                step_s=step_s, step_times=step_times, tokens_per_s=L / step_s,
+                step_s=step_s, step_times=step_times, step_spread=Spread(step_times).as_record(),
+                tokens_per_s=L / step_s,
                 step_s_per_rank=[statistics.median(r["times"]) for r in everyone],
                 peak_mem_bytes=max(r["peak"] for r in everyone),
                 peak_mem_per_rank=[r["peak"] for r in everyone],
                 peak_rss_bytes=max(r["peak_abs"] for r in everyone),
                 bytes_per_step=max(per_rank_bytes), bytes_per_rank=per_rank_bytes, bytes_by_name=by_name,
+                wire_bytes_per_step=max(per_rank_wire), wire_bytes_by_name=wire_by_name,
                 comm_wait_s=max(statistics.median(r["waits"]) for r in everyone),
-                comm_wait_per_rank=[statistics.median(r["waits"]) for r in everyone], link=_link_record(args))
+                comm_wait_per_rank=[statistics.median(r["waits"]) for r in everyone],
+                link=None if link is None else link.as_record())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,29 +351,36 @@ def configurations(modes, nprocs, transports=("allgather", "ring"), bp_schedules
 
 def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dtype: str = "float32",
                 attention_backend: str = "blockwise", window: int | None = None,
-                min_time: float = 0.0, link: LinkModel | None = None,
+                min_time: float = 0.0, link: LinkModel | str | None = None,
                 full_every: int | None = None) -> argparse.Namespace:
-    """The arguments :func:`launch` reads, for callers other than this file's driver."""
+    """The arguments :func:`launch` reads, for callers other than this file's driver. ``link``: a named cluster link
+    (:data:`hf_bdlm.planner.link.LINKS`; each launch's ranks measure the compute rate that scales it) or a
+    :class:`~hf_bdlm.parallel.link.LinkModel` of fixed figures."""
+    named = link if isinstance(link, str) else None
+    fixed = None if isinstance(link, str) else link
     return argparse.Namespace(steps=steps, layers=layers, window=window, full_every=full_every, timeout=timeout,
                               device=device, dtype=dtype,
-                              attention_backend=attention_backend, min_time=min_time,
-                              link_bytes_per_s=link and link.bytes_per_s, link_latency_s=link and link.latency_s,
-                              link_name=link and link.name)
+                              attention_backend=attention_backend, min_time=min_time, link=named,
+                              link_bytes_per_s=fixed and fixed.bytes_per_s, link_latency_s=fixed and fixed.latency_s,
+                              link_name=fixed and fixed.name, link_element_bytes=fixed and fixed.element_bytes)
 
 
 def _link(args) -> LinkModel | None:
-    """The emulated link the ranks' collectives go through (``--link-bytes-per-s``), or ``None``."""
+    """The emulated link the ranks' collectives go through, or ``None``: a named link (``--link``) stretched by the
+    compute rate the launch's ranks measure now, all at once (a collective call), or fixed figures
+    (``--link-bytes-per-s``)."""
+    if getattr(args, "link", None):
+        from ..planner.link import link_for_this_machine
+        from ..planner.model import spec_from_config
+
+        model = spec_from_config(model_config(args.layers, args.window, full_every=args.full_every).to_dict())
+        return link_for_this_machine(args.link, model, args.dtype)
     if not getattr(args, "link_bytes_per_s", None):
         return None
     from ..parallel.link import LinkModel
 
-    return LinkModel(args.link_bytes_per_s, args.link_latency_s or 0.0, args.link_name or "custom")
-
-
-def _link_record(args) -> dict | None:
-    link = _link(args)
-    return None if link is None else {"name": link.name, "bytes_per_s": link.bytes_per_s,
-                                      "latency_s": link.latency_s}
+    return LinkModel(args.link_bytes_per_s, args.link_latency_s or 0.0, args.link_name or "custom",
+                     getattr(args, "link_element_bytes", None) or None)
 
 
 SHORT_LAUNCHES = 3
@@ -401,9 +422,13 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
         common += ["--window", str(args.window)]
     if getattr(args, "full_every", None):
         common += ["--full-every", str(args.full_every)]
-    if _link(args) is not None and mode != "single":
-        common += ["--link-bytes-per-s", repr(args.link_bytes_per_s), "--link-latency-s", repr(args.link_latency_s),
-                   "--link-name", args.link_name]
+    if getattr(args, "link", None) and mode != "single":
+        common += ["--link", args.link]
+    elif getattr(args, "link_bytes_per_s", None) and mode != "single":
+        common += ["--link-bytes-per-s", repr(args.link_bytes_per_s), "--link-latency-s",
+                   repr(args.link_latency_s or 0.0), "--link-name", args.link_name or "custom"]
+        if getattr(args, "link_element_bytes", None):
+            common += ["--link-element-bytes", str(args.link_element_bytes)]
     if mode == "single":
         cmd = [*module_command("parallel_modes"), *common]
     else:
@@ -454,9 +479,15 @@ def table(records) -> str:
     return "\n".join(lines)
 
 
+def spread_of(rec: dict) -> Spread:
+    """A record's timed steps (the slowest rank's time per step) as a :class:`~.spread.Spread`."""
+    return Spread(rec.get("step_times") or [rec["step_s"]])
+
+
 def _ratios(records, lengths, nprocs) -> list[str]:
     # Ratios compare the all-gather transport (the ring is reported in the table beside it) and, for bp, whichever
-    # noisy-block schedule was faster at that length (both are in the table): the fairest bp baseline.
+    # noisy-block schedule was faster at that length (both are in the table): the fairest bp baseline. Speed ratios
+    # are of median step times, and a tie where the two ranges of timed steps overlap (spread.compare).
     ok: dict = {}
     for r in records:
         if "error" in r or r.get("transport") not in (None, "allgather"):
@@ -470,6 +501,10 @@ def _ratios(records, lengths, nprocs) -> list[str]:
             return "n/a"
         return f"{a[key] / b[key]:.2f}"
 
+    def speed(baseline, candidate):
+        return "n/a" if baseline is None or candidate is None else \
+            compare(spread_of(baseline), spread_of(candidate)).describe()
+
     lines = []
     for L in lengths:
         single = ok.get(("single", 1, L))
@@ -478,9 +513,9 @@ def _ratios(records, lengths, nprocs) -> list[str]:
             paper = ok.get((PAPER_CP, P, L))
             parts = [f"L={L} P={P}:" + (f" (bp {bp['schedule']})" if bp else ""),
                      f"CSBP/CP bytes {ratio(cs, cp, 'bytes_per_step')} (expect 0.50)",
-                     f"CSBP/BP tok/s {ratio(cs, bp, 'tokens_per_s')}",
-                     f"CSBP/CP tok/s {ratio(cs, cp, 'tokens_per_s')}",
-                     f"CSBP/paper-CP tok/s {ratio(cs, paper, 'tokens_per_s')}",
+                     f"CSBP speed vs BP {speed(bp, cs)}",
+                     f"vs CP {speed(cp, cs)}",
+                     f"vs paper-CP {speed(paper, cs)}",
                      f"CSBP/CP mem {ratio(cs, cp, 'peak_mem_bytes')}",
                      f"CSBP/BP mem {ratio(cs, bp, 'peak_mem_bytes')}"]
             if single is not None and cs is not None:
@@ -489,15 +524,23 @@ def _ratios(records, lengths, nprocs) -> list[str]:
     return lines
 
 
+def _link_names() -> list[str]:
+    from ..planner.link import LINKS
+
+    return list(LINKS)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="parallel_modes.json", help="JSON records (driver) / one record (worker)")
-    parser.add_argument("--quick", action="store_true", help="L=2048, P=2, 1 step (< 3 min)")
+    parser.add_argument("--quick", action="store_true", help=f"L=2048, P=2, {MIN_TIMED_STEPS} steps (< 3 min)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--modes", nargs="+", default=["cp", "bp", "csbp"], choices=["cp", "bp", "csbp", PAPER_CP],
                         help=f"{PAPER_CP}: cp in the paper's baseline layout (blocking, contiguous clean shards)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--steps", type=int, default=MIN_TIMED_STEPS,
+                        help=f"timed steps after one warm-up (at least {MIN_TIMED_STEPS}: every figure carries its "
+                             "range)")
     parser.add_argument("--min-time", type=float, default=0.0,
                         help=f"time more steps when they are short: enough to fill this many seconds (at most "
                              f"{MAX_TIMED_STEPS}), judged by the warm-up step; a configuration whose step is under "
@@ -518,11 +561,19 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: the step under bf16 autocast over float32 weights")
     parser.add_argument("--attention-backend", default="blockwise", choices=["blockwise", "flex", "flash", "dense"])
+    parser.add_argument("--link", default=None, choices=_link_names(), metavar="NAME",
+                        help="emulated cluster link (h100-nvlink, h100-ib, h200-nvlink, h200-ib): every K/V transfer "
+                             "is charged at the cluster's bf16 element size and takes latency + bytes / bandwidth of "
+                             "the named link stretched by the compute rate the launch's ranks measure at its start, "
+                             "all at once (docs/benchmarks.md)")
     parser.add_argument("--link-bytes-per-s", type=float, default=None,
-                        help="emulated link: every collective of a rank takes at least latency + bytes / this "
-                             "(hf_bdlm.parallel.link; hf-bdlm bench --link NAME sets it from a named cluster link)")
+                        help="emulated link of fixed figures: every collective of a rank takes at least latency + "
+                             "bytes / this (hf_bdlm.parallel.link)")
     parser.add_argument("--link-latency-s", type=float, default=0.0, help="emulated link: latency per transfer")
     parser.add_argument("--link-name", default=None, help="emulated link: its name in the records")
+    parser.add_argument("--link-element-bytes", type=int, default=None,
+                        help="emulated link of fixed figures: bytes it charges per element (2: a bf16 cluster); "
+                             "default: the bytes moved here")
     parser.add_argument("--transport", default="allgather", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="dual_end", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -533,7 +584,16 @@ def main(argv=None) -> None:
         worker(args)
         return
     if args.quick:
-        args.lengths, args.nprocs, args.steps = [2048], [2], 1
+        args.lengths, args.nprocs, args.steps = [2048], [2], MIN_TIMED_STEPS
+    try:
+        check_timed_steps(args.steps)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.link and args.link_bytes_per_s:
+        parser.error("--link NAME and --link-bytes-per-s: give a named link or fixed figures, not both.")
+    if args.link and args.device == "cuda":
+        parser.error("--link NAME stretches this machine's CPU compute to a cluster's; on GPUs the real links run. "
+                     "Drop --link, or give fixed figures with --link-bytes-per-s.")
     if args.device == "cuda":
         import torch
 

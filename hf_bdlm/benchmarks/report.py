@@ -93,7 +93,10 @@ def _rows_table(head: list[str], rows: list[list[str]], markdown: bool) -> str:
 
 
 def modes_table(records: list[dict], markdown: bool = False) -> str:
-    """Step time, tokens/s, peak memory per rank, bytes per step and exposed communication of every record."""
+    """Step time (median [range] of the timed steps), tokens/s (at the median), peak memory per rank, bytes per step and
+    exposed communication of every record."""
+    from .parallel_modes import spread_of
+
     head = ["variant", "P", "L", "step s", "tokens/s", "peak MiB/rank", "MiB/step/rank", "comm-wait s (fwd/bwd)"]
     rows = []
     for r in sorted(records, key=_sort_key):
@@ -103,8 +106,56 @@ def modes_table(records: list[dict], markdown: bool = False) -> str:
                          str(r["L"]), "error", last, "", "", ""])
             continue
         wait = f"{r['comm_wait_s']:.3f} ({r.get('comm_wait_fwd_s', 0):.3f}/{r.get('comm_wait_bwd_s', 0):.3f})"
-        rows.append([variant(r), str(r["P"]), str(r["L"]), f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}",
+        rows.append([variant(r), str(r["P"]), str(r["L"]), spread_of(r).describe(".3f"), f"{r['tokens_per_s']:.0f}",
                      _mib(r["peak_mem_bytes"]), _mib(r["bytes_per_step"]), wait])
+    return _rows_table(head, rows, markdown)
+
+
+def modes_comparison_table(records: list[dict], markdown: bool = False) -> str:
+    """CSBP (all-gather) against each baseline at every (P, L): the ratio of median step times, or a tie where the
+    ranges of timed steps overlap (:func:`.spread.compare`). Baselines: cp (all-gather), the paper's CP where it ran,
+    bp with the faster of its schedules, and the single process (its time over P ranks' is the speed-up)."""
+    from .parallel_modes import spread_of
+    from .spread import compare
+
+    best: dict = {}
+    for r in ok_records(records):
+        if r.get("transport") not in (None, "allgather"):
+            continue
+        key = (variant(r).split(" ")[0], r["P"], r["L"])
+        if key not in best or r["step_s"] < best[key]["step_s"]:
+            best[key] = r
+    head = ["P", "L", "csbp s", "vs cp", "vs cp-paper", "vs bp (faster schedule)", "vs single"]
+    rows = []
+    for (name, P, L), cs in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if name != "csbp":
+            continue
+
+        def vs(other):
+            return "-" if other is None else compare(spread_of(other), spread_of(cs)).describe()
+
+        rows.append([str(P), _length_label(L), spread_of(cs).describe(".3f"), vs(best.get(("cp", P, L))),
+                     vs(best.get(("cp-paper", P, L))), vs(best.get(("bp", P, L))), vs(best.get(("single", 1, L)))])
+    return _rows_table(head, rows, markdown)
+
+
+def link_table(records: list[dict], markdown: bool = False) -> str:
+    """Every emulated-link record's link: the compute rate its launch measured (and under how many processes per
+    core), the emulated bandwidth and latency that rate gave, and the bytes received per step as moved here and as the
+    link charged them (the cluster's element size)."""
+    head = ["link", "layout", "P", "L", "rate GFLOP/s/rank", "procs/core", "scale", "emulated MB/s", "latency ms",
+            "MiB/step here", "MiB/step charged"]
+    rows = []
+    for r in sorted((r for r in records if r.get("link") and "error" not in r),
+                    key=lambda r: (r["link"]["name"], r.get("model", ""), r["P"], r["L"], variant(r))):
+        link, rate = r["link"], r["link"].get("compute_rate") or {}
+        rows.append([link["name"] + (f" ({r['model']})" if r.get("model") else ""), variant(r), str(r["P"]),
+                     _length_label(r["L"]),
+                     f"{rate['flops_per_s'] / 1e9:.1f}" if "flops_per_s" in rate else "-",
+                     f"{rate['processes_per_core']:g}" if "processes_per_core" in rate else "-",
+                     f"{link['scale']:.0f}" if "scale" in link else "-", f"{link['bytes_per_s'] / 1e6:.2f}",
+                     f"{link['latency_s'] * 1e3:.1f}", _mib(r.get("bytes_per_step")),
+                     _mib(r.get("wire_bytes_per_step", r.get("bytes_per_step")))])
     return _rows_table(head, rows, markdown)
 
 
@@ -138,14 +189,17 @@ def max_context_table(results: list[dict], markdown: bool = False) -> str:
 
 
 def attention_table(records: list[dict], markdown: bool = False) -> str:
-    """Time and peak memory of each attention backend / training step (:mod:`.attention` records)."""
+    """Time (median [range] of the timed runs) and peak memory of each attention backend / training step
+    (:mod:`.attention` records)."""
+    from .attention import spread
+
     head = ["measurement", "L", "time s", "peak MiB"]
     rows = []
     for r in records:
         if "skipped" in r:
             rows.append([r["name"], str(r["length"]), r["skipped"], ""])
         else:
-            rows.append([r["name"], str(r["length"]), f"{r['time_s']:.3f}", f"{r['peak_mb']:.0f}"])
+            rows.append([r["name"], str(r["length"]), spread(r).describe(".3f"), f"{r['peak_mb']:.0f}"])
     return _rows_table(head, rows, markdown)
 
 

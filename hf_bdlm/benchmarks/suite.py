@@ -13,7 +13,8 @@ Studies (``--only`` picks some; all by default), each measured in fresh processe
   (:mod:`.max_context`). ``max_context.json``, ``max_context.png``.
 - ``baselines``: csbp against this project's balanced cp, the paper's CP baseline (``cp-paper``) and bp, for a dense
   model and one in Gemma 3's 5:1 sliding-window pattern, with exposed waits and per-rank attention work
-  (:mod:`.baselines`). ``baselines.json`` (``baselines_<link>.json`` with ``--link``).
+  (:mod:`.baselines`). ``baselines.json`` (``baselines_<link>.json`` with ``--link``; several links, ``none``
+  among them, run the study once per link in one command).
 
 Family studies: each model family may own studies (:data:`hf_bdlm.models.FAMILY_STUDIES`, a study name -> its
 module), declared and run through three functions of that module: ``add_arguments(group)`` (its options, in their own
@@ -47,6 +48,7 @@ from dataclasses import asdict, dataclass
 from ..models import FAMILY_STUDIES
 from . import max_context, parallel_modes, report
 from .processes import child_env, module_command
+from .spread import MIN_TIMED_STEPS, check_timed_steps
 
 CORE_STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
 STUDIES = CORE_STUDIES + tuple(FAMILY_STUDIES)
@@ -64,7 +66,7 @@ def family_study_path(out: pathlib.Path, name: str) -> pathlib.Path:
 
 # The presets fill every option left unset. Quick: < 5 min on 2 idle cores (the launches' imports dominate).
 FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp", "csbp"),
-            transports=("allgather", "ring"), layers=2, steps=2, min_time=5.0, calibrate=True,
+            transports=("allgather", "ring"), layers=2, steps=MIN_TIMED_STEPS, min_time=5.0, calibrate=True,
             growth_lengths=(2048, 4096, 8192, 16384, 32768), growth_nprocs=(2, 4), mem_cap=256 * 2**20,
             max_context_nprocs=(2, 4), max_context_modes=("csbp", "cp", "bp"), max_context_layers=1,
             max_context_limit=65536, baseline_lengths=(8192, 16384, 32768), baseline_nprocs=(2, 4),
@@ -72,12 +74,12 @@ FULL = dict(lengths=(2048, 4096, 8192, 16384), nprocs=(2, 4), modes=("cp", "bp",
             attention=["--lengths", "1024", "2048", "4096", "8192", "16384", "--step-lengths", "1024", "2048", "4096",
                        "8192"])
 QUICK = dict(lengths=(1024, 2048), nprocs=(2,), modes=("cp", "bp", "csbp"), transports=("allgather", "ring"),
-             layers=1, steps=1, min_time=0.0, calibrate=False,
+             layers=1, steps=MIN_TIMED_STEPS, min_time=0.0, calibrate=False,
              growth_lengths=(1024, 2048), growth_nprocs=(2,), mem_cap=128 * 2**20,
              max_context_nprocs=(2,), max_context_modes=("csbp",), max_context_layers=1, max_context_limit=8192,
              baseline_lengths=(2048,), baseline_nprocs=(2,), baseline_models=("dense", "sliding"),
              attention=["--quick", "--lengths", "1024", "2048", "--step-lengths", "1024", "--backends", "blockwise",
-                        "dense", "--repeats", "0"])
+                        "dense", "--repeats", str(MIN_TIMED_STEPS)])
 
 
 @dataclass
@@ -108,7 +110,14 @@ class BenchConfig:
     baseline_nprocs: tuple[int, ...] = ()
     baseline_models: tuple[str, ...] = ()
     baseline_layouts: tuple[str, ...] = ("csbp", "cp", "cp-paper", "bp")
-    link: str | None = None  # a named cluster link the modes study runs through (hf_bdlm.planner.link)
+    # Named cluster links (hf_bdlm.planner.link; None: no link) the baselines study runs through, one pass each;
+    # the modes study takes one.
+    links: tuple[str | None, ...] = (None,)
+
+    @property
+    def link(self) -> str | None:
+        """The one link of the modes study."""
+        return self.links[0]
 
 
 def _check_lengths(option: str, lengths, nprocs) -> None:
@@ -149,12 +158,20 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         attention=tuple(preset["attention"]), baseline_lengths=pick("baseline_lengths"),
         baseline_nprocs=pick("baseline_nprocs"), baseline_models=pick("baseline_models"),
         baseline_layouts=tuple(getattr(args, "baseline_layouts", None) or ("csbp", "cp", "cp-paper", "bp")),
-        link=getattr(args, "link", None))
-    if cfg.link is not None:
-        from hf_bdlm.planner.link import LINKS
+        links=tuple(None if name == "none" else name for name in (getattr(args, "link", None) or ["none"])))
+    from hf_bdlm.planner.link import LINKS
 
-        if cfg.link not in LINKS:
-            raise ValueError(f"--link {cfg.link}: unknown link; the named links are {', '.join(LINKS)}")
+    bad = [name for name in cfg.links if name is not None and name not in LINKS]
+    if bad:
+        raise ValueError(f"--link {' '.join(bad)}: unknown link; the named links are {', '.join(LINKS)} (none: no "
+                         f"link)")
+    if len(set(cfg.links)) != len(cfg.links):
+        raise ValueError(f"--link {' '.join(getattr(args, 'link', None) or [])}: a link is named twice")
+    if len(cfg.links) > 1 and {"modes", "growth"} & set(cfg.studies):
+        raise ValueError(f"--link {' '.join(getattr(args, 'link', None) or [])}: several links run the baselines "
+                         f"study once per link; the modes and growth studies take one link (add --only baselines, or "
+                         f"give one link)")
+    check_timed_steps(cfg.steps)
     if cfg.min_time < 0:
         raise ValueError(f"--min-time {cfg.min_time}: must be 0 (a fixed --steps) or a positive number of seconds")
     if args.timeout <= 0:
@@ -210,23 +227,25 @@ def _run_configs(configs, cfg: BenchConfig, layers: int, label: str, sink: list,
                 path.write_text(json.dumps(sink, indent=1))
 
 
-def _emulated_link(cfg: BenchConfig):
-    if cfg.link is None:
-        return None
-    from hf_bdlm.planner.link import link_for_this_machine
-
-    link = link_for_this_machine(cfg.link, cfg.layers)
-    _progress(f"  emulated link {link.describe()} (the named link stretched by this machine's compute rate: "
-              "docs/benchmarks.md)")
+def _emulated_link(link: str | None) -> str | None:
+    """The named link the launches run through: each launch's ranks measure, at its start and all at once, the
+    compute rate that stretches it (the records carry it)."""
+    if link is not None:
+        _progress(f"  emulated link {link}: K/V charged at the cluster's bf16 element size; bandwidth and latency "
+                  "stretched by the matmul rate each launch's ranks measure at its start, all at once "
+                  "(docs/benchmarks.md; every record's 'link' holds them)")
     return link
 
 
 def run_baselines(cfg: BenchConfig) -> list[dict]:
     from . import baselines
 
-    return baselines.run_study(cfg.baseline_models, cfg.baseline_nprocs, cfg.baseline_lengths, cfg.steps, cfg.timeout,
-                               _emulated_link(cfg), cfg.out / baselines.out_name(cfg.link), log=_progress,
-                               layouts=cfg.baseline_layouts)
+    records = []
+    for link in cfg.links:
+        records += baselines.run_study(cfg.baseline_models, cfg.baseline_nprocs, cfg.baseline_lengths, cfg.steps,
+                                       cfg.timeout, _emulated_link(link), cfg.out / baselines.out_name(link),
+                                       log=_progress, layouts=cfg.baseline_layouts)
+    return records
 
 
 def run_modes(cfg: BenchConfig) -> list[dict]:
@@ -246,7 +265,7 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
                               benchmark_layers=cfg.layers)
         _progress(f"  planner CPU figures for {', '.join(map(str, devices))} process(es) -> {cfg.out / RATES_FILE} "
                   f"({time.perf_counter() - t0:.0f} s)")
-    link = _emulated_link(cfg)
+    link = _emulated_link(cfg.link)
     records: list[dict] = []
     _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json", link)
     return records
@@ -320,9 +339,14 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
     if modes is not None:
         if report.ok_records(modes):
             plots += report.plot_modes(modes, out)
-        sections.append(("Parallel modes (step = forward + backward of one sequence; peak memory per rank above "
-                         "model and batch; MiB received per step per rank)", report.modes_table(modes, True),
-                         report.modes_table(modes)))
+        sections.append(("Parallel modes (step = forward + backward of one sequence, median [range] of the timed "
+                         "steps; peak memory per rank above model and batch; MiB received per step per rank)",
+                         report.modes_table(modes, True), report.modes_table(modes)))
+        sections.append(("CSBP's speed-up over each mode (ratio of median step times; a tie where the ranges "
+                         "overlap)", report.modes_comparison_table(modes, True), report.modes_comparison_table(modes)))
+        if any(r.get("link") for r in modes):
+            sections.append(("Emulated links of the modes records", report.link_table(modes, True),
+                             report.link_table(modes)))
     if growth is not None:
         if growth["fits"]:
             plots.append(report.plot_growth(growth["records"], growth["fits"], out))
@@ -337,8 +361,13 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
     if base:
         from . import baselines
 
-        sections.append(("CSBP against both CP baselines and BP (step seconds; CSBP's speed-up; exposed waits; slowest "
-                         "rank's attention pairs over the mean)", baselines.table(base, True), baselines.table(base)))
+        sections.append(("CSBP against both CP baselines and BP (step seconds, median [range] of the timed steps; "
+                         "CSBP's speed-up, the ratio of medians, a tie where the ranges overlap; exposed waits; "
+                         "slowest rank's attention pairs over the mean)", baselines.table(base, True),
+                         baselines.table(base)))
+        if any(r.get("link") for r in base):
+            sections.append(("Emulated links of the baselines records (the compute rate each launch measured, the "
+                             "link it gave)", report.link_table(base, True), report.link_table(base)))
     for name, records in families.items():
         sections.append(family_study(name).report(records))
     if attention is not None:

@@ -16,7 +16,8 @@ its result. Overlap comes from starting early and waiting late, never from early
 - :class:`ExchangedKV`: selected rows of the other ranks (all-to-all, uneven splits) as a deferred key
   source, overlapped like :class:`GatheredKV` (sliding-window halos); :func:`exchange_rows` is its
   synchronous autograd form: backward sends the gradients back and adds them into the owners' rows.
-- :class:`ByteMeter`: bytes *received* by this rank per collective and per step.
+- :class:`ByteMeter`: bytes *received* by this rank per collective and per step (and what an emulated link
+  charged for them: the cluster's element size).
 
 To gather along ``T`` with ``all_gather_single`` (which concatenates along dim 0) the local shard
 is laid out ``[T, b, H, d]``; the gathered ``[C*T, b, H, d]`` is handed over as a strided
@@ -47,27 +48,29 @@ class CollectiveTimeout(RuntimeError):
 
 @dataclass
 class ByteMeter:
-    """Counts the bytes each collective delivered to this rank, per training step."""
+    """Counts the bytes each collective delivered to this rank, per training step: as moved here, and as the rank's
+    emulated link charged them (``wire``: the cluster's element size; the bytes moved here without a link)."""
 
     step: int = 0
-    records: list[tuple[int, str, int]] = field(default_factory=list)
+    records: list[tuple[int, str, int, int]] = field(default_factory=list)
 
-    def record(self, name: str, nbytes: int) -> None:
-        self.records.append((self.step, name, int(nbytes)))
+    def record(self, name: str, nbytes: int, wire_nbytes: int | None = None) -> None:
+        self.records.append((self.step, name, int(nbytes), int(nbytes if wire_nbytes is None else wire_nbytes)))
 
     def next_step(self) -> None:
         self.step += 1
 
-    def total(self, step: int | None = None) -> int:
-        step = self.step if step is None else step
-        return sum(n for s, _, n in self.records if s == step)
+    def total(self, step: int | None = None, wire: bool = False) -> int:
+        """Bytes received in ``step`` (default: the current one); ``wire``: as the link charged them."""
+        return sum(self.by_name(step, wire).values())
 
-    def by_name(self, step: int | None = None) -> dict[str, int]:
+    def by_name(self, step: int | None = None, wire: bool = False) -> dict[str, int]:
+        """Bytes received in ``step`` per collective name; ``wire``: as the link charged them."""
         step = self.step if step is None else step
         out: dict[str, int] = defaultdict(int)
-        for s, name, n in self.records:
+        for s, name, n, w in self.records:
             if s == step:
-                out[name] += n
+                out[name] += w if wire else n
         return dict(out)
 
 
@@ -83,11 +86,15 @@ class CommContext:
     wait_seconds: float = 0.0
     link: LinkModel | None = None
 
-    def started(self, label: str, nbytes: int) -> float | None:
-        """Record a transfer that delivers ``nbytes`` to this rank; the time its emulated link lets it complete at
-        (``None`` without a link)."""
-        self.meter.record(label, nbytes)
-        return None if self.link is None else self.link.schedule(nbytes)
+    def started(self, label: str, nbytes: int, element_size: int) -> float | None:
+        """Record a transfer that delivers ``nbytes`` (elements of ``element_size`` bytes) to this rank; the time its
+        emulated link lets it complete at (``None`` without a link), charging the link's own element size."""
+        if self.link is None:
+            self.meter.record(label, nbytes)
+            return None
+        wire = self.link.wire_bytes(nbytes, element_size)
+        self.meter.record(label, nbytes, wire)
+        return self.link.schedule(wire)
 
     def hold(self, ready_at: float | None) -> None:
         """Wait for an emulated transfer to complete (counted as waiting)."""
@@ -168,7 +175,8 @@ def start_gather(x: torch.Tensor, comm: CommContext, name: str, peers_only: bool
     shard = x.detach().permute(2, 0, 1, 3).contiguous()  # [T, b, H, d]
     buffer = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
     work = _all_gather_single(buffer, shard, group=comm.group, async_op=True)
-    ready_at = comm.started(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size())
+    ready_at = comm.started(f"{name}.all_gather", (world - 1) * shard.numel() * shard.element_size(),
+                           shard.element_size())
 
     def finish():
         rows = _without_own_slot(buffer, rank, world) if peers_only else buffer
@@ -192,7 +200,8 @@ def start_reduce_scatter(full: torch.Tensor, comm: CommContext, name: str, peers
         rows = full.detach().permute(2, 0, 1, 3).contiguous()  # [C*T, b, H, d]
     shard = rows.new_empty((rows.shape[0] // world, *rows.shape[1:]))
     work = _reduce_scatter_single(shard, rows, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
-    ready_at = comm.started(f"{name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size())
+    ready_at = comm.started(f"{name}.reduce_scatter", (world - 1) * shard.numel() * shard.element_size(),
+                           shard.element_size())
     return InFlight(comm, [work], f"reduce_scatter({name})", lambda: shard.permute(1, 2, 0, 3), keep=(rows,),
                     ready_at=ready_at)
 
@@ -354,7 +363,7 @@ def _start_all_to_all(rows: torch.Tensor, comm: CommContext, label: str, recv_co
     out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
     work = dist.all_to_all_single(out, rows, recv_counts, send_counts, group=comm.group, async_op=True)
     per_row = math.prod(rows.shape[1:]) * rows.element_size()
-    ready_at = comm.started(label, (sum(recv_counts) - recv_counts[comm.rank]) * per_row)
+    ready_at = comm.started(label, (sum(recv_counts) - recv_counts[comm.rank]) * per_row, rows.element_size())
     return InFlight(comm, [work], label, lambda: out.permute(1, 2, 0, 3), keep=(rows,), ready_at=ready_at)
 
 

@@ -40,7 +40,8 @@ class _Rotation:
             ops.append(dist.P2POp(dist.isend, t, self.next, self.comm.group))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.comm.group))
         works = dist.batch_isend_irecv(ops)
-        ready_at = self.comm.started(f"{self.name}.ring_{label}", sum(r.numel() * r.element_size() for r in received))
+        ready_at = self.comm.started(f"{self.name}.ring_{label}", sum(r.numel() * r.element_size() for r in received),
+                                     received[0].element_size())
         # The sent buffers must live until the transfer completes: the handle keeps them.
         return InFlight(self.comm, works, f"ring_{label}({self.name})", lambda: received, keep=tuple(sent),
                         ready_at=ready_at)

@@ -5,6 +5,8 @@
 - :mod:`.cost`: attention pairs, K/V bytes, memory and step time per rank, read from the project's plan.
 - :mod:`.calibrate`: CPU rates measured once; predictions of :mod:`hf_bdlm.benchmarks.parallel_modes`
   records.
+- :mod:`.rank_rate`, :mod:`.link`: the matmul rate a run's ranks get, measured in them at once, and the named cluster
+  links stretched by it (bytes charged at the cluster's element size) that benchmarks and the trainer emulate.
 - :mod:`.cli`: ``hf-bdlm plan``.
 
     hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200

@@ -42,6 +42,7 @@ from ..parallel.dims import ParallelDims
 from .cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
 from .hardware import DeviceSpec
 from .model import AttentionShape, ModelSpec, spec_from_config
+from .rank_rate import cores, matmul_workload
 
 RATES_FILE = "cpu_rates.json"
 
@@ -70,22 +71,7 @@ def _best_time(fn, repeats: int = 5) -> float:
 
 
 def _matmul_rate(model: ModelSpec, rows: int = 4096) -> float:
-    import torch
-    import torch.nn.functional as F
-
-    a = model.layers[0]
-    shapes = [(model.hidden, a.heads * a.head_dim), (model.hidden, 2 * a.kv_heads * a.head_dim),
-              (a.heads * a.head_dim, model.hidden), (model.hidden, 2 * model.intermediate),
-              (model.intermediate, model.hidden)]
-    g = torch.Generator().manual_seed(0)
-    xs = [torch.randn(rows, i, generator=g, requires_grad=True) for i, _ in shapes]
-    ws = [torch.randn(o, i, generator=g, requires_grad=True) for i, o in shapes]
-
-    def run():
-        for x, w in zip(xs, ws):
-            F.linear(x, w).sum().backward()
-
-    flops = sum(2 * rows * i * o * 3 for i, o in shapes)
+    run, flops = matmul_workload(model, rows)
     return flops / _best_time(run, repeats=5)
 
 
@@ -329,11 +315,6 @@ def _kernel_call_cost_alone(model: ModelSpec) -> tuple[float, float]:
         torch.set_num_threads(threads)
 
 
-def cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _rates(model: ModelSpec, cache: Path, remeasure: bool, processes: int, benchmark_layers: int = 0) -> dict:
     key = str(processes)
 
@@ -515,7 +496,11 @@ def validate(records: list[dict], device) -> list[dict]:
         dev = device(dims.world_size) if callable(device) else device
         link = rec.get("link")
         if link and dims.block_parallel_size > 1:  # the record's collectives went through an emulated link
-            dev = replace(dev, intra_node_bytes_per_s=link["bytes_per_s"], inter_node_bytes_per_s=link["bytes_per_s"],
+            # The link charges its own element size (the cluster's dtype); the cost model counts the bytes moved
+            # here, so the same transfer time is those bytes at the bandwidth scaled by local / wire element size.
+            per_wire = recipe.activation_bytes / (link.get("element_bytes") or recipe.activation_bytes)
+            bandwidth = link["bytes_per_s"] * per_wire
+            dev = replace(dev, intra_node_bytes_per_s=bandwidth, inter_node_bytes_per_s=bandwidth,
                           link_latency_s=link["latency_s"])
         pred = predict(model, dims, rec["L"], dev, Cluster(dims.world_size, dims.world_size), recipe, work=work)
         by_name = [kv_bytes_by_name(model, dims, w, recipe.activation_bytes) for w in work]

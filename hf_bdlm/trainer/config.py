@@ -97,9 +97,11 @@ class BDLMSFTConfig(SFTConfig):
             Noisy-block schedule: `"dual_end"` (balanced block pairs `(j, N-1-j)`) or `"contiguous"`.
         block_parallel_link (`str`, *optional*):
             For measurements: run every K/V transfer of the block-parallel layout through an emulated cluster link,
-            `"h100-nvlink"`, `"h100-ib"`, `"h200-nvlink"` or `"h200-ib"`, stretched by this machine's compute rate so
-            that communication takes the share of a step it would take on that cluster (`hf_bdlm.planner.link`;
-            `docs/benchmarks.md`). Only the K/V exchange is emulated, not the data-parallel gradient reduction.
+            `"h100-nvlink"`, `"h100-ib"`, `"h200-nvlink"` or `"h200-ib"`: K/V charged at the cluster's bf16 element size,
+            the link stretched by the matmul rate every process of the launch measures at its start, all at once and
+            in the step's compute dtype, so that communication takes the share of a step it would take on that cluster
+            (`hf_bdlm.planner.link`; `docs/benchmarks.md`). Only the K/V exchange is emulated, not the data-parallel
+            gradient reduction.
         parallelism_config (`accelerate.ParallelismConfig`, *optional*):
             Tensor parallelism: `ParallelismConfig(tp_size=T)` splits every layer's heads and MLP over `T` ranks with
             the backbone's own transformers plan, inside each block-parallel group (ranks `(g*P + r)*T + t`; the world

@@ -159,7 +159,7 @@ class BDLMSFTTrainer(SFTTrainer):
             tokenizer.pad_token = tokenizer.eos_token
         self._pad_token_id = tokenizer.pad_token_id
 
-        self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args, _emulated_link(args))
+        self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args, _emulated_link(args, model))
         self.plugin.setup(args.device.type)
         if self.plugin.dims.is_tensor_parallel:
             self._split_tensor_parallel(model, args, peft_config)
@@ -638,12 +638,24 @@ def _torch_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _emulated_link(args):
-    """The emulated link ``args.block_parallel_link`` names, at this machine's compute rate (or ``None``)."""
+def _emulated_link(args, model):
+    """The emulated link ``args.block_parallel_link`` names (or ``None``), stretched by the rate every process of this
+    launch gets now, all computing ``model``'s matmuls at once in the dtype the step computes in (a collective
+    call)."""
     if args.block_parallel_link is None:
         return None
     from ..planner.link import link_for_this_machine
+    from ..planner.model import spec_from_config
 
-    link = link_for_this_machine(args.block_parallel_link)
-    logger.warning("block_parallel_link: every K/V transfer goes through the emulated link %s", link.describe())
+    try:
+        spec = spec_from_config(model.config.to_dict(), type(model).__name__)
+    except ValueError as err:
+        raise ValueError(f"block_parallel_link={args.block_parallel_link!r} times this model's matmuls to stretch the "
+                         f"link, and cannot read their sizes: {err} Leave block_parallel_link unset.") from err
+    args.device  # sets up the launch's process group (Accelerate's state): every process then measures at once
+    link = link_for_this_machine(args.block_parallel_link, spec, "bfloat16" if args.bf16 else "float32")
+    rate = link.details["compute_rate"]
+    logger.warning("block_parallel_link: every K/V transfer goes through the emulated link %s (this machine's rate "
+                   "%.1f GFLOP/s per process, %g process(es) per core)", link.describe(), rate["flops_per_s"] / 1e9,
+                   rate["processes_per_core"])
     return link

@@ -109,7 +109,8 @@ def run(family: str, setting: str, out: Path, P: int) -> dict:
         "autocast": sorted({a for a in autocast if a}) or None,
         "world": trainer.plugin.world_size,
         "P": trainer.plugin.block_parallel_size,
-        "link": None if trainer.plugin.link is None else [trainer.plugin.link.name, trainer.plugin.link.latency_s],
+        "link": None if trainer.plugin.link is None else [trainer.plugin.link.name, trainer.plugin.link.latency_s,
+                                                          trainer.plugin.link.details["compute_rate"]],
         "comm_wait_s": 0.0 if trainer.plugin.groups is None else
         trainer.plugin.groups.group.wait_seconds + trainer.plugin.groups.ring.wait_seconds,
     }
