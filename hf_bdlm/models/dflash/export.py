@@ -28,14 +28,13 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..card_parts import format_value, hub_repo_id, parameters_text, unique
+from ..exports import revision_flag, serving_model_id, write_folder
 from .capture import file_sha256
 
 WEIGHTS = "model.safetensors"
@@ -271,7 +270,8 @@ def export_drafter(
         out_dir (`str` or `os.PathLike`):
             The folder to write.
         target_id (`str`):
-            The target model the drafter was trained for (a Hub id, as served: ``vllm serve TARGET_ID``).
+            The target model the drafter was trained for, as served (``vllm serve TARGET_ID``): a Hub id or a folder;
+            ``embedded:smollm2`` is recorded as the Hub model it is an export of.
         target_revision (`str`, *optional*):
             The target's revision (commit), recorded in the provenance.
         training_info (`dict`, *optional*):
@@ -287,11 +287,9 @@ def export_drafter(
         `Path` of the folder.
     """
     destination = Path(out_dir)
-    if destination.exists() and not overwrite:
-        raise FileExistsError(f"{destination} exists; choose a new folder or pass overwrite=True "
-                              "(`--overwrite`) to replace it.")
     if not target_id:
         raise ValueError("target_id is required: the model the drafter serves with (e.g. 'Qwen/Qwen3-8B').")
+    target_id = serving_model_id(target_id)
     config = _serving_config(drafter, dtype)
     state = {}
     for name, tensor in drafter.state_dict().items():
@@ -301,9 +299,8 @@ def export_drafter(
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         state[name] = tensor.contiguous().clone()  # clone: safetensors refuses tensors that share storage
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.export-", dir=destination.parent))
-    try:
+
+    def build(staging: Path) -> None:
         from safetensors.torch import save_file
 
         from ...version import __version__
@@ -325,19 +322,8 @@ def export_drafter(
                                           encoding="utf-8")
         (staging / CARD).write_text(render_card(staging, model_name=destination.resolve().name,
                                                 model_ref=repo_id or str(destination)), encoding="utf-8")
-        check_serving_inventory(staging)
-        if destination.exists():
-            old = destination.with_name(f".{destination.name}.replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(destination, old)
-            os.replace(staging, destination)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return destination
+
+    return write_folder(destination, build, check=check_serving_inventory, overwrite=overwrite)
 
 
 def _serving_config(drafter, dtype: torch.dtype | None) -> dict:
@@ -397,6 +383,7 @@ def render_card(folder: str | os.PathLike, *, model_name: str | None = None, mod
         target_url=f"https://huggingface.co/{hub_target}" if hub_target else target_id,
         target_text=f"[{hub_target}](https://huggingface.co/{hub_target})" if hub_target else f"`{target_id}`",
         target_revision=provenance.get("model_revision"),
+        revision_flag=revision_flag(provenance.get("model_revision")),
         num_target_layers=len(serving_ids),
         architecture_text=(f"`{architecture}`: {config['num_hidden_layers']} Qwen3 "
                            f"layer{'s' if config['num_hidden_layers'] > 1 else ''}, hidden "
