@@ -197,7 +197,7 @@ def sdar_config(model, tokenizer, *, tied: bool, dtype: torch.dtype) -> dict:
 
 def zero_mask_logit(model):
     r"""
-    Give ``model``'s head a ``[MASK]`` row of zeros, in place (untying it from the input embedding first if they are
+    Give ``model``'s head a ``[MASK]`` row (``model.config.mask_token_id``) of zeros, in place (untying it from the input embedding first if they are
     one tensor), and return the model: the model the export with ``mask_logit="zero"`` writes, for decoding here
     what the engines serve (``generate(..., unmasking="sglang_low_confidence")``).
 
@@ -210,7 +210,7 @@ def zero_mask_logit(model):
         raise SDARExportError("the LM head has a bias: zeroing the [MASK] row would not zero the [MASK] logit.")
     with torch.no_grad():
         weight = head.weight.detach().clone()
-        weight[SDAR_MASK_TOKEN_ID] = 0
+        weight[model.config.mask_token_id] = 0
     head.weight = torch.nn.Parameter(weight, requires_grad=head.weight.requires_grad)
     # Untied for good: transformers re-ties on load and save when the config says so.
     backbone.config.tie_word_embeddings = False
