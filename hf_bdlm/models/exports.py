@@ -1,5 +1,6 @@
-"""What every family's export for a serving engine shares: the model id the engine is told to load, and writing the
-exported folder so that it is either complete or absent.
+"""What every family's export for a serving engine shares: the model id the engine is told to load, the tensors of a
+Qwen3 decoder layer (the layer both SDAR models and DFlash drafters are made of), and writing the exported folder so
+that it is either complete or absent.
 
     from hf_bdlm.models.exports import serving_model_id, write_folder
     serving_model_id("embedded:smollm2")          # 'HuggingFaceTB/SmolLM2-135M-Instruct': what `vllm serve` loads
@@ -28,6 +29,33 @@ def serving_model_id(name: str) -> str:
 def revision_flag(revision: str | None) -> str:
     """`` --revision REV`` for a launch command (vLLM's and SGLang's flag alike), or nothing."""
     return f" --revision {revision}" if revision else ""
+
+
+def qwen3_layer_shapes(prefix: str, *, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                       attention_bias: bool = False, mlp_bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """The tensors (name -> shape) of one Qwen3 decoder layer under transformers' names, each prefixed by ``prefix``
+    (e.g. ``"model.layers.3."``): what the engines' Qwen3-layer loaders expect, no more."""
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_width, hidden),
+        "self_attn.k_proj.weight": (kv_width, hidden),
+        "self_attn.v_proj.weight": (kv_width, hidden),
+        "self_attn.o_proj.weight": (hidden, q_width),
+        "self_attn.q_norm.weight": (head_dim,),
+        "self_attn.k_norm.weight": (head_dim,),
+        "mlp.gate_proj.weight": (intermediate, hidden),
+        "mlp.up_proj.weight": (intermediate, hidden),
+        "mlp.down_proj.weight": (hidden, intermediate),
+    }
+    if attention_bias:
+        shapes.update({"self_attn.q_proj.bias": (q_width,), "self_attn.k_proj.bias": (kv_width,),
+                       "self_attn.v_proj.bias": (kv_width,), "self_attn.o_proj.bias": (hidden,)})
+    if mlp_bias:
+        shapes.update({"mlp.gate_proj.bias": (intermediate,), "mlp.up_proj.bias": (intermediate,),
+                       "mlp.down_proj.bias": (hidden,)})
+    return {prefix + name: shape for name, shape in shapes.items()}
 
 
 def write_folder(destination: str | os.PathLike, build: Callable[[Path], None],
@@ -73,4 +101,4 @@ def write_folder(destination: str | os.PathLike, build: Callable[[Path], None],
     return destination
 
 
-__all__ = ["EMBEDDED_HUB_IDS", "revision_flag", "serving_model_id", "write_folder"]
+__all__ = ["EMBEDDED_HUB_IDS", "qwen3_layer_shapes", "revision_flag", "serving_model_id", "write_folder"]

@@ -35,13 +35,16 @@ def run_export(args) -> int:
     source = Path(args.source)
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} holds no config.json: pass a saved block-diffusion checkpoint folder.")
+    from .. import entry_for_model_type
+
     config = AutoConfig.from_pretrained(source)
     if getattr(config, "model_type", None) != "block_diffusion":
+        entry = entry_for_model_type(config.model_type, getattr(config, "architectures", None))
+        kind = f"a {entry.name!r} model" if entry is not None else f"a {config.model_type!r} causal LM"
         raise SDARExportError(
-            f"{source} holds a {config.model_type!r} checkpoint; the SDAR export takes a converted block-diffusion "
-            "model (model_type 'block_diffusion'). DiffusionGemma checkpoints are served as they are (vllm serve DIR; "
-            "SGLang --dllm-algorithm Gemma4Renoise), DFlash drafters are exported with `hf-bdlm dflash export`, a "
-            "causal LM is converted first (hf-bdlm convert ... --objective standard). See docs/deploy.md.")
+            f"{source} holds {kind}; the SDAR export takes a converted block-diffusion model (model_type "
+            "'block_diffusion': a causal LM is converted first, hf-bdlm convert DIR OUT --objective standard, and "
+            "trained). docs/deploy.md says which engine serves each family's models.")
     model = AutoModel.from_pretrained(source).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     try:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..exports import write_folder
+from ..exports import qwen3_layer_shapes, write_folder
 
 SDAR_MASK_TOKEN_ID = 151669
 ARCHITECTURE = "SDARForCausalLM"
@@ -49,9 +49,9 @@ MASK_LOGIT_MODES = ("zero", "keep")
 DEFAULT_THRESHOLD = 0.9  # hf_bdlm's own decoding default (BlockDiffusionGenerationConfig)
 # Where each engine hard-codes the SDAR contract (read in the released sources; docs/deploy.md cites the lines).
 ENGINE_PATHS = (
-    "SGLang serves SDARForCausalLM, SDARMoeForCausalLM, LLaDA2MoeModelLM and DiffusionGemmaForBlockDiffusion with "
-    "--dllm-algorithm (sglang/srt/dllm/config.py); LMDeploy serves model_type 'sdar' / 'sdar_moe' with "
-    "--dllm-block-length (lmdeploy/pytorch/configurations/sdar.py)"
+    "SGLang's --dllm-algorithm serves a fixed list of architectures (sglang/srt/dllm/config.py, DLLM_PARAMS) and "
+    "LMDeploy's --dllm-block-length the model types 'sdar' / 'sdar_moe' (lmdeploy/pytorch/configurations/sdar.py); "
+    "of those, a dense converted model can only be SDARForCausalLM"
 )
 SERVE_HERE = "`hf-bdlm serve DIR` serves it as it is (an OpenAI-compatible API)"
 
@@ -111,9 +111,7 @@ def check_servable_as_sdar(model) -> None:
     if not isinstance(model, BlockDiffusionForMaskedLM):
         raise SDARExportError(
             f"{type(model).__name__} is not a converted block-diffusion model: the SDAR export takes a "
-            "BlockDiffusionForMaskedLM. A DiffusionGemma checkpoint is served as it is (vllm serve DIR, or SGLang "
-            "with --dllm-algorithm Gemma4Renoise; docs/deploy.md); a DFlash drafter is exported with `hf-bdlm dflash "
-            "export`.")
+            "BlockDiffusionForMaskedLM. docs/deploy.md says which engine serves each family's models.")
     problems = sdar_problems(model.config)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
@@ -154,10 +152,10 @@ def special_token_ids(model, tokenizer) -> dict[str, Any]:
             "pad": int(_first(pad)) if pad is not None else (ends[0] if ends else None), "ends": ends}
 
 
-def sdar_config(model, tokenizer, *, tied: bool, dtype: torch.dtype) -> dict:
-    """``config.json`` of the export: every field SGLang's and LMDeploy's SDAR paths read, explicit."""
+def sdar_config(model, tokens: dict, *, tied: bool, dtype: torch.dtype) -> dict:
+    """``config.json`` of the export: every field SGLang's and LMDeploy's SDAR paths read, explicit (``tokens``:
+    :func:`special_token_ids`)."""
     backbone = model.config.backbone_config
-    tokens = special_token_ids(model, tokenizer)
     hidden, heads = backbone.hidden_size, backbone.num_attention_heads
     return {
         "architectures": [ARCHITECTURE],
@@ -250,28 +248,13 @@ def sdar_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     fails on any other name, SGLang's on a wrapper prefix."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    q_width, kv_width = heads * head_dim, kv_heads * head_dim
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_width, hidden),
-            p + "self_attn.k_proj.weight": (kv_width, hidden),
-            p + "self_attn.v_proj.weight": (kv_width, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_width),
-            p + "self_attn.q_norm.weight": (head_dim,),
-            p + "self_attn.k_norm.weight": (head_dim,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
-        if config["attention_bias"]:
-            shapes.update({p + "self_attn.q_proj.bias": (q_width,), p + "self_attn.k_proj.bias": (kv_width,),
-                           p + "self_attn.v_proj.bias": (kv_width,), p + "self_attn.o_proj.bias": (hidden,)})
+        shapes.update(qwen3_layer_shapes(f"model.layers.{i}.", hidden=hidden, intermediate=inter, heads=heads,
+                                         kv_heads=kv_heads, head_dim=head_dim,
+                                         attention_bias=config["attention_bias"]))
     return shapes
 
 
@@ -358,8 +341,8 @@ def export_sdar(
         raise ValueError(f"confidence_threshold must lie in (0, 1], got {confidence_threshold!r}.")
     weights, tied = sdar_weights(model, mask_logit=mask_logit, dtype=dtype)
     dtype = dtype or next(iter(weights.values())).dtype
-    config = sdar_config(model, tokenizer, tied=tied, dtype=dtype)
     tokens = special_token_ids(model, tokenizer)
+    config = sdar_config(model, tokens, tied=tied, dtype=dtype)
     destination = Path(out_dir)
     block_size = model.config.block_size
 

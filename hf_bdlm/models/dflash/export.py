@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..card_parts import format_value, hub_repo_id, parameters_text, unique
-from ..exports import revision_flag, serving_model_id, write_folder
+from ..exports import qwen3_layer_shapes, revision_flag, serving_model_id, write_folder
 from .capture import file_sha256
 
 WEIGHTS = "model.safetensors"
@@ -140,7 +140,6 @@ def serving_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if problems:
         raise ServingContractError("the config breaks the DFlash serving contract: " + "; ".join(problems) + ".")
 
-    q_width, kv_width = heads * head_dim, kv_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "fc.weight": (hidden, len(serving_ids) * target_hidden),
         "hidden_norm.weight": (hidden,),
@@ -154,25 +153,9 @@ def serving_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         })
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_width, hidden),
-            p + "self_attn.k_proj.weight": (kv_width, hidden),
-            p + "self_attn.v_proj.weight": (kv_width, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_width),
-            p + "self_attn.q_norm.weight": (head_dim,),
-            p + "self_attn.k_norm.weight": (head_dim,),
-            p + "mlp.gate_proj.weight": (intermediate, hidden),
-            p + "mlp.up_proj.weight": (intermediate, hidden),
-            p + "mlp.down_proj.weight": (hidden, intermediate),
-        })
-        if config.get("attention_bias"):
-            shapes.update({p + "self_attn.q_proj.bias": (q_width,), p + "self_attn.k_proj.bias": (kv_width,),
-                           p + "self_attn.v_proj.bias": (kv_width,), p + "self_attn.o_proj.bias": (hidden,)})
-        if config.get("mlp_bias"):
-            shapes.update({p + "mlp.gate_proj.bias": (intermediate,), p + "mlp.up_proj.bias": (intermediate,),
-                           p + "mlp.down_proj.bias": (hidden,)})
+        shapes.update(qwen3_layer_shapes(p, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+                                         head_dim=head_dim, attention_bias=bool(config.get("attention_bias")),
+                                         mlp_bias=bool(config.get("mlp_bias"))))
         if dflash2:
             for conv in ("attention_conv", "mlp_conv"):
                 # Per block position offset (2 sides), kernel tap and channel; the projection predicts the dynamic
