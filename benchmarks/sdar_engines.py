@@ -16,7 +16,7 @@ Neither engine runs here (both need CUDA kernels), so the reference is assembled
   as LMDeploy's sequence does (`pytorch/strategies/dllm/sequence.py`: the prompt padded with masks to a block multiple,
   a block all unmasked becomes cached at the next step).
 
-    python -m benchmarks.sdar_engines --out-dir benchmarks/results/sdar_export     # the table (~2 minutes)
+    python -m benchmarks.sdar_engines --out-dir benchmarks/results/sdar_export     # logits and the table (minutes)
 """
 
 from __future__ import annotations
@@ -84,6 +84,36 @@ def block_forward(qwen3, block_size: int) -> Callable[[list[int], int], torch.Te
     def forward(ids, start):
         return engine_logits(qwen3, list(ids)[: start + block_size], block_size)[start:start + block_size]
     return forward
+
+
+@torch.no_grad()
+def our_inference_logits(model, prefix: list[int], block: list[int]) -> torch.Tensor:
+    """Logits ``[len(prefix) + B, vocab]`` of an hf_bdlm model at inference: the clean prefix (rows form, the model's
+    attention rule) and the noisy block over the cached prefix (`generate`'s own `CachedContext`)."""
+    from hf_bdlm.attention import CLEAN, LocalLayout, RowMeta
+    from hf_bdlm.generation import BlockDiffusionGenerationConfig, CachedContext, resolve_settings
+
+    start = len(prefix)
+    settings = resolve_settings(model, BlockDiffusionGenerationConfig(), start)
+    rows = RowMeta(torch.full((start,), CLEAN), torch.arange(start))
+    clean = model(input_ids=torch.tensor([prefix]), position_ids=torch.arange(start)[None],
+                  bdlm_layout=LocalLayout(rows, rows, model.mask_rule(), "dense")).logits[0]
+    context = CachedContext(model, settings, torch.device("cpu"))
+    context.append(torch.tensor([prefix]))
+    hidden, _ = context.block_hidden(torch.tensor([block]), start)
+    return torch.cat([clean, model.lm_logits(hidden)[0]]).float()
+
+
+def logits_difference(model, folder, prefix: list[int], block: list[int]) -> dict:
+    """Our inference logits against the export's in transformers' Qwen3 under the engines' mask: the largest absolute
+    difference over every column but [MASK], the largest logit, and the export's largest |[MASK] logit|."""
+    mask = model.config.mask_token_id
+    engine = engine_logits(load_reference_qwen3(folder), prefix + block, model.config.block_size)
+    ours = our_inference_logits(model, prefix, block)
+    others = torch.arange(engine.shape[1]) != mask
+    return {"max_abs_difference": float((engine[:, others] - ours[:, others]).abs().max()),
+            "max_abs_logit": float(ours.abs().max()), "export_mask_logit_max_abs": float(engine[:, mask].abs().max()),
+            "mask_logit_max_abs_difference": float((engine[:, mask] - ours[:, mask]).abs().max())}
 
 
 # --- SGLang's LowConfidence ------------------------------------------------------------------------------------------
@@ -309,14 +339,32 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(f"LMDeploy's own UnmaskingProcessor not compared: {err}")
         module = None
-    lm = tiny_qwen3(tie=False)
-    sharpen_head(lm)
-    model, tokenizer = convert_causal_lm(lm, qwen3_layout_tokenizer(), block_size=4, objective="standard")
-    model = zero_mask_logit(model.eval())  # what the export serves: the [MASK] logit 0
+    torch.manual_seed(3)
+    prefix, block = torch.randint(0, 151000, (8,)).tolist(), [17, 151669, 5, 151669]
+    logits = []
     with tempfile.TemporaryDirectory() as tmp:
+        for tie in (False, True):
+            model, tokenizer = convert_causal_lm(tiny_qwen3(tie=tie), qwen3_layout_tokenizer(), block_size=4,
+                                                 objective="standard")
+            for mode in ("keep", "zero"):
+                folder = export_sdar(model.eval(), pathlib.Path(tmp) / f"{tie}-{mode}", tokenizer, mask_logit=mode)
+                logits.append({"tied": tie, "mask_logit": mode, **logits_difference(model, folder, prefix, block)})
+        lm = tiny_qwen3(tie=False)
+        sharpen_head(lm)
+        model, tokenizer = convert_causal_lm(lm, qwen3_layout_tokenizer(), block_size=4, objective="standard")
+        model = zero_mask_logit(model.eval())  # what the export serves: the [MASK] logit 0
         folder = export_sdar(model, pathlib.Path(tmp) / "sdar", tokenizer)
+        logits.append({"tied": False, "mask_logit": "zero", "head": "x100",
+                       **logits_difference(model, folder, prefix, block)})
         rows = equivalence_table(model, tokenizer, folder, prompt_lengths=args.prompt_lengths,
                                  thresholds=args.thresholds, new_tokens=args.new_tokens, lmdeploy_module=module)
+    logit_lines = ["| head | `mask_logit` | max abs difference (every other column) | largest logit | export's [MASK] "
+                   "logit, max abs |", "|---|---|---|---|---|"]
+    for entry in logits:
+        head = ("tied" if entry["tied"] else "untied") + (", x100" if "head" in entry else "")
+        logit_lines.append(f"| {head} | {entry['mask_logit']} | {entry['max_abs_difference']:.3g} | "
+                           f"{entry['max_abs_logit']:.3g} | {entry['export_mask_logit_max_abs']:.3g} |")
+    print("\n".join(logit_lines))
     header = "| rule | prompt length (mod 4) | threshold | identical | engine steps per block | steps fixing >1 |"
     lines = [header, "|---|---|---|---|---|---|"]
     for r in rows:
@@ -333,10 +381,17 @@ def main(argv: list[str] | None = None) -> int:
                             "objective='standard', block 4, [MASK] row of the head zero (the export's)",
                    "lmdeploy_released_processor": module is not None, "dtype": "float32",
                    "torch": torch.__version__}
-        (out / "equivalence.json").write_text(json.dumps({"setting": setting, "rows": rows}, indent=2) + "\n")
+        (out / "equivalence.json").write_text(json.dumps({"setting": setting, "logits": logits, "rows": rows},
+                                                         indent=2) + "\n")
         (out / "equivalence.md").write_text(
-            "Decoder equivalence: `generate(unmasking=RULE)` against each engine's algorithm on the exported weights "
-            "(`python -m benchmarks.sdar_engines`).\n\n" + table + "\n")
+            "SDAR export, checked on CPU (`python -m benchmarks.sdar_engines`; float32, torch " + torch.__version__
+            + "). Model: a tiny Qwen3 with Qwen3's vocabulary (151936 rows) converted with objective='standard', "
+            "block 4.\n\nLogits: our model at inference (clean prefix of 8 tokens, noisy block of 4 over the cached "
+            "prefix) against the exported weights loaded strictly into transformers' Qwen3ForCausalLM under the "
+            "engines' block-causal mask.\n\n" + "\n".join(logit_lines) + "\n\nDecoder equivalence: "
+            "`generate(unmasking=RULE)` against each engine's algorithm driving the exported weights (head x100, "
+            "untied, [MASK] row zero as exported), 16 new tokens; 'engine steps per block' are the denoising steps "
+            "of each block.\n\n" + table + "\n")
     return 0 if all(r["identical"] for r in rows) else 1
 
 

@@ -26,12 +26,12 @@ from benchmarks.sdar_engines import (
     lmdeploy_dynamic_transcribed,
     lmdeploy_unmasking_module,
     load_reference_qwen3,
+    our_inference_logits,
     sglang_low_confidence,
 )
 from hf_bdlm import convert_causal_lm
-from hf_bdlm.attention import CLEAN, NOISY, LocalLayout, RowMeta
 from hf_bdlm.cli import main
-from hf_bdlm.generation import BlockDiffusionGenerationConfig, CachedContext, resolve_settings
+from hf_bdlm.generation import BlockDiffusionGenerationConfig, resolve_settings
 from hf_bdlm.models.block_diffusion.export_sdar import (
     SDAR_MASK_TOKEN_ID,
     SDARExportError,
@@ -192,20 +192,6 @@ def test_a_tokenizer_without_the_mask_id_is_refused(tmp_path):
 
 
 # --- same model, same logits ------------------------------------------------------------------------------------------
-def our_logits(model, prefix, block):
-    """Our model at inference: the clean prefix (rows form) and the noisy block over the cached prefix (generate's
-    own CachedContext)."""
-    start = len(prefix)
-    settings = resolve_settings(model, BlockDiffusionGenerationConfig(), start)
-    rows = RowMeta(torch.full((start,), CLEAN), torch.arange(start))
-    clean = model(input_ids=torch.tensor([prefix]), position_ids=torch.arange(start)[None],
-                  bdlm_layout=LocalLayout(rows, rows, model.mask_rule(), "dense")).logits[0]
-    context = CachedContext(model, settings, torch.device("cpu"))
-    context.append(torch.tensor([prefix]))
-    hidden, _ = context.block_hidden(torch.tensor([block]), start)
-    return clean, model.lm_logits(hidden)[0]
-
-
 @pytest.mark.parametrize("mask_logit", ["keep", "zero"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_the_exported_weights_in_transformers_qwen3_give_our_logits(request, tie, mask_logit):
@@ -215,9 +201,7 @@ def test_the_exported_weights_in_transformers_qwen3_give_our_logits(request, tie
     prefix = torch.randint(0, 151000, (8,)).tolist()  # two clean blocks
     block = [17, MASK, 5, MASK]  # the noisy block: a decoded token, masks
     engine = engine_logits(qwen3, prefix + block, B)
-    with torch.no_grad():
-        clean, noisy = our_logits(model, prefix, block)
-    ours = torch.cat([clean, noisy])
+    ours = our_inference_logits(model, prefix, block)  # clean rows, and generate's cached noisy block
     if mask_logit == "zero":
         assert torch.equal(engine[:, MASK], torch.zeros(len(prefix) + B))
         keep_columns = torch.arange(engine.shape[1]) != MASK

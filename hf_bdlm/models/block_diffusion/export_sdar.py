@@ -339,6 +339,7 @@ def export_sdar(
         confidence_threshold = DEFAULT_THRESHOLD if confidence_threshold is None else confidence_threshold
     if not 0.0 < float(confidence_threshold) <= 1.0:
         raise ValueError(f"confidence_threshold must lie in (0, 1], got {confidence_threshold!r}.")
+    confidence_threshold = float(confidence_threshold)
     weights, tied = sdar_weights(model, mask_logit=mask_logit, dtype=dtype)
     dtype = dtype or next(iter(weights.values())).dtype
     tokens = special_token_ids(model, tokenizer)
