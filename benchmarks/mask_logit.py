@@ -21,6 +21,7 @@ far enough here. The measurement is about the objective's [MASK] logit.
 
     python -m benchmarks.mask_logit --convert --label "SmolLM2 converted, not trained" --out converted.json
     python -m benchmarks.mask_logit --tiny-qwen3 300 --label "small Qwen3, 300 steps" --out tiny_qwen3.json
+    python -m benchmarks.mask_logit --summary benchmarks/results/mask_logit      # summary.md of the records there
 """
 
 from __future__ import annotations
@@ -194,8 +195,54 @@ def decoding(model, tokenizer, examples, new_tokens: int, threshold: float) -> d
     return result
 
 
+def summary(folder: pathlib.Path) -> str:
+    """``summary.md`` of the records in ``folder``: one column per model."""
+    records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    lines = ["[MASK] logit of models trained with `standard`, at the masked positions of held-out completions (the "
+             "objective's own noise), and in decoding (`python -m benchmarks.mask_logit`). 'Corrected': the head's "
+             "[MASK] row zero, as the SDAR export writes it.", "",
+             "| | " + " | ".join(r["label"] for r in records) + " |", "|---|" + "---|" * len(records)]
+
+    def row(label, values):
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+
+    row("model", [r["model"] for r in records])
+    row("masked positions", [str(r["logits"]["positions"]) for r in records])
+    row("[MASK] is the argmax, as trained", [f"{r['logits']['mask_is_argmax']} "
+                                             f"({r['logits']['mask_is_argmax_fraction']:.1%})" for r in records])
+    row("p([MASK]) under the full softmax: median / p99 / max",
+        [f"{r['logits']['p_mask_median']:.3g} / {r['logits']['p_mask_p99']:.3g} / {r['logits']['p_mask_max']:.3g}"
+         for r in records])
+    row("[MASK] is the argmax, corrected", [str(r["logits"]["corrected_mask_is_argmax"]) for r in records])
+    row("smallest best other logit (corrected [MASK] wins only below 0)",
+        [f"{r['logits']['best_other_logit_min']:.3g}" for r in records])
+    for threshold in THRESHOLDS:
+        row(f"threshold {threshold} decisions differing from the trained softmax: as trained / corrected",
+            [f"{r['logits']['threshold_decisions_differing_from_the_trained_softmax'][str(threshold)]['as_trained']} / "
+             f"{r['logits']['threshold_decisions_differing_from_the_trained_softmax'][str(threshold)]['corrected']}"
+             for r in records])
+    runs = list(records[0]["decoding"]["runs"])
+    settings = records[0]["decoding"]
+    lines += ["", f"Decoding {settings['examples']} held-out prompts, {settings['new_tokens']} new tokens, threshold "
+                  f"{settings['threshold']}: completions holding [MASK] tokens (tokens) / completions identical to "
+                  "`unmasking='hf_bdlm'` / exact match.", "",
+              "| rule | " + " | ".join(r["label"] for r in records) + " |", "|---|" + "---|" * len(records)]
+    for name in runs:
+        row(name, [f"{r['decoding']['runs'][name]['completions_with_mask']} ({r['decoding']['runs'][name]['mask_tokens']})"
+                   f" / {r['decoding']['runs'][name]['identical_to_hf_bdlm']} / "
+                   f"{r['decoding']['runs'][name]['exact_match']:.0%}" for r in records])
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--summary"]:
+        folder = pathlib.Path(argv[1])
+        (folder / "summary.md").write_text(summary(folder))
+        print((folder / "summary.md").read_text())
+        return 0
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a block-diffusion folder trained with objective='standard'")
     source.add_argument("--convert", action="store_true", help="the embedded SmolLM2, converted, not trained")

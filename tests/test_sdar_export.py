@@ -173,7 +173,7 @@ def llama_bdlm():
     (lambda: converted(clean_attention="causal")[0], "clean_attention='causal': the engines compute the clean "
                                                      "prefix block-causally"),
     (lambda: converted(mask_token_id=151700)[0], "mask_token_id=151700: both engines hard-code [MASK] = 151669"),
-    (llama_bdlm, "the backbone is 'llama', and SDAR is a Qwen3 decoder: SGLang serves SDARForCausalLM"),
+    (llama_bdlm, "the backbone is 'llama', and SDAR is a Qwen3 decoder: SGLang's --dllm-algorithm serves a fixed list"),
 ])
 def test_a_model_the_engines_cannot_serve_is_refused_naming_what_serves_it(make, message, tmp_path):
     model = make()
