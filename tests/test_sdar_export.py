@@ -257,6 +257,20 @@ def test_generate_with_sglangs_rule_decodes_what_sglang_decodes(served, length, 
     assert ours(model, PROMPT[:length], "sglang_low_confidence", threshold) == engine["tokens"]
 
 
+def test_sglangs_first_eos_cut_and_token_budget_are_ours(served):
+    model, forward = served
+    prompt = PROMPT[:8]
+    free = sglang_low_confidence(forward, prompt, B, 0.6, 12, MASK)["tokens"]
+    eos = free[6]  # a token the model emits in its second block: the output stops there, keeping it
+    engine = sglang_low_confidence(forward, prompt, B, 0.6, 12, MASK, eos_ids=(eos,))
+    assert engine["tokens"] == free[: free.index(eos) + 1] and len(engine["tokens"]) < 12
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=12, unmasking="sglang_low_confidence",
+                         confidence_threshold=0.6, eos_token_id=eos)
+    assert out[0, len(prompt):].tolist() == engine["tokens"]
+    assert sglang_low_confidence(forward, prompt, B, 0.6, 6, MASK)["tokens"] == ours(
+        model, prompt, "sglang_low_confidence", 0.6, new_tokens=6)  # a budget that ends inside a block
+
+
 @pytest.mark.parametrize("length", [3, 8, 10])
 @pytest.mark.parametrize("threshold", [0.6, 0.95])
 def test_generate_with_lmdeploys_rule_decodes_what_lmdeploys_processor_decodes(served, lmdeploy_module, length,

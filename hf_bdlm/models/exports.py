@@ -1,5 +1,5 @@
 """What every family's export for a serving engine shares: the model id the engine is told to load, the tensors of a
-Qwen3 decoder layer (the layer both SDAR models and DFlash drafters are made of), and writing the exported folder so
+Qwen3 decoder layer (the layer SDAR models and speculative drafters are made of), and writing the exported folder so
 that it is either complete or absent.
 
     from hf_bdlm.models.exports import serving_model_id, write_folder
