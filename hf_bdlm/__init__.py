@@ -29,6 +29,10 @@ def __getattr__(name):
         from . import trainer
 
         return getattr(trainer, name)
+    if name == "export_sdar":  # the SDAR folder SGLang and LMDeploy serve (docs/deploy.md)
+        from .models.block_diffusion.export_sdar import export_sdar
+
+        return export_sdar
     if name == "BlockParallelPlugin":
         from .parallel.plugin import BlockParallelPlugin
 
@@ -45,5 +49,6 @@ __all__ = [
     "BlockDiffusionOutput",
     "BlockParallelPlugin",
     "convert_causal_lm",
+    "export_sdar",
     "pad_to_block_multiple",
 ]

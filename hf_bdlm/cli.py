@@ -3,6 +3,7 @@
     hf-bdlm train --config recipes/configs/smollm2_cpu_csbp.yaml --nproc 2        # the SFT recipe (accelerate launch)
     hf-bdlm convert path/to/causal-lm out/bdlm --block-size 32                  # causal LM folder -> BDLM folder
     hf-bdlm generate out/bdlm "What is 2 + 3?" --max-new-tokens 32              # prompt -> text
+    hf-bdlm export --format sdar out/bdlm out/sdar                              # -> the folder SGLang / LMDeploy serve
     hf-bdlm serve path/to/bdlm --port 8000 --api-key secret
     hf-bdlm eval swebench --model path/to/checkpoint --output-dir out/swe      # shipped offline set, no Docker
     hf-bdlm eval swebench --sanity                                             # grader check: gold 100 %, empty 0 %
@@ -259,8 +260,11 @@ def add_convert_parser(subparsers) -> None:
     p.add_argument("source", help="causal-LM folder (config.json + weights + tokenizer), or 'embedded:smollm2'")
     p.add_argument("output", help="folder to write the BDLM to")
     p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--objective", default="fast_dllm_v2", choices=["fast_dllm_v2", "fast_dllm_v2_causal_clean"],
-                   help="default training objective of the converted model")
+    p.add_argument("--objective", default="fast_dllm_v2",
+                   choices=["fast_dllm_v2", "fast_dllm_v2_causal_clean", "standard"],
+                   help="default training objective of the converted model; 'standard' (with the default "
+                        "block-causal clean stream) is the one SGLang and LMDeploy serve after training "
+                        "(hf-bdlm export --format sdar, docs/deploy.md)")
     p.add_argument("--mask-token", default="<|mask|>", help="mask token text (added when the tokenizer lacks it)")
     p.add_argument("--mask-token-id", type=int, default=None, help="use this existing token id as [MASK] instead")
     p.set_defaults(func=run_convert)
@@ -295,6 +299,30 @@ def run_convert(args) -> int:
     return 0
 
 
+def add_export_parser(subparsers) -> None:
+    from .models import EXPORT_FORMATS, add_export_formats
+
+    p = subparsers.add_parser(
+        "export", help="export a checkpoint folder in a format a serving engine loads",
+        description="Write a checkpoint in the format a production engine serves, with its launch commands "
+                    "(docs/deploy.md). sdar: a standard-objective Qwen3 block-diffusion model -> SGLang "
+                    "(--dllm-algorithm LowConfidence) and LMDeploy (--dllm-block-length).")
+    p.add_argument("source", help="the checkpoint folder (save_pretrained, a trainer's output_dir)")
+    p.add_argument("output", help="the folder to write (must not exist unless --overwrite)")
+    p.add_argument("--format", required=True, choices=sorted(EXPORT_FORMATS), dest="export_format")
+    p.add_argument("--push-to-hub", metavar="REPO", default=None, help="then upload the folder to this repo")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    p.add_argument("--overwrite", action="store_true")
+    add_export_formats(p)
+    p.set_defaults(func=run_export)
+
+
+def run_export(args) -> int:
+    from .models import run_export_format
+
+    return run_export_format(args.export_format, args)
+
+
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="generate text from a prompt with block-wise decoding",
@@ -307,6 +335,10 @@ def add_generate_parser(subparsers) -> None:
                    help="unmask every position above this confidence per step (default: the checkpoint's)")
     p.add_argument("--steps-per-block", type=int, default=None, help="fixed denoising steps per block instead")
     p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    p.add_argument("--unmasking", default=None, metavar="RULE",
+                   help="which positions a step fixes: 'hf_bdlm' (default), or a serving engine's rule, "
+                        "'sglang_low_confidence' or 'lmdeploy_low_confidence_dynamic', to see what SGLang / LMDeploy "
+                        "serve of an exported model (docs/deploy.md)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=run_generate)
 
@@ -331,7 +363,8 @@ def run_generate(args) -> int:
         ids = tokenizer(prompt)["input_ids"]
     knobs = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
                                ("confidence_threshold", args.confidence_threshold),
-                               ("steps_per_block", args.steps_per_block)) if v is not None}
+                               ("steps_per_block", args.steps_per_block),
+                               ("unmasking", args.unmasking)) if v is not None}
     if args.steps_per_block is not None and args.confidence_threshold is None:
         knobs["confidence_threshold"] = None  # fixed-step decoding
     if args.temperature:
@@ -349,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(subparsers)
     add_convert_parser(subparsers)
     add_generate_parser(subparsers)
+    add_export_parser(subparsers)
     add_serve_parser(subparsers)
     add_eval_parser(subparsers)
     add_bench_parser(subparsers)

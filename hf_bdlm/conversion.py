@@ -1,8 +1,9 @@
 """`convert_causal_lm`: turn any `*ForCausalLM` checkpoint into a block diffusion LM, keeping its weights.
 
 The causal LM's config becomes the backbone config, its state dict is loaded unchanged (strict),
-and a `[MASK]` token is added to the tokenizer (the embeddings gain one row) unless an existing
-id is given. The default objective is `fast_dllm_v2` (Fast-dLLM v2: block-causal clean stream, token
+and a `[MASK]` token is added to the tokenizer at its first unused id unless an existing id is given; the
+embeddings gain a row only when that id has none (a Qwen3 checkpoint has spare rows, so its `[MASK]` lands on 151669,
+the id SGLang and LMDeploy serve SDAR models with). The default objective is `fast_dllm_v2` (Fast-dLLM v2: block-causal clean stream, token
 shift); `objective="fast_dllm_v2_causal_clean"` keeps the clean stream token-causal, exactly the causal LM, so
 that the prefix K/V cache stays the causal LM's own at inference. Tiny CPU example::
 
@@ -58,8 +59,9 @@ def convert_causal_lm(
             Clean-stream attention; defaults to the objective's (`"block_causal"` for `fast_dllm_v2`, `"causal"`,
             the causal LM's own, for `fast_dllm_v2_causal_clean`).
         objective (`str`, defaults to `"fast_dllm_v2"`):
-            Default training objective (token shift keeps the LM head's meaning): `"fast_dllm_v2"` or
-            `"fast_dllm_v2_causal_clean"` (see `hf_bdlm.objectives.fast_dllm_v2`).
+            Default training objective: `"fast_dllm_v2"` or `"fast_dllm_v2_causal_clean"` (token shift keeps the LM
+            head's meaning; see `hf_bdlm.objectives.fast_dllm_v2`), or `"standard"` (no shift: the model SGLang and
+            LMDeploy serve once trained, `docs/deploy.md`).
         seed (`int`, defaults to 0):
             Seed of the draw of the added mask token's embedding row (around the mean of the others). Drawn from
             its own generator state: the converted weights depend on the causal LM and this seed only, never on

@@ -41,7 +41,14 @@ from .attention import CLEAN, NOISY, LocalLayout, MaskRule, RowMeta
 from .attention.rows import stream_rows
 from .configuration import TOKEN_SHIFT_OBJECTIVES
 
-BLOCK_DIFFUSION_FIELDS = ("block_size", "steps_per_block", "confidence_threshold", "mask_token_id", "token_shift")
+BLOCK_DIFFUSION_FIELDS = ("block_size", "steps_per_block", "confidence_threshold", "mask_token_id", "token_shift",
+                          "unmasking")
+# How a denoising step picks the positions it unmasks: this project's rule, and the rules of the serving engines an
+# exported model runs in (docs/deploy.md), so that what is evaluated here is what they serve.
+UNMASKING_STRATEGIES = ("hf_bdlm", "sglang_low_confidence", "lmdeploy_low_confidence_dynamic")
+# The engines' thresholds when their launch sets none: SGLang 0.5.23 `srt/dllm/algorithm/low_confidence.py` line 17
+# (`threshold` of --dllm-algorithm-config), LMDeploy 0.18.0 `pytorch/config.py` line 655 (--dllm-confidence-threshold).
+ENGINE_DEFAULT_THRESHOLDS = {"sglang_low_confidence": 0.95, "lmdeploy_low_confidence_dynamic": 0.85}
 
 
 class BlockDiffusionGenerationConfig(GenerationConfig):
@@ -69,6 +76,26 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
             `model.config.objective`. With a shift, the first position of a block is predicted by the clean stream's
             last row (the finished previous block, as in Fast-dLLM v2's decoding; with a token-causal clean stream,
             the causal LM's own next-token prediction) and is unmasked in the block's first step.
+        unmasking (`str`, *optional*, defaults to `"hf_bdlm"`):
+            Which positions a denoising step fixes, and from which vocabulary:
+
+            - `"hf_bdlm"`: the chosen token is the most probable one (or a sample) with `[MASK]` left out, as the
+              `standard` objective's softmax leaves it out; every position with confidence `>=
+              confidence_threshold` is fixed, at least the most confident one (or as many as `steps_per_block`
+              needs).
+            - `"sglang_low_confidence"`: SGLang's `LowConfidence` (`srt/dllm/algorithm/low_confidence.py`): the
+              argmax and its softmax probability over the whole vocabulary, `[MASK]` included; every position with
+              confidence strictly `>` the threshold, else the single most confident one; a position whose argmax is
+              `[MASK]` stays masked (a step that changes nothing ends the block with its masks). Greedy only.
+              `confidence_threshold=None` takes SGLang's default, 0.95.
+            - `"lmdeploy_low_confidence_dynamic"`: LMDeploy's `low_confidence_dynamic`
+              (`pytorch/strategies/dllm/unmasking.py`): the sampler's token over the whole vocabulary, `[MASK]`
+              included, scored by its probability under the temperature-scaled softmax; the most confident position
+              and every one with confidence `>=` the threshold; a `[MASK]` token is kept as a token.
+              `confidence_threshold=None` takes LMDeploy's default, 0.85.
+
+            The engine rules need a model without token shift (`objective="standard"`) and take no
+            `steps_per_block`.
 
     The usual fields apply: `max_new_tokens` (default: one block), `do_sample`, `temperature`, `top_k`, `top_p`,
     `eos_token_id` (int or list), `pad_token_id` (default: the first EOS id).
@@ -81,6 +108,7 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
         confidence_threshold: float | None = 0.9,
         mask_token_id: int | None = None,
         token_shift: bool | None = None,
+        unmasking: str = "hf_bdlm",
         **kwargs,
     ):
         # Set before GenerationConfig.__init__, which ends by calling validate().
@@ -89,6 +117,7 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
         self.confidence_threshold = confidence_threshold
         self.mask_token_id = mask_token_id
         self.token_shift = token_shift
+        self.unmasking = unmasking
         super().__init__(**kwargs)
 
     @classmethod
@@ -114,6 +143,9 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
         mask = getattr(self, "mask_token_id", None)
         if mask is not None and (not isinstance(mask, int) or mask < 0):
             raise ValueError(f"mask_token_id must be a non-negative integer or None, got {mask!r}.")
+        unmasking = getattr(self, "unmasking", "hf_bdlm")
+        if unmasking not in UNMASKING_STRATEGIES:
+            raise ValueError(f"unmasking must be one of {UNMASKING_STRATEGIES}, got {unmasking!r}.")
 
 
 class BlockDiffusionGenerationMixin:
@@ -182,6 +214,7 @@ class DecodeSettings:
     pad_token_id: int | None
     rule: MaskRule
     backend: str
+    unmasking: str = "hf_bdlm"
 
 
 def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: int) -> DecodeSettings:
@@ -211,12 +244,17 @@ def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: 
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
     shift = config.token_shift if config.token_shift is not None else model_config.objective in TOKEN_SHIFT_OBJECTIVES
+    unmasking = getattr(config, "unmasking", "hf_bdlm")
+    threshold = config.confidence_threshold
+    if unmasking != "hf_bdlm":
+        _check_engine_rule(unmasking, bool(shift), config)
+        threshold = ENGINE_DEFAULT_THRESHOLDS[unmasking] if threshold is None else threshold
     return DecodeSettings(
         block_size=block,
         mask_token_id=int(mask),
         max_new_tokens=int(max_new),
         steps_per_block=config.steps_per_block,
-        confidence_threshold=config.confidence_threshold,
+        confidence_threshold=threshold,
         token_shift=bool(shift),
         # Unset sampling knobs take transformers' defaults (temperature 1, top_k 50, top_p 1).
         do_sample=bool(config.do_sample),
@@ -227,7 +265,24 @@ def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: 
         pad_token_id=pad,
         rule=model.mask_rule(block),  # the training rule, sliding-window convention included
         backend=model_config.attention_backend,
+        unmasking=unmasking,
     )
+
+
+def _check_engine_rule(unmasking: str, token_shift: bool, config: BlockDiffusionGenerationConfig) -> None:
+    """Refuse settings an engine's unmasking rule has no counterpart for (they would not decode what it serves)."""
+    if token_shift:
+        raise ValueError(
+            f"unmasking={unmasking!r} decodes without token shift (the logit at position i predicts token i, as the "
+            "engines serve SDAR models), but this model predicts the next token (a fast_dllm_v2 objective, or "
+            "token_shift=True): use unmasking='hf_bdlm', or a model trained with objective='standard'."
+        )
+    if config.steps_per_block is not None:
+        raise ValueError(f"unmasking={unmasking!r} has no fixed number of steps per block; leave steps_per_block "
+                         f"unset (got {config.steps_per_block}).")
+    if unmasking == "sglang_low_confidence" and config.do_sample:
+        raise ValueError("unmasking='sglang_low_confidence' is greedy (SGLang's LowConfidence always takes the "
+                         "argmax and ignores sampling parameters); set do_sample=False.")
 
 
 # --- the clean context: cached or recomputed ---------------------------------------------------
@@ -354,7 +409,9 @@ def choose_tokens(logits: torch.Tensor, settings: DecodeSettings, generator: tor
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # softmax and the threshold comparison in half precision are too coarse
     logits = logits.clone()
-    logits[:, settings.mask_token_id] = -math.inf  # [MASK] is never a prediction
+    if settings.unmasking == "hf_bdlm":
+        logits[:, settings.mask_token_id] = -math.inf  # [MASK] is never a prediction
+    # (The engines' rules take the argmax / sample over the whole vocabulary, [MASK] included.)
     if not settings.do_sample:
         probs = logits.softmax(-1)
         confidence, tokens = probs.max(-1)
@@ -362,12 +419,16 @@ def choose_tokens(logits: torch.Tensor, settings: DecodeSettings, generator: tor
     # The same warpers as transformers' sampling, so temperature/top-k/top-p mean what users expect.
     if settings.temperature != 1.0:
         logits = TemperatureLogitsWarper(settings.temperature)(None, logits)
+    scaled = logits
     if settings.top_k:
         logits = TopKLogitsWarper(settings.top_k)(None, logits)
     if settings.top_p < 1.0:
         logits = TopPLogitsWarper(settings.top_p)(None, logits)
     probs = logits.softmax(-1)
     tokens = torch.multinomial(probs, 1, generator=generator)
+    if settings.unmasking == "lmdeploy_low_confidence_dynamic":
+        # LMDeploy scores the sampled token under the temperature-scaled softmax, before top-k / top-p filtering.
+        probs = scaled.softmax(-1)
     return tokens[:, 0], probs.gather(1, tokens)[:, 0]
 
 
@@ -377,7 +438,10 @@ def tokens_to_unmask(masked: torch.Tensor, confidence: torch.Tensor, step: int, 
     conf = confidence.masked_fill(~masked, -math.inf)
     count = torch.ones_like(remaining)
     if settings.confidence_threshold is not None:
-        count = torch.maximum(count, (masked & (conf >= settings.confidence_threshold)).sum(1))
+        # SGLang's LowConfidence compares strictly; LMDeploy and this project's rule include the threshold.
+        above = conf > settings.confidence_threshold if settings.unmasking == "sglang_low_confidence" else \
+            conf >= settings.confidence_threshold
+        count = torch.maximum(count, (masked & above).sum(1))
     if settings.steps_per_block is not None:
         steps_left = settings.steps_per_block - step
         needed = remaining if steps_left <= 1 else -torch.div(-remaining, steps_left, rounding_mode="floor")  # ceil
@@ -409,6 +473,13 @@ def denoise_block(model, context, block, masked, start, settings, generator):
             full_conf[:, 0] = math.inf
         unmask = tokens_to_unmask(masked, full_conf, step, settings)
         block = torch.where(unmask, full_tokens, block)
+        if settings.unmasking == "sglang_low_confidence":
+            # SGLang reads the masked positions off the ids: a position whose argmax is [MASK] stays masked. A step
+            # that fixes nothing else leaves the ids, hence the next forward and step, unchanged: the block ends with
+            # its masks (SGLang runs out its step budget, block size + 1, the same way).
+            unmask &= full_tokens != settings.mask_token_id
+            if not unmask.any():
+                break
         masked &= ~unmask
         step += 1
     return block

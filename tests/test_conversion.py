@@ -109,6 +109,21 @@ def test_padded_embedding_uses_a_spare_row_for_the_added_token():
         assert torch.equal(value, before[name]), name
 
 
+def test_a_qwen3_checkpoint_gets_its_mask_at_151669_without_a_resize():
+    # Qwen3's real layout: 151669 tokens (the last special one, </think>, is 151668) and 151936 embedding rows. SGLang
+    # and LMDeploy serve SDAR models with [MASK] = 151669: conversion must land exactly there.
+    from tiny_qwen3 import ROWS, qwen3_layout_tokenizer, tiny_qwen3
+
+    lm = tiny_qwen3(tie=True)
+    before = snapshot(lm)
+    bdlm, tok = convert_causal_lm(lm, qwen3_layout_tokenizer(), block_size=4, objective="standard")
+    assert bdlm.config.mask_token_id == tok.mask_token_id == 151669 and tok.mask_token == "<|mask|>"
+    assert bdlm.config.objective == "standard" and bdlm.config.clean_attention == "block_causal"
+    assert bdlm.config.backbone_config.vocab_size == ROWS == bdlm.get_input_embeddings().weight.shape[0]
+    for name, value in bdlm.backbone.state_dict().items():
+        assert torch.equal(value, before[name]), name  # no row added: the [MASK] row is the unused row 151669
+
+
 @pytest.mark.parametrize("causal_cls,config_cls", [(LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config)])
 def test_causal_clean_variant_reproduces_the_causal_lm_on_its_clean_stream(causal_cls, config_cls):
     torch.manual_seed(0)

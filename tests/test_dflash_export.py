@@ -227,8 +227,9 @@ def test_the_model_card_names_the_target_the_serving_commands_and_the_training(e
     _, out = exported
     card = (out / "README.md").read_text()
     assert "base_model: org/tiny-target" in card and "- dflash" in card
-    assert ('vllm serve org/tiny-target \\\n  --speculative-config \'{"method": "dflash", "model": '
+    assert ('vllm serve org/tiny-target --revision abc123 \\\n  --speculative-config \'{"method": "dflash", "model": '
             f'"{out}", "num_speculative_tokens": 3}}\'') in card
+    assert "python -m sglang.launch_server --model-path org/tiny-target --revision abc123 \\\n" in card
     assert f"--speculative-algorithm DFLASH --speculative-draft-model-path {out}" in card
     assert "| Training steps | 20 |" in card and "| Final loss | 2.5 |" in card
     assert "| Dataset | hf_bdlm:arith |" in card and "(`abc123`)" in card
@@ -302,6 +303,25 @@ def test_init_writes_a_serving_ready_drafter_for_a_target(saved_target, tmp_path
     store = FeatureStore(tmp_path / "features")
     store.check_drafter(drafter.config, target_id=str(saved_target))
     assert store.layer_ids == (1, 3) and len(store) == 2
+
+
+def test_an_export_for_the_embedded_target_names_the_hub_model_engines_load(tmp_path, capsys):
+    # `embedded:smollm2` is hf_bdlm's alias of a local export of SmolLM2-135M-Instruct: vLLM and SGLang load the Hub
+    # model it was made from, so every printed and written command names that (and the revision, when given).
+    drafter = tiny_drafter()
+    drafter.save_pretrained(tmp_path / "checkpoint")
+    out = tmp_path / "export"
+    assert main(["dflash", "export", str(tmp_path / "checkpoint"), "--out", str(out), "--target", "embedded:smollm2",
+                 "--target-revision", "rev1"]) == 0
+    printed = capsys.readouterr().out
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert f"    vllm serve {hub_id} --revision rev1 --speculative-config" in printed
+    assert (f"    python -m sglang.launch_server --model-path {hub_id} --revision rev1 --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {out} --speculative-dflash-block-size {BLOCK}") in printed
+    card = (out / "README.md").read_text()
+    assert f"vllm serve {hub_id} --revision rev1 \\\n" in card and f"base_model: {hub_id}" in card
+    assert json.loads((out / "training_export.json").read_text())["model_id"] == hub_id
+    assert "embedded:" not in printed + card
 
 
 def test_export_check_and_push_commands_run_end_to_end(tmp_path, hub, capsys):

@@ -418,3 +418,76 @@ def test_packaged_card_template_is_the_model_cards_copy():
     root = Path(__file__).resolve().parents[1]
     packaged = (root / "hf_bdlm" / "models" / "diffusion_gemma" / "model_card.md").read_text()
     assert (root / "model_cards" / "diffusion_gemma_model_card.md").read_text() == packaged
+
+
+# --- what vLLM and SGLang read ----------------------------------------------------------------------------------------
+# Every field vLLM 0.34.0's and SGLang 0.5.23's DiffusionGemma paths read, and where (read in their released wheels;
+# hf_bdlm.models.diffusion_gemma.engines keeps the same list with the same references):
+ENGINE_CONFIG_FIELDS = {
+    # vllm/model_executor/models/registry.py:429; sglang/srt/dllm/config.py:56,63-66 (the path is chosen by name)
+    "architectures": ["DiffusionGemmaForBlockDiffusion"],
+    # vllm/model_executor/models/config.py:677, sglang/srt/dllm/config.py:57 (both fall back to 256)
+    "canvas_length": B,
+    # sglang/srt/dllm/algorithm/gemma4_renoise.py:97-101 and srt/models/gemma4_diffusion.py:459-463: both True
+    "tie_word_embeddings": True,
+}
+ENGINE_TEXT_FIELDS = {
+    "tie_word_embeddings": True,  # vllm/model_executor/models/diffusion_gemma.py:250
+    "vocab_size": VOCAB,  # vllm diffusion_gemma.py:244,260; sglang gemma4_renoise.py:234
+    "hidden_size": 32,  # vllm diffusion_gemma.py:245,269,888; sglang gemma4_diffusion.py:109
+    "intermediate_size": 64,  # vllm diffusion_gemma.py:266 (the self-conditioning width); sglang gemma4_diffusion.py:242
+    "rms_norm_eps": 1e-6,  # vllm diffusion_gemma.py:271; sglang gemma4_diffusion.py:126
+    "final_logit_softcapping": 30.0,  # vllm diffusion_gemma.py:256-258
+    "layer_types": ["sliding_attention", "full_attention"],  # sglang gemma4_diffusion.py:87,274
+    "sliding_window": W,  # sglang gemma4_diffusion.py:90
+    "num_hidden_layers": 2,  # sglang gemma4_diffusion.py:411
+}
+# generation_config.json, as vLLM reads it (GenerationConfig.from_pretrained(...).to_diff_dict(),
+# vllm/config/model.py:1849-1882): the values transformers' generate uses when the model's config leaves them unset.
+ENGINE_GENERATION_FIELDS = {
+    "max_denoising_steps": 48,  # vllm/model_executor/models/diffusion_gemma.py:879-881 (else 48)
+    "stability_threshold": 1,  # diffusion_gemma.py:892, indexed and incremented: required, an integer
+    "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},  # diffusion_gemma.py:931-938
+    "t_min": 0.4,  # diffusion_gemma.py:951, indexed: required
+    "t_max": 0.8,  # diffusion_gemma.py:952, indexed: required
+    "confidence_threshold": 0.005,  # diffusion_gemma.py:954, indexed: required
+}
+
+
+def test_a_checkpoint_the_trainer_saves_carries_every_field_vllm_and_sglang_read(tmp_path):
+    from transformers import AutoConfig, GenerationConfig
+
+    from hf_bdlm.models.diffusion_gemma.engines import engine_field_problems
+
+    model = tiny_model()  # built from a config: its generation config leaves the decoding settings unset (null)
+    unset = copy.deepcopy(model.generation_config)
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)
+    assert len(engine_field_problems(plain)) == 5  # vLLM could not start from it: t_min, t_max, ... are null
+    trainer = BDLMSFTTrainer(model, args=trainer_args(tmp_path, "run", max_steps=1, assistant_only_loss=True),
+                             train_dataset=conversations(2), processing_class=tiny_tokenizer())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = tmp_path / "saved"
+    config = AutoConfig.from_pretrained(saved)  # what both engines load
+    assert {k: getattr(config, k) for k in ENGINE_CONFIG_FIELDS} == ENGINE_CONFIG_FIELDS
+    text = config.text_config
+    assert {k: getattr(text, k) for k in ENGINE_TEXT_FIELDS} == ENGINE_TEXT_FIELDS
+    assert set(text.rope_parameters) == {"sliding_attention", "full_attention"}  # sglang gemma4_diffusion.py:132
+    generation = GenerationConfig.from_pretrained(saved).to_diff_dict()
+    assert {k: generation.get(k) for k in ENGINE_GENERATION_FIELDS} == ENGINE_GENERATION_FIELDS
+    assert engine_field_problems(saved) == []
+    card = (saved / "README.md").read_text()
+    assert (f"vllm serve {saved} --diffusion-config '{{\"canvas_length\": {B}, \"max_denoising_steps\": 48}}'"
+            in card)
+    assert (f"python -m sglang.launch_server --model-path {saved} --dllm-algorithm Gemma4Renoise "
+            "--dllm-algorithm-config dg_renoise.yaml") in card
+    assert "temperature_schedule:\\n  t_min: 0.4\\n  t_max: 0.8" in card
+    # generate decodes as before: the values written are those it filled in at every call
+    reloaded = DiffusionGemmaForBlockDiffusion.from_pretrained(saved).eval()
+    prompt = torch.tensor([[2, 3, 7, 8, 9]])
+    torch.manual_seed(0)
+    before = reloaded.generate(prompt, generation_config=unset, max_new_tokens=2 * B, eos_token_id=None)
+    torch.manual_seed(0)
+    after = reloaded.generate(prompt, max_new_tokens=2 * B, eos_token_id=None)
+    assert torch.equal(getattr(before, "sequences", before), getattr(after, "sequences", after))

@@ -57,6 +57,10 @@ FAMILY_COMMANDS = ("hf_bdlm.models.dflash.cli",)
 # ``check_arguments(cfg, args)`` (refuses bad options before anything runs), ``run(cfg, args, out)`` (returns the
 # records) and ``report(records) -> str`` (the summary section).
 FAMILY_STUDIES = {"drafter": "hf_bdlm.models.dflash.benchmark"}
+# `hf-bdlm export --format NAME` formats a family writes for serving engines: name -> module with
+# ``add_arguments(group)`` (argparse only at import) and ``run_export(args)`` (``args.source``, ``args.output``,
+# ``args.push_to_hub``, ``args.private``, ``args.overwrite`` and its own options; returns the exit code).
+EXPORT_FORMATS = {"sdar": "hf_bdlm.models.block_diffusion.cli"}
 _LOADED: dict[str, ModelFamily] = {}
 
 
@@ -142,6 +146,19 @@ def add_family_commands(subparsers) -> None:
         importlib.import_module(module).add_parsers(subparsers)
 
 
+def add_export_formats(parser) -> None:
+    """Add every export format's options (:data:`EXPORT_FORMATS`) to ``hf-bdlm export``, one argument group each."""
+    for name, module in EXPORT_FORMATS.items():
+        importlib.import_module(module).add_arguments(parser.add_argument_group(f"--format {name}"))
+
+
+def run_export_format(name: str, args) -> int:
+    """Run ``hf-bdlm export --format name``."""
+    if name not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {name!r}; the formats are {sorted(EXPORT_FORMATS)}.")
+    return importlib.import_module(EXPORT_FORMATS[name]).run_export(args)
+
+
 def family_for_model(model) -> ModelFamily | None:
     """The family whose model ``model`` is (wrappers such as PEFT and DDP looked through), or ``None``."""
     for entry in REGISTRY:
@@ -151,6 +168,7 @@ def family_for_model(model) -> ModelFamily | None:
     return None
 
 
-__all__ = ["FAMILY_COMMANDS", "FAMILY_STUDIES", "PLANNED_OBJECTIVES", "add_family_commands", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
+__all__ = ["EXPORT_FORMATS", "FAMILY_COMMANDS", "FAMILY_STUDIES", "PLANNED_OBJECTIVES", "add_export_formats",
+           "add_family_commands", "run_export_format", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
            "entry_for_model_type", "family_for_config", "family_for_model", "family_for_model_type",
            "family_for_objective", "family_named", "family_names", "get_objective"]

@@ -35,6 +35,7 @@ GENERATION_KNOBS = {
     "steps_per_block": "denoising steps per block; `None` = until the block is unmasked",
     "confidence_threshold": "unmask every position at least this confident in the same step (parallel decoding)",
     "token_shift": "logit `i - 1` predicts token `i`; `None` = follow the objective",
+    "unmasking": "which positions a step fixes: `hf_bdlm`, or SGLang's / LMDeploy's rule (`docs/deploy.md`)",
     "max_new_tokens": "tokens to generate (default: one block)",
     "do_sample": "sample instead of taking the most likely token",
     "temperature": "sampling temperature",

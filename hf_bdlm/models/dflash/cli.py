@@ -19,8 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-# The embedded model is a (4-bit quantised) export of this Hub model; a serving engine serves the Hub model.
-EMBEDDED_HUB_IDS = {"embedded:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+from ..exports import revision_flag
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -75,7 +75,9 @@ def add_parsers(subparsers) -> None:
     export = commands.add_parser("export", help="a drafter checkpoint -> the folder vLLM / SGLang serve")
     export.add_argument("checkpoint", help="a saved drafter folder (save_pretrained, a trainer checkpoint)")
     export.add_argument("--out", required=True)
-    export.add_argument("--target", required=True, help="the target's Hub id, as served (vllm serve TARGET)")
+    export.add_argument("--target", required=True,
+                        help="the target as served (vllm serve TARGET): a Hub id or a folder; 'embedded:smollm2' "
+                             "stands for the Hub model it is an export of")
     export.add_argument("--target-revision", default=None)
     export.add_argument("--dtype", choices=DTYPES, default=None, help="cast the weights (default: as saved)")
     export.add_argument("--push-to-hub", metavar="REPO", default=None, help="then upload the folder to this repo")
@@ -102,7 +104,7 @@ def run_init(args) -> int:
     if args.mask_token_id is not None:
         kwargs["mask_token_id"] = args.mask_token_id
     drafter = _drafter_class("DFlash2DraftModel").from_target(target, init=args.init, **kwargs)
-    out = _export(export_drafter, drafter, args.out, target_id=_serving_id(args.target),
+    out = _export(export_drafter, drafter, args.out, target_id=args.target,
                   target_revision=args.target_revision, overwrite=args.overwrite,
                   training_info={"init": f"{args.init} ({args.layers} layers, seed {args.seed}); not trained"})
     _print_served(out)
@@ -180,10 +182,6 @@ def _target_path(name: str) -> str:
     return resolve_model_path(name)
 
 
-def _serving_id(name: str) -> str:
-    return EMBEDDED_HUB_IDS.get(name, name)
-
-
 def _load_target(name: str, revision: str | None, dtype: str | None = None, device: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
@@ -240,12 +238,14 @@ def _print_served(folder: Path) -> None:
     report = check_serving_inventory(folder)
     provenance = json.loads((folder / "training_export.json").read_text())
     target, tokens = provenance["model_id"], report["num_speculative_tokens"]
+    revision = revision_flag(provenance.get("model_revision"))
     spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": tokens})
     print(f"wrote {folder} ({report['architecture']}, {report['tensor_count']} tensors, {report['parameters']:,} "
           f"parameters, block size {report['block_size']}). Serve it with\n"
-          f"    vllm serve {target} --speculative-config '{spec}'\n"
-          f"    python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-          f"--speculative-draft-model-path {folder}", file=sys.stdout)
+          f"    vllm serve {target}{revision} --speculative-config '{spec}'\n"
+          f"    python -m sglang.launch_server --model-path {target}{revision} --speculative-algorithm DFLASH "
+          f"--speculative-draft-model-path {folder} --speculative-dflash-block-size {report['block_size']}",
+          file=sys.stdout)
 
 
 __all__ = ["add_parsers", "run_capture", "run_check", "run_export", "run_init"]

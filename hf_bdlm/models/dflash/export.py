@@ -28,14 +28,13 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..card_parts import format_value, hub_repo_id, parameters_text, unique
+from ..exports import qwen3_layer_shapes, revision_flag, serving_model_id, write_folder
 from .capture import file_sha256
 
 WEIGHTS = "model.safetensors"
@@ -141,7 +140,6 @@ def serving_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if problems:
         raise ServingContractError("the config breaks the DFlash serving contract: " + "; ".join(problems) + ".")
 
-    q_width, kv_width = heads * head_dim, kv_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "fc.weight": (hidden, len(serving_ids) * target_hidden),
         "hidden_norm.weight": (hidden,),
@@ -155,25 +153,9 @@ def serving_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         })
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_width, hidden),
-            p + "self_attn.k_proj.weight": (kv_width, hidden),
-            p + "self_attn.v_proj.weight": (kv_width, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_width),
-            p + "self_attn.q_norm.weight": (head_dim,),
-            p + "self_attn.k_norm.weight": (head_dim,),
-            p + "mlp.gate_proj.weight": (intermediate, hidden),
-            p + "mlp.up_proj.weight": (intermediate, hidden),
-            p + "mlp.down_proj.weight": (hidden, intermediate),
-        })
-        if config.get("attention_bias"):
-            shapes.update({p + "self_attn.q_proj.bias": (q_width,), p + "self_attn.k_proj.bias": (kv_width,),
-                           p + "self_attn.v_proj.bias": (kv_width,), p + "self_attn.o_proj.bias": (hidden,)})
-        if config.get("mlp_bias"):
-            shapes.update({p + "mlp.gate_proj.bias": (intermediate,), p + "mlp.up_proj.bias": (intermediate,),
-                           p + "mlp.down_proj.bias": (hidden,)})
+        shapes.update(qwen3_layer_shapes(p, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+                                         head_dim=head_dim, attention_bias=bool(config.get("attention_bias")),
+                                         mlp_bias=bool(config.get("mlp_bias"))))
         if dflash2:
             for conv in ("attention_conv", "mlp_conv"):
                 # Per block position offset (2 sides), kernel tap and channel; the projection predicts the dynamic
@@ -271,7 +253,8 @@ def export_drafter(
         out_dir (`str` or `os.PathLike`):
             The folder to write.
         target_id (`str`):
-            The target model the drafter was trained for (a Hub id, as served: ``vllm serve TARGET_ID``).
+            The target model the drafter was trained for, as served (``vllm serve TARGET_ID``): a Hub id or a folder;
+            ``embedded:smollm2`` is recorded as the Hub model it is an export of.
         target_revision (`str`, *optional*):
             The target's revision (commit), recorded in the provenance.
         training_info (`dict`, *optional*):
@@ -287,11 +270,9 @@ def export_drafter(
         `Path` of the folder.
     """
     destination = Path(out_dir)
-    if destination.exists() and not overwrite:
-        raise FileExistsError(f"{destination} exists; choose a new folder or pass overwrite=True "
-                              "(`--overwrite`) to replace it.")
     if not target_id:
         raise ValueError("target_id is required: the model the drafter serves with (e.g. 'Qwen/Qwen3-8B').")
+    target_id = serving_model_id(target_id)
     config = _serving_config(drafter, dtype)
     state = {}
     for name, tensor in drafter.state_dict().items():
@@ -301,9 +282,8 @@ def export_drafter(
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         state[name] = tensor.contiguous().clone()  # clone: safetensors refuses tensors that share storage
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.export-", dir=destination.parent))
-    try:
+
+    def build(staging: Path) -> None:
         from safetensors.torch import save_file
 
         from ...version import __version__
@@ -325,19 +305,8 @@ def export_drafter(
                                           encoding="utf-8")
         (staging / CARD).write_text(render_card(staging, model_name=destination.resolve().name,
                                                 model_ref=repo_id or str(destination)), encoding="utf-8")
-        check_serving_inventory(staging)
-        if destination.exists():
-            old = destination.with_name(f".{destination.name}.replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(destination, old)
-            os.replace(staging, destination)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return destination
+
+    return write_folder(destination, build, check=check_serving_inventory, overwrite=overwrite)
 
 
 def _serving_config(drafter, dtype: torch.dtype | None) -> dict:
@@ -397,6 +366,7 @@ def render_card(folder: str | os.PathLike, *, model_name: str | None = None, mod
         target_url=f"https://huggingface.co/{hub_target}" if hub_target else target_id,
         target_text=f"[{hub_target}](https://huggingface.co/{hub_target})" if hub_target else f"`{target_id}`",
         target_revision=provenance.get("model_revision"),
+        revision_flag=revision_flag(provenance.get("model_revision")),
         num_target_layers=len(serving_ids),
         architecture_text=(f"`{architecture}`: {config['num_hidden_layers']} Qwen3 "
                            f"layer{'s' if config['num_hidden_layers'] > 1 else ''}, hidden "

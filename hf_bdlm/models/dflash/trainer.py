@@ -621,7 +621,7 @@ class DFlashTrainer(BDLMSFTTrainer):
         """``training_export.json`` (the provenance a served drafter carries) and ``README.md`` of a saved drafter."""
         from ...version import __version__
         from .capture import file_sha256
-        from .cli import _serving_id
+        from ..exports import serving_model_id
         from .export import PROVENANCE, PROVENANCE_FORMAT, WEIGHTS
 
         root = Path(output_dir)
@@ -641,7 +641,7 @@ class DFlashTrainer(BDLMSFTTrainer):
         config = json.loads((root / "config.json").read_text())
         provenance = {
             "format": PROVENANCE_FORMAT, "exported_by": f"hf_bdlm {__version__} (DFlashTrainer)",
-            "model_id": _serving_id(self.target_name or ""),
+            "model_id": serving_model_id(self.target_name or ""),
             "model_revision": self.args.target_revision, "architecture": config["architectures"][0],
             "block_size": config["dflash_config"]["block_size"],
             "weights": {"path": WEIGHTS, "bytes": (root / WEIGHTS).stat().st_size,

@@ -28,6 +28,7 @@ from ..card_parts import (
     read_json,
     unique,
 )
+from .engines import decoding_settings, launch_commands
 
 TEMPLATE_FILE = "model_card.md"
 SETTING_LABELS = {
@@ -69,6 +70,8 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
     generation = read_json(directory / "generation_config.json") or {}
     canvas = config.get("canvas_length")
     window = text.get("sliding_window")
+    settings = decoding_settings(directory)
+    commands = launch_commands(info.get("repo_id") or str(directory), canvas, settings)
     values = dict(
         card_data=card_data.to_yaml(),
         model_name=info.get("model_name") or directory.resolve().name,
@@ -91,6 +94,9 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
         has_chat_template=(directory / "chat_template.jinja").is_file()
         or bool((tokenizer_config or {}).get("chat_template")),
         example_max_new_tokens=generation.get("max_new_tokens") or 2 * int(canvas or 32),
+        **settings,
+        vllm_command=commands["vllm"],
+        sglang_command=commands["sglang"],
     )
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     return env.from_string(template_text()).render(**values).strip() + "\n"

@@ -11,6 +11,7 @@ sharded by the block-parallel plugin (:mod:`.sharded`); a step that drives the e
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import ClassVar
 
@@ -30,6 +31,8 @@ VISION_PARAMETER_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed
 OBJECTIVE_DEFAULTS = {"noise_eps_min": DEFAULT_NOISE_EPS, "noise_eps_max": 1.0 - DEFAULT_NOISE_EPS,
                       "self_conditioning_prob": 0.5, "ar_loss_weight": 1.0, "model_prediction_type": "mean",
                       "attention_backend": "blockwise"}
+
+logger = logging.getLogger(__name__)
 
 
 class DiffusionGemmaFamily(ModelFamily):
@@ -129,6 +132,14 @@ class DiffusionGemmaFamily(ModelFamily):
             if (freeze_router and ".router." in name) or name.startswith(VISION_PARAMETER_PREFIXES):
                 param.requires_grad_(False)
         use_block_diffusion_attention(dg)
+        if getattr(dg, "generation_config", None) is not None:
+            from .engines import fill_decoding_settings
+
+            # The decoding settings generate would fill in at each call, written down: the checkpoints this run saves
+            # carry them, so vLLM (which reads them from generation_config.json) decodes as generate does.
+            filled = fill_decoding_settings(dg.generation_config)
+            if filled:
+                logger.info("generation config: %s set to the values generate uses", ", ".join(filled))
         return objective
 
     def default_lora_targets(self, model):
