@@ -7,6 +7,7 @@
     hf-bdlm eval swebench --model path/to/checkpoint --output-dir out/swe      # shipped offline set, no Docker
     hf-bdlm eval swebench --sanity                                             # grader check: gold 100 %, empty 0 %
     hf-bdlm eval terminal-bench --base-url http://127.0.0.1:8000/v1 --output-dir out/tb
+    hf-bdlm lm-eval --model bdlm --model_args pretrained=path/to/bdlm --tasks arc_easy   # lm-eval's CLI, bdlm registered
     hf-bdlm bench --quick --out bench_quick                                    # benchmarks: JSON, plots, tables
 
 Adding a command: write `add_<name>_parser(subparsers)` that registers its arguments and sets `func` (called with
@@ -343,6 +344,28 @@ def run_generate(args) -> int:
     return 0
 
 
+def add_lm_eval_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "lm-eval", add_help=False, help="EleutherAI's lm-evaluation-harness with --model bdlm registered",
+        description="Runs lm-eval's own command line (same arguments) with the model type `bdlm` registered: any "
+                    "checkpoint hf_bdlm trains, generation by its family's decoding, log-likelihood as a seeded "
+                    "Monte-Carlo estimate of its bound. `hf-bdlm lm-eval --help` prints lm-eval's help.")
+    p.set_defaults(func=run_lm_eval, accepts_extra=True)
+
+
+def run_lm_eval(args, extra: list[str]) -> int:
+    import hf_bdlm.evaluation.lm_eval_model  # noqa: F401  (registers --model bdlm)
+    from lm_eval.__main__ import cli_evaluate
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *extra]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-bdlm", description="Block diffusion LMs on the Hugging Face stack.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -351,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     add_eval_parser(subparsers)
+    add_lm_eval_parser(subparsers)
     add_bench_parser(subparsers)
     from .planner.cli import add_plan_parser
     add_plan_parser(subparsers)
@@ -367,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra) if getattr(args, "accepts_extra", False) else args.func(args)
     except ImportError as err:
-        if args.command not in ("serve", "eval"):
+        if args.command not in ("serve", "eval", "lm-eval"):
             raise
-        extra = "serve" if args.command == "serve" else "eval"
+        extra = {"serve": "serve", "eval": "eval", "lm-eval": "lmeval"}[args.command]
         print(f"error: {err} (install the extra: pip install \"hf-bdlm[{extra}]\")", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as err:

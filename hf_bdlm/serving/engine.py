@@ -112,6 +112,28 @@ class Engine:
     def text_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: ``0 .. vocab_size - 1``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    def token_prompt(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids (as lm-eval's local-completions sends it), checked against the vocabulary."""
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in the prompt is outside the model's vocabulary of {self.vocab_size} "
+                                "(0 .. vocab_size - 1): tokenize with this model's tokenizer (POST /tokenize).",
+                           param="prompt")
+        return list(ids)
+
+    def tokenizer_info(self) -> dict:
+        """What ``GET /tokenizer_info`` answers (vLLM's route; lm-eval's remote tokenizer reads it)."""
+        tok = self.tokenizer
+        template = getattr(tok, "chat_template", None)
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": template,
+                "model_max_length": self.context_length, "vocab_size": self.vocab_size}
+
     # --- settings ---------------------------------------------------------------------------
 
     def decode_settings(self, request, prompt_len: int, max_tokens: int):
