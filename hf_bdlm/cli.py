@@ -354,8 +354,19 @@ def add_lm_eval_parser(subparsers) -> None:
 
 
 def run_lm_eval(args, extra: list[str]) -> int:
+    import logging
+
     import hf_bdlm.evaluation.lm_eval_model  # noqa: F401  (registers --model bdlm)
     from lm_eval.__main__ import cli_evaluate
+
+    # lm-eval logs through its own logger only; the likelihood's standard errors are logged beside its lines.
+    ours = logging.getLogger("hf_bdlm")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [%(name)s] %(message)s",
+                                               datefmt="%Y-%m-%d:%H:%M:%S"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
 
     saved = sys.argv
     sys.argv = ["lm-eval", *extra]

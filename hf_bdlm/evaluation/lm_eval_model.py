@@ -304,6 +304,10 @@ def load_for_evaluation(path: str, dtype: str | None, device: str | None, conver
         if dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"dtype={dtype!r}; pass float32, bfloat16, float16 or float64.")
         kwargs["dtype"] = getattr(torch, dtype)
+    if device in ("cuda", "cuda:0") and not torch.cuda.is_available():
+        # lm-eval's command line passes cuda:0 whenever --device is not given (its HF model type does the same).
+        logger.warning("device %s is not available here (lm-eval's default); evaluating on the CPU", device)
+        device = "cpu"
     config = AutoConfig.from_pretrained(path)
     model, tokenizer = family_for_config(config).load_for_evaluation(path, config, kwargs, conversion_block_size)
     if device:

@@ -5,6 +5,7 @@ is estimated by Monte Carlo: ``mc_num`` noised copies of the continuation, each 
 is ``hash_uniform(seed, sample, request_key, position, salt)`` (:mod:`hf_bdlm.objectives.noise`): a pure function of
 the seed, the request's tokens, the sample index and the position. A request gets the same noise alone or in any
 batch, in any order and in any run, so its score is reproducible bit for bit wherever the model's arithmetic is.
+(:func:`sample_uniform` computes a whole ``[samples, positions]`` table of them in one pass.)
 
 - :func:`request_key`: the 64-bit key of a request (its tokens), the ``sample`` argument of every draw;
 - :func:`stratified_levels`: one noise level per (sample, block), the ``mc_num`` samples of a block spread over
@@ -46,6 +47,14 @@ def request_key(context: Sequence[int], continuation: Sequence[int]) -> int:
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
+def sample_uniform(seed: int, key: int, samples: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """``[len(samples), len(positions)]`` uniforms in ``[0, 1)``, entry ``(k, i)`` a pure function of ``(seed, key,
+    samples[k], positions[i], salt)``: ``hash_uniform`` keyed by the request and by the sample and position packed
+    in one 64-bit word (positions below ``2**32``)."""
+    packed = (samples.to(torch.int64)[:, None] << 32) | positions.to(torch.int64)[None, :]
+    return hash_uniform(seed, 0, torch.tensor(key, dtype=torch.int64), packed, salt)
+
+
 def stratified_levels(seed: int, key: int, num_samples: int, block_ids: torch.Tensor) -> torch.Tensor:
     """Levels ``u`` in ``[0, 1)``, ``[num_samples, len(block_ids)]``: for every block, sample ``k`` draws inside
     stratum ``(k + s) mod M`` of ``M = num_samples`` equal strata, ``s`` a random offset of the (request, block).
@@ -54,14 +63,12 @@ def stratified_levels(seed: int, key: int, num_samples: int, block_ids: torch.Te
     strata once, so the mean of the samples' estimates is an unbiased estimate of the bound with less variance than
     independent draws. ``block_ids`` are stable ids of the blocks (e.g. their first position).
     """
-    blocks = block_ids.to(torch.int64)
+    blocks = block_ids.to(torch.int64).cpu()
     offset = (hash_uniform(seed, 0, torch.tensor(key), blocks, SALT_LEVEL_OFFSET) * num_samples).floor().long()
     offset = offset.clamp(max=num_samples - 1)
-    rows = []
-    for k in range(num_samples):
-        jitter = hash_uniform(seed, k, torch.tensor(key), blocks, SALT_LEVEL)
-        rows.append((((k + offset) % num_samples).to(torch.float64) + jitter) / num_samples)
-    return torch.stack(rows)
+    k = torch.arange(num_samples)
+    jitter = sample_uniform(seed, key, k, blocks, SALT_LEVEL)
+    return (((k[:, None] + offset[None, :]) % num_samples).to(torch.float64) + jitter) / num_samples
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ def absorbing_draws(seed: int, key: int, num_samples: int, positions: torch.Tens
 
     Per block, the continuation's ``n`` tokens in it are masked ``l`` at a time, ``l = 1 + floor(u n)`` with ``u``
     from :func:`stratified_levels` (so ``l`` is uniform on ``1..n``), the ``l`` tokens with the smallest draws
-    ``hash_uniform(seed, k, key, position, SALT_MASK_ORDER)`` (a uniformly random subset); each masked token's
+    ``sample_uniform(seed, key, k, position, SALT_MASK_ORDER)`` (a uniformly random subset); each masked token's
     log-probability is weighted ``n / l``. Summed over the blocks, the weighted log-probabilities of one sample are
     an unbiased estimate of the bound
 
@@ -102,8 +109,7 @@ def absorbing_draws(seed: int, key: int, num_samples: int, positions: torch.Tens
     blocks = positions // block_size
     block_ids, local = torch.unique(blocks, return_inverse=True)
     levels = stratified_levels(seed, key, num_samples, block_ids)  # [M, J]
-    order = torch.stack([hash_uniform(seed, k, torch.tensor(key), positions, SALT_MASK_ORDER)
-                         for k in range(num_samples)])  # [M, n]
+    order = sample_uniform(seed, key, torch.arange(num_samples), positions, SALT_MASK_ORDER)  # [M, n]
     masked = torch.zeros(num_samples, positions.numel(), dtype=torch.bool)
     weight = torch.zeros(num_samples, positions.numel(), dtype=torch.float64)
     for j in range(block_ids.numel()):

@@ -27,8 +27,9 @@ Estimated per canvas block with ``mc_num`` samples: a reconstruction canvas at `
 drawn log-uniformly on ``[t_min, 1)`` (weight ``t log(1 / t_min)``), stratified over the samples
 (:func:`hf_bdlm.objectives.likelihood.stratified_levels`). Positions of the last canvas past the continuation hold
 uniform tokens at every level (the noise's end state: unknown, as when decoding) and are not scored. One more canvas,
-every continuation token uniform noise, decides ``greedy`` by argmax. Requests are batched only with requests of the
-same canvas geometry, so no row is ever padded.
+every continuation token uniform noise, decides ``greedy`` by argmax. Each request is one forward of its own (its
+``2 mc_num + 1`` canvases): the MoE layers group a batch's tokens by expert, and a row's numbers would then depend on
+the other requests of its batch (measured: 5e-8 on the CPU kernels), so a score would change with the batch size.
 
     scorer = family_named("diffusion_gemma").likelihood_scorer(model, tokenizer)
     [estimate] = scorer.score([ScoreRequest((2, 9, 10), (11, 12))], mc_num=32, seed=0, batch_size=8)
@@ -38,13 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
 from typing import Sequence
 
 import torch
 
-from ...objectives.likelihood import request_key, stratified_levels, summarize
-from ...objectives.noise import hash_uniform
+from ...objectives.likelihood import request_key, sample_uniform, stratified_levels, summarize
 from ..family import BoundEstimate, LikelihoodScorer, ScoreRequest
 from .modeling import (
     CanvasFrame,
@@ -61,7 +60,7 @@ SALT_RECON_REPLACE = 0x11CE_D601
 SALT_REPLACE = 0x11CE_D602
 SALT_TOKEN = 0x11CE_D603
 SALT_TAIL = 0x11CE_D604
-SLOT_CHUNK = 16  # canvas slots per [slots, vocab] float64 block of the bound's terms
+PAIR_CHUNK = 64  # (canvas, slot) pairs per [pairs, vocab] float64 block of the bound's terms
 SERIES_BELOW = 1e-3  # |d| under which phi(d) = d - log1p(d) is summed as its series (no cancellation)
 
 
@@ -116,25 +115,12 @@ class DiffusionGemmaLikelihoodScorer(LikelihoodScorer):
 
     def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int
               ) -> list[BoundEstimate]:
+        """One forward per request, its ``2 mc_num + 1`` canvases together; ``batch_size`` is not used (module
+        docstring: the MoE layers would round a request's rows differently in a batch of other requests)."""
         if mc_num < 1 or batch_size < 1:
             raise ValueError(f"mc_num and batch_size must be positive integers, got {mc_num} and {batch_size}.")
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, request in enumerate(requests):
-            groups[self._geometry(request)].append(i)
-        results: list[BoundEstimate | None] = [None] * len(requests)
-        for members in groups.values():
-            for start in range(0, len(members), batch_size):
-                chunk = members[start : start + batch_size]
-                with torch.no_grad():
-                    for i, estimate in zip(chunk, self._score_batch([requests[i] for i in chunk], mc_num, seed)):
-                        results[i] = estimate
-        return results
-
-    def _geometry(self, request: ScoreRequest) -> tuple:
-        """Requests of equal geometry have equal frames up to their tokens: the same rows, blocks and documents."""
-        frame = self._frame([request])
-        return (frame.frame_length, tuple(frame.canvas_blocks.tolist()), tuple(frame.clean_rows.doc[0].tolist()),
-                tuple(frame.canvas_rows.doc[0].tolist()))
+        with torch.no_grad():
+            return [self._score_batch([request], mc_num, seed)[0] for request in requests]
 
     def _frame(self, requests: list[ScoreRequest]) -> CanvasFrame:
         for r in requests:
@@ -168,54 +154,62 @@ class DiffusionGemmaLikelihoodScorer(LikelihoodScorer):
         hidden = decode(self.model, repeated, DiffusionGemmaLayout.local(repeated, self.backend),
                         torch.cat(canvases).to(self.device), cache)
         return [self._estimate(frame, i, hidden[i * per_request : (i + 1) * per_request],
-                               canvases[i].to(self.device), levels[i], mc_num)
+                               canvases[i], levels[i], mc_num)
                 for i in range(len(requests))]
 
     def _canvases(self, frame: CanvasFrame, i: int, request: ScoreRequest, mc_num: int, seed: int):
-        """Request ``i``'s ``2 mc_num + 1`` canvases ``[rows, Nc]`` and each diffusion sample's slot levels."""
-        key = torch.tensor(request_key(request.context, request.continuation))
-        source = frame.canvas_source[i].cpu()
+        """Request ``i``'s canvases ``[2 mc_num + 1, Nc]`` (reconstruction, diffusion, all-noise) and the diffusion
+        canvases' slot levels ``[mc_num, Nc]``."""
+        key = request_key(request.context, request.continuation)
+        position = frame.canvas_source[i].cpu().clamp(min=0)
         target = frame.canvas_target[i].cpu()
         continuation = frame.canvas_supervised[i].cpu()
         blocks, slot_block = torch.unique(frame.canvas_block_source[i].cpu(), return_inverse=True)
-        u = stratified_levels(seed, int(key), mc_num, blocks)  # [M, blocks]
+        u = stratified_levels(seed, key, mc_num, blocks)  # [M, blocks]
         levels = self.t_min ** (1.0 - u[:, slot_block])  # log-uniform on [t_min, 1), per slot of its block
-        position = source.clamp(min=0)
-        rows = []
-        for kind, salt, count in (("recon", SALT_RECON_REPLACE, mc_num), ("diffusion", SALT_REPLACE, mc_num),
-                                  ("noise", SALT_REPLACE, 1)):
-            for k in range(count):
-                step = k if kind != "noise" else mc_num
-                t = {"recon": torch.full_like(levels[0], self.t_min), "diffusion": levels[k],
-                     "noise": torch.ones_like(levels[0])}[kind]
-                replace = hash_uniform(seed, step, key, position, salt) < t
-                drawn = (hash_uniform(seed, step, key, position, SALT_TOKEN) * self.vocab_size).long()
-                canvas = torch.where(replace & continuation, drawn.clamp(max=self.vocab_size - 1), target)
-                tail = (hash_uniform(seed, step, key, position, SALT_TAIL) * self.vocab_size).long()
-                rows.append(torch.where(continuation, canvas, tail.clamp(max=self.vocab_size - 1)))
-        return torch.stack(rows), levels
+        # Row r of every table: samples 0..M-1 (reconstruction, then diffusion: the same draws, other levels), M.
+        samples = torch.cat([torch.arange(mc_num), torch.arange(mc_num), torch.tensor([mc_num])])
+        t = torch.cat([torch.full_like(levels, self.t_min), levels, torch.ones_like(levels[:1])])
+        salt = torch.cat([torch.full((mc_num, 1), SALT_RECON_REPLACE), torch.full((mc_num + 1, 1), SALT_REPLACE)])
+        replace = torch.where(salt == SALT_RECON_REPLACE,
+                              sample_uniform(seed, key, samples, position, SALT_RECON_REPLACE),
+                              sample_uniform(seed, key, samples, position, SALT_REPLACE)) < t
+        drawn = (sample_uniform(seed, key, samples, position, SALT_TOKEN) * self.vocab_size).long()
+        tail = (sample_uniform(seed, key, samples, position, SALT_TAIL) * self.vocab_size).long()
+        canvases = torch.where(replace, drawn, target).clamp(max=self.vocab_size - 1)
+        canvases = torch.where(continuation, canvases, tail.clamp(max=self.vocab_size - 1))
+        return canvases, levels
 
     def _estimate(self, frame: CanvasFrame, i: int, hidden: torch.Tensor, canvases: torch.Tensor,
                   levels: torch.Tensor, mc_num: int) -> BoundEstimate:
+        """``hidden [2 mc_num + 1, Nc, h]``: the decoder over request ``i``'s canvases."""
         slots = frame.canvas_supervised[i].nonzero().flatten()
         clean = frame.canvas_target[i, slots]
-        recon = torch.zeros(mc_num, dtype=torch.float64)
-        rate = torch.zeros(mc_num, dtype=torch.float64)
-        weight = levels.to(torch.float64) * math.log(1.0 / self.t_min)  # 1 / density of log-uniform t
-        for k in range(2 * mc_num):
-            for start in range(0, slots.numel(), SLOT_CHUNK):
-                part = slots[start : start + SLOT_CHUNK]
-                x = clean[start : start + SLOT_CHUNK]
-                log_probs = softcapped_logits(self.model, hidden[k, part]).double().log_softmax(-1)
-                if k < mc_num:
-                    recon[k] += log_probs.gather(1, x[:, None]).sum().cpu()
-                    continue
-                probs = log_probs.exp()
-                s = k - mc_num
-                t = levels[s, part.cpu()].to(torch.float64).to(probs.device)
-                terms = score_entropy_rate(probs, canvases[k, part], x, t, self.vocab_size)
-                rate[s] += (terms.cpu() * weight[s, part.cpu()]).sum()
-        mean, stderr = summarize(recon - rate)
+        n = slots.numel()
+        log_t_min = math.log(1.0 / self.t_min)
+        per_row = torch.zeros(2 * mc_num, dtype=torch.float64)
+        # Every (canvas, continuation slot) pair, a chunk of pairs at a time ([pairs, vocab] float64 at most).
+        rows = torch.arange(2 * mc_num).repeat_interleave(n)
+        cols = slots.cpu().repeat(2 * mc_num)
+        targets = clean.cpu().repeat(2 * mc_num)
+        for start in range(0, rows.numel(), PAIR_CHUNK):
+            r, c, x = (v[start : start + PAIR_CHUNK] for v in (rows, cols, targets))
+            device_c, device_x = c.to(hidden.device), x.to(hidden.device)
+            log_probs = softcapped_logits(self.model, hidden[r.to(hidden.device), device_c]).double().log_softmax(-1)
+            value = torch.zeros(r.numel(), dtype=torch.float64)
+            recon = r < mc_num
+            if bool(recon.any()):
+                value[recon] = log_probs[recon.to(hidden.device)].gather(1, device_x[recon.to(hidden.device), None])[
+                    :, 0].cpu()
+            diffusion = ~recon
+            if bool(diffusion.any()):
+                d = diffusion.to(hidden.device)
+                t = levels[r[diffusion] - mc_num, c[diffusion]].to(torch.float64)
+                terms = score_entropy_rate(log_probs[d].exp(), canvases[r[diffusion], c[diffusion]].to(hidden.device),
+                                           device_x[d], t.to(hidden.device), self.vocab_size).cpu()
+                value[diffusion] = -terms * t * log_t_min  # weight: 1 / density of the log-uniform level
+            per_row.index_add_(0, r, value)
+        mean, stderr = summarize(per_row[:mc_num] + per_row[mc_num:])
         greedy_logits = softcapped_logits(self.model, hidden[2 * mc_num, slots])
         greedy = bool((greedy_logits.argmax(-1) == clean).all())
         return BoundEstimate(mean, stderr, greedy)
