@@ -34,6 +34,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: it fills its registry only while it is empty)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model

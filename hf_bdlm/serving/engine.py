@@ -149,13 +149,16 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise APIError(400, "the prompt is empty after tokenization.", param="prompt")
+        # OpenAI's wording ("This model's maximum context length is N tokens"): LiteLLM maps it to its
+        # ContextWindowExceededError and agents (harbor's terminus-2) shorten their history on it.
         if n > max_prompt_tokens:
-            raise APIError(400, f"the prompt has {n} tokens; this server accepts at most {max_prompt_tokens}.",
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens and this server "
+                                f"accepts prompts of at most {max_prompt_tokens}; the prompt has {n} tokens.",
                            param="messages", code="context_length_exceeded")
         room = self.context_length - n
         if room < 1:
-            raise APIError(400, f"the prompt has {n} tokens and fills the model's context of {self.context_length}.",
-                           param="messages", code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
+                                f"{n} tokens and fills it.", param="messages", code="context_length_exceeded")
         budget = request.token_budget
         if budget is None:
             budget = min(default_max_tokens, room)
@@ -163,8 +166,8 @@ class Engine:
             raise APIError(400, f"max_tokens={budget} exceeds this server's limit of {max_tokens_limit}.",
                            param="max_tokens")
         elif budget > room:
-            raise APIError(400, f"this model's context is {self.context_length} tokens; the prompt has {n} and "
-                                f"max_tokens={budget} asks for more than the {room} left.", param="max_tokens",
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
+                                f"{n} and max_tokens={budget} asks for more than the {room} left.", param="max_tokens",
                            code="context_length_exceeded")
         settings = self.decode_settings(request, n, budget)
         key = self.decoder.batch_key(settings, request.seed)
