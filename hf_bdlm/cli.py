@@ -344,12 +344,16 @@ def run_generate(args) -> int:
     return 0
 
 
+LM_EVAL_DESCRIPTION = (
+    "Runs lm-eval's own command line (same arguments) with the model type `bdlm` registered: any checkpoint hf_bdlm "
+    "trains, generation by its family's decoding, log-likelihood as a seeded Monte-Carlo estimate of its bound "
+    "(model args: pretrained, dtype, device, batch_size, mc_num, seed, block_size, confidence_threshold, "
+    "steps_per_block, max_gen_toks, max_length, add_bos_token).")
+
+
 def add_lm_eval_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "lm-eval", add_help=False, help="EleutherAI's lm-evaluation-harness with --model bdlm registered",
-        description="Runs lm-eval's own command line (same arguments) with the model type `bdlm` registered: any "
-                    "checkpoint hf_bdlm trains, generation by its family's decoding, log-likelihood as a seeded "
-                    "Monte-Carlo estimate of its bound. `hf-bdlm lm-eval --help` prints lm-eval's help.")
+    p = subparsers.add_parser("lm-eval", add_help=False, description=LM_EVAL_DESCRIPTION,
+                              help="EleutherAI's lm-evaluation-harness with --model bdlm registered")
     p.set_defaults(func=run_lm_eval, accepts_extra=True)
 
 
@@ -368,10 +372,16 @@ def run_lm_eval(args, extra: list[str]) -> int:
         ours.addHandler(handler)
         ours.setLevel(logging.INFO)
 
+    if not extra or extra[0] in ("-h", "--help"):
+        print(f"usage: hf-bdlm lm-eval [lm-eval arguments ...]\n\n{LM_EVAL_DESCRIPTION}\n\nlm-eval's own help "
+              "(hf-bdlm lm-eval takes the same arguments):\n", flush=True)
+        extra = ["run", "--help"]
     saved = sys.argv
     sys.argv = ["lm-eval", *extra]
     try:
         cli_evaluate()
+    except SystemExit as done:  # argparse's --help and usage errors
+        return int(done.code or 0) if not isinstance(done.code, str) else 2
     finally:
         sys.argv = saved
     return 0
