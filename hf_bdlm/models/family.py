@@ -170,8 +170,9 @@ class ServingDecoder:
     context_length: int
 
     def settings(self, request, prompt_len: int, max_tokens: int):
-        """The settings of one request (the checkpoint's generation config + the fields the request sets), with
-        ``settings.max_new_tokens == max_tokens``; a ``ValueError`` names what the client must change (a 400)."""
+        """The settings of one request (the checkpoint's generation config + the fields the request sets, the
+        attributes of :class:`DecodingRequest`), with ``settings.max_new_tokens == max_tokens``; a ``ValueError``
+        names what the client must change (a 400)."""
         raise NotImplementedError
 
     def batch_key(self, settings, seed: int | None):
