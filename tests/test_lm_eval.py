@@ -39,8 +39,7 @@ from hf_bdlm.objectives.likelihood import absorbing_draws, request_key, sample_u
 from tiny_bdlm import BLOCK, MASK, tiny_bdlm, tiny_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from tiny_diffusion_gemma import B as CANVAS, EOS, PAD, TURN_END, float64_faithful, tiny_model  # noqa: E402
-from tiny_diffusion_gemma import tiny_tokenizer as dg_tokenizer  # noqa: E402
+from tiny_diffusion_gemma import B as CANVAS, EOS, TURN_END, float64_faithful, save_checkpoint, tiny_model  # noqa: E402
 
 TASKS = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
 TASK_NAMES = ["bdlm_count_mc", "bdlm_count_gen"]
@@ -83,18 +82,11 @@ def bdlm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dg_dir(tmp_path_factory):
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
-
     model = tiny_model(seed=0)
     objective = get_objective("diffusion_gemma", dict(block_size=CANVAS, vocab_size=64, fill_token_id=EOS,
                                                       end_token_ids={EOS, TURN_END}, self_conditioning_prob=0.0))
     train(model, objective, steps=80, lr=1e-2, rows=8, length=12, offset=DG_WORD_ID, prompt=4)
-    model.generation_config = DiffusionGemmaGenerationConfig(max_denoising_steps=4, eos_token_id=[EOS, TURN_END],
-                                                             pad_token_id=PAD)
-    path = tmp_path_factory.mktemp("counting-diffusion-gemma")
-    model.save_pretrained(path)
-    dg_tokenizer().save_pretrained(path)
-    return path
+    return save_checkpoint(tmp_path_factory.mktemp("counting-diffusion-gemma"), model, denoising_steps=4)
 
 
 def offline_env(tmp_path) -> dict:

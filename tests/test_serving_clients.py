@@ -16,14 +16,12 @@ Run: python -m pytest tests/test_serving_clients.py -q
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai", reason="the serving tests need the openai client (dev extra)")
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
@@ -32,7 +30,7 @@ from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from tiny_bdlm import CONTEXT, save_tiny_bdlm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from tiny_diffusion_gemma import EOS, PAD, TURN_END, tiny_model, tiny_tokenizer  # noqa: E402
+from tiny_diffusion_gemma import save_checkpoint  # noqa: E402
 
 KEY = "test-key"
 TASKS = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
@@ -58,14 +56,7 @@ def server(bdlm_folder):
 
 @pytest.fixture(scope="module")
 def dg_server(tmp_path_factory):
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
-
-    path = tmp_path_factory.mktemp("tiny-diffusion-gemma")
-    model = tiny_model(seed=0)
-    model.generation_config = DiffusionGemmaGenerationConfig(max_denoising_steps=4, eos_token_id=[EOS, TURN_END],
-                                                             pad_token_id=PAD)
-    model.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
+    path = save_checkpoint(tmp_path_factory.mktemp("tiny-diffusion-gemma"), denoising_steps=4)
     with serve(Engine.from_pretrained(path, name="tiny-dg")) as running:
         yield running
 
