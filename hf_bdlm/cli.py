@@ -8,6 +8,7 @@
     hf-bdlm eval swebench --model path/to/checkpoint --output-dir out/swe      # shipped offline set, no Docker
     hf-bdlm eval swebench --sanity                                             # grader check: gold 100 %, empty 0 %
     hf-bdlm eval terminal-bench --base-url http://127.0.0.1:8000/v1 --output-dir out/tb
+    hf-bdlm lm-eval --model bdlm --model_args pretrained=path/to/bdlm --tasks arc_easy   # lm-eval's CLI, bdlm registered
     hf-bdlm bench --quick --out bench_quick                                    # benchmarks: JSON, plots, tables
 
 Adding a command: write `add_<name>_parser(subparsers)` that registers its arguments and sets `func` (called with
@@ -376,6 +377,49 @@ def run_generate(args) -> int:
     return 0
 
 
+LM_EVAL_DESCRIPTION = (
+    "Runs lm-eval's own command line (same arguments) with the model type `bdlm` registered: any checkpoint hf_bdlm "
+    "trains, generation by its family's decoding, log-likelihood as a seeded Monte-Carlo estimate of its bound "
+    "(model args: pretrained, dtype, device, batch_size, mc_num, seed, block_size, confidence_threshold, "
+    "steps_per_block, max_gen_toks, max_length, add_bos_token).")
+
+
+def add_lm_eval_parser(subparsers) -> None:
+    p = subparsers.add_parser("lm-eval", add_help=False, description=LM_EVAL_DESCRIPTION,
+                              help="EleutherAI's lm-evaluation-harness with --model bdlm registered")
+    p.set_defaults(func=run_lm_eval, accepts_extra=True)
+
+
+def run_lm_eval(args, extra: list[str]) -> int:
+    import logging
+
+    import hf_bdlm.evaluation.lm_eval_model  # noqa: F401  (registers --model bdlm)
+    from lm_eval.__main__ import cli_evaluate
+
+    # lm-eval logs through its own logger only; the likelihood's standard errors are logged beside its lines.
+    ours = logging.getLogger("hf_bdlm")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [%(name)s] %(message)s",
+                                               datefmt="%Y-%m-%d:%H:%M:%S"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+    if not extra or extra[0] in ("-h", "--help"):
+        print(f"usage: hf-bdlm lm-eval [lm-eval arguments ...]\n\n{LM_EVAL_DESCRIPTION}\n\nlm-eval's own help "
+              "(hf-bdlm lm-eval takes the same arguments):\n", flush=True)
+        extra = ["run", "--help"]
+    saved = sys.argv
+    sys.argv = ["lm-eval", *extra]
+    try:
+        cli_evaluate()
+    except SystemExit as done:  # argparse's --help and usage errors
+        return int(done.code or 0) if not isinstance(done.code, str) else 2
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-bdlm", description="Block diffusion LMs on the Hugging Face stack.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -385,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(subparsers)
     add_serve_parser(subparsers)
     add_eval_parser(subparsers)
+    add_lm_eval_parser(subparsers)
     add_bench_parser(subparsers)
     from .planner.cli import add_plan_parser
     add_plan_parser(subparsers)
@@ -401,9 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra) if getattr(args, "accepts_extra", False) else args.func(args)
     except ImportError as err:
-        if args.command not in ("serve", "eval"):
+        if args.command not in ("serve", "eval", "lm-eval"):
             raise
-        extra = "serve" if args.command == "serve" else "eval"
+        extra = {"serve": "serve", "eval": "eval", "lm-eval": "lmeval"}[args.command]
         print(f"error: {err} (install the extra: pip install \"hf-bdlm[{extra}]\")", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as err:

@@ -25,7 +25,9 @@ from hf_bdlm.evaluation import swebench_runner, terminal_runner  # noqa: E402
 from hf_bdlm.evaluation.agent import AgentSettings  # noqa: E402
 from hf_bdlm.evaluation.endpoint import Endpoint  # noqa: E402
 from hf_bdlm.evaluation.sandbox import checkout_instance, git  # noqa: E402
-from hf_bdlm.evaluation.tasksets import load_swebench_instances, terminal_task_dirs  # noqa: E402
+from hf_bdlm.evaluation.tasksets import OFFLINE_SWEBENCH, load_swebench_instances, terminal_task_dirs  # noqa: E402
+from swebench.harness.run_evaluation import get_dataset_from_preds  # noqa: E402
+from swebench.harness.utils import get_predictions_from_file  # noqa: E402
 
 INSTANCES = load_swebench_instances("offline")
 FIELDS = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
@@ -141,7 +143,7 @@ def scripted_endpoint():
     server.shutdown()
 
 
-def test_agent_loop_patch_extraction_and_grading_resolve_scripted_solutions(tmp_path, scripted_endpoint):
+def test_agent_loop_patch_extraction_and_grading_resolve_scripted_solutions(tmp_path, scripted_endpoint, monkeypatch):
     settings = AgentSettings(scripted_endpoint.base_url, scripted_endpoint.model, step_limit=8)
     ids = [INSTANCES[3]["instance_id"]]
     run = swebench_runner.run_swebench(scripted_endpoint, tmp_path, settings, instance_ids=ids, progress=False)
@@ -154,6 +156,14 @@ def test_agent_loop_patch_extraction_and_grading_resolve_scripted_solutions(tmp_
     assert [p["instance_id"] for p in predictions] == ids
     assert all(set(p) == {"instance_id", "model_name_or_path", "model_patch"} for p in predictions)
     assert (tmp_path / "trajectories" / f"{ids[0]}.traj.json").is_file()
+    # The official harness reads the file as `python -m swebench.harness.run_evaluation --predictions_path` does:
+    # its loader, then its match of predictions to dataset instances (the shipped set is a SWE-bench jsonl file).
+    loaded = get_predictions_from_file(str(run.predictions_path), str(OFFLINE_SWEBENCH), "test")
+    assert loaded == predictions and all(p["model_name_or_path"] == "scripted" and p["model_patch"] for p in loaded)
+    monkeypatch.chdir(tmp_path)  # the harness looks for earlier reports under ./logs
+    to_grade = get_dataset_from_preds(str(OFFLINE_SWEBENCH), "test", ids, {p["instance_id"]: p for p in loaded},
+                                      "hf-bdlm-test", rewrite_reports=False)
+    assert [instance["instance_id"] for instance in to_grade] == ids
 
 
 def test_agent_loop_solves_scripted_terminal_tasks(tmp_path, scripted_endpoint):

@@ -25,15 +25,12 @@ openai = pytest.importorskip("openai", reason="the serving tests need the openai
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
 
 from transformers import BertConfig  # noqa: E402
-from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # noqa: E402
-    DiffusionGemmaGenerationConfig,
-)
 
 from hf_bdlm.models.diffusion_gemma.serving import DiffusionGemmaServingDecoder  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from tiny_diffusion_gemma import B, EOS, PAD, TURN_END, tiny_model, tiny_tokenizer  # noqa: E402
+from tiny_diffusion_gemma import B, EOS, TURN_END, save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
 
 KEY = "test-key"
 CONTEXT = 256
@@ -44,13 +41,7 @@ PROMPTS = [[{"role": "user", "content": " ".join(f"w{7 + (i * 5 + j) % 50}" for 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-diffusion-gemma")
-    model = tiny_model(seed=0)
-    model.generation_config = DiffusionGemmaGenerationConfig(max_denoising_steps=8, eos_token_id=[EOS, TURN_END],
-                                                             pad_token_id=PAD)
-    model.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-diffusion-gemma"), denoising_steps=8)
 
 
 @pytest.fixture(scope="module")

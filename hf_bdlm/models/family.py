@@ -21,7 +21,8 @@ itself (``owns_step``).
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
 
 
 class ModelFamily:
@@ -75,6 +76,18 @@ class ModelFamily:
     def serving_decoder(self, model, tokenizer) -> "ServingDecoder":
         """How ``hf-bdlm serve`` decodes ``model`` (one of this family's, unwrapped): a :class:`ServingDecoder`."""
         raise NotImplementedError(f"hf-bdlm serve does not decode {self.name!r} models yet.")
+
+    # --- evaluation (lm-eval's `--model bdlm`) ---------------------------------------------------------------------
+    def load_for_evaluation(self, path: str, config, init_kwargs: dict[str, Any], block_size: int):
+        """``(model, tokenizer)`` scored by lm-eval's ``--model bdlm``: by default what ``hf-bdlm serve`` loads. A
+        family whose checkpoints are no language model of their own raises, naming what to evaluate instead."""
+        return self.load_for_serving(path, config, init_kwargs, block_size)
+
+    def likelihood_scorer(self, model, tokenizer) -> "LikelihoodScorer":
+        """How lm-eval's ``loglikelihood`` scores ``model``: a :class:`LikelihoodScorer` (a Monte-Carlo estimate of
+        the family's likelihood bound). A family without a defined likelihood raises, naming what to use instead."""
+        raise NotImplementedError(f"{self.name!r} models define no likelihood to score; evaluate them on generation "
+                                  "tasks (generate_until) instead.")
 
     # --- training ---------------------------------------------------------------------------------------------
     def block_size(self, model) -> int:
@@ -157,8 +170,9 @@ class ServingDecoder:
     context_length: int
 
     def settings(self, request, prompt_len: int, max_tokens: int):
-        """The settings of one request (the checkpoint's generation config + the fields the request sets), with
-        ``settings.max_new_tokens == max_tokens``; a ``ValueError`` names what the client must change (a 400)."""
+        """The settings of one request (the checkpoint's generation config + the fields the request sets, the
+        attributes of :class:`DecodingRequest`), with ``settings.max_new_tokens == max_tokens``; a ``ValueError``
+        names what the client must change (a 400)."""
         raise NotImplementedError
 
     def batch_key(self, settings, seed: int | None):
@@ -169,6 +183,11 @@ class ServingDecoder:
         """Token ids that end a completion under ``settings`` (empty when the request ignores EOS)."""
         raise NotImplementedError
 
+    def padding_free_key(self, prompt_len: int, settings):
+        """Jobs of equal batch keys *and* equal padding-free keys decode together without padding, so that each
+        one's tokens do not depend on the others (lm-eval's batch invariance). Default: every job decodes apart."""
+        return object()
+
     def decode(self, prompts: list[list[int]], settings: list, seeds: list[int | None], on_block) -> None:
         """Decode ``prompts`` (one row each, up to ``settings[row].max_new_tokens`` tokens) together.
 
@@ -177,3 +196,60 @@ class ServingDecoder:
         at its token budget."""
         raise NotImplementedError
 
+
+
+@dataclass(frozen=True)
+class DecodingRequest:
+    """The decoding fields of one request that :meth:`ServingDecoder.settings` reads (the server's parsed request
+    carries the same attributes; lm-eval's ``--model bdlm`` builds this one). ``None``: the checkpoint's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    confidence_threshold: float | None = None
+    steps_per_block: int | None = None
+    block_size: int | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One likelihood request in tokens: score ``continuation`` given ``context`` (at least one token each)."""
+
+    context: tuple[int, ...]
+    continuation: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BoundEstimate:
+    """A Monte-Carlo estimate of a likelihood bound.
+
+    Attributes:
+        log_likelihood (`float`): the mean of the per-sample estimates of the bound on ``log p(continuation |
+            context)`` (nats).
+        stderr (`float`): its standard error (``nan`` with a single sample).
+        greedy (`bool`): whether one parallel denoising step from the prior (every continuation token at the noise's
+            end state) predicts the whole continuation by argmax.
+    """
+
+    log_likelihood: float
+    stderr: float
+    greedy: bool
+
+
+class LikelihoodScorer:
+    """What lm-eval's ``loglikelihood`` needs from a family: a seeded Monte-Carlo estimate of its likelihood bound.
+
+    ``score`` draws every random number as a pure function of ``(seed, request tokens, sample, position)``
+    (:mod:`hf_bdlm.objectives.likelihood`), so a request scores the same alone, in any batch and in any run.
+
+    Attributes:
+        bound (`str`): what is estimated, in words (logged with the scores).
+    """
+
+    bound: str = ""
+
+    def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int
+              ) -> list[BoundEstimate]:
+        """One estimate per request, ``mc_num`` samples each, ``batch_size`` requests per forward pass."""
+        raise NotImplementedError

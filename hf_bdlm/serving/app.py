@@ -5,7 +5,9 @@
     # uvicorn.run(app, host="127.0.0.1", port=8000), or: hf-bdlm serve path/to/bdlm
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions` (plain JSON or
-SSE streaming with one chunk per decoded block), `GET /health` (no key needed; scheduler counters). Every error is
+SSE streaming with one chunk per decoded block; the prompt as text or token ids), the tokenizer routes vLLM serves
+(`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`: lm-eval's local-completions tokenizes through them by
+default), `GET /health` (no key needed; scheduler counters). Every error is
 OpenAI's JSON error shape; bad input is a 4xx, and a failure inside generation is a 500 for that request only.
 Chat `tools` go to the chat template when it renders them (a 400 otherwise) and the answer's tool-call text comes
 back as `tool_calls` (hf_bdlm/serving/tools.py); streamed, the calls arrive whole in the last chunks.
@@ -40,14 +42,18 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class APIKeyMiddleware:
-    """Pure ASGI check of `Authorization: Bearer <key>` on `/v1` paths (401 otherwise); streams pass untouched."""
+    """Pure ASGI check of `Authorization: Bearer <key>` on `/v1` paths and the tokenizer routes (401 otherwise);
+    streams pass untouched."""
 
     def __init__(self, app, api_key: str):
         self.app, self.api_key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in TOKENIZER_ROUTES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.api_key):
@@ -72,6 +78,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     _add_info_routes(app, engine, scheduler, created)
     _add_chat_route(app, engine, scheduler, config)
     _add_completion_route(app, engine, scheduler, config)
+    _add_tokenizer_routes(app, engine, config)
     return app
 
 
@@ -225,11 +232,13 @@ def _add_completion_route(app: FastAPI, engine: Engine, scheduler: BatchSchedule
             raise APIError(400, "streaming takes a single prompt.", param="prompt")
         if len(prompts) > config.max_batch_size:
             raise APIError(400, f"at most {config.max_batch_size} prompts per request.", param="prompt")
-        jobs = [_build_job(engine, config, req, engine.text_prompt(p)) for p in prompts]
+        jobs = [_build_job(engine, config, req, engine.text_prompt(p) if isinstance(p, str) else engine.token_prompt(p))
+                for p in prompts]
+        texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]  # what echo returns
         _submit(scheduler, jobs)
         rid = protocol.new_id("cmpl")
         if req.stream:
-            echo = prompts[0] if req.echo else ""
+            echo = texts[0] if req.echo else ""
             return _sse(_completion_events(engine, jobs[0], rid, req.include_usage, echo))
         try:
             results = await asyncio.gather(*(_collect(request, job) for job in jobs))
@@ -237,9 +246,36 @@ def _add_completion_route(app: FastAPI, engine: Engine, scheduler: BatchSchedule
             for job in jobs:  # one failed prompt: the others stop too
                 if not job.finished:
                     job.cancelled.set()
-        choices = [((p if req.echo else "") + text, finish) for p, (text, finish) in zip(prompts, results)]
+        choices = [((p if req.echo else "") + text, finish) for p, (text, finish) in zip(texts, results)]
         return protocol.completion_response(rid, engine.name, choices, sum(len(j.prompt_ids) for j in jobs),
                                             sum(j.completion_tokens for j in jobs))
+
+
+def _add_tokenizer_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None:
+    """vLLM's tokenizer routes: `POST /tokenize` (text or chat messages -> ids), `POST /detokenize`,
+    `GET /tokenizer_info`. lm-eval's local-completions looks for them to tokenize requests as the server does."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = protocol.parse_request(protocol.TokenizeRequest, await _read_json(request, config.max_body_bytes))
+        if req.model is not None:
+            _check_model(engine, req.model)
+        if req.messages is not None:
+            ids = engine.chat_prompt([m.for_template(i) for i, m in enumerate(req.messages)])
+        else:
+            ids = list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = protocol.parse_request(protocol.DetokenizeRequest, await _read_json(request, config.max_body_bytes))
+        if req.model is not None:
+            _check_model(engine, req.model)
+        return {"prompt": engine.tokenizer.decode(engine.token_prompt(req.tokens))}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return engine.tokenizer_info()
 
 
 # --- answers: whole, or streamed as server-sent events ---------------------------------------------------------

@@ -112,6 +112,28 @@ class Engine:
     def text_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: ``0 .. vocab_size - 1``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    def token_prompt(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids (as lm-eval's local-completions sends it), checked against the vocabulary."""
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in the prompt is outside the model's vocabulary of {self.vocab_size} "
+                                "(0 .. vocab_size - 1): tokenize with this model's tokenizer (POST /tokenize).",
+                           param="prompt")
+        return list(ids)
+
+    def tokenizer_info(self) -> dict:
+        """What ``GET /tokenizer_info`` answers (vLLM's route; lm-eval's remote tokenizer reads it)."""
+        tok = self.tokenizer
+        template = getattr(tok, "chat_template", None)
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": template,
+                "model_max_length": self.context_length, "vocab_size": self.vocab_size}
+
     # --- settings ---------------------------------------------------------------------------
 
     def decode_settings(self, request, prompt_len: int, max_tokens: int):
@@ -127,13 +149,16 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise APIError(400, "the prompt is empty after tokenization.", param="prompt")
+        # OpenAI's wording ("This model's maximum context length is N tokens"): LiteLLM maps it to its
+        # ContextWindowExceededError and agents (harbor's terminus-2) shorten their history on it.
         if n > max_prompt_tokens:
-            raise APIError(400, f"the prompt has {n} tokens; this server accepts at most {max_prompt_tokens}.",
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens and this server "
+                                f"accepts prompts of at most {max_prompt_tokens}; the prompt has {n} tokens.",
                            param="messages", code="context_length_exceeded")
         room = self.context_length - n
         if room < 1:
-            raise APIError(400, f"the prompt has {n} tokens and fills the model's context of {self.context_length}.",
-                           param="messages", code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
+                                f"{n} tokens and fills it.", param="messages", code="context_length_exceeded")
         budget = request.token_budget
         if budget is None:
             budget = min(default_max_tokens, room)
@@ -141,8 +166,8 @@ class Engine:
             raise APIError(400, f"max_tokens={budget} exceeds this server's limit of {max_tokens_limit}.",
                            param="max_tokens")
         elif budget > room:
-            raise APIError(400, f"this model's context is {self.context_length} tokens; the prompt has {n} and "
-                                f"max_tokens={budget} asks for more than the {room} left.", param="max_tokens",
+            raise APIError(400, f"This model's maximum context length is {self.context_length} tokens; the prompt has "
+                                f"{n} and max_tokens={budget} asks for more than the {room} left.", param="max_tokens",
                            code="context_length_exceeded")
         settings = self.decode_settings(request, n, budget)
         key = self.decoder.batch_key(settings, request.seed)

@@ -1,9 +1,11 @@
 """The OpenAI wire format the server speaks: request models (pydantic), response builders, errors.
 
-Only what `/v1/chat/completions`, `/v1/completions` and `/v1/models` need. Unknown fields are accepted and
-ignored (clients send `user`, `stream_options`, penalties, ...); fields we cannot honour (`n > 1`, `logprobs`,
-a forced `tool_choice`) are refused with a 400 instead of being silently dropped. `tools` go to the chat template
-(hf_bdlm/serving/tools.py). Block-diffusion knobs are extra body fields:
+Only what `/v1/chat/completions`, `/v1/completions`, `/v1/models` and the tokenizer routes (`/tokenize`,
+`/detokenize`, `/tokenizer_info`, as vLLM names them) need. Unknown fields are accepted and ignored (clients send
+`user`, `stream_options`, penalties, ...); fields we cannot honour (`n > 1`, `logprobs`, a forced `tool_choice`) are
+refused with a 400 instead of being silently dropped. A completion prompt is text or token ids (one list of ints, or
+a list of them), as OpenAI's API takes it. `tools` go to the chat template (hf_bdlm/serving/tools.py).
+Block-diffusion knobs are extra body fields:
 
     client.chat.completions.create(model=..., messages=..., extra_body={"confidence_threshold": 0.8,
                                                                         "steps_per_block": 4})
@@ -16,7 +18,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 16  # OpenAI takes 4; lm-eval's tasks send their `until` list plus the EOS text
 
 
 class APIError(Exception):
@@ -50,6 +54,7 @@ class _Sampling(BaseModel):
     # block-diffusion decoding (defaults: the checkpoint's generation config)
     confidence_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
     steps_per_block: int | None = Field(default=None, ge=1)
+    block_size: int | None = Field(default=None, ge=1)  # decoding block (a converted BDLM may decode sub-blocks)
     ignore_eos: StrictBool = False  # generate exactly max_tokens (benchmarks), as vLLM's extra field
 
     @field_validator("stop")
@@ -58,15 +63,18 @@ class _Sampling(BaseModel):
         if value is None:
             return []
         stops = [value] if isinstance(value, str) else value
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes at most 4 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
     def check_supported(self) -> None:
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request.", param="n")
         if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by block-diffusion decoding.", param="logprobs")
+            raise APIError(400, "logprobs are not supported by block-diffusion decoding: a diffusion model gives the "
+                                "probability of a text only through a likelihood bound. To score log-likelihoods "
+                                "(multiple-choice tasks), run lm-eval with the model type that estimates it: "
+                                "`hf-bdlm lm-eval --model bdlm --model_args pretrained=DIR`.", param="logprobs")
 
     @property
     def token_budget(self) -> int | None:
@@ -186,13 +194,20 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
 
-    def prompts(self) -> list[str]:
-        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: strings, or token-id lists (a flat list of ints is one prompt)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = prompt
         if not prompts:
             raise APIError(400, "prompt must not be an empty list.", param="prompt")
+        if any(isinstance(p, list) and not p for p in prompts):
+            raise APIError(400, "a token-id prompt must not be an empty list.", param="prompt")
         return prompts
 
 
@@ -259,6 +274,33 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None,
     if usage_ is not None:
         chunk["choices"], chunk["usage"] = [], usage_
     return chunk
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`: a text prompt, or chat messages rendered by the chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send either prompt or messages.", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: token ids back to text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+    def check_supported(self) -> None:
+        pass
 
 
 def model_card(name: str, created: int) -> dict:

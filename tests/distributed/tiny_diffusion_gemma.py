@@ -82,6 +82,19 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+def save_checkpoint(path, model: DiffusionGemmaForBlockDiffusion | None = None, denoising_steps: int = 8):
+    """A checkpoint folder as our trainer writes it: ``model`` (default: the tiny model of seed 0) with a generation
+    config of ``denoising_steps`` per canvas, and the word-level chat tokenizer."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    model = tiny_model(seed=0) if model is None else model
+    model.generation_config = DiffusionGemmaGenerationConfig(max_denoising_steps=denoising_steps,
+                                                             eos_token_id=[EOS, TURN_END], pad_token_id=PAD)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 def conversations(n: int) -> datasets.Dataset:
     """``n`` conversations of 3-6 user words and 4-10 assistant words."""
     return datasets.Dataset.from_dict({"messages": [

@@ -65,6 +65,11 @@ class BlockDiffusionFamily(ModelFamily):
 
         return BlockDiffusionServingDecoder(model, tokenizer)
 
+    def likelihood_scorer(self, model, tokenizer):
+        from .likelihood import BlockDiffusionLikelihoodScorer
+
+        return BlockDiffusionLikelihoodScorer(model, tokenizer)
+
     def adopt(self, model, processing_class, args):
         from transformers import PreTrainedModel
 

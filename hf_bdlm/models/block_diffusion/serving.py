@@ -43,6 +43,8 @@ class BlockDiffusionServingDecoder(ServingDecoder):
             updates["confidence_threshold"] = request.confidence_threshold
         if request.steps_per_block is not None:
             updates["steps_per_block"] = request.steps_per_block
+        if request.block_size is not None:
+            updates["block_size"] = request.block_size
         if request.ignore_eos:
             updates["eos_token_id"] = None
         config.update(**updates)
@@ -56,6 +58,11 @@ class BlockDiffusionServingDecoder(ServingDecoder):
 
     def eos_token_ids(self, settings) -> set[int]:
         return set(settings.eos_token_ids)
+
+    def padding_free_key(self, prompt_len: int, settings):
+        # decode_ragged pads a row by whole blocks up to the batch's most full prompt blocks: rows with as many full
+        # blocks get no padding, and their block steps have the same columns.
+        return prompt_len // settings.block_size
 
     def decode(self, prompts, settings, seeds, on_block) -> None:
         batch = dataclasses.replace(settings[0], max_new_tokens=max(s.max_new_tokens for s in settings))

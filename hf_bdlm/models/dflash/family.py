@@ -76,6 +76,13 @@ class DFlashFamily(ModelFamily):
         raise ValueError(f"{path} is a DFlash drafter, which drafts for a target model and does not generate on its "
                          f"own: serve the target with it, `hf-bdlm serve TARGET --draft {path}`.")
 
+    def load_for_evaluation(self, path, config, init_kwargs, block_size):
+        raise ValueError(f"{path} is a DFlash drafter: it proposes tokens for a target model and is no language model "
+                         "of its own, so lm-eval has nothing to score. Evaluate the target instead (its speculative "
+                         "decoding gives exactly the target's greedy output): lm-eval --model hf --model_args "
+                         "pretrained=TARGET, or serve the pair with `hf-bdlm serve TARGET --draft "
+                         f"{path}` and run lm-eval's local-completions against it.")
+
     def load_speculative_for_serving(self, target_path, draft_path, init_kwargs, device=None,
                                      num_speculative_tokens=None):
         from .serving import load_speculative

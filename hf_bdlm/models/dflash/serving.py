@@ -53,7 +53,7 @@ class SpeculativeServingDecoder(ServingDecoder):
                              "sample.")
         if request.top_p is not None and request.top_p < 1:
             raise ValueError(f"top_p={request.top_p}: a server with a drafter decodes greedily; leave top_p unset.")
-        for field in ("steps_per_block", "confidence_threshold"):
+        for field in ("steps_per_block", "confidence_threshold", "block_size"):
             if getattr(request, field) is not None:
                 raise ValueError(f"{field} is a block-diffusion decoding setting; this server decodes a causal LM "
                                  "with a drafter. Leave it unset.")

@@ -66,6 +66,11 @@ class DiffusionGemmaFamily(ModelFamily):
 
         return DiffusionGemmaServingDecoder(unwrap_diffusion_gemma(model), tokenizer)
 
+    def likelihood_scorer(self, model, tokenizer):
+        from .likelihood import DiffusionGemmaLikelihoodScorer
+
+        return DiffusionGemmaLikelihoodScorer(model, tokenizer)
+
     def objective_class(self, name: str):
         return DiffusionGemmaObjective
 

@@ -56,7 +56,8 @@ class DiffusionGemmaServingDecoder(ServingDecoder):
     Request fields: ``steps_per_block`` sets ``max_denoising_steps`` and ``confidence_threshold`` the adaptive stop's
     entropy threshold; ``ignore_eos`` drops the EOS ids; ``seed`` seeds the request's random stream. ``temperature``
     does not change the sampler (its temperature schedule ``t_max`` -> ``t_min`` comes from the generation config),
-    and ``top_p`` below 1 is refused (the entropy-bound sampler has no nucleus).
+    and ``top_p`` below 1 is refused (the entropy-bound sampler has no nucleus); ``block_size`` must be the
+    checkpoint's canvas length.
     """
 
     def __init__(self, model, tokenizer=None):
@@ -81,6 +82,10 @@ class DiffusionGemmaServingDecoder(ServingDecoder):
                              "the whole distribution; leave top_p unset.")
         if request.seed is not None and not SEED_RANGE[0] <= request.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed={request.seed} is outside [-2**63, 2**64 - 1].")
+        canvas = self.model.config.canvas_length
+        if request.block_size is not None and request.block_size != canvas:
+            raise ValueError(f"block_size={request.block_size}: DiffusionGemma decodes canvases of {canvas} tokens, "
+                             "the checkpoint's canvas_length; leave block_size unset.")
         overrides = dict(self.base_overrides)
         if request.steps_per_block is not None:
             overrides["max_denoising_steps"] = int(request.steps_per_block)
@@ -96,6 +101,9 @@ class DiffusionGemmaServingDecoder(ServingDecoder):
 
     def batch_key(self, settings, seed):
         return ()  # every request decodes on its own random stream: any requests may share a batch
+
+    def padding_free_key(self, prompt_len: int, settings):
+        return ()  # each request runs as a batch of one: nothing is ever padded
 
     def eos_token_ids(self, settings) -> set[int]:
         return set(settings.eos_token_ids)
