@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -38,6 +39,14 @@ DISCONNECT_POLL_S = 0.25
 
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
+
+
+class RetryLater(APIError):
+    """A 429 with ``Retry-After``: the whole seconds the queue ahead is expected to take (at least 1)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(429, message, type="rate_limit_exceeded", code="rate_limit_exceeded")
+        self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
 
 
 class APIKeyMiddleware:
@@ -91,7 +100,7 @@ def _scheduler_lifespan(scheduler: BatchScheduler) -> Callable[[FastAPI], Abstra
 
 
 async def _api_error(request: Request, err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=getattr(err, "headers", None))
 
 
 async def _client_gone(request: Request, err: ClientGone) -> Response:
@@ -155,8 +164,8 @@ def _submit(scheduler: BatchScheduler, jobs: list[Job]) -> None:
     try:
         scheduler.submit(jobs)
     except QueueFull as err:
-        raise APIError(429, f"the server is busy ({err}); retry later.", type="rate_limit_exceeded",
-                       code="rate_limit_exceeded") from None
+        wait = scheduler.expected_wait_s()
+        raise RetryLater(f"the server is busy ({err}); retry in {max(1, math.ceil(wait))} s.", wait) from None
 
 
 # --- routes ------------------------------------------------------------------------------------------------------

@@ -123,6 +123,7 @@ class SchedulerStats:
     cancelled: int = 0
     rejected: int = 0
     failed_batches: int = 0
+    recent_batch_s: float = 0.0  # moving average of a batch's duration: what a 429's Retry-After is computed from
 
     @property
     def mean_batch(self) -> float:
@@ -181,6 +182,12 @@ class BatchScheduler:
     def queued(self) -> int:
         return len(self._pending)
 
+    def expected_wait_s(self) -> float:
+        """Seconds before a request queued now would start decoding: the batches ahead of it (the running one and the
+        queue's) at the recent batch duration."""
+        ahead = (1 if self.running else 0) + len(self._pending) / self.max_batch_size
+        return ahead * self.stats.recent_batch_s
+
     def _take_first(self) -> Job | None:
         with self._cond:
             while True:
@@ -219,6 +226,7 @@ class BatchScheduler:
             self.stats.jobs += len(batch)
             self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
             self.running = len(batch)
+            started = time.perf_counter()
             try:
                 self.run_batch(batch)
             except Exception as err:  # a failed batch must not kill the worker: its clients get a 500
@@ -227,5 +235,8 @@ class BatchScheduler:
                 for job in batch:
                     job.fail(f"generation failed: {type(err).__name__}: {err}")
             finally:
+                seconds = time.perf_counter() - started
+                recent = self.stats.recent_batch_s
+                self.stats.recent_batch_s = seconds if recent == 0 else 0.8 * recent + 0.2 * seconds
                 self.stats.cancelled += sum(job.cancelled.is_set() for job in batch)
                 self.running = 0

@@ -45,6 +45,7 @@ from transformers.trainer_utils import has_length, rotate_checkpoints
 from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
+from ..checkpoint_files import check_weight_files
 from ..models import ModelFamily
 from ..models.step import TrainingStep
 from ..objectives import Objective, supervised_mask
@@ -304,7 +305,14 @@ class BDLMSFTTrainer(SFTTrainer):
             resume_from_checkpoint = found
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             check_resumable(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        except Exception as err:
+            # A lost peer fails a collective with "connection reset" at best: say which rank is gone.
+            explained = self.plugin.explain_failure(err)
+            if explained is None:
+                raise
+            raise explained from err
 
     def _get_output_dir(self, trial) -> str:
         # While a checkpoint is saved, the Trainer writes it into the staging folder (see _save_checkpoint).
@@ -367,6 +375,7 @@ class BDLMSFTTrainer(SFTTrainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        check_weight_files(resume_from_checkpoint)  # a weights file cut short: its name and the fix, not a parse error
         if isinstance(model, TrainingStep):
             model = model.module
         # A sharded (DCP) checkpoint loads into any run, FSDP2 or not, on any world size: DCP reshards.
@@ -469,6 +478,7 @@ class BDLMSFTTrainer(SFTTrainer):
 
     # --- the loss --------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self.plugin.begin_step(self.state.global_step + 1)
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         normalizer = 0.0
         for batch in batches:

@@ -549,6 +549,8 @@ class DFlashTrainer(BDLMSFTTrainer):
         if processing_class is None:
             processing_class = _target_tokenizer(target_name, args.target_revision)
         for store in stores:
+            # Every record's size always (a copy cut short); its sha256 too with verify_features="sha256".
+            store.verify(sha256=args.verify_features == "sha256")
             _check_features(store, drafter, heads, target_name)
             if args.dflash_loss == "kl" and not store.has_teacher:
                 raise ValueError(f"dflash_loss='kl' needs the target's teacher states, which the features in "
