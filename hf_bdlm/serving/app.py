@@ -31,7 +31,7 @@ from . import protocol, tools
 from .config import ServerConfig
 from .engine import Engine
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
-from .scheduler import BatchScheduler, Job, QueueFull
+from .scheduler import BatchScheduler, Job, QueueFull, ShuttingDown
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
@@ -42,11 +42,17 @@ class ClientGone(Exception):
 
 
 class RetryLater(APIError):
-    """A 429 with ``Retry-After``: the whole seconds the queue ahead is expected to take (at least 1)."""
+    """An error the client should retry, with ``Retry-After`` in whole seconds (at least 1): a 429 (the queue is full:
+    the seconds the queue ahead is expected to take) or a 503 (the server is stopping: retry elsewhere)."""
 
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(429, message, type="rate_limit_exceeded", code="rate_limit_exceeded")
+    def __init__(self, status: int, message: str, retry_after_s: float):
+        kind = "rate_limit_exceeded" if status == 429 else "service_unavailable"
+        super().__init__(status, message, type=kind if status == 429 else "server_error", code=kind)
         self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+
+
+def _stopping(message: str) -> RetryLater:
+    return RetryLater(503, f"{message}; retry the request (on another instance).", 1)
 
 
 class APIKeyMiddleware:
@@ -165,7 +171,9 @@ def _submit(scheduler: BatchScheduler, jobs: list[Job]) -> None:
         scheduler.submit(jobs)
     except QueueFull as err:
         wait = scheduler.expected_wait_s()
-        raise RetryLater(f"the server is busy ({err}); retry in {max(1, math.ceil(wait))} s.", wait) from None
+        raise RetryLater(429, f"the server is busy ({err}); retry in {max(1, math.ceil(wait))} s.", wait) from None
+    except ShuttingDown as err:
+        raise _stopping(str(err)) from None
 
 
 # --- routes ------------------------------------------------------------------------------------------------------
@@ -272,6 +280,8 @@ async def _collect(request: Request, job: Job) -> tuple[str, str]:
                 parts.append(payload)
             elif kind == "done":
                 return "".join(parts), payload
+            elif kind == "unavailable":
+                raise _stopping(payload)
             else:
                 raise APIError(500, payload, type="server_error")
     finally:
@@ -286,6 +296,8 @@ async def _job_events(job: Job) -> AsyncIterator[tuple[str, str]]:
             kind, payload = await job.events.get()
             if kind == "error":
                 raise APIError(500, payload, type="server_error")
+            if kind == "unavailable":
+                raise _stopping(payload)
             yield kind, payload
             if kind == "done":
                 return

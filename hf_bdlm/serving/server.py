@@ -2,8 +2,9 @@
 
 Stopping (SIGTERM, as Kubernetes and systemd send it, or Ctrl-C): uvicorn closes the listening socket, so new
 connections are refused (a load balancer or client retries elsewhere, as with any uvicorn server); the requests in
-flight run to their end, for at most `ServerConfig.shutdown_grace_s` seconds, after which uvicorn cancels them
-(their jobs leave the batch at the next block); then the batch worker stops and the process exits 0.
+flight run to their end. Those still running after `SHED_AT` of `ServerConfig.shutdown_grace_s` are answered 503 with
+`Retry-After` (a stream: an error chunk, then `[DONE]`), their jobs leave the batch at the next block, and uvicorn's
+own limit (the whole grace period) cancels whatever is left; then the batch worker stops and the process exits 0.
 
     from hf_bdlm.serving import Engine, ServerConfig, ServerThread
     with ServerThread(Engine.from_pretrained("path/to/bdlm"), ServerConfig(port=0)) as server:
@@ -12,6 +13,7 @@ flight run to their end, for at most `ServerConfig.shutdown_grace_s` seconds, af
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import signal
 import socket
@@ -25,6 +27,27 @@ from .config import ServerConfig
 from .engine import Engine
 
 
+SHED_AT = 0.8  # of the grace period: what still runs then is answered 503, before uvicorn would cut it
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown answers the requests still running at ``SHED_AT`` of the grace period
+    with a 503 (``BatchScheduler.shed``) instead of letting the limit cut them without an answer."""
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        scheduler = getattr(getattr(self.config.app, "state", None), "scheduler", None)
+        shedding = None
+        if grace is not None and scheduler is not None:
+            shedding = asyncio.get_running_loop().call_later(SHED_AT * grace, scheduler.shed,
+                                                             "the server is shutting down")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if shedding is not None:
+                shedding.cancel()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -34,7 +57,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serve(engine: Engine, config: ServerConfig) -> None:
     """Serve in the foreground until SIGTERM or Ctrl-C, then drain (see the module docstring) and return."""
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=config.host, port=config.port,
+    server = DrainingServer(uvicorn.Config(create_app(engine, config), host=config.host, port=config.port,
                                            log_level="info", timeout_graceful_shutdown=config.shutdown_grace_s))
     # Once drained, uvicorn raises the stop signal again under the handler it found: the drain answered it, so that
     # handler does nothing and the process ends normally (exit 0), not killed by its own signal.
@@ -65,7 +88,7 @@ class ServerThread:
             config.port = free_port(config.host)
         self.config = config
         self.app = create_app(engine, config)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
+        self._server = DrainingServer(uvicorn.Config(self.app, host=config.host, port=config.port,
                                                      log_level="warning", lifespan="on",
                                                      timeout_graceful_shutdown=config.shutdown_grace_s))
         self._thread = threading.Thread(target=self._server.run, name="hf-bdlm-server", daemon=True)
