@@ -7,9 +7,10 @@ kills one rank at step 3: in forward, in backward, inside an in-flight K/V all-g
 on a node of its own (one torchrun agent per rank). Then it resumes five of the killed runs from their last complete
 checkpoint and trains the same runs uninterrupted (DDP and FSDP2; converted, DiffusionGemma, DFlash drafter).
 
-Bounds (docs/troubleshooting.md, "Faults"; measured on the 2-core CI machine under load, 2.3-7.8 s on one node and
-10.4 s for the survivor on its own node, which spends 3 s reading heartbeats to name the lost rank): every launcher
-exits within ``ONE_NODE_S`` / ``OWN_NODE_S`` of the kill, and no process of the launch outlives it.
+Bounds (docs/troubleshooting.md, "Faults"; benchmarks/results/faults/dead_rank.json, two runs on the shared 2-core
+machine: 1.6-7.8 s on one node, 9.5-10.4 s for the survivor on its own node, which spends 3 s reading heartbeats to
+name the lost rank): every launcher exits within ``ONE_NODE_S`` / ``OWN_NODE_S`` of the kill, and no process of the
+launch outlives it.
 """
 
 import json
