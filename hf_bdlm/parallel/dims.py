@@ -294,11 +294,12 @@ def _group_options(timeout):
         return None
     import torch.distributed as dist
 
+    # (None, options): the default group's backend, with these options (DeviceMesh reads the timeout from them).
     backend = dist.get_backend()
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout  # where DeviceMesh and new_group read an NCCL group's timeout
-        return backend, options
+        options._timeout = timeout
+        return None, options
     if backend == "gloo":
-        return backend, dist.ProcessGroupGloo.Options(backend, timeout)
+        return None, dist.ProcessGroupGloo.Options(backend, timeout)
     return None  # another backend (or a mixed one): torch's defaults

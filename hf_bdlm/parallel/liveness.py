@@ -87,8 +87,8 @@ class Heartbeat:
         """One sentence on the world's ranks, for an error message."""
         lost = self.lost_ranks(look_s=look_s)
         if lost is None:
-            return (f"the launcher's store at {self.host}:{self.port} cannot be reached: the launcher that hosts it "
-                    "(the first node's torchrun / accelerate agent) is gone, with its ranks.")
+            return (f"the rendezvous store at {self.host}:{self.port} cannot be reached: what hosts it (torchrun's or "
+                    "accelerate's agent on the first node; rank 0 without them) is gone, with its ranks.")
         if lost:
             names = ", ".join(str(r) for r in lost)
             return (f"rank{'s' if len(lost) > 1 else ''} {names} stopped (no heartbeat for {look_s:.0f} s): "

@@ -69,7 +69,10 @@ class CheckpointCommit:
         if self.writer:
             for stale in leftovers(self.final):
                 logger.warning("Removing %s, left by an interrupted save of %s.", stale, self.final.name)
-                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
             self.staging_run_dir.mkdir(parents=True, exist_ok=True)
         self.barrier()  # nobody writes into the staging folder before it is clean
 
