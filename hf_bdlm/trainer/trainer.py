@@ -298,6 +298,10 @@ class BDLMSFTTrainer(SFTTrainer):
     # --- checkpoints: atomic saves (hf_bdlm/trainer/checkpoints.py) ---------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         # True: the last *complete* checkpoint; unfinished saves are reported and skipped. A path: refused if unfinished.
+        # A recipe's `--resume_from_checkpoint True` arrives as a string (TrainingArguments types it `str`).
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true" and \
+                not os.path.isdir(resume_from_checkpoint):
+            resume_from_checkpoint = True
         if resume_from_checkpoint is True:
             found = last_complete_checkpoint(self.args.output_dir, report=self.is_world_process_zero())
             if found is None:
