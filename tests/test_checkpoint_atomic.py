@@ -119,12 +119,12 @@ def _drafter(out: Path):
 FAMILIES = {"converted": _converted, "drafter": _drafter}
 
 
-def _train(family: str, out: Path, resume: bool = False, kill: str | None = None) -> dict[str, torch.Tensor]:
+def _train(family: str, out: Path, resume: bool | str = False, kill: str | None = None) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     trainer = FAMILIES[family](out)
     if kill is not None:
         _arm(kill, trainer)
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.train(resume_from_checkpoint=resume or None)
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
@@ -158,7 +158,8 @@ def test_a_save_killed_half_way_leaves_no_checkpoint_and_resume_takes_the_last_c
         check_resumable(staging / "checkpoint-4")
 
     with caplog.at_level(logging.WARNING, logger="hf_bdlm.trainer.checkpoints"):
-        resumed = _train(family, out, resume=True)
+        # As the Python API passes it, and (one case) as a recipe's --resume_from_checkpoint True does.
+        resumed = _train(family, out, resume="True" if point == "commit" else True)
     reported = [r.getMessage() for r in caplog.records if r.name == "hf_bdlm.trainer.checkpoints"]
     assert any(str(staging) in m and "unfinished checkpoint save" in m and "checkpoint-2" in m for m in reported), \
         reported
