@@ -13,8 +13,10 @@ import importlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,16 @@ def native_crash(stderr: str) -> str | None:
     return None
 
 
+RUNNING: set[subprocess.Popen] = set()  # the launches under way (each leads a process group of its own)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Launch ``script`` on ``nproc`` processes; raise with its output if the launch fails.
 
@@ -50,7 +62,19 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> sub
            "--standalone", str(ROOT / "tests" / "distributed" / script), *args]
 
     def launch() -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        # A session of its own, so that a session ended early kills the launch and every rank (`SharedLaunches.stop`).
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                                start_new_session=True)
+        RUNNING.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
+            raise
+        finally:
+            RUNNING.discard(proc)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     def failure(proc: subprocess.CompletedProcess) -> str:
         return f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -97,6 +121,8 @@ class SharedLaunches:
         self.root = root
         self.launched: set[int] = set()
         self.errors: dict[tuple[int, str], str] = {}
+        self._background: threading.Thread | None = None
+        self._done: dict[int, threading.Event] = {}
 
     def _folder(self, job: SharedJob) -> Path:
         return self.root / f"world{job.world}" / job.name
@@ -122,12 +148,47 @@ class SharedLaunches:
                 if not pending:
                     return
 
+    def start_in_background(self) -> None:
+        """Run every world size's launch, one after the other, on a background thread.
+
+        The test process runs one test at a time on one core; the launches' ranks use the other core meanwhile
+        (tests/conftest.py orders the modules that read shared results last, so they rarely wait). ``folder`` waits
+        for the launch it needs; ``stop`` ends what still runs when the session ends early.
+        """
+        worlds = list(dict.fromkeys(j.world for j in self.jobs))
+        if not worlds or self._background is not None:
+            return
+        self._done = {world: threading.Event() for world in worlds}
+
+        def run() -> None:
+            for world in worlds:
+                self.launched.add(world)
+                try:
+                    self._launch(world)
+                except BaseException as error:  # reported by folder() in the tests that need this launch
+                    for job in self.jobs:
+                        if job.world == world:
+                            self.errors.setdefault((world, job.name), f"the shared launch of {world} processes "
+                                                                      f"raised {error!r}")
+                finally:
+                    self._done[world].set()
+
+        self._background = threading.Thread(target=run, name="shared-launches", daemon=True)
+        self._background.start()
+
+    def stop(self) -> None:
+        """Kill the launches still running (the session ended before their tests)."""
+        for proc in list(RUNNING):
+            _kill_group(proc)
+
     def folder(self, name: str, world: int) -> Path:
         """The folder of the finished job ``name`` of the ``world``-process launch (launching it first if needed)."""
         job = next((j for j in self.jobs if (j.name, j.world) == (name, world)), None)
         if job is None:
             raise KeyError(f"no shared job {name!r} of {world} processes; declare it in the module's SHARED_JOBS")
-        if world not in self.launched:
+        if world in self._done:
+            self._done[world].wait()
+        elif world not in self.launched:
             self.launched.add(world)
             self._launch(world)
         folder = self._folder(job)
