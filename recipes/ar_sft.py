@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
     folder = resolve_model_path(args.model)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    config = SFTConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+    config = SFTConfig(output_dir=args.output_dir, max_steps=args.max_steps,
+                       per_device_train_batch_size=args.batch_size,
                        gradient_accumulation_steps=1, learning_rate=1.0e-4, lr_scheduler_type="constant_with_warmup",
                        warmup_steps=10, weight_decay=0.0, max_length=128, seed=0, logging_steps=10,
                        save_strategy="no", report_to="none", bf16=False, completion_only_loss=True)

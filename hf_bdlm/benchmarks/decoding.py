@@ -2,7 +2,7 @@
 
 Each model is loaded as ``hf-bdlm serve`` loads it (its family found from its config through ``hf_bdlm.models``) and
 decoded by its family's serving decoder in each of the family's named variants (``ModelFamily.decoding_variants``:
-a block-diffusion model's techniques one by one, a drafter's proposal counts, an encoder-decoder's own canvas settings). A
+a block-diffusion model's techniques one by one, a drafter's proposal counts, an encoder-decoder's canvas settings). A
 model's speed is compared with greedy ``generate`` of an AR model: ``--decoding-causal`` (the parent fine-tuned like
 for like) for the diffusion models, the target itself for a drafter. Same held-out prompts (the shipped arithmetic /
 word tasks, chat template), EOS honoured (a variant that ignores it decodes its whole budget, its text cut at EOS
