@@ -5,7 +5,8 @@ the target, each saved as the server loads it. Checked on the study's records: e
 the same tokens at batch 1 and 2 (batch invariance); the drafter's outputs are the target's greedy outputs; greedy AR
 makes exactly one forward per token of a lone row; a block-diffusion variant that fixes one position per step makes
 no more tokens than forwards, and the threshold variants fewer forwards than it (a random model is unsure: the
-per-step floor does it); the cost model has a line for every counted part; the report and plot draw.
+per-step floor does it); DiffusionGemma's own setting (2 denoising steps per canvas of 4) makes fewer decoder
+forwards than its reference (4); the cost model has a line for every counted part; the report and plot draw.
 Run: python -m pytest tests/test_decoding_benchmark.py -q
 """
 
@@ -40,7 +41,7 @@ def records(tmp_path_factory):
     DFlash2DraftModel.from_target(target, init="target_layers", num_hidden_layers=1, block_size=4,
                                   mask_token_id=MASK).save_pretrained(root / "drafter")
     save_tiny_bdlm(root / "bdlm")
-    dg = save_checkpoint(root / "dg", denoising_steps=4)
+    dg = save_checkpoint(root / "dg", denoising_steps=2)  # 2 denoising steps per canvas of 4
     out = root / "decoding.json"
     decoding.main(["--models", str(root / "bdlm"), str(dg), "--causal", str(root / "target"),
                    "--speculative", f"{root / 'target'}:{root / 'drafter'}", "--prompts", "2", "--batches", "1", "2",
@@ -79,6 +80,14 @@ def test_one_position_per_step_is_the_slowest_block_diffusion_variant(records):
         # the exact techniques change no token
         assert by["exact techniques"]["outputs"] == by["threshold 0.9"]["outputs"]
         assert by["no KV cache"]["outputs"] == by["threshold 0.9"]["outputs"]
+
+
+def test_diffusion_gemma_own_settings_take_fewer_forwards_than_one_step_per_canvas_token(records):
+    _, recs = records
+    for batch in (1, 2):
+        by = {r["reference"]: r for r in rows(recs, family="diffusion_gemma", batch=batch)}
+        assert 0 < by[True]["tokens_per_forward"] <= batch and by[True]["rows_per_forward"] >= 4  # a canvas
+        assert by[False]["forwards"] < by[True]["forwards"]
 
 
 def test_cost_model_report_and_plot(records):

@@ -137,8 +137,9 @@ def run(cfg, args: argparse.Namespace, out: pathlib.Path, log=print) -> list[dic
 
 # --- counting forwards ------------------------------------------------------------------------------------------------
 def _rows(args, kwargs) -> int:
-    """Rows a module's forward runs: ``[b, n]`` ids, or ``[..., d]`` states (every dimension but the last)."""
-    for name in ("inputs_embeds", "input_ids", "hidden_states"):
+    """Rows a module's forward runs: ``[b, n]`` ids (an encoder-decoder's decoder: its ``decoder_input_ids``), or
+    ``[..., d]`` states (every dimension but the last)."""
+    for name in ("inputs_embeds", "input_ids", "decoder_input_ids", "hidden_states"):
         if kwargs.get(name) is not None:
             tensor = kwargs[name]
             break

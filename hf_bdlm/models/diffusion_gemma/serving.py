@@ -83,9 +83,10 @@ class DiffusionGemmaServingDecoder(ServingDecoder):
         return other
 
     def counted_modules(self):
-        # generate's denoising steps call the model's forward (the decoder over one canvas); the encoder runs the
-        # tokens not cached yet, once per canvas.
-        return {"model": self.model, "encoder": self.model.model.encoder,
+        # generate's denoising steps call the model's bound forward (no module hook fires there), which runs the
+        # decoder over one canvas: the decoder is what counts; the encoder runs the tokens not cached yet, once per
+        # canvas.
+        return {"model": self.model.model.decoder, "encoder": self.model.model.encoder,
                 "head": self.model.get_output_embeddings()}
 
     # --- settings -----------------------------------------------------------------------------------------------
