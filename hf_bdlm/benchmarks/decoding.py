@@ -299,28 +299,24 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
             log(f"{label}: {folder}")
         return label
 
+    def family_entry(label: str, engine, family, ar: str) -> None:
+        entry = entries[label] = Entry(label, engine.tokenizer)
+        for name, v in family.decoding_variants(engine.decoder).items():
+            eos = v.decoder.eos_token_ids(v.decoder.settings(_request(), 1, 1))
+            entry.variants.append(Variant(label, name, family.name, v.decoder, eos, v.ignore_eos, v.reference,
+                                          v.baseline, v.description, ar=ar))
+        log(f"{label}: {len(entry.variants)} variants, compared with {ar}")
+
     causal = ar_entry(study.causal)
     for path in study.models:
         engine = Engine.from_pretrained(path, dtype=torch.float32, block_size=16)
         family = family_for_config(engine.model.config)
-        label = f"{family.name} {pathlib.Path(path).name if path != EMBEDDED else EMBEDDED + ' (untrained)'}"
-        entry = entries[label] = Entry(label, engine.tokenizer)
-        for name, v in family.decoding_variants(engine.decoder).items():
-            eos = v.decoder.eos_token_ids(v.decoder.settings(_request(), 1, 1))
-            entry.variants.append(Variant(label, name, family.name, v.decoder, eos, v.ignore_eos, v.reference,
-                                          v.baseline, v.description, ar=causal))
-        log(f"{label}: {len(entry.variants)} variants, compared with {causal}")
+        name = pathlib.Path(path).name if path != EMBEDDED else EMBEDDED + " (untrained)"
+        family_entry(f"{family.name} {name}", engine, family, causal)
     for target, drafter in study.speculative:
         engine = Engine.from_pretrained(_folder(target), dtype=torch.float32, draft=drafter)
         family = family_for_config(AutoConfig.from_pretrained(drafter))
-        baseline = ar_entry(target)
-        label = f"{family.name} {pathlib.Path(drafter).name}"
-        entry = entries[label] = Entry(label, engine.tokenizer)
-        for name, v in family.decoding_variants(engine.decoder).items():
-            eos = v.decoder.eos_token_ids(v.decoder.settings(_request(), 1, 1))
-            entry.variants.append(Variant(label, name, family.name, v.decoder, eos, v.ignore_eos, v.reference,
-                                          v.baseline, v.description, ar=baseline))
-        log(f"{label}: {len(entry.variants)} variants, compared with {baseline}")
+        family_entry(f"{family.name} {pathlib.Path(drafter).name}", engine, family, ar_entry(target))
     return list(entries.values())
 
 
