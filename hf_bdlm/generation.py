@@ -95,7 +95,30 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
               `confidence_threshold=None` takes LMDeploy's default, 0.85.
 
             The engine rules need a model without token shift (`objective="standard"`) and take no
-            `steps_per_block`.
+            `steps_per_block`, `sub_block_size`, `block_cache` or `min_tokens_per_step` (the engines have none).
+        min_tokens_per_step (`int`, *optional*, defaults to 1):
+            The fewest positions a step fixes: the threshold's confident positions, but at least this many (the most
+            confident first). 1 is the plain threshold rule.
+        sub_block_size (`int`, *optional*):
+            Unmask each block sub-block by sub-block, left to right (Fast-dLLM v2's small blocks): a step fixes only
+            positions of the first sub-block that still holds a masked one. It must divide the block size. `None`:
+            the whole block is one sub-block.
+        block_cache (`bool`, *optional*, defaults to `False`):
+            Fast-dLLM v2's sub-block cache: the first step of each sub-block runs the whole block and keeps the
+            block's own K/V; the following steps of that sub-block run only its rows (and, with token shift, the row
+            before it), attending to the clean prefix and to the kept K/V of the block's other rows. An
+            approximation (those rows' K/V are not refreshed until the next sub-block starts); needs `sub_block_size`
+            smaller than the block and `use_cache=True`.
+        fuse_block_commit (`bool`, *optional*, defaults to `True`):
+            Run the clean rows of a finished block (and the prompt's whole blocks) in the same forward as the first
+            step of the next block, instead of a forward of their own. The same computation (the first step never
+            reads the finished block's noisy rows), one forward fewer per block.
+        eos_early_exit (`bool`, *optional*, defaults to `True`):
+            A row is done with its block as soon as an EOS is fixed with no masked position before it: the positions
+            after it are never decoded (they are cut from the output anyway). The output does not change.
+        compact_batch (`bool`, *optional*, defaults to `True`):
+            Each step runs only the rows of the batch that still have positions to fix; rows done with the block sit
+            out the slower rows' steps instead of being recomputed with them. The output does not change.
 
     The usual fields apply: `max_new_tokens` (default: one block), `do_sample`, `temperature`, `top_k`, `top_p`,
     `eos_token_id` (int or list), `pad_token_id` (default: the first EOS id).
@@ -109,6 +132,12 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
         mask_token_id: int | None = None,
         token_shift: bool | None = None,
         unmasking: str = "hf_bdlm",
+        min_tokens_per_step: int = 1,
+        sub_block_size: int | None = None,
+        block_cache: bool = False,
+        fuse_block_commit: bool = True,
+        eos_early_exit: bool = True,
+        compact_batch: bool = True,
         **kwargs,
     ):
         # Set before GenerationConfig.__init__, which ends by calling validate().
@@ -118,6 +147,12 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
         self.mask_token_id = mask_token_id
         self.token_shift = token_shift
         self.unmasking = unmasking
+        self.min_tokens_per_step = min_tokens_per_step
+        self.sub_block_size = sub_block_size
+        self.block_cache = block_cache
+        self.fuse_block_commit = fuse_block_commit
+        self.eos_early_exit = eos_early_exit
+        self.compact_batch = compact_batch
         super().__init__(**kwargs)
 
     @classmethod
@@ -133,10 +168,17 @@ class BlockDiffusionGenerationConfig(GenerationConfig):
 
     def validate(self, strict: bool = False, user_set_attributes: set[str] | None = None) -> None:
         super().validate(strict=strict, user_set_attributes=user_set_attributes)
-        for name in ("block_size", "steps_per_block"):
+        for name in ("block_size", "steps_per_block", "sub_block_size"):
             value = getattr(self, name, None)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
+        least = getattr(self, "min_tokens_per_step", 1)
+        if not isinstance(least, int) or isinstance(least, bool) or least < 1:
+            raise ValueError(f"min_tokens_per_step must be an integer >= 1, got {least!r}.")
+        for name in ("block_cache", "fuse_block_commit", "eos_early_exit", "compact_batch"):
+            value = getattr(self, name, None)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}.")
         threshold = getattr(self, "confidence_threshold", None)
         if threshold is not None and not 0.0 < threshold <= 1.0:
             raise ValueError(f"confidence_threshold must lie in (0, 1] or be None, got {threshold!r}.")
@@ -215,6 +257,12 @@ class DecodeSettings:
     rule: MaskRule
     backend: str
     unmasking: str = "hf_bdlm"
+    min_tokens_per_step: int = 1
+    sub_block_size: int | None = None
+    block_cache: bool = False
+    fuse_block_commit: bool = True
+    eos_early_exit: bool = True
+    compact_batch: bool = True
 
 
 def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: int) -> DecodeSettings:
@@ -249,6 +297,7 @@ def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: 
     if unmasking != "hf_bdlm":
         _check_engine_rule(unmasking, bool(shift), config)
         threshold = ENGINE_DEFAULT_THRESHOLDS[unmasking] if threshold is None else threshold
+    sub_block = _check_sub_blocks(block, config)
     return DecodeSettings(
         block_size=block,
         mask_token_id=int(mask),
@@ -266,7 +315,29 @@ def resolve_settings(model, config: BlockDiffusionGenerationConfig, prompt_len: 
         rule=model.mask_rule(block),  # the training rule, sliding-window convention included
         backend=model_config.attention_backend,
         unmasking=unmasking,
+        min_tokens_per_step=int(getattr(config, "min_tokens_per_step", 1)),
+        sub_block_size=sub_block,
+        block_cache=bool(getattr(config, "block_cache", False)),
+        fuse_block_commit=bool(getattr(config, "fuse_block_commit", True)),
+        eos_early_exit=bool(getattr(config, "eos_early_exit", True)),
+        compact_batch=bool(getattr(config, "compact_batch", True)),
     )
+
+
+def _check_sub_blocks(block: int, config: BlockDiffusionGenerationConfig) -> int | None:
+    """The sub-block size of a decoding run (``None``: the whole block), refusing settings it cannot honour."""
+    sub = getattr(config, "sub_block_size", None)
+    if sub is not None and block % sub:
+        raise ValueError(f"sub_block_size={sub} does not divide the block size {block}; pick a divisor of it "
+                         "(e.g. block_size // 4).")
+    if sub is not None and config.steps_per_block is not None:
+        raise ValueError(f"steps_per_block={config.steps_per_block} fixes the steps of a whole block and "
+                         f"sub_block_size={sub} decodes it sub-block by sub-block; set one of them (with sub-blocks, "
+                         "confidence_threshold and min_tokens_per_step set how many positions a step fixes).")
+    if getattr(config, "block_cache", False) and (sub is None or sub >= block):
+        raise ValueError(f"block_cache=True keeps a block's K/V across the steps of a sub-block, so it needs a "
+                         f"sub_block_size smaller than the block ({block}), got {sub}.")
+    return sub if sub is not None and sub < block else None
 
 
 def _check_engine_rule(unmasking: str, token_shift: bool, config: BlockDiffusionGenerationConfig) -> None:
@@ -280,6 +351,10 @@ def _check_engine_rule(unmasking: str, token_shift: bool, config: BlockDiffusion
     if config.steps_per_block is not None:
         raise ValueError(f"unmasking={unmasking!r} has no fixed number of steps per block; leave steps_per_block "
                          f"unset (got {config.steps_per_block}).")
+    for name, plain in (("sub_block_size", None), ("block_cache", False), ("min_tokens_per_step", 1)):
+        if getattr(config, name, plain) != plain:
+            raise ValueError(f"unmasking={unmasking!r} decodes as the engine serves, which has no {name}; leave it "
+                             f"at {plain} (got {getattr(config, name)!r}).")
     if unmasking == "sglang_low_confidence" and config.do_sample:
         raise ValueError("unmasking='sglang_low_confidence' is greedy (SGLang's LowConfidence always takes the "
                          "argmax and ignores sampling parameters); set do_sample=False.")
@@ -318,9 +393,9 @@ def _run_rows(model, ids, q_rows, k_rows, settings, cache=None, padding: LeftPad
     else:
         positions = padding.position_ids(q_rows.pos)
     backend = settings.backend
-    if padding is not None and backend == "blockwise" and ids.shape[1] <= settings.block_size:
-        # A ragged batch's block step: rows differ in padding, so the block-sparse planner would plan (and run)
-        # every row apart; the rule's dense mask over one block of queries is small and serves the batch at once.
+    if padding is not None and backend == "blockwise" and ids.shape[1] <= 2 * settings.block_size:
+        # A ragged batch's block step (with a committed block at most): rows differ in padding, so the block-sparse
+        # planner would plan (and run) every row apart; the rule's dense mask over a few rows serves the batch at once.
         backend = "dense"
     layout = LocalLayout(q_rows, k_rows, settings.rule, backend)
     out = model(
@@ -334,42 +409,172 @@ def _run_rows(model, ids, q_rows, k_rows, settings, cache=None, padding: LeftPad
     return out.hidden_states
 
 
-class CachedContext:
-    """Clean prefix held as K/V in a `DynamicCache`; noisy steps run over it and are cropped away."""
+@dataclass(frozen=True)
+class StepWindow:
+    """The block positions one denoising forward runs, ``[lo, hi)`` for every row in it, and the part of them each row
+    takes as it is: row ``r`` uses the K/V of ``[own_lo[r], own_hi[r])`` computed in this forward, and for the block's
+    other positions the K/V its previous forward of the block left (the block cache). Without the block cache every
+    row's window is the whole block."""
 
-    def __init__(self, model, settings: DecodeSettings, device, padding: LeftPadding | None = None):
-        self.model, self.settings, self.device, self.padding = model, settings, device, padding
+    lo: int
+    hi: int
+    own_lo: torch.Tensor  # [rows]
+    own_hi: torch.Tensor  # [rows]
+
+    @classmethod
+    def whole(cls, rows: int, block_size: int, device) -> "StepWindow":
+        return cls(0, block_size, torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.full((rows,), block_size, dtype=torch.long, device=device))
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How :class:`DecodingCache` treats the K/V of one denoising forward (its input: ``clean`` clean rows to commit,
+    then the noisy rows of ``window``)."""
+
+    clean: int
+    rows: torch.Tensor | None  # the batch rows in the forward (None: all)
+    window: StepWindow
+    block_cache: bool
+    batch: int
+    block_size: int
+
+
+class DecodingCache(DynamicCache):
+    """The clean prefix's K/V (a `DynamicCache`: clean rows are appended) and the current block's K/V.
+
+    A denoising forward sets :attr:`plan`; the backbone's attention layers then call :meth:`update` with the K/V of the
+    forward's input: ``plan.clean`` clean rows (a finished block committed in this forward) are appended to the prefix,
+    and the noisy rows are returned after it but never stored in it. With the block cache they are merged into the
+    block's kept K/V (each row takes its own window fresh, the rest kept) and kept for the next step. The layout the
+    forward runs with describes the returned keys: the prefix rows, then the whole block (or the window alone without
+    the block cache, where the window is the whole block)."""
+
+    def __init__(self):
         # No config, so every layer keeps all its keys: transformers' sliding-window layers keep only the last
         # W - 1 keys (enough for one new token, not for a block whose first query looks W - 1 back) and refuse
         # the per-step crop once full. The attention rule applies the window instead, in the model's convention.
-        self.cache = DynamicCache()
-        self.length = 0
+        super().__init__()
+        self.plan: _StepPlan | None = None
+        self.block_kv: dict[int, list[torch.Tensor]] = {}  # layer -> [keys, values], each [batch, H_kv, B, d]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        plan = self.plan
+        if plan is None:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        n = plan.clean
+        if n:
+            keys, values = super().update(key_states[:, :, :n], value_states[:, :, :n], layer_idx, *args, **kwargs)
+        else:
+            keys, values = self._prefix(layer_idx, plan.rows, key_states)
+        new_keys, new_values = key_states[:, :, n:], value_states[:, :, n:]
+        if plan.block_cache:
+            new_keys = self._merge(layer_idx, 0, new_keys, plan)
+            new_values = self._merge(layer_idx, 1, new_values, plan)
+        return torch.cat([keys, new_keys], dim=-2), torch.cat([values, new_values], dim=-2)
+
+    def _prefix(self, layer_idx: int, rows, like: torch.Tensor):
+        if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized or \
+                self.layers[layer_idx].get_seq_length() == 0:
+            empty = like.new_zeros((like.shape[0], like.shape[1], 0, like.shape[3]))
+            return empty, empty
+        layer = self.layers[layer_idx]
+        if rows is None:
+            return layer.keys, layer.values
+        return layer.keys[rows], layer.values[rows]
+
+    def _merge(self, layer_idx: int, which: int, fresh: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        """The block's K (``which`` 0) or V (1) for the forward's rows: this forward's inside each row's own window,
+        the kept ones elsewhere; kept for the next step."""
+        window = plan.window
+        kept = self.block_kv.get(layer_idx)
+        if kept is None:
+            shape = (plan.batch, fresh.shape[1], plan.block_size, fresh.shape[3])
+            kept = self.block_kv[layer_idx] = [fresh.new_zeros(shape), fresh.new_zeros(shape)]
+        block = kept[which] if plan.rows is None else kept[which][plan.rows]
+        block = block.clone() if plan.rows is None else block
+        columns = torch.arange(window.lo, window.hi, device=fresh.device)
+        own = (columns[None] >= window.own_lo[:, None]) & (columns[None] < window.own_hi[:, None])
+        block[:, :, window.lo:window.hi] = torch.where(own[:, None, :, None], fresh, block[:, :, window.lo:window.hi])
+        if plan.rows is None:
+            kept[which] = block
+        else:
+            kept[which][plan.rows] = block
+        return block
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        for kept in self.block_kv.values():
+            kept[0], kept[1] = kept[0][indices], kept[1][indices]
+
+
+class CachedContext:
+    """Clean prefix held as K/V in a :class:`DecodingCache`; noisy steps run over it and never enter it.
+
+    With ``settings.fuse_block_commit`` the clean rows appended (the prompt's whole blocks, a finished block) wait
+    for the next denoising forward and run in it, before the block's noisy rows."""
+
+    def __init__(self, model, settings: DecodeSettings, device, padding: LeftPadding | None = None):
+        self.model, self.settings, self.device, self.padding = model, settings, device, padding
+        self.cache = DecodingCache()
+        self.length = 0  # clean columns in the cache
+        self.pending: torch.Tensor | None = None  # clean ids appended, not run yet
         self.last_hidden = None  # clean hidden state of the last cached position (token shift)
 
-    def _cached_rows(self) -> RowMeta:
-        return _rows(CLEAN, 0, self.length, self.device, self.padding)
+    def _cached_rows(self, end: int | None = None) -> RowMeta:
+        return _rows(CLEAN, 0, self.length if end is None else end, self.device, self.padding)
 
     def append(self, ids: torch.Tensor) -> None:
+        if self.settings.fuse_block_commit:
+            self.pending = ids if self.pending is None else torch.cat([self.pending, ids], dim=1)
+            return
         q_rows = _rows(CLEAN, self.length, self.length + ids.shape[1], self.device, self.padding)
         k_rows = RowMeta.cat([self._cached_rows(), q_rows]) if self.length else q_rows
         hidden = _run_rows(self.model, ids, q_rows, k_rows, self.settings, self.cache, self.padding)
         self.length += ids.shape[1]
         self.last_hidden = hidden[:, -1]
 
+    def step(self, block: torch.Tensor, start: int, rows: torch.Tensor | None, window: StepWindow):
+        """One denoising forward of block positions ``window.lo .. window.hi`` of the batch rows ``rows`` (``None``:
+        all) of ``block`` (``[batch, B]``, the whole batch's ids); returns their hidden states ``[rows, hi - lo, d]``
+        and the clean hidden state of the position before the block (``None`` when there is none)."""
+        settings, (batch, B) = self.settings, block.shape
+        clean = 0 if self.pending is None else self.pending.shape[1]
+        if clean and rows is not None:
+            raise RuntimeError("a block is committed in the first step of the next one, where every row runs.")
+        padding = self.padding if self.padding is None or rows is None else self.padding.select(rows)
+        ids = (block if rows is None else block[rows])[:, window.lo:window.hi]
+        noisy = _rows(NOISY, start + window.lo, start + window.hi, self.device, padding)
+        q_rows = noisy
+        if clean:
+            ids = torch.cat([self.pending, ids], dim=1)
+            q_rows = RowMeta.cat([_rows(CLEAN, self.length, self.length + clean, self.device, padding), noisy])
+        keys = _rows(NOISY, start, start + B, self.device, padding) if settings.block_cache else noisy
+        prefix = _rows(CLEAN, 0, self.length + clean, self.device, padding)
+        k_rows = RowMeta.cat([prefix, keys]) if self.length + clean else keys
+        self.cache.plan = _StepPlan(clean, rows, window, settings.block_cache, batch, B)
+        try:
+            hidden = _run_rows(self.model, ids, q_rows, k_rows, settings, self.cache, padding)
+        finally:
+            self.cache.plan = None
+        if clean:
+            self.length += clean
+            self.pending = None
+            self.last_hidden = hidden[:, clean - 1]
+        last = self.last_hidden if self.last_hidden is None or rows is None else self.last_hidden[rows]
+        return hidden[:, clean:], last
+
     def block_hidden(self, block: torch.Tensor, start: int):
-        q_rows = _rows(NOISY, start, start + block.shape[1], self.device, self.padding)
-        if not self.length:
-            return _run_rows(self.model, block, q_rows, q_rows, self.settings, padding=self.padding), None
-        k_rows = RowMeta.cat([self._cached_rows(), q_rows])
-        hidden = _run_rows(self.model, block, q_rows, k_rows, self.settings, self.cache, self.padding)
-        self.cache.crop(-block.shape[1])  # noisy K/V must never become context
-        return hidden, self.last_hidden
+        """Hidden states of the whole ``block`` (every row) over the clean prefix, and the prefix's last clean state."""
+        return self.step(block, start, None, StepWindow.whole(block.shape[0], block.shape[1], block.device))
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows ``index`` (finished rows leave the batch)."""
         if self.length:
             self.cache.batch_select_indices(index)
             self.last_hidden = self.last_hidden[index]
+        if self.pending is not None:
+            self.pending = self.pending[index]
         if self.padding is not None:
             self.padding = self.padding.select(index)
 
@@ -378,20 +583,30 @@ class RecomputedContext:
     """No cache: every step runs the whole clean prefix plus the noisy block (the reference for the cache)."""
 
     def __init__(self, model, settings: DecodeSettings, device, padding: LeftPadding | None = None):
+        if settings.block_cache:
+            raise ValueError("block_cache=True keeps K/V across the steps of a block; it needs use_cache=True.")
         self.model, self.settings, self.device, self.padding = model, settings, device, padding
         self.prefix = None
 
     def append(self, ids: torch.Tensor) -> None:
         self.prefix = ids if self.prefix is None else torch.cat([self.prefix, ids], dim=1)
 
-    def block_hidden(self, block: torch.Tensor, start: int):
-        noisy = _rows(NOISY, start, start + block.shape[1], self.device, self.padding)
+    def step(self, block: torch.Tensor, start: int, rows: torch.Tensor | None, window: StepWindow):
+        if (window.lo, window.hi) != (0, block.shape[1]):
+            raise RuntimeError("without a cache every step runs the whole block.")
+        padding = self.padding if self.padding is None or rows is None else self.padding.select(rows)
+        block = block if rows is None else block[rows]
+        noisy = _rows(NOISY, start, start + block.shape[1], self.device, padding)
         if self.prefix is None:
-            return _run_rows(self.model, block, noisy, noisy, self.settings, padding=self.padding), None
-        rows = RowMeta.cat([_rows(CLEAN, 0, start, self.device, self.padding), noisy])
-        ids = torch.cat([self.prefix, block], dim=1)
-        hidden = _run_rows(self.model, ids, rows, rows, self.settings, padding=self.padding)
+            return _run_rows(self.model, block, noisy, noisy, self.settings, padding=padding), None
+        prefix = self.prefix if rows is None else self.prefix[rows]
+        q_rows = RowMeta.cat([_rows(CLEAN, 0, start, self.device, padding), noisy])
+        hidden = _run_rows(self.model, torch.cat([prefix, block], dim=1), q_rows, q_rows, self.settings,
+                           padding=padding)
         return hidden[:, start:], hidden[:, start - 1]
+
+    def block_hidden(self, block: torch.Tensor, start: int):
+        return self.step(block, start, None, StepWindow.whole(block.shape[0], block.shape[1], block.device))
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows ``index``."""
@@ -446,6 +661,7 @@ def tokens_to_unmask(masked: torch.Tensor, confidence: torch.Tensor, step: int, 
         steps_left = settings.steps_per_block - step
         needed = remaining if steps_left <= 1 else -torch.div(-remaining, steps_left, rounding_mode="floor")  # ceil
         count = torch.maximum(count, needed)
+    count = torch.maximum(count, torch.full_like(count, settings.min_tokens_per_step))
     count = torch.minimum(count, remaining)
     order = conf.argsort(dim=1, descending=True, stable=True)
     positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
@@ -453,82 +669,86 @@ def tokens_to_unmask(masked: torch.Tensor, confidence: torch.Tensor, step: int, 
     return masked & (rank < count[:, None])
 
 
-def denoise_block(model, context, block, masked, start, settings, generator):
-    """Denoise ``block`` until none of its ``masked`` positions is left; returns the finished block."""
+def denoise_block(model, context, block, masked, start, settings, generator, done=None):
+    """Denoise ``block`` (``[b, B]``) until every row is done with it; returns the finished block.
+
+    A row is done when none of its ``masked`` positions is left, when (``settings.eos_early_exit``) an EOS is fixed
+    with no masked position before it, when an engine rule's step changes nothing (SGLang), or from the start
+    (``done``, e.g. rows that ended in an earlier block). Each step fixes positions of the first sub-block that still
+    holds a masked one (the whole block without sub-blocks); with ``settings.compact_batch`` only the rows not done
+    run in it. Every row's tokens depend on its own rows only, so a row decodes the same alone or in any batch."""
     block, masked = block.clone(), masked.clone()
+    batch, B = block.shape
+    device = block.device
+    S = settings.sub_block_size or B
+    shift = int(settings.token_shift)
+    generated = masked.clone()  # the positions this block decodes (a prompt tail is never an end)
+    done = torch.zeros(batch, dtype=torch.bool, device=device) if done is None else done.clone()
+    eos = torch.tensor(settings.eos_token_ids, dtype=block.dtype, device=device)
+    columns = torch.arange(B, device=device)
+    last_sub = torch.full((batch,), -1, dtype=torch.long, device=device)
     step = 0
-    while masked.any():
-        hidden, clean_last = context.block_hidden(block, start)
-        if settings.token_shift:
-            # Position j is predicted by row j - 1; the block's first position by the clean stream's last row.
+    while True:
+        done |= ~masked.any(1)
+        if settings.eos_early_exit and eos.numel():
+            done |= _eos_settled(block, masked, generated, eos)
+        if bool(done.all()):
+            return block
+        running = ~done
+        rows = running.nonzero()[:, 0] if settings.compact_batch and not bool(running.all()) else None
+        # Each row's sub-block: the first one holding a masked position.
+        sub = torch.where(masked, columns, B).min(1).values.clamp(max=B - 1) // S
+        refresh = (sub != last_sub) if settings.block_cache else torch.ones_like(running)
+        own_lo = torch.where(refresh, 0, (sub * S - shift).clamp(min=0))
+        own_hi = torch.where(refresh, B, sub * S + S)
+        own_lo, own_hi = own_lo.masked_fill(done, 0), own_hi.masked_fill(done, 0)  # a done row takes nothing fresh
+        lo, hi = int(own_lo[running].min()), int(own_hi[running].max())
+        take = slice(None) if rows is None else rows
+        window = StepWindow(lo, hi, own_lo[take], own_hi[take])
+        hidden, clean_last = context.step(block, start, rows, window)
+
+        # The positions a step may fix, and the row predicting each (its own, or with token shift the one before;
+        # the block's first position then comes from the clean stream's last row).
+        in_sub = (columns[None] // S) == sub[take][:, None]
+        candidates = masked[take] & in_sub & running[take][:, None]
+        row_index, column = candidates.nonzero(as_tuple=True)
+        source = hidden[row_index, (column - shift - lo).clamp(min=0)]
+        from_clean = (column == 0) & bool(shift)
+        if bool(from_clean.any()):
             first = clean_last if clean_last is not None else torch.zeros_like(hidden[:, 0])
-            hidden = torch.cat([first[:, None], hidden[:, :-1]], dim=1)
-        logits = model.lm_logits(hidden[masked])
-        tokens, conf = choose_tokens(logits, settings, generator)
-        full_tokens = torch.zeros_like(block).masked_scatter(masked, tokens)
-        full_conf = torch.zeros(block.shape, dtype=conf.dtype, device=block.device).masked_scatter(masked, conf)
-        if settings.token_shift and clean_last is not None:
-            # The clean prediction of the block's first token does not change with the block's content:
-            # fix it at once, so the rest of the block is denoised knowing it.
-            full_conf[:, 0] = math.inf
-        unmask = tokens_to_unmask(masked, full_conf, step, settings)
-        block = torch.where(unmask, full_tokens, block)
+            source = torch.where(from_clean[:, None], first[row_index], source)
+        tokens, conf = choose_tokens(model.lm_logits(source), settings, generator)
+        if clean_last is not None:
+            # The clean prediction of the block's first token does not change with the block's content: fix it at
+            # once, so the rest of the block is denoised knowing it.
+            conf = torch.where(from_clean, math.inf, conf)
+        full_tokens = block[take].clone()
+        full_tokens[row_index, column] = tokens
+        full_conf = torch.zeros(candidates.shape, dtype=conf.dtype, device=device)
+        full_conf[row_index, column] = conf
+        unmask = tokens_to_unmask(candidates, full_conf, step, settings)
         if settings.unmasking == "sglang_low_confidence":
             # SGLang reads the masked positions off the ids: a position whose argmax is [MASK] stays masked. A step
-            # that fixes nothing else leaves the ids, hence the next forward and step, unchanged: the block ends with
-            # its masks (SGLang runs out its step budget, block size + 1, the same way).
+            # that fixes nothing else leaves the ids, hence the next forward and step, unchanged: the row's block
+            # ends with its masks (SGLang runs out its step budget, block size + 1, the same way).
             unmask &= full_tokens != settings.mask_token_id
-            if not unmask.any():
-                break
-        masked &= ~unmask
+            stalled = candidates.any(1) & ~unmask.any(1)
+            done[take] = done[take] | stalled
+        block[take] = torch.where(unmask, full_tokens, block[take])
+        masked[take] = masked[take] & ~unmask
+        last_sub[take] = torch.where(running[take], sub[take], last_sub[take])
         step += 1
-    return block
+
+
+def _eos_settled(block, masked, generated, eos) -> torch.Tensor:
+    """Rows with a generated EOS fixed and no masked position before it: nothing after it can reach the output."""
+    settled_eos = generated & ~masked & torch.isin(block, eos)
+    first_eos = torch.where(settled_eos, torch.arange(block.shape[1], device=block.device), block.shape[1]).min(1)
+    first_masked = torch.where(masked, torch.arange(block.shape[1], device=block.device), block.shape[1]).min(1)
+    return (first_eos.values < block.shape[1]) & (first_masked.values > first_eos.values)
 
 
 # --- the decoding loop -------------------------------------------------------------------------
-
-
-def decode(model, prompt: torch.Tensor, settings: DecodeSettings, use_cache: bool, generator) -> torch.Tensor:
-    """Block-wise decoding of equal-length prompts ``[b, s]``; returns ``[b, s + n]`` (n <= max_new_tokens)."""
-    batch, prompt_len = prompt.shape
-    B = settings.block_size
-    device = prompt.device
-    context = (CachedContext if use_cache else RecomputedContext)(model, settings, device)
-    start = prompt_len - prompt_len % B
-    if start:
-        context.append(prompt[:, :start])
-    seq = prompt
-    while True:
-        tail = seq[:, start:]
-        block = torch.cat([tail, tail.new_full((batch, B - tail.shape[1]), settings.mask_token_id)], dim=1)
-        masked = torch.arange(B, device=device)[None].expand(batch, B) >= tail.shape[1]
-        block = denoise_block(model, context, block, masked, start, settings, generator)
-        seq = torch.cat([seq[:, :start], block], dim=1)
-        if seq.shape[1] - prompt_len >= settings.max_new_tokens or _all_ended(seq[:, prompt_len:], settings):
-            break
-        context.append(block)
-        start += B
-    return _finish(seq[:, : prompt_len + settings.max_new_tokens], prompt_len, settings)
-
-
-def _eos_mask(generated: torch.Tensor, settings: DecodeSettings) -> torch.Tensor:
-    eos = torch.tensor(settings.eos_token_ids, device=generated.device)
-    return torch.isin(generated, eos)
-
-
-def _all_ended(generated: torch.Tensor, settings: DecodeSettings) -> bool:
-    return bool(settings.eos_token_ids) and bool(_eos_mask(generated, settings).any(1).all())
-
-
-def _finish(seq: torch.Tensor, prompt_len: int, settings: DecodeSettings) -> torch.Tensor:
-    """Keep each row up to its first generated EOS, pad the rest, drop columns no row needs."""
-    if not settings.eos_token_ids:
-        return seq
-    is_eos = _eos_mask(seq[:, prompt_len:], settings)
-    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
-    generated = seq[:, prompt_len:].masked_fill(after_eos, settings.pad_token_id)
-    keep = int((~after_eos).sum(1).max())
-    return torch.cat([seq[:, :prompt_len], generated[:, :keep]], dim=1)
 
 
 def _check_inputs(model, input_ids, attention_mask) -> None:
@@ -604,15 +824,12 @@ def generate(
         )
     config.validate()
     _check_inputs(model, input_ids, attention_mask)
-    if attention_mask is None or bool(attention_mask.bool().all()):
-        settings = resolve_settings(model, config, input_ids.shape[1])
-        return decode(model, input_ids, settings, use_cache, generator)
-    return _decode_left_padded(model, input_ids, attention_mask.bool(), config, use_cache, generator)
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    return _decode_left_padded(model, input_ids, mask, config, use_cache, generator)
 
 
 def _decode_left_padded(model, input_ids, mask, config, use_cache, generator) -> torch.Tensor:
-    """Ragged batch: decode the rows together (each row's blocks start at its first real token), re-assemble
-    HF-style."""
+    """Decode the rows together (each row's blocks start at its first real token), re-assemble HF-style."""
     width = input_ids.shape[1]
     # max_length counts the padded width, as in transformers, so every row gets the same budget.
     settings = resolve_settings(model, config, width)
@@ -659,7 +876,8 @@ def decode_ragged(
     full = torch.div(lengths, B, rounding_mode="floor")
     start = int(full.max()) * B  # column of the first decoded block; every row's prompt blocks end there
     pad = (start - full * B).to(device)
-    context = (CachedContext if use_cache else RecomputedContext)(model, settings, device, LeftPadding(pad))
+    padding = LeftPadding(pad) if bool(pad.any()) else None
+    context = (CachedContext if use_cache else RecomputedContext)(model, settings, device, padding)
     if start:
         prefix = torch.zeros((len(prompts), start), dtype=prompts[0].dtype, device=device)
         for i, p in enumerate(prompts):

@@ -203,16 +203,19 @@ def test_eos_stops_after_its_block_and_pads_finished_rows():
     assert single[0, -1] == eos and single.shape[1] <= 4 + 6
 
 
-def test_steps_per_block_bounds_the_denoising_steps():
+@pytest.mark.parametrize("fused", [False, True])
+def test_steps_per_block_bounds_the_denoising_steps(fused):
     model = llama_bdlm()
     calls = []
     handle = model.register_forward_hook(lambda module, args, kwargs_out: calls.append(1))
     try:
-        generate(model, prompts(1, 4), max_new_tokens=8, steps_per_block=2, confidence_threshold=None)
+        generate(model, prompts(1, 4), max_new_tokens=8, steps_per_block=2, confidence_threshold=None,
+                 fuse_block_commit=fused)
     finally:
         handle.remove()
-    # prefill + (2 steps + 1 append) for the first block + 2 steps for the last block
-    assert len(calls) == 1 + 3 + 2
+    # Apart: prefill + (2 steps + 1 append) for the first block + 2 steps for the last block. Fused: the prompt's block
+    # runs in the first block's first step, and the first block's clean rows in the second block's first step.
+    assert len(calls) == (2 + 2 if fused else 1 + 3 + 2)
 
 
 def test_mask_token_is_never_generated():

@@ -5,7 +5,8 @@ for it (`from_target`), both saved with `save_pretrained`. The contract checked:
 `target.generate(ids, do_sample=False, max_new_tokens=N)` on the same templated prompt (cut at the first EOS), alone or
 batched with other requests of other lengths and budgets, over the openai client too; a stream sends the tokens each
 verification forward committed; sampling and diffusion fields are a 400; a folder that is not a drafter is a clear
-error.
+error; the served acceptance (tokens per target forward) is the one `speculative_generate` measures on the same
+prompts.
 Run: python -m pytest tests/test_serving_dflash.py -q
 """
 
@@ -146,3 +147,24 @@ def test_a_bad_number_of_speculative_tokens_is_a_clear_error(folders):
         Engine.from_pretrained(folders / "target", draft=folders / "drafter", num_speculative_tokens=4)
     with pytest.raises(ValueError, match=r"num_speculative_tokens=2 .*pass a drafter folder \(--draft DIR\)"):
         Engine.from_pretrained(folders / "target", num_speculative_tokens=2)
+
+
+def test_served_acceptance_equals_the_recipes_measurement(engine):
+    """`hf-bdlm serve --draft` accepts as many tokens per target forward as `speculative_generate` (what the DFlash
+    recipe measures after training) on the same prompts: the same target forwards for the same tokens."""
+    from hf_bdlm.benchmarks.decoding import ForwardMeter, serve_decode
+    from hf_bdlm.models.dflash.speculative import speculative_generate
+
+    decoder = engine.decoder
+    acceptance = []
+    for messages in PROMPTS:
+        ids = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"])
+        with ForwardMeter({"model": decoder.model.get_decoder()}) as meter, torch.no_grad():
+            served = serve_decode(decoder, [ids], 12, False, {EOS})[0]
+        out, stats = speculative_generate(decoder.model, decoder.drafter, torch.tensor([ids]), max_new_tokens=12,
+                                          eos_token_id=EOS, num_speculative_tokens=decoder.num_speculative_tokens)
+        assert served == out[0, len(ids):].tolist()[: len(served)]
+        assert len(meter.forwards["model"]) == stats.target_forwards
+        acceptance.append(stats.mean_acceptance_length)
+    assert max(acceptance) > 1.2  # 1.57 measured: the drafter (the target's own layers) gets proposals accepted: a check with teeth

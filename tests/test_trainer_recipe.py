@@ -30,9 +30,9 @@ def parse(*argv):
     return sft.make_parser().parse_args_and_config(args=list(argv))[:3]
 
 
-def test_there_are_the_three_configs_and_six_launch_files():
-    assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "qwen3_conversion_256k_16gpu.yaml",
-                                         "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
+def test_there_are_the_four_configs_and_six_launch_files():
+    assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "smollm2_cpu_parallel.yaml",
+                                         "qwen3_conversion_256k_16gpu.yaml", "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
     assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "cpu_2proc_fsdp2.yaml", "fsdp2_8gpu.yaml",
                                             "multinode_2x8gpu.yaml", "cpu_4proc_tp2_fsdp2.yaml",
                                             "tp2_fsdp2_2x8gpu.yaml"}
@@ -67,6 +67,17 @@ def test_cpu_config_parses_into_a_csbp_run():
     assert (args.block_parallel_mode, args.objective, args.block_size, args.bf16) == ("csbp", "fast_dllm_v2", 16,
                                                                                      False)
     assert yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_csbp.yaml").read_text())["block_parallel_size"] == 2
+
+
+def test_the_longer_run_is_the_quickstart_trained_on_with_the_quickstart_as_its_checkpoint_90():
+    quick = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_csbp.yaml").read_text())
+    longer = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_parallel.yaml").read_text())
+    changed = {k for k in quick.keys() | longer.keys() if quick.get(k) != longer.get(k)}
+    assert changed == {"output_dir", "max_steps", "save_strategy", "save_steps", "save_only_model",
+                       "exact_match_examples"}
+    # a constant learning rate after warm-up: the first 90 steps are the quickstart's, whatever max_steps is
+    assert longer["lr_scheduler_type"] == "constant_with_warmup" and longer["save_steps"] == quick["max_steps"]
+    assert longer["max_steps"] > quick["max_steps"]
 
 
 def test_qwen3_config_is_a_256k_csbp_conversion_over_16_ranks():

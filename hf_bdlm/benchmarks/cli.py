@@ -106,7 +106,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     cap.add_argument("--max-context-layers", type=positive_int, default=None)
     cap.add_argument("--max-context-limit", type=positive_int, default=None, metavar="L",
                      help="longest L probed (the search stops there)")
-    for name in suite.FAMILY_STUDIES:  # each family study declares its own options (hf_bdlm.models.FAMILY_STUDIES)
+    for name in suite.STUDY_MODULES:  # each study with a module of its own declares its options (decoding, families')
         module = suite.family_study(name)
         summary = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "")
         module.add_arguments(p.add_argument_group(f"the {name} study", summary))

@@ -16,12 +16,17 @@ Studies (``--only`` picks some; all by default), each measured in fresh processe
   (:mod:`.baselines`). ``baselines.json`` (``baselines_<link>.json`` with ``--link``; several links, ``none``
   among them, run the study once per link in one command).
 
-Family studies: each model family may own studies (:data:`hf_bdlm.models.FAMILY_STUDIES`, a study name -> its
-module), declared and run through three functions of that module: ``add_arguments(group)`` (its options, in their own
-group of ``hf-bdlm bench``), ``run(cfg, args, path)`` (the records, written to ``<study>.json`` as they come) and
-``report(records)`` (its markdown section), and optionally ``check_arguments(cfg, args)`` (a ``ValueError`` naming
-the option on a bad combination, raised before any study runs). They follow the core studies, in the registry's
-order.
+Studies with a module of their own (:data:`STUDY_MODULES`) are declared and run through three functions of that
+module: ``add_arguments(group)`` (its options, in their own group of ``hf-bdlm bench``), ``run(cfg, args, path)`` (the
+records, written to ``<study>.json`` as they come) and ``report(records)`` (its markdown section), and optionally
+``check_arguments(cfg, args)`` (a ``ValueError`` naming the option on a bad combination, raised before any study runs)
+and ``plot(records, path)``. They follow the core studies:
+
+- ``decoding``: :mod:`.decoding`, every family's decoding variants against greedy AR at batch 1 and 8 (tokens per
+  forward, tokens/s, CPU time per token, exact match, agreement, the forward cost by rows). ``decoding.json``,
+  ``decoding.png``.
+- the families' own studies (:data:`hf_bdlm.models.FAMILY_STUDIES`, a study name -> its module), in the registry's
+  order.
 
 ``summary.json`` holds the machine and, per study, the command, wall time and load average (1-minute, at its start and
 end; a study run again into the same folder replaces its entry), and the plots; ``summary.md`` the
@@ -51,12 +56,15 @@ from .processes import child_env, module_command
 from .spread import MIN_TIMED_STEPS, check_timed_steps
 
 CORE_STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
-STUDIES = CORE_STUDIES + tuple(FAMILY_STUDIES)
+# Studies run through a module of their own (the interface of the family studies below): this package's decoding
+# study (every family's decoding, each family reached through the registry), then the families' own.
+STUDY_MODULES = {"decoding": "hf_bdlm.benchmarks.decoding", **FAMILY_STUDIES}
+STUDIES = CORE_STUDIES + tuple(STUDY_MODULES)
 
 
 def family_study(name: str):
-    """The module of the family study ``name`` (imported on first use)."""
-    return importlib.import_module(FAMILY_STUDIES[name])
+    """The module of the study ``name`` that runs through a module of its own (imported on first use)."""
+    return importlib.import_module(STUDY_MODULES[name])
 
 
 def family_study_path(out: pathlib.Path, name: str) -> pathlib.Path:
@@ -190,7 +198,7 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     if "growth" in cfg.studies and len(set(cfg.growth_lengths)) < 2:
         raise ValueError(f"--growth-lengths {' '.join(map(str, cfg.growth_lengths))}: the exponent fit needs at "
                          f"least two distinct lengths")
-    for name in FAMILY_STUDIES:
+    for name in STUDY_MODULES:
         check = getattr(family_study(name), "check_arguments", None)
         if name in cfg.studies and check is not None:
             check(cfg, args)
@@ -321,12 +329,12 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
     modes, attention = _read(out / "parallel_modes.json"), _read(out / "attention.json")
     growth, mc = _read(out / "growth.json"), _read(out / "max_context.json")
     base = [r for path in sorted(out.glob("baselines*.json")) for r in _read(path)]
-    families = {name: records for name in FAMILY_STUDIES
+    families = {name: records for name in STUDY_MODULES
                 if (records := _read(family_study_path(out, name))) is not None}
     if not any(x is not None for x in (modes, attention, growth, mc)) and not base and not families:
         raise FileNotFoundError(f"{out} holds none of parallel_modes.json, attention.json, growth.json, "
                                 f"max_context.json, baselines*.json"
-                                + "".join(f", {family_study_path(out, n).name}" for n in FAMILY_STUDIES)
+                                + "".join(f", {family_study_path(out, n).name}" for n in STUDY_MODULES)
                                 + f": run hf-bdlm bench --out {out} first")
     summary = _read(out / "summary.json") or {}
     plots, sections = [], []
@@ -369,6 +377,9 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
             sections.append(("Emulated links of the baselines records (the compute rate each launch measured, the "
                              "link it gave)", report.link_table(base, True), report.link_table(base)))
     for name, records in families.items():
+        drawn = getattr(family_study(name), "plot", None)
+        if drawn is not None and (path := drawn(records, family_study_path(out, name).with_suffix(".png"))):
+            plots.append(path)
         sections.append(family_study(name).report(records))
     if attention is not None:
         if any("time_s" in r for r in attention):
@@ -402,7 +413,7 @@ def _run_study(study: str, cfg: BenchConfig, out: pathlib.Path, modes_records: l
                args: argparse.Namespace) -> int:
     """Run one study, write its JSON; returns how many of its measurements failed. ``modes_records`` is extended
     with the modes study's records (the growth study reuses them); ``args`` carry the family studies' options."""
-    if study in FAMILY_STUDIES:
+    if study in STUDY_MODULES:
         records = family_study(study).run(cfg, args, family_study_path(out, study))
         return sum("error" in r for r in records)
     if study == "modes":

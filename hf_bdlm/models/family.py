@@ -77,6 +77,12 @@ class ModelFamily:
         """How ``hf-bdlm serve`` decodes ``model`` (one of this family's, unwrapped): a :class:`ServingDecoder`."""
         raise NotImplementedError(f"hf-bdlm serve does not decode {self.name!r} models yet.")
 
+    def decoding_variants(self, decoder: "ServingDecoder") -> dict[str, "DecodingVariant"]:
+        """The named ways of decoding ``decoder``'s model that ``hf-bdlm bench --only decoding`` measures side by
+        side (each a :class:`DecodingVariant` over the same model), in the order of its table. Default: the decoder
+        as it is, its own reference."""
+        return {"default": DecodingVariant(decoder, reference=True)}
+
     # --- evaluation (lm-eval's `--model bdlm`) ---------------------------------------------------------------------
     def load_for_evaluation(self, path: str, config, init_kwargs: dict[str, Any], block_size: int):
         """``(model, tokenizer)`` scored by lm-eval's ``--model bdlm``: by default what ``hf-bdlm serve`` loads. A
@@ -195,6 +201,34 @@ class ServingDecoder:
         tokens); ``on_block`` returns the rows to stop, which are decoded no further. A row ends by itself at EOS or
         at its token budget."""
         raise NotImplementedError
+
+    def counted_modules(self) -> dict[str, Any]:
+        """The modules whose forward calls are this decoder's model passes, by role: ``"model"`` (the forwards that
+        produce tokens: tokens per forward count these), ``"head"`` (the LM head, over the rows it scores), and any
+        other the family runs (a drafter, an encoder). ``hf-bdlm bench --only decoding`` counts their calls and rows
+        and times them, for its cost model."""
+        return {"model": self.model}
+
+
+@dataclass(frozen=True)
+class DecodingVariant:
+    """One named way of decoding a model, measured by ``hf-bdlm bench --only decoding``.
+
+    Attributes:
+        decoder (`ServingDecoder`): decodes the model with this variant's settings.
+        ignore_eos (`bool`): decode every request's whole token budget, then cut the text at its first EOS (what a
+            decoder that does not stop at EOS delivers, at that decoder's cost).
+        reference (`bool`): the family's most careful setting (one token per step); every variant's agreement is
+            measured against its outputs.
+        baseline (`str`): the variant this one adds one technique to (its gain is measured against it), or ``""``.
+        description (`str`): what it does, for the table.
+    """
+
+    decoder: "ServingDecoder"
+    ignore_eos: bool = False
+    reference: bool = False
+    baseline: str = ""
+    description: str = ""
 
 
 

@@ -68,6 +68,45 @@ class BlockDiffusionFamily(ModelFamily):
 
         return BlockDiffusionServingDecoder(model, tokenizer)
 
+    def decoding_variants(self, decoder):
+        """The decoding techniques, each on its own over one baseline (threshold 0.9, EOS honoured at the block's
+        end, every technique off), all of them together, and the references: one token per step, and no stop at
+        EOS (the whole budget)."""
+        from ..family import DecodingVariant
+
+        none = dict(fuse_block_commit=False, eos_early_exit=False, compact_batch=False)
+        sub = max(1, decoder.model.config.block_size // 4)
+        plain = dict(confidence_threshold=0.9, steps_per_block=None, **none)
+        variants = {
+            "one per step": DecodingVariant(decoder.with_generation(confidence_threshold=None, steps_per_block=None),
+                                            reference=True, description="one position per step (the reference)"),
+            "threshold 0.9": DecodingVariant(decoder.with_generation(**plain),
+                                             description="confidence >= 0.9 in parallel; every technique off"),
+            "to max_new_tokens": DecodingVariant(decoder.with_generation(**plain), ignore_eos=True,
+                                                 baseline="threshold 0.9",
+                                                 description="no stop at EOS: the whole budget, cut after"),
+            "no KV cache": DecodingVariant(decoder.with_generation(use_cache=False, **plain), baseline="threshold 0.9",
+                                           description="the clean prefix recomputed at every step"),
+        }
+        for name, fields, what in (
+                ("+ fused commit", dict(fuse_block_commit=True), "a block's clean rows run with the next block's step"),
+                ("+ EOS exit", dict(eos_early_exit=True), "a row stops at the step its EOS settles"),
+                ("+ compact batch", dict(compact_batch=True), "rows done with the block sit out the others' steps"),
+                ("+ min 2 per step", dict(min_tokens_per_step=2), "at least 2 positions per step"),
+                (f"+ sub-blocks {sub}", dict(sub_block_size=sub), f"left to right in sub-blocks of {sub}"),
+                (f"+ sub-block cache {sub}", dict(sub_block_size=sub, block_cache=True),
+                 "sub-blocks; a sub-block's later steps run its rows only")):
+            variants[name] = DecodingVariant(decoder.with_generation(**{**plain, **fields}), baseline="threshold 0.9",
+                                             description=what)
+        exact = dict(confidence_threshold=0.9, steps_per_block=None, fuse_block_commit=True, eos_early_exit=True,
+                     compact_batch=True)
+        variants["exact techniques"] = DecodingVariant(decoder.with_generation(**exact), baseline="threshold 0.9",
+                                                       description="fused commit, EOS exit, compact batch")
+        variants[f"all, sub-block cache {sub}"] = DecodingVariant(
+            decoder.with_generation(**exact, sub_block_size=sub, block_cache=True), baseline="exact techniques",
+            description="the exact techniques + sub-blocks and their cache")
+        return variants
+
     def likelihood_scorer(self, model, tokenizer):
         from .likelihood import BlockDiffusionLikelihoodScorer
 

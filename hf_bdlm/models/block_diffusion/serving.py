@@ -21,14 +21,31 @@ from ..family import ServingDecoder
 class BlockDiffusionServingDecoder(ServingDecoder):
     """Serves a [`BlockDiffusionForMaskedLM`] with :func:`hf_bdlm.generation.decode_ragged`."""
 
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, use_cache: bool = True):
         self.model = model.eval()
+        self.use_cache = use_cache
         backbone = model.config.backbone_config
         self.context_length = int(getattr(backbone, "max_position_embeddings", 0) or 1 << 30)
         config = getattr(model, "generation_config", None)
         self.generation_config = as_block_diffusion_config(config) if config is not None else \
             BlockDiffusionGenerationConfig.from_model_config(model.config)
         self.device = next(model.parameters()).device
+
+    def with_generation(self, use_cache: bool = True, **fields) -> "BlockDiffusionServingDecoder":
+        """The same model decoded with ``fields`` of [`BlockDiffusionGenerationConfig`] changed (and the clean prefix
+        cached or, ``use_cache=False``, recomputed at every step)."""
+        other = BlockDiffusionServingDecoder.__new__(BlockDiffusionServingDecoder)
+        other.__dict__.update(self.__dict__)
+        other.generation_config = as_block_diffusion_config(self.generation_config)
+        unused = other.generation_config.update(**fields)
+        if unused:
+            raise TypeError(f"not fields of BlockDiffusionGenerationConfig: {sorted(unused)}")
+        other.generation_config.validate()
+        other.use_cache = use_cache
+        return other
+
+    def counted_modules(self):
+        return {"model": self.model.decoder, "head": self.model.get_output_embeddings()}
 
     def settings(self, request, prompt_len: int, max_tokens: int):
         config = as_block_diffusion_config(self.generation_config)
@@ -71,5 +88,5 @@ class BlockDiffusionServingDecoder(ServingDecoder):
             generator = torch.Generator(device=self.device).manual_seed(seeds[0])
         rows = [torch.tensor(p, dtype=torch.long, device=self.device) for p in prompts]
         with torch.no_grad():
-            decode_ragged(self.model, rows, batch, generator=generator,
+            decode_ragged(self.model, rows, batch, use_cache=self.use_cache, generator=generator,
                           max_new_tokens=[s.max_new_tokens for s in settings], on_block=on_block)

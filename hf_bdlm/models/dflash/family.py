@@ -90,6 +90,16 @@ class DFlashFamily(ModelFamily):
 
         return load_speculative(target_path, draft_path, init_kwargs, device, num_speculative_tokens)
 
+    def decoding_variants(self, decoder):
+        """Greedy speculative decoding verifying the drafter's whole block (``B - 1`` proposals) and 3 of them; the
+        output is the target's own greedy text either way (its agreement is measured against the target's)."""
+        from ..family import DecodingVariant
+
+        block = int(decoder.drafter.config.block_size)
+        counts = [block - 1] + [n for n in (3,) if n < block - 1]
+        return {f"{n} proposals": DecodingVariant(decoder.with_proposals(n), description=f"block {block}, the target "
+                                                  f"verifies {n} proposals per forward") for n in counts}
+
     def objective_class(self, name: str):
         from .trainer import DFlashTrainingObjective
 

@@ -46,6 +46,22 @@ class SpeculativeServingDecoder(ServingDecoder):
             pad = tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.default_eos[0] if self.default_eos else 0)
 
+    def with_proposals(self, num_speculative_tokens: int) -> "SpeculativeServingDecoder":
+        """The same target and drafter, verifying ``num_speculative_tokens`` proposals per step."""
+        from .speculative import speculative_token_count
+
+        other = SpeculativeServingDecoder.__new__(SpeculativeServingDecoder)
+        other.__dict__.update(self.__dict__)
+        other.num_speculative_tokens = speculative_token_count(num_speculative_tokens,
+                                                               int(self.drafter.config.block_size))
+        return other
+
+    def counted_modules(self):
+        # The target's body (one forward per verification, and the prefill), its head (verifications and the
+        # drafter's proposals alike), and the drafter's first layer (one call per drafted block).
+        return {"model": self.model.get_decoder(), "head": self.model.get_output_embeddings(),
+                "drafter": self.drafter.layers[0]}
+
     def settings(self, request, prompt_len: int, max_tokens: int) -> SpeculativeSettings:
         if request.temperature is not None and request.temperature > 0:
             raise ValueError(f"temperature={request.temperature}: a server with a drafter decodes greedily (the "

@@ -67,6 +67,19 @@ class DiffusionGemmaFamily(ModelFamily):
 
         return DiffusionGemmaServingDecoder(unwrap_diffusion_gemma(model), tokenizer)
 
+    def decoding_variants(self, decoder):
+        """Its own settings (the generation config: denoising steps and adaptive stop per canvas) and as many
+        denoising steps as the canvas has tokens, without the adaptive stop (the careful reference)."""
+        from ..family import DecodingVariant
+
+        canvas = int(decoder.model.config.canvas_length)
+        config = decoder.model.generation_config
+        own = f"own settings ({getattr(config, 'max_denoising_steps', None)} steps max, adaptive stop)"
+        return {own: DecodingVariant(decoder, description="the checkpoint's generation config"),
+                f"{canvas} steps per canvas": DecodingVariant(
+                    decoder.with_overrides(max_denoising_steps=canvas, confidence_threshold=1e-9), reference=True,
+                    description="as many denoising steps as the canvas has tokens, no adaptive stop")}
+
     def likelihood_scorer(self, model, tokenizer):
         from .likelihood import DiffusionGemmaLikelihoodScorer
 

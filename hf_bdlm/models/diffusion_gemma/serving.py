@@ -75,6 +75,20 @@ class DiffusionGemmaServingDecoder(ServingDecoder):
                            "turns, each with its own cache)", cache)
             self.base_overrides["cache_implementation"] = None
 
+    def with_overrides(self, **fields) -> "DiffusionGemmaServingDecoder":
+        """The same model decoded with these generation-config fields (e.g. ``max_denoising_steps``) by default."""
+        other = DiffusionGemmaServingDecoder.__new__(DiffusionGemmaServingDecoder)
+        other.__dict__.update(self.__dict__)
+        other.base_overrides = {**self.base_overrides, **fields}
+        return other
+
+    def counted_modules(self):
+        # generate's denoising steps call the model's bound forward (no module hook fires there), which runs the
+        # decoder over one canvas: the decoder is what counts; the encoder runs the tokens not cached yet, once per
+        # canvas.
+        return {"model": self.model.model.decoder, "encoder": self.model.model.encoder,
+                "head": self.model.get_output_embeddings()}
+
     # --- settings -----------------------------------------------------------------------------------------------
     def settings(self, request, prompt_len: int, max_tokens: int) -> DiffusionGemmaServingSettings:
         if request.top_p is not None and request.top_p < 1:

@@ -1,0 +1,661 @@
+"""The decoding study of ``hf-bdlm bench --only decoding``: every family's decoding against greedy AR, at equal quality.
+
+Each model is loaded as ``hf-bdlm serve`` loads it (its family found from its config through ``hf_bdlm.models``) and
+decoded by its family's serving decoder in each of the family's named variants (``ModelFamily.decoding_variants``:
+a block-diffusion model's techniques one by one, a drafter's proposal counts, an encoder-decoder's canvas settings). A
+model's speed is compared with greedy ``generate`` of an AR model: ``--decoding-causal`` (the parent fine-tuned like
+for like) for the diffusion models, the target itself for a drafter. Same held-out prompts (the shipped arithmetic /
+word tasks, chat template), EOS honoured (a variant that ignores it decodes its whole budget, its text cut at EOS
+after), at batch 1 and 8.
+
+Per variant and batch size:
+
+- **tokens per forward**: delivered tokens over the forwards of the model (its ``counted_modules()["model"]``: the
+  prompt's forward included; greedy AR makes exactly 1), the device-independent measure;
+- **tokens/s** (wall) and **CPU s per token** (this process, all threads), median and range over the timed groups
+  (every group of prompts a sample, at least 3; the variants of every model take turns group by group);
+- **quality**: exact match on the held-out answers; agreement (identical tokens) with the family's reference variant
+  (one token per step), or for a drafter with its target's greedy text; batch 8 against batch 1 (batch invariance);
+- **cost model**: the CPU time of every counted forward by its rows, fitted ``a + b * rows`` per model part, and the
+  time each variant's forwards would take on a GPU of the planner's table (``hf_bdlm.planner.hardware``: weights read
+  at the HBM rate or the matmuls at the achievable rate, whichever is slower; no kernel-launch floor).
+
+Records: ``decoding.json`` (a list: one ``"decoding"`` record per model, variant and batch size, one ``"forward_cost"``
+record per model part), ``decoding.png``.
+
+    hf-bdlm bench --only decoding --quick --out /tmp/dec        # the embedded SmolLM2 converted untrained vs itself
+    python -m hf_bdlm.benchmarks.decoding --models outputs/bdlm --causal outputs/ar --out /tmp/decoding.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .processes import child_env, module_command
+from .spread import MIN_TIMED_STEPS, Spread, compare
+
+QUICK = dict(prompts=8, batches=(1, 8), max_new_tokens=32)
+FULL = dict(prompts=24, batches=(1, 8), max_new_tokens=32)
+EMBEDDED = "embedded:smollm2"
+GPU = "h100"
+
+
+# --- options ----------------------------------------------------------------------------------------------------------
+def add_arguments(group) -> None:
+    """The study's ``hf-bdlm bench`` options (``None`` defaults: the preset fills them)."""
+    group.add_argument("--decoding-models", nargs="+", default=None, metavar="DIR",
+                       help="checkpoints hf-bdlm serve loads (any family; a causal LM is converted untrained); "
+                            f"default: {EMBEDDED} converted on the fly")
+    group.add_argument("--decoding-causal", default=None, metavar="DIR",
+                       help=f"the AR model the --decoding-models are compared with (default: {EMBEDDED})")
+    group.add_argument("--decoding-speculative", nargs="+", default=None, metavar="TARGET:DRAFTER",
+                       help="a causal target and its drafter folder, decoded as hf-bdlm serve TARGET --draft DRAFTER "
+                            "does; compared with the target's own greedy generate")
+    group.add_argument("--decoding-prompts", type=int, default=None, metavar="N",
+                       help=f"held-out prompts (default: {FULL['prompts']}; --quick: {QUICK['prompts']})")
+    group.add_argument("--decoding-batches", type=int, nargs="+", default=None, metavar="B",
+                       help="batch sizes (default: 1 8)")
+    group.add_argument("--decoding-max-new-tokens", type=int, default=None, metavar="N",
+                       help=f"token budget per prompt (default: {FULL['max_new_tokens']})")
+    group.add_argument("--decoding-threads", type=int, default=1, metavar="T",
+                       help="torch threads of the measuring process (default: 1)")
+
+
+@dataclass(frozen=True)
+class DecodingStudy:
+    models: tuple[str, ...]
+    causal: str
+    speculative: tuple[tuple[str, str], ...]
+    prompts: int
+    batches: tuple[int, ...]
+    max_new_tokens: int
+    threads: int
+
+    def command_args(self) -> list[str]:
+        args = ["--models", *self.models, "--causal", self.causal, "--prompts", str(self.prompts),
+                "--batches", *map(str, self.batches), "--max-new-tokens", str(self.max_new_tokens),
+                "--threads", str(self.threads)]
+        if self.speculative:
+            args += ["--speculative", *(f"{t}:{d}" for t, d in self.speculative)]
+        return args
+
+
+def _pair(text: str) -> tuple[str, str]:
+    target, sep, drafter = text.rpartition(":")
+    if not sep or not target or not drafter or target == "embedded":
+        if text.startswith(EMBEDDED + ":"):
+            return EMBEDDED, text[len(EMBEDDED) + 1:]
+        raise ValueError(f"--decoding-speculative {text!r}: write TARGET:DRAFTER (a causal-LM folder or {EMBEDDED}, "
+                         "a colon, a drafter folder)")
+    return target, drafter
+
+
+def resolve(cfg, args: argparse.Namespace) -> DecodingStudy:
+    """The study's settings from the suite's preset and the ``--decoding-*`` options (``ValueError`` on a bad one)."""
+    preset = QUICK if cfg.quick else FULL
+    prompts = args.decoding_prompts or preset["prompts"]
+    batches = tuple(args.decoding_batches or preset["batches"])
+    budget = args.decoding_max_new_tokens or preset["max_new_tokens"]
+    for name, values in (("--decoding-prompts", [prompts]), ("--decoding-batches", batches),
+                         ("--decoding-max-new-tokens", [budget]), ("--decoding-threads", [args.decoding_threads])):
+        if any(v < 1 for v in values):
+            raise ValueError(f"{name} {' '.join(map(str, values))}: must be positive")
+    if max(batches) > prompts:
+        raise ValueError(f"--decoding-batches {max(batches)} is more than the {prompts} prompts; raise "
+                         f"--decoding-prompts to at least {max(batches)}")
+    return DecodingStudy(tuple(args.decoding_models or [EMBEDDED]), args.decoding_causal or EMBEDDED,
+                         tuple(_pair(p) for p in args.decoding_speculative or ()), prompts, batches, budget,
+                         args.decoding_threads)
+
+
+def check_arguments(cfg, args: argparse.Namespace) -> None:
+    resolve(cfg, args)
+
+
+def run(cfg, args: argparse.Namespace, out: pathlib.Path, log=print) -> list[dict]:
+    """Measure in a fresh process (``python -m hf_bdlm.benchmarks.decoding``), write ``out`` and the plot beside it."""
+    study = resolve(cfg, args)
+    cmd = [*module_command("decoding"), *study.command_args(), "--out", str(out.resolve())]
+    log(f"decoding: {' '.join(cmd[2:])}")
+    env = dict(child_env(), OMP_WAIT_POLICY="PASSIVE")  # spinning OpenMP threads inflate CPU time under contention
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            log("  " + line.rstrip())
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[2]} exited with {proc.returncode} (its output is above)")
+    return json.loads(out.read_text())
+
+
+# --- counting forwards ------------------------------------------------------------------------------------------------
+def _rows(args, kwargs) -> int:
+    """Rows a module's forward runs: ``[b, n]`` ids (an encoder-decoder's decoder: its ``decoder_input_ids``), or
+    ``[..., d]`` states (every dimension but the last)."""
+    for name in ("inputs_embeds", "input_ids", "decoder_input_ids", "hidden_states"):
+        if kwargs.get(name) is not None:
+            tensor = kwargs[name]
+            break
+    else:
+        tensor = next((a for a in args if hasattr(a, "shape")), None)
+    if tensor is None:
+        return 0
+    if tensor.is_floating_point():
+        return int(tensor.numel() // max(tensor.shape[-1], 1))
+    return int(tensor.numel())
+
+
+class ForwardMeter:
+    """Counts and times the forwards of a decoder's ``counted_modules()`` (calls, rows, CPU and wall seconds of
+    each), while it is entered."""
+
+    def __init__(self, modules: dict):
+        self.modules = modules
+        self.forwards: dict[str, list[tuple[int, float, float]]] = {name: [] for name in modules}
+        self.handles, self.open = [], {}
+
+    def __enter__(self):
+        for name, module in self.modules.items():
+            self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
+        return self
+
+    def _pre(self, name):
+        def hook(module, args, kwargs):
+            self.open[name] = (_rows(args, kwargs), time.process_time(), time.perf_counter())
+        return hook
+
+    def _post(self, name):
+        def hook(module, args, kwargs, output):
+            rows, cpu, wall = self.open.pop(name)
+            self.forwards[name].append((rows, time.process_time() - cpu, time.perf_counter() - wall))
+        return hook
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
+# --- the models -------------------------------------------------------------------------------------------------------
+class GreedyAR:
+    """Greedy ``generate`` of a causal LM (left-padded batches), the baseline every speed is compared with."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        eos = model.generation_config.eos_token_id
+        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos, default=0)
+        self.pad = int(pad)
+
+    def counted_modules(self) -> dict:
+        return {"model": self.model.get_decoder(), "head": self.model.get_output_embeddings()}
+
+    def decode(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad)
+        if ignore_eos:
+            kwargs.update(eos_token_id=None, min_new_tokens=max_new_tokens)
+        out = self.model.generate(ids, attention_mask=mask, **kwargs)
+        return [cut_at_eos(row[width:].tolist(), self.eos) for row in out]
+
+
+def cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for at, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: at + 1]
+    return tokens
+
+
+def serve_decode(decoder, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
+                 eos: set[int]) -> list[list[int]]:
+    """Decode through a family's serving decoder (what ``hf-bdlm serve`` runs); a decoder told to ignore EOS decodes
+    the whole budget and its text is cut at the first EOS after."""
+    from ..models.family import DecodingRequest
+
+    request = DecodingRequest(ignore_eos=ignore_eos, seed=0)
+    settings = [decoder.settings(request, len(p), max_new_tokens) for p in prompts]
+    got: list[list[int]] = [[] for _ in prompts]
+
+    def on_block(new):
+        for row, tokens in new.items():
+            got[row] += [int(t) for t in tokens]
+        return set()
+
+    decoder.decode(prompts, settings, [0] * len(prompts), on_block)
+    return [cut_at_eos(tokens, eos) for tokens in got]
+
+
+@dataclass
+class Variant:
+    """One way of decoding one model: a family's `DecodingVariant`, or greedy AR."""
+
+    entry: str
+    name: str
+    family: str
+    decoder: object
+    eos: set[int]
+    ignore_eos: bool = False
+    reference: bool = False
+    baseline: str = ""
+    description: str = ""
+    ar: str = ""  # the entry of the AR variant it is compared with
+
+    @property
+    def key(self) -> str:
+        return f"{self.entry} | {self.name}"
+
+    def decode(self, prompts, max_new_tokens):
+        if isinstance(self.decoder, GreedyAR):
+            return self.decoder.decode(prompts, max_new_tokens, self.ignore_eos)
+        return serve_decode(self.decoder, prompts, max_new_tokens, self.ignore_eos, self.eos)
+
+
+@dataclass
+class Entry:
+    label: str
+    tokenizer: object
+    variants: list[Variant] = field(default_factory=list)
+
+
+def _folder(path: str) -> str:
+    if path == EMBEDDED:
+        from ..embedded import default_model_dir
+
+        return str(default_model_dir())
+    return path
+
+
+def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
+    """Every model of the study, loaded as the server loads it, with its variants (families through the registry)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ..models import family_for_config
+    from ..serving.engine import Engine
+
+    entries: dict[str, Entry] = {}
+
+    def ar_entry(path: str) -> str:
+        label = f"AR {pathlib.Path(_folder(path)).name if path != EMBEDDED else EMBEDDED}"
+        if label not in entries:
+            folder = _folder(path)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            ar = GreedyAR(model, tokenizer)
+            entries[label] = Entry(label, tokenizer, [Variant(label, "greedy", "causal", ar, ar.eos)])
+            log(f"{label}: {folder}")
+        return label
+
+    def family_entry(label: str, engine, family, ar: str) -> None:
+        entry = entries[label] = Entry(label, engine.tokenizer)
+        for name, v in family.decoding_variants(engine.decoder).items():
+            eos = v.decoder.eos_token_ids(v.decoder.settings(_request(), 1, 1))
+            entry.variants.append(Variant(label, name, family.name, v.decoder, eos, v.ignore_eos, v.reference,
+                                          v.baseline, v.description, ar=ar))
+        log(f"{label}: {len(entry.variants)} variants, compared with {ar}")
+
+    causal = ar_entry(study.causal)
+    for path in study.models:
+        engine = Engine.from_pretrained(path, dtype=torch.float32, block_size=16)
+        family = family_for_config(engine.model.config)
+        name = pathlib.Path(path).name if path != EMBEDDED else EMBEDDED + " (untrained)"
+        family_entry(f"{family.name} {name}", engine, family, causal)
+    for target, drafter in study.speculative:
+        engine = Engine.from_pretrained(_folder(target), dtype=torch.float32, draft=drafter)
+        family = family_for_config(AutoConfig.from_pretrained(drafter))
+        family_entry(f"{family.name} {pathlib.Path(drafter).name}", engine, family, ar_entry(target))
+    return list(entries.values())
+
+
+def _request():
+    from ..models.family import DecodingRequest
+
+    return DecodingRequest()
+
+
+# --- measuring --------------------------------------------------------------------------------------------------------
+def held_out(count: int) -> list[dict]:
+    from ..data import load_arith
+
+    test = load_arith("test")
+    return [test[i] for i in range(count)]
+
+
+def chat_ids(tokenizer, example) -> list[int]:
+    return list(tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def measure(entries: list[Entry], examples: list[dict], batches, max_new_tokens: int, log=print) -> list[dict]:
+    """Every variant at every batch size, the variants taking turns group by group (the order rotating), so that a
+    change of the machine's load hits all alike."""
+    import torch
+
+    variants = [v for e in entries for v in e.variants]
+    prompts = {e.label: [chat_ids(e.tokenizer, x) for x in examples] for e in entries}
+    records = []
+    for batch in batches:
+        groups = [list(range(i, min(i + batch, len(examples)))) for i in range(0, len(examples), batch)]
+        groups *= math.ceil(MIN_TIMED_STEPS / len(groups))
+        with torch.no_grad():
+            for v in variants:  # warm-up
+                v.decode(prompts[v.entry][: min(batch, 2)], 4)
+        samples = {v.key: [] for v in variants}
+        outputs = {v.key: [None] * len(examples) for v in variants}
+        started = time.perf_counter()
+        for g, group in enumerate(groups):
+            for k in range(len(variants)):
+                v = variants[(g + k) % len(variants)]
+                meter = ForwardMeter(v.decoder.counted_modules())
+                rows = [prompts[v.entry][i] for i in group]
+                wall, cpu = time.perf_counter(), time.process_time()
+                with meter, torch.no_grad():
+                    got = v.decode(rows, max_new_tokens)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                for i, tokens in zip(group, got):
+                    outputs[v.key][i] = tokens
+                samples[v.key].append(dict(tokens=sum(len(t) for t in got), seconds=wall, cpu_seconds=cpu,
+                                           forwards=meter.forwards))
+            log(f"  batch {batch}: group {g + 1}/{len(groups)} ({time.perf_counter() - started:.0f} s)")
+        for v in variants:
+            records.append(dict(kind="decoding", entry=v.entry, variant=v.name, family=v.family, batch=batch,
+                                ignore_eos=v.ignore_eos, reference=v.reference, baseline=v.baseline,
+                                description=v.description, ar=v.ar, samples=samples[v.key],
+                                outputs=outputs[v.key]))
+    return records
+
+
+def score(records: list[dict], entries: list[Entry], examples: list[dict]) -> None:
+    """Exact match, agreement with the reference (the family's, or the AR the variant is compared with) and batch
+    invariance, written into each record."""
+    from ..data import exact_match
+
+    tokenizers = {e.label: e.tokenizer for e in entries}
+    by = {(r["entry"], r["variant"], r["batch"]): r for r in records}
+    first = min(r["batch"] for r in records)
+    for r in records:
+        tokenizer = tokenizers[r["entry"]]
+        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in r["outputs"]]
+        r["exact_match"] = sum(exact_match(t, x["answer"]) for t, x in zip(texts, examples)) / len(examples)
+        reference = next((o for o in records if o["entry"] == r["entry"] and o["reference"] and o["batch"] == first),
+                         None)
+        if reference is None and r["ar"]:
+            reference = by.get((r["ar"], "greedy", first))
+        if reference is not None and reference is not r:
+            r["agreement"] = sum(a == b for a, b in zip(r["outputs"], reference["outputs"])) / len(examples)
+            r["agreement_with"] = f"{reference['entry']} | {reference['variant']}"
+        alone = by[(r["entry"], r["variant"], first)]
+        r["same_as_batch_1"] = sum(a == b for a, b in zip(r["outputs"], alone["outputs"])) / len(examples)
+
+
+def summarize(records: list[dict]) -> None:
+    """Tokens per forward, rows per forward and the speed over the AR baseline, written into each record."""
+    by = {(r["entry"], r["variant"], r["batch"]): r for r in records if r["kind"] == "decoding"}
+    for r in by.values():
+        tokens = sum(s["tokens"] for s in r["samples"])
+        forwards = sum(len(s["forwards"]["model"]) for s in r["samples"])
+        rows = sum(f[0] for s in r["samples"] for f in s["forwards"]["model"])
+        r["tokens"], r["forwards"] = tokens, forwards
+        r["tokens_per_forward"] = tokens / max(forwards, 1)
+        r["rows_per_forward"] = rows / max(forwards, 1)
+        r["tokens_per_s"] = _spread(r, "seconds", per_token=False).as_record()
+        r["cpu_s_per_token"] = _spread(r, "cpu_seconds").as_record()
+        base = by.get((r["ar"], "greedy", r["batch"]))
+        if base is not None and base is not r:
+            r["vs_ar_cpu"] = compare(_spread(base, "cpu_seconds"), _spread(r, "cpu_seconds")).as_record()
+            r["vs_ar_wall"] = compare(_spread(base, "seconds"), _spread(r, "seconds")).as_record()
+        own = by.get((r["entry"], r["baseline"], r["batch"])) if r["baseline"] else None
+        if own is not None:
+            r["vs_baseline_cpu"] = compare(_spread(own, "cpu_seconds"), _spread(r, "cpu_seconds")).as_record()
+            r["forwards_vs_baseline"] = own["forwards"] / max(forwards, 1) if "forwards" in own else None
+
+
+def _spread(record: dict, key: str, per_token: bool = True) -> Spread:
+    """Seconds per token (``per_token``) or tokens per second of each timed group."""
+    values = [(s[key] / s["tokens"]) if per_token else (s["tokens"] / s[key]) for s in record["samples"]
+              if s["tokens"]]
+    return Spread(values or [math.nan])
+
+
+# --- the cost model ---------------------------------------------------------------------------------------------------
+def parameter_bytes(module, dtype_bytes: int = 2) -> tuple[int, int]:
+    """``(bytes of the weights a forward reads, multiply-accumulates per row)`` of a counted module: every
+    parameter but embedding tables (a lookup reads only its rows)."""
+    import torch
+
+    embeddings = {id(p) for m in module.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    own = [p for p in module.parameters() if id(p) not in embeddings]
+    if isinstance(module, torch.nn.Embedding):  # a tied head reached as an Embedding is still read whole
+        own = list(module.parameters())
+    count = sum(p.numel() for p in own)
+    return count * dtype_bytes, count
+
+
+def forward_costs(records: list[dict], entries: list[Entry]) -> list[dict]:
+    """Per model part: CPU seconds of one forward by its rows (median per distinct row count), the least-squares
+    line ``a + b * rows``, and the part's weight bytes and multiply-accumulates per row (for the GPU projection)."""
+    modules = {}
+    for e in entries:
+        for v in e.variants:
+            for name, module in v.decoder.counted_modules().items():
+                modules.setdefault((e.label, name), module)
+    by_part: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for r in records:
+        for s in r["samples"]:
+            for name, forwards in s["forwards"].items():
+                for rows, cpu, _ in forwards:
+                    by_part.setdefault((r["entry"], name), {}).setdefault(rows, []).append(cpu)
+    out = []
+    for (entry, name), table in sorted(by_part.items()):
+        points = sorted((rows, statistics.median(cpus), len(cpus)) for rows, cpus in table.items())
+        weight = [n for _, _, n in points]
+        fit = _line([p[0] for p in points], [p[1] for p in points], weight)
+        nbytes, macs = parameter_bytes(modules[(entry, name)]) if (entry, name) in modules else (0, 0)
+        out.append(dict(kind="forward_cost", entry=entry, part=name, points=points, fit=fit, weight_bytes=nbytes,
+                        macs_per_row=macs))
+    return out
+
+
+def _line(x, y, w) -> dict:
+    """Weighted least squares ``y = a + b x`` (a constant when one x)."""
+    total = sum(w)
+    mx = sum(a * b for a, b in zip(x, w)) / total
+    my = sum(a * b for a, b in zip(y, w)) / total
+    sxx = sum(wi * (xi - mx) ** 2 for xi, wi in zip(x, w))
+    b = sum(wi * (xi - mx) * (yi - my) for xi, yi, wi in zip(x, y, w)) / sxx if sxx else 0.0
+    return dict(a=my - b * mx, b=b)
+
+
+def gpu_seconds(cost: dict, rows: int, gpu: str = GPU) -> float:
+    """One forward of ``rows`` rows of a model part on ``gpu`` (the planner's datasheet figures at its achievable
+    fractions): its weights read once at the HBM rate or its matmuls at the achievable rate, whichever is slower."""
+    from ..planner.hardware import device_spec
+
+    spec = device_spec(gpu)
+    return max(cost["weight_bytes"] / spec.hbm_bytes_per_s, 2 * cost["macs_per_row"] * rows / spec.matmul_flops)
+
+
+def project(records: list[dict], costs: list[dict], gpu: str = GPU) -> None:
+    """Each decoding record's CPU time predicted from its forwards' rows by the fitted lines (against the measured
+    CPU time: how well the cost model explains it), and its time on ``gpu``; the speed over AR on both."""
+    fits = {(c["entry"], c["part"]): c for c in costs}
+    decoding = [r for r in records if r["kind"] == "decoding"]
+    for r in decoding:
+        cpu = gpu_t = 0.0
+        for s in r["samples"]:
+            for name, forwards in s["forwards"].items():
+                c = fits.get((r["entry"], name))
+                if c is None:
+                    continue
+                cpu += sum(c["fit"]["a"] + c["fit"]["b"] * rows for rows, _, _ in forwards)
+                gpu_t += sum(gpu_seconds(c, rows, gpu) for rows, _, _ in forwards)
+        tokens = max(r["tokens"], 1)
+        r["model_cpu_s_per_token"] = cpu / tokens
+        r["measured_forward_cpu_s_per_token"] = sum(f[1] for s in r["samples"] for fs in s["forwards"].values()
+                                                    for f in fs) / tokens
+        r[f"{gpu}_s_per_token"] = gpu_t / tokens
+    by = {(r["entry"], r["variant"], r["batch"]): r for r in decoding}
+    for r in decoding:
+        base = by.get((r["ar"], "greedy", r["batch"]))
+        if base is not None and base is not r:
+            r["vs_ar_model_cpu"] = base["model_cpu_s_per_token"] / r["model_cpu_s_per_token"]
+            r[f"vs_ar_{gpu}"] = base[f"{gpu}_s_per_token"] / r[f"{gpu}_s_per_token"]
+
+
+# --- the report -------------------------------------------------------------------------------------------------------
+def _describe(rec: dict | None, fmt: str = ".1f") -> str:
+    return "-" if rec is None else Spread(rec["values"]).describe(fmt)
+
+
+def _ratio(rec: dict | None) -> str:
+    if rec is None:
+        return "-"
+    return f"tie ({rec['ratio']:.2f}x)" if rec["tie"] else f"{rec['ratio']:.2f}x"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def table(records: list[dict]) -> str:
+    decoding = [r for r in records if r["kind"] == "decoding"]
+    lines = ["| model | decoding | batch | tokens / forward | rows / forward | tokens/s (wall) | CPU ms / token | "
+             f"vs AR (CPU) | vs AR, {GPU.upper()} model | exact match | agreement | = batch 1 |",
+             "|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
+    for r in decoding:
+        ms = dict(r["cpu_s_per_token"], values=[1000 * v for v in r["cpu_s_per_token"]["values"]])
+        lines.append(f"| {r['entry']} | {r['variant']} | {r['batch']} | {r['tokens_per_forward']:.2f} | "
+                     f"{r['rows_per_forward']:.1f} | {_describe(r['tokens_per_s'])} | {_describe(ms, '.0f')} | "
+                     f"{_ratio(r.get('vs_ar_cpu'))} | "
+                     + (f"{r[f'vs_ar_{GPU}']:.2f}x" if f"vs_ar_{GPU}" in r else "-")
+                     + f" | {_pct(r['exact_match'])} | {_pct(r.get('agreement'))} | {_pct(r['same_as_batch_1'])} |")
+    return "\n".join(lines)
+
+
+def technique_table(records: list[dict]) -> str:
+    """Each variant against the one it adds a technique to: forwards saved, CPU time per token, quality change."""
+    decoding = [r for r in records if r["kind"] == "decoding"]
+    by = {(r["entry"], r["variant"], r["batch"]): r for r in decoding}
+    lines = ["| model | technique | over | batch | forwards, over / this | CPU s per token, over / this | "
+             "exact match (this, over) | what it does |", "|---|---|---|---:|---:|---|---|---|"]
+    for r in decoding:
+        own = by.get((r["entry"], r["baseline"], r["batch"])) if r["baseline"] else None
+        if own is None:
+            continue
+        lines.append(f"| {r['entry']} | {r['variant']} | {r['baseline']} | {r['batch']} | "
+                     f"{own['forwards'] / max(r['forwards'], 1):.2f}x | {_ratio(r.get('vs_baseline_cpu'))} | "
+                     f"{_pct(r['exact_match'])}, {_pct(own['exact_match'])} | {r['description']} |")
+    return "\n".join(lines)
+
+
+def cost_table(records: list[dict]) -> str:
+    costs = [r for r in records if r["kind"] == "forward_cost"]
+    lines = ["| model | part | forwards timed | CPU ms = a + b x rows | at 1 / 8 / 16 / 32 / 64 rows (x one row) | "
+             f"{GPU.upper()} us at 1 / 64 rows |", "|---|---|---:|---|---|---|"]
+    for c in costs:
+        a, b = c["fit"]["a"], c["fit"]["b"]
+        one = a + b
+        rel = " / ".join(f"{(a + b * n) / one:.2f}" for n in (1, 8, 16, 32, 64)) if one > 0 else "-"
+        gpu = " / ".join(f"{1e6 * gpu_seconds(c, n):.0f}" for n in (1, 64)) if c["weight_bytes"] else "-"
+        lines.append(f"| {c['entry']} | {c['part']} | {sum(p[2] for p in c['points'])} | "
+                     f"{1000 * a:.1f} + {1000 * b:.2f} x rows | {rel} | {gpu} |")
+    return "\n".join(lines)
+
+
+def report(records: list[dict]) -> str:
+    """The study's section of ``summary.md``."""
+    decoding = [r for r in records if r["kind"] == "decoding"]
+    first = decoding[0] if decoding else {}
+    groups = sorted({(r["batch"], len(r["samples"])) for r in decoding})
+    title = ("**Decoding: every family's variants against greedy AR, at equal quality** (held-out prompts, chat "
+             f"template, {len(first.get('outputs', []))} prompts, EOS honoured; timed groups per batch size "
+             f"{', '.join(f'{b}: {n}' for b, n in groups)}; median [range]; speed over AR = ratio of median CPU "
+             "seconds per token, a tie where the ranges overlap; the GPU column prices every counted forward by "
+             "its rows on the planner's table)")
+    return "\n\n".join([title, table(records), "**Each technique against the variant it adds to**",
+                        technique_table(records), "**Forward cost by rows (the cost model)**", cost_table(records)])
+
+
+def plot(records: list[dict], path: pathlib.Path) -> pathlib.Path | None:
+    decoding = [r for r in records if r["kind"] == "decoding" and "vs_ar_cpu" in r]
+    if not decoding:
+        return None
+    from .report import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    markers = {1: "o", 8: "s"}
+    for ax, x_key, xlabel in ((axes[0], "tokens_per_forward", "tokens per forward"),
+                              (axes[1], "exact_match", "exact match")):
+        for r in decoding:
+            x = r[x_key]
+            y = r["vs_ar_cpu"]["ratio"]
+            ax.scatter([x], [y], marker=markers.get(r["batch"], "^"), s=30)
+            ax.annotate(f"{r['variant']} (b{r['batch']})", (x, y), fontsize=6)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("speed over AR (CPU s per token)")
+    fig.suptitle("decoding: speed over greedy AR against tokens per forward and quality")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- the measurement process ------------------------------------------------------------------------------------------
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=[EMBEDDED])
+    p.add_argument("--causal", default=EMBEDDED)
+    p.add_argument("--speculative", nargs="*", default=[])
+    p.add_argument("--prompts", type=int, default=FULL["prompts"])
+    p.add_argument("--batches", type=int, nargs="+", default=list(FULL["batches"]))
+    p.add_argument("--max-new-tokens", type=int, default=FULL["max_new_tokens"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True)
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    args = make_parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    study = DecodingStudy(tuple(args.models), args.causal, tuple(_pair(p) for p in args.speculative), args.prompts,
+                          tuple(args.batches), args.max_new_tokens, args.threads)
+    entries = load_entries(study)
+    examples = held_out(study.prompts)
+    print(f"{sum(len(e.variants) for e in entries)} variants of {len(entries)} models; {len(examples)} held-out "
+          f"prompts, batches {study.batches}, {study.max_new_tokens} new tokens at most, {study.threads} thread(s), "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    records = measure(entries, examples, study.batches, study.max_new_tokens, log=lambda s: print(s, flush=True))
+    score(records, entries, examples)
+    summarize(records)
+    costs = forward_costs(records, entries)
+    project(records, costs)
+    for r in records:
+        for s in r["samples"]:  # keep the per-forward times compact: rows and CPU seconds
+            s["forwards"] = {k: [[n, round(c, 6), round(w, 6)] for n, c, w in v] for k, v in s["forwards"].items()}
+    out = records + costs
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
+    print(table(out))
+    print(technique_table(out))
+    print(cost_table(out))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
