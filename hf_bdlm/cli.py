@@ -284,7 +284,7 @@ def _model_path(name: str) -> str:
 
 
 def run_convert(args) -> int:
-    from .conversion import convert_causal_lm
+    from .models.block_diffusion.conversion import convert_causal_lm
 
     source = _model_path(args.source)
     output = Path(args.output)
@@ -301,7 +301,7 @@ def run_convert(args) -> int:
 
 
 def add_export_parser(subparsers) -> None:
-    from .models import EXPORT_FORMATS, add_export_formats
+    from .protocols.registry import EXPORT_FORMATS, add_export_formats
 
     p = subparsers.add_parser(
         "export", help="export a checkpoint folder in a format a serving engine loads",
@@ -319,7 +319,7 @@ def add_export_parser(subparsers) -> None:
 
 
 def run_export(args) -> int:
-    from .models import run_export_format
+    from .protocols.registry import run_export_format
 
     return run_export_format(args.export_format, args)
 
@@ -433,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     from .planner.cli import add_plan_parser
     add_plan_parser(subparsers)
-    from .models import add_family_commands
+    from .protocols.registry import add_family_commands
     add_family_commands(subparsers)  # commands a model family owns (hf-bdlm <family command> ...)
     return parser
 

@@ -76,7 +76,7 @@ def model_config(layers: int, window: int | None = None, backend: str = "blockwi
     ``window``, sliding-window layers, every ``full_every``-th one full attention when given."""
     from transformers import LlamaConfig, Qwen3Config
 
-    from ..configuration import BlockDiffusionConfig
+    from ..models.block_diffusion.configuration import BlockDiffusionConfig
 
     dims = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, intermediate_size=512, pad_token_id=PAD)
@@ -97,7 +97,7 @@ def build(L: int, layers: int, window: int | None = None, device: str = "cpu", b
 
     import torch
 
-    from ..modeling import BlockDiffusionForMaskedLM
+    from ..models.block_diffusion.modeling import BlockDiffusionForMaskedLM
     from hf_bdlm.objectives import get_objective
 
     # Same seed on every rank: identical weights and batch, as the group shares one batch.

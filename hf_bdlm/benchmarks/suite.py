@@ -45,7 +45,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from ..models import FAMILY_STUDIES
+from ..protocols.registry import FAMILY_STUDIES
 from . import max_context, parallel_modes, report
 from .processes import child_env, module_command
 from .spread import MIN_TIMED_STEPS, check_timed_steps

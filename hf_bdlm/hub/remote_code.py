@@ -40,8 +40,8 @@ AUTO_MAP = {
     "AutoModelForMaskedLM": f"{MODELING_MODULE}.BlockDiffusionForMaskedLM",
 }
 # Bundle roots: everything they import from the package is inlined, except the configuration (its own file).
-_CONFIG_ROOT = f"{PACKAGE}.configuration"
-_MODELING_ROOT = f"{PACKAGE}.modeling"
+_CONFIG_ROOT = f"{PACKAGE}.models.block_diffusion.configuration"
+_MODELING_ROOT = f"{PACKAGE}.models.block_diffusion.modeling"
 _HUB = f"{PACKAGE}.hub"
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 

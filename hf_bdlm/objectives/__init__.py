@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from .base import CorruptedBatch, Objective, supervised_mask, target_rows_in
-from .fast_dllm_v2 import FastDLLMv2CausalCleanObjective, FastDLLMv2Objective
+from ..models.block_diffusion.objectives.fast_dllm_v2 import FastDLLMv2CausalCleanObjective, FastDLLMv2Objective
 from .noise import hash_uniform, independent_block_t, stratified_block_t
-from .standard import StandardObjective
+from ..models.block_diffusion.objectives.standard import StandardObjective
 
 OBJECTIVE_CLASSES: dict[str, type[Objective]] = {
     StandardObjective.name: StandardObjective,
@@ -36,7 +36,7 @@ def get_objective(name: str, config_or_kwargs: Any) -> Objective:
         config_or_kwargs: the model's config (a `BlockDiffusionConfig`: block size, mask token, noise range and
             weighting are read from it) or a mapping of constructor arguments (`block_size`, `mask_token_id`, ...).
     """
-    from ..models import get_objective as build
+    from ..protocols.registry import get_objective as build
 
     return build(name, config_or_kwargs)
 

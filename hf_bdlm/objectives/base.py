@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.masks import CLEAN, NOISY
-from ..configuration import check_diffusion_fields
+from ..models.block_diffusion.configuration import check_diffusion_fields
 from ..attention.interface import LocalLayout, TrainingLayout
 from ..attention.rows import RowMeta, check_block_aligned_documents
-from ..modeling import document_positions
+from ..models.block_diffusion.modeling import document_positions
 from .noise import independent_block_t, stratified_block_t, token_uniform
 
 

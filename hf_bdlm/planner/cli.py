@@ -34,7 +34,7 @@ SENSITIVITY = (0.25, 0.5, 1.0, 2.0, 4.0)  # InfiniBand bandwidth, times the data
 
 def paper_settings() -> tuple[tuple[str, str, int, str, str], ...]:
     """The conversion's settings, then every model family's (the registry's order)."""
-    from ..models import REGISTRY, family_named
+    from ..protocols.registry import REGISTRY, family_named
 
     return CONVERSION_SETTINGS + tuple(s for e in REGISTRY for s in family_named(e.name).paper_settings())
 
@@ -248,7 +248,7 @@ def run_paper(args) -> int:
           "with either transport or schedule, with or without activation checkpointing; groups: any group size, or "
           "one group over the whole cluster)")
     # Settings a family prices itself (the drafters' training on 8 H100).
-    from ..models import REGISTRY, family_named
+    from ..protocols.registry import REGISTRY, family_named
 
     efficiency = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
                   if getattr(args, f"{k}_efficiency") is not None}

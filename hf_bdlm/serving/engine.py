@@ -36,7 +36,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, name: str, decoder=None):
         if decoder is None:
-            from ..models import family_for_model
+            from ..protocols.registry import family_for_model
 
             family = family_for_model(model)
             if family is None:
@@ -62,7 +62,7 @@ class Engine:
 
         import hf_bdlm  # noqa: F401  (registers the Auto classes)
 
-        from ..models import family_for_config
+        from ..protocols.registry import family_for_config
 
         path = str(path)
         if path == "embedded:smollm2":
@@ -213,7 +213,7 @@ def _declared_model_type(path: str):
 
 
 def _family_model_types() -> list[str]:
-    from ..models import REGISTRY
+    from ..protocols.registry import REGISTRY
 
     return sorted(t for entry in REGISTRY for t in entry.model_types)
 

@@ -23,7 +23,7 @@ from accelerate.utils import is_peft_model
 from transformers import AutoConfig, AutoTokenizer
 from trl.data_utils import get_dataset_column_names, is_conversational
 
-from ..models import ModelFamily, converting_family, family_names, family_for_config, family_for_model, family_for_objective
+from ..protocols.registry import ModelFamily, converting_family, family_names, family_for_config, family_for_model, family_for_objective
 from .collator import SAMPLE_ID_COLUMN
 from .config import BDLMSFTConfig
 

@@ -45,8 +45,8 @@ from transformers.trainer_utils import has_length
 from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
-from ..models import ModelFamily
-from ..models.step import TrainingStep
+from ..protocols.registry import ModelFamily
+from ..protocols.step import TrainingStep
 from ..objectives import Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
 from ..parallel.tensor import apply_tensor_parallel

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..exports import qwen3_layer_shapes, write_folder
+from ...hub.exports import qwen3_layer_shapes, write_folder
 
 SDAR_MASK_TOKEN_ID = 151669
 ARCHITECTURE = "SDARForCausalLM"
@@ -106,7 +106,7 @@ def sdar_problems(config) -> list[str]:
 
 def check_servable_as_sdar(model) -> None:
     """Raise `SDARExportError` naming every reason ``model`` cannot be served as SDAR (see :func:`sdar_problems`)."""
-    from ...modeling import BlockDiffusionForMaskedLM
+    from .modeling import BlockDiffusionForMaskedLM
 
     if not isinstance(model, BlockDiffusionForMaskedLM):
         raise SDARExportError(
@@ -469,7 +469,7 @@ def render_card(folder: str | os.PathLike, *, model_ref: str, model_name: str, s
     import jinja2
     from huggingface_hub import ModelCardData
 
-    from ..card_parts import hub_repo_id, parameters_text
+    from ...protocols.card_parts import hub_repo_id, parameters_text
 
     root = Path(folder)
     config = json.loads((root / "config.json").read_text(encoding="utf-8"))

@@ -14,10 +14,10 @@ import os
 
 import torch
 
-from ...configuration import TOKEN_SHIFT_OBJECTIVES, BlockDiffusionConfig
-from ...modeling import BlockDiffusionForMaskedLM
+from .configuration import TOKEN_SHIFT_OBJECTIVES, BlockDiffusionConfig
+from .modeling import BlockDiffusionForMaskedLM
 from ...objectives import OBJECTIVE_CLASSES
-from ..family import ModelFamily
+from ...protocols.family import ModelFamily
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class BlockDiffusionFamily(ModelFamily):
         tokenizer = AutoTokenizer.from_pretrained(path)
         if config.model_type == BlockDiffusionConfig.model_type:
             return AutoModel.from_pretrained(path, **init_kwargs), tokenizer
-        from ...conversion import convert_causal_lm
+        from .conversion import convert_causal_lm
 
         logger.warning("%s is a causal LM: converting it to a block diffusion LM (block size %d, no training)", path,
                        block_size)
@@ -84,7 +84,7 @@ class BlockDiffusionFamily(ModelFamily):
         )
 
     def _convert(self, causal, processing_class, args, source):
-        from ...conversion import convert_causal_lm
+        from .conversion import convert_causal_lm
 
         kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE, "seed": args.seed}
         if args.objective is not None:
@@ -149,7 +149,7 @@ def _check_causal_lm_config(config, path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
 
-    from .. import REGISTRY
+    from ...protocols.registry import REGISTRY
 
     model_type = getattr(config, "model_type", None)
     if model_type in CAUSAL and model_type not in MASKED and not getattr(config, "is_encoder_decoder", False):

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..exports import revision_flag
+from ...hub.exports import revision_flag
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..card_parts import format_value, hub_repo_id, parameters_text, unique
-from ..exports import qwen3_layer_shapes, revision_flag, serving_model_id, write_folder
+from ...protocols.card_parts import format_value, hub_repo_id, parameters_text, unique
+from ...hub.exports import qwen3_layer_shapes, revision_flag, serving_model_id, write_folder
 from .capture import file_sha256
 
 WEIGHTS = "model.safetensors"

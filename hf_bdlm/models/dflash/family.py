@@ -26,8 +26,8 @@ import logging
 import os
 from typing import ClassVar
 
-from ..family import ModelFamily
-from ..step import run_step
+from ...protocols.family import ModelFamily
+from ...protocols.step import run_step
 from .target import TargetHeads, drafter_class, load_target_heads, resolve_target_path, unwrap_drafter
 
 logger = logging.getLogger(__name__)

@@ -621,7 +621,7 @@ class DFlashTrainer(BDLMSFTTrainer):
         """``training_export.json`` (the provenance a served drafter carries) and ``README.md`` of a saved drafter."""
         from ...version import __version__
         from .capture import file_sha256
-        from ..exports import serving_model_id
+        from ...hub.exports import serving_model_id
         from .export import PROVENANCE, PROVENANCE_FORMAT, WEIGHTS
 
         root = Path(output_dir)

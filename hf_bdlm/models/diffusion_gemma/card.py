@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 
-from ..card_parts import (
+from ...protocols.card_parts import (
     METRIC_LABELS,
     OBJECTIVES,
     as_list,

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..step import TrainingStep
+from ...protocols.step import TrainingStep
 from .modeling import unwrap_diffusion_gemma
 
 

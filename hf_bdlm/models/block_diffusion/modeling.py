@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .attention import (
+from ...attention import (
     ATTENTION_NAME,
     AttentionLayout,
     LocalLayout,
@@ -272,14 +272,14 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
         """[`~PreTrainedModel.save_pretrained`], plus self-contained `configuration_block_diffusion.py` and
         `modeling_block_diffusion.py` and an `auto_map` in config.json, so that the folder also loads with
         `trust_remote_code=True` where hf_bdlm is not installed (see `hf_bdlm.hub.remote_code`)."""
-        from .hub.remote_code import save_with_remote_code
+        from ...hub.remote_code import save_with_remote_code
 
         return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, tokenizer=None, card_info: dict | None = None, **kwargs):
         """Upload what [`hf_bdlm.hub.save_for_hub`] writes (weights, config, remote code, generation config, the
         model card, and the tokenizer when given) to `repo_id`; see [`hf_bdlm.hub.push_to_hub`]."""
-        from .hub import push_to_hub
+        from ...hub import push_to_hub
 
         return push_to_hub(self, repo_id, tokenizer=tokenizer, info=card_info, **kwargs)
 
