@@ -45,7 +45,7 @@ def out_name(link: str | None) -> str:
 def attention_imbalance(mode: str, P: int, L: int, model: str) -> float:
     """Slowest rank's allowed attention pairs over the mean, summed over the model's layers."""
     from ..parallel.dims import ParallelDims
-    from ..planner.calibrate import benchmark_model
+    from .calibrate import benchmark_model
     from ..planner.cost import layer_windows, mask_rule_of, rank_work
 
     spec = benchmark_model(MODELS[model]["layers"], MODELS[model]["window"], MODELS[model]["full_every"])

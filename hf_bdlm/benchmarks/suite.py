@@ -258,7 +258,7 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
     if cfg.calibrate:
         # The planner's CPU figures, measured in the machine state the records are (hf-bdlm plan --validate reads
         # them from beside the records).
-        from hf_bdlm.planner.calibrate import RATES_FILE, benchmark_model, cpu_devices
+        from hf_bdlm.benchmarks.calibrate import RATES_FILE, benchmark_model, cpu_devices
 
         t0 = time.perf_counter()
         devices = cpu_devices(benchmark_model(cfg.layers), {1, *cfg.nprocs}, cfg.out / RATES_FILE, remeasure=True,

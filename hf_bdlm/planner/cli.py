@@ -260,7 +260,7 @@ def run_paper(args) -> int:
 
 
 def run_validate(args) -> int:
-    from .calibrate import RATES_FILE, benchmark_model, default_rates_path, cpu_devices, format_validation, validate
+    from ..benchmarks.calibrate import RATES_FILE, benchmark_model, default_rates_path, cpu_devices, format_validation, validate
 
     with open(args.validate) as f:
         records = json.load(f)

@@ -35,14 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..benchmarks import parallel_modes
-from ..benchmarks.processes import child_env
+from . import parallel_modes
+from .processes import child_env
 from ..cache import cache_home, update_json
 from ..parallel.dims import ParallelDims
-from .cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
-from .hardware import DeviceSpec
-from .model import AttentionShape, ModelSpec, spec_from_config
-from .rank_rate import cores, matmul_workload
+from ..planner.cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
+from ..planner.hardware import DeviceSpec
+from ..planner.model import AttentionShape, ModelSpec, spec_from_config
+from ..planner.rank_rate import cores, matmul_workload
 
 RATES_FILE = "cpu_rates.json"
 
@@ -287,7 +287,7 @@ def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0)
         out, spec = os.path.join(tmp, "rates.json"), os.path.join(tmp, "spec.json")
         Path(spec).write_text(json.dumps(asdict(model)))
         env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # the same hf_bdlm as this process
-        code = ("import sys; from hf_bdlm.planner.calibrate import rates_worker; "
+        code = ("import sys; from hf_bdlm.benchmarks.calibrate import rates_worker; "
                 "rates_worker(int(sys.argv[1]), *sys.argv[2:])")
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), os.path.join(tmp, "store"),
                                    out, spec, str(benchmark_layers)],
