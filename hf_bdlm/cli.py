@@ -348,7 +348,7 @@ def run_generate(args) -> int:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from . import BlockDiffusionForMaskedLM
+    from .models.block_diffusion.modeling import BlockDiffusionForMaskedLM
 
     path = _model_path(args.model_dir)
     model = AutoModel.from_pretrained(path)
@@ -420,6 +420,18 @@ def run_lm_eval(args, extra: list[str]) -> int:
     return 0
 
 
+def run_plan_command(args) -> int:
+    """``hf-bdlm plan``: the planner's predictions; with ``--validate``, its predictions of benchmark records measured
+    on this machine (the benchmarks' calibration: the planner imports no benchmark)."""
+    if args.validate:
+        from .benchmarks.calibrate import run_validate
+
+        return run_validate(args)
+    from .planner.cli import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-bdlm", description="Block diffusion LMs on the Hugging Face stack.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -432,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lm_eval_parser(subparsers)
     add_bench_parser(subparsers)
     from .planner.cli import add_plan_parser
-    add_plan_parser(subparsers)
+    add_plan_parser(subparsers).set_defaults(func=run_plan_command)
     from .protocols.registry import add_family_commands
     add_family_commands(subparsers)  # commands a model family owns (hf-bdlm <family command> ...)
     return parser

@@ -68,7 +68,7 @@ def test_each_family_claims_its_models_and_only_them_also_inside_peft():
 
 def test_objectives_of_every_family_are_built_by_name():
     from hf_bdlm.models.diffusion_gemma.objective import DiffusionGemmaObjective
-    from hf_bdlm.objectives import StandardObjective
+    from hf_bdlm.models.block_diffusion.objectives import StandardObjective
     from hf_bdlm.objectives import get_objective as from_objectives
 
     assert isinstance(get_objective("standard", dict(block_size=4, mask_token_id=9)), StandardObjective)

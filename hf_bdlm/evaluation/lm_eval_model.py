@@ -290,8 +290,6 @@ def load_for_evaluation(path: str, dtype: str | None, device: str | None, conver
 
     from transformers import AutoConfig
 
-    import hf_bdlm  # noqa: F401  (registers the Auto classes)
-
     from ..protocols.registry import family_for_config
 
     if path == "embedded:smollm2":

@@ -54,6 +54,15 @@ class ModelFamily:
         """A model object the user passed; returns ``(model, processing_class)`` (converted where needed)."""
         return model, processing_class
 
+    def new_config(self, **fields):
+        """A configuration of this family's models from its fields (the keyword arguments of its config class)."""
+        raise NotImplementedError(f"the {self.name!r} family builds no configuration from fields.")
+
+    def new_model(self, config):
+        """A freshly initialised model of this family from one of its configurations (the model a benchmark
+        measures)."""
+        raise NotImplementedError(f"the {self.name!r} family builds no model from a configuration.")
+
     def objective_class(self, name: str):
         """The class of objective ``name`` (one of :attr:`objectives`)."""
         raise NotImplementedError

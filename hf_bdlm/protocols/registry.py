@@ -105,7 +105,14 @@ def family_for_objective(objective: str) -> FamilyEntry:
 
 
 def get_objective(name: str, config_or_kwargs):
-    """Build objective ``name`` (of whichever family trains it) from a model config or constructor arguments."""
+    """Build the objective called ``name``, of whichever model family trains it.
+
+    Args:
+        name (`str`): `"standard"`, `"fast_dllm_v2"`, `"fast_dllm_v2_causal_clean"`, or an objective of another
+            family (:func:`all_objectives`).
+        config_or_kwargs: the model's config (e.g. a `BlockDiffusionConfig`: block size, mask token, noise range and
+            weighting are read from it) or a mapping of constructor arguments (`block_size`, `mask_token_id`, ...).
+    """
     if name in PLANNED_OBJECTIVES:
         raise NotImplementedError(
             f"objective {name!r} is planned but not implemented yet; available now: {sorted(all_objectives())}."

@@ -60,8 +60,6 @@ class Engine:
         ``num_speculative_tokens`` proposals per target forward (`None`: the drafter's default)."""
         from transformers import AutoConfig
 
-        import hf_bdlm  # noqa: F401  (registers the Auto classes)
-
         from ..protocols.registry import family_for_config
 
         path = str(path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
-from ..models.block_diffusion.configuration import check_diffusion_fields
+from ..protocols.diffusion_fields import check_diffusion_fields
 from ..protocols.registry import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
 from ..parallel.dims import CP_LAYOUTS, MODES, SCHEDULES, TRANSPORTS, ParallelDims
 

@@ -14,10 +14,12 @@ import os
 
 import torch
 
-from .configuration import TOKEN_SHIFT_OBJECTIVES, BlockDiffusionConfig
-from .modeling import BlockDiffusionForMaskedLM
-from ...objectives import OBJECTIVE_CLASSES
+from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
 from ...protocols.family import ModelFamily
+from ...protocols.step import unwrap_model
+from .configuration import BlockDiffusionConfig
+from .modeling import BlockDiffusionForMaskedLM
+from .objectives import OBJECTIVE_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ class BlockDiffusionFamily(ModelFamily):
 
     # --- recognising and loading -------------------------------------------------------------------------------
     def claims_model(self, model) -> bool:
-        inner = _unwrapped(model)
+        inner = unwrap_model(model)
         return isinstance(inner, BlockDiffusionForMaskedLM)
 
     def load(self, path, config, args, processing_class, init_kwargs):
@@ -96,16 +98,22 @@ class BlockDiffusionFamily(ModelFamily):
                     source, model.config.block_size, model.config.mask_token_id)
         return model, processing_class
 
+    def new_config(self, **fields):
+        return BlockDiffusionConfig(**fields)
+
+    def new_model(self, config):
+        return BlockDiffusionForMaskedLM(config)
+
     def objective_class(self, name: str):
         return OBJECTIVE_CLASSES[name]
 
     # --- training ---------------------------------------------------------------------------------------------
     def block_size(self, model) -> int:
-        return int(_unwrapped(model).config.block_size)
+        return int(unwrap_model(model).config.block_size)
 
     def configure(self, model, args, tokenizer):
         """Apply the config's diffusion fields to the model's config and build the objective from it."""
-        cfg = _unwrapped(model).config
+        cfg = unwrap_model(model).config
         updates = {
             "block_size": args.block_size,
             "objective": args.objective,
@@ -124,17 +132,17 @@ class BlockDiffusionFamily(ModelFamily):
 
     def layout(self, plugin, model, objective, corrupted):
         """This rank's rows of the vectorized batch (:meth:`BlockParallelPlugin.layout`)."""
-        inner = _unwrapped(model)
+        inner = unwrap_model(model)
         return plugin.layout(corrupted.seq_len, self.block_size(inner), inner.mask_rule(),
                              inner.config.attention_backend, corrupted.document_ids)
 
     def loss(self, runner, model, objective, corrupted, layout, optional_pass=None):
-        return objective.loss(runner, corrupted, layout, scorer=_unwrapped(model))
+        return objective.loss(runner, corrupted, layout, scorer=unwrap_model(model))
 
     def zero_loss(self, runner, model, objective, inputs, optional_pass=None):
         ids = inputs["input_ids"]
         hidden = runner(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
-        return (hidden.sum() + _unwrapped(model).lm_logits(hidden[:, :1]).sum()) * 0.0
+        return (hidden.sum() + unwrap_model(model).lm_logits(hidden[:, :1]).sum()) * 0.0
 
     # --- the hub ----------------------------------------------------------------------------------------------
     def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
@@ -160,13 +168,3 @@ def _check_causal_lm_config(config, path) -> None:
         f"of its families {families} and converts decoder-only causal LMs (transformers' AutoModelForCausalLM types "
         "without a masked-LM head, e.g. 'llama', 'qwen2', 'mistral', 'gemma3_text'). Pass such a checkpoint folder."
     )
-
-
-def _unwrapped(model):
-    """The model inside PEFT / DDP wrappers."""
-    from accelerate.utils import is_peft_model
-
-    inner = model
-    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, a TrainingStep
-        inner = inner.module
-    return inner.get_base_model() if is_peft_model(inner) else inner

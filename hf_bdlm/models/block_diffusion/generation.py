@@ -39,7 +39,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from ...attention import CLEAN, NOISY, LocalLayout, MaskRule, RowMeta
 from ...attention.rows import stream_rows
-from .configuration import TOKEN_SHIFT_OBJECTIVES
+from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
 
 BLOCK_DIFFUSION_FIELDS = ("block_size", "steps_per_block", "confidence_threshold", "mask_token_id", "token_shift",
                           "unmasking")

@@ -33,6 +33,7 @@ from ...attention import (
     register_attention,
     vectorized_rows,
 )
+from ...attention.rows import document_positions
 from .configuration import BlockDiffusionConfig
 from .generation import BlockDiffusionGenerationMixin
 
@@ -53,15 +54,6 @@ class BlockDiffusionOutput(ModelOutput):
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     cache: object | None = None
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """RoPE position ids that restart at 0 at each packed document's first token."""
-    seq = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
-    first = torch.where(starts, seq, torch.zeros_like(seq)).cummax(dim=-1).values
-    return seq - first
 
 
 class BlockDiffusionPreTrainedModel(PreTrainedModel):
