@@ -1,5 +1,9 @@
 """The project's first-use cache: one root folder, an inter-process lock per entry, atomic installs.
 
+The atomic install (build in a temporary sibling, then one ``rename``) is also how the trainer commits a checkpoint
+(``hf_bdlm/trainer/checkpoints.py``): :func:`temporary_sibling`, :func:`leftovers`, :func:`sync_tree` and
+:func:`replace_dir` are shared.
+
 Everything hf_bdlm writes once and reuses (the exported embedded model, the planner's CPU rates) lives under
 ``$HF_BDLM_HOME`` (default ``~/.cache/hf_bdlm``). Several processes may meet an empty cache at once (the ranks of
 a launch, parallel test workers, two runs started together), so every entry is created under a file lock
@@ -42,12 +46,56 @@ def entry_lock(path: str | os.PathLike) -> Iterator[None]:
         yield
 
 
+def temporary_sibling(path: str | os.PathLike, tag: str) -> pathlib.Path:
+    """The temporary sibling ``.<name>.tmp-<tag>`` of ``path``: where a writer builds ``path`` before renaming it into
+    place. Hidden (a leading dot) and never matching ``path``'s own name, so no reader takes it for the entry."""
+    path = pathlib.Path(path)
+    return path.parent / f".{path.name}{_TMP_MARK}{tag}"
+
+
 def leftovers(path: str | os.PathLike) -> list[pathlib.Path]:
     """Temporary folders and files of ``path`` that an interrupted writer left behind."""
     path = pathlib.Path(path)
     if not path.parent.is_dir():
         return []
     return sorted(path.parent.glob(f".{path.name}{_TMP_MARK}*"))
+
+
+def sync_tree(path: str | os.PathLike) -> None:
+    """``fsync`` every file under ``path`` and every folder (their entries), so that a rename that follows publishes
+    data that is on disk: a lost node or a power cut cannot leave a renamed entry with missing bytes."""
+    path = pathlib.Path(path)
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename the finished folder ``tmp`` to ``path``. An existing ``path`` is first moved aside (to a temporary
+    sibling, removed afterwards), so that at every moment ``path`` is either the old entry, absent, or the new one."""
+    tmp, path = pathlib.Path(tmp), pathlib.Path(path)
+    old = None
+    if path.exists() or path.is_symlink():
+        old = temporary_sibling(path, "replaced")
+        _remove(old)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+    if old is not None:
+        _remove(old)
 
 
 def _remove(path: pathlib.Path) -> None:
@@ -83,8 +131,7 @@ def install_dir(path: str | os.PathLike, build: Callable[[pathlib.Path], None],
             if not is_complete(tmp):
                 raise RuntimeError(
                     f"building the cache entry {path} left an incomplete folder: {sorted(os.listdir(tmp))}")
-            _remove(path)  # an incomplete entry (written by an older version, or by hand)
-            os.rename(tmp, path)
+            replace_dir(tmp, path)  # over an incomplete entry (written by an older version, or by hand)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -44,6 +44,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--max-tokens-limit", type=int, default=4096)
     p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.add_argument("--shutdown-grace-seconds", type=float, default=25.0,
+                   help="on SIGTERM / Ctrl-C: seconds the requests in flight may take to finish (new connections are "
+                        "refused); then the rest is cancelled and the server exits 0")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--device", default=None, help="e.g. cuda, cpu (default: where the model loads)")
     p.add_argument("--block-size", type=int, default=32, help="block size when converting a causal LM")
@@ -64,7 +67,8 @@ def run_serve(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                           max_queue=args.max_queue, batch_wait_ms=args.batch_wait_ms,
                           max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                          max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens)
+                          max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+                          shutdown_grace_s=args.shutdown_grace_seconds)
     if args.api_key:
         config.api_key = args.api_key
     dtype = getattr(torch, args.dtype) if args.dtype else None

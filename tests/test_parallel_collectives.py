@@ -53,5 +53,5 @@ def test_a_work_that_does_not_complete_raises_naming_group_collective_and_step()
     c = comm()
     c.meter.step = 7
     handle = InFlight(c, [FakeWork([], completes=False)], "all_gather(k)", lambda: "rows")
-    with pytest.raises(CollectiveTimeout, match=r"all_gather\(k\) on process group 'ring\[0\]' timed out .* at step 7"):
+    with pytest.raises(CollectiveTimeout, match=r"all_gather\(k\) on process group 'ring\[0\]' \(ranks .*\) timed out .* at step 7"):
         handle.wait()

@@ -210,16 +210,22 @@ def test_full_queue_answers_429_and_the_server_keeps_serving(engine):
     with ServerThread(engine, config) as running:
         client = openai.OpenAI(base_url=running.base_url, api_key="unused", max_retries=0, timeout=120)
 
+        retry_after = []
+
         def one(_):
             try:
                 chat(client, max_tokens=40, temperature=0)
                 return 200
-            except openai.RateLimitError:
+            except openai.RateLimitError as err:
+                retry_after.append(err.response.headers.get("retry-after"))
                 return 429
 
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             codes = list(pool.map(one, range(12)))
         assert codes.count(429) >= 1 and codes.count(200) >= 3, codes
+        # Every 429 says when to come back: whole seconds (RFC 9110), the queue ahead at the recent batch duration.
+        assert len(retry_after) == codes.count(429) and all(v is not None and v.isdigit() and int(v) >= 1
+                                                             for v in retry_after), retry_after
         assert chat(client, max_tokens=4).usage.completion_tokens == 4
         assert running.app.state.scheduler.stats.rejected == codes.count(429)
 

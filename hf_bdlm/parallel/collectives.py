@@ -115,14 +115,24 @@ class CommContext:
             ok = work.wait(self.timeout)
         except RuntimeError as err:
             raise CollectiveTimeout(
-                f"{what} on process group '{self.name}' failed or timed out after {self.timeout} at step "
-                f"{self.meter.step}: {err}. A peer may have died or be running a different layout."
+                f"{what} on process group '{self.name}' (ranks {self.members}) failed after "
+                f"{time.perf_counter() - start:.1f} s (timeout {self.timeout}) at step {self.meter.step}: {err}. A peer "
+                "died, hangs or runs a different layout."
             ) from err
         if ok is False:
             raise CollectiveTimeout(
-                f"{what} on process group '{self.name}' timed out after {self.timeout} at step {self.meter.step}."
+                f"{what} on process group '{self.name}' (ranks {self.members}) timed out after {self.timeout} at step "
+                f"{self.meter.step}: a peer hangs or runs a different layout."
             )
         self.wait_seconds += time.perf_counter() - start
+
+    @property
+    def members(self) -> str:
+        """The global ranks of the group, for messages."""
+        try:
+            return ", ".join(str(r) for r in dist.get_process_group_ranks(self.group or dist.group.WORLD))
+        except (RuntimeError, ValueError):
+            return "?"
 
 
 class InFlight:

@@ -256,10 +256,14 @@ class ParallelDims:
         return self.block_multiple()[0] * block_size if self.is_sharded else block_size
 
     # --- runtime ---------------------------------------------------------------------------------
-    def build_mesh(self, device_type: str = "cpu"):
+    def build_mesh(self, device_type: str = "cpu", timeout=None):
         """One ``DeviceMesh`` ``(dp, ring, clean_ring, tp)`` over the initialised world, with the flattened
         ``"bp"`` (block-parallel group) and ``"dp_bp"`` (the data world: every rank but the tensor-parallel ones)
         dims registered on it. Returns ``(mesh, bp_mesh, data_mesh)``; ``mesh["tp"]`` is the tensor-parallel group.
+
+        ``timeout`` (a ``timedelta``): the collective timeout of every group smaller than the world (DeviceMesh would
+        give them torch's default, 30 minutes with gloo and 10 with NCCL, whatever the default group's); a dim that
+        spans the world is the default group, with its own timeout (``ddp_timeout`` under the trainer).
 
         Every rank must call it, in the same order (it creates process groups).
         """
@@ -270,7 +274,32 @@ class ParallelDims:
         if self.world_size is not None and self.world_size != world:
             raise ValueError(f"ParallelDims was declared for world_size={self.world_size}, the world has {world} ranks.")
         dims = self.with_world(world)
-        mesh = init_device_mesh(
-            device_type, (dims.data_parallel_size, dims.rings_per_group, dims.clean_ring_size, dims.tensor_parallel_size),
-            mesh_dim_names=("dp", "ring", "clean_ring", "tp"))
-        return mesh, mesh["ring", "clean_ring"]._flatten("bp"), mesh["dp", "ring", "clean_ring"]._flatten("dp_bp")
+        shape = (dims.data_parallel_size, dims.rings_per_group, dims.clean_ring_size, dims.tensor_parallel_size)
+        names = ("dp", "ring", "clean_ring", "tp")
+        options = _group_options(timeout)
+
+        def override(size: int):
+            return options if options is not None and size < world else None
+
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names,
+                                backend_override={n: o for n, size in zip(names, shape) if (o := override(size))})
+        bp = dims.rings_per_group * dims.clean_ring_size
+        return (mesh, mesh["ring", "clean_ring"]._flatten("bp", backend_override=override(bp)),
+                mesh["dp", "ring", "clean_ring"]._flatten("dp_bp", backend_override=override(bp * shape[0])))
+
+
+def _group_options(timeout):
+    """Process-group options carrying ``timeout`` for the default group's backend (gloo or NCCL), or ``None``."""
+    if timeout is None:
+        return None
+    import torch.distributed as dist
+
+    # (None, options): the default group's backend, with these options (DeviceMesh reads the timeout from them).
+    backend = dist.get_backend()
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return None, options
+    if backend == "gloo":
+        return None, dist.ProcessGroupGloo.Options(backend, timeout)
+    return None  # another backend (or a mixed one): torch's defaults

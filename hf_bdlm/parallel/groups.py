@@ -80,9 +80,9 @@ class BlockParallelGroups:
         link (:class:`~.link.LinkModel`) every K/V transfer of this rank goes through, both communicators sharing
         it as they share the rank's network interface."""
         if timeout is not None:
-            # DeviceMesh builds its groups with the default timeout; the waits below use ours.
+            # Every group's collectives (FSDP2's, the barriers') and the K/V waits below use the run's timeout.
             timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-        mesh, bp_mesh, world_mesh = dims.build_mesh(device_type)
+        mesh, bp_mesh, world_mesh = dims.build_mesh(device_type, timeout)
         dims = dims.with_world(dist.get_world_size())
         meter = meter or ByteMeter()
         gi, ring, ring_rank, tp = mesh.get_coordinate()

@@ -33,6 +33,7 @@ from ..attention.interface import LocalLayout
 from .dims import CPLayout, Mode, ParallelDims, Schedule, Transport
 from .groups import BlockParallelGroups
 from .link import LinkModel
+from .liveness import Heartbeat, is_distributed_failure, start_heartbeat
 from .plan import PlanConfig
 from .sharded import ShardedLayout
 
@@ -128,7 +129,8 @@ class BlockParallelPlugin:
         transport (`str`, defaults to `"allgather"`): `"allgather"` or `"ring"` (passed on to the layout).
         cp_layout (`str`, defaults to `"balanced"`): under `"cp"`, `"balanced"` or `"paper"` (the paper's CP
             baseline, :class:`~.dims.CPLayout`).
-        timeout (`timedelta`, *optional*): timeout of the block-parallel collectives.
+        timeout (`timedelta`, *optional*): timeout of the block-parallel groups' collectives (the trainer passes
+            `ddp_timeout`, the default group's: every group of the run then has the same).
         verify_layout (`bool`, defaults to `True`):
             The first time the ranks of a group meet a plan, check that they agree on it (one small all-gather);
             a disagreement raises the same clear error on every rank instead of hanging in a collective.
@@ -157,6 +159,7 @@ class BlockParallelPlugin:
     rank: int = field(default=0, init=False)
     groups: BlockParallelGroups | None = field(default=None, init=False, repr=False)
     device_mesh: object | None = field(default=None, init=False, repr=False)
+    heartbeat: Heartbeat | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.dims is None:
@@ -189,8 +192,30 @@ class BlockParallelPlugin:
             self.groups = BlockParallelGroups.build(self.dims, device_type, timeout=self.timeout,
                                                     verify=self.verify_layout, link=self.link)
             self.device_mesh = self.groups.mesh
+            self.heartbeat = start_heartbeat()
         self._ready = True
         return self
+
+    def begin_step(self, step: int) -> None:
+        """The optimizer step about to run (1-based): what a failed collective's error names; the byte meter keeps
+        this step's records only (a long run would otherwise hold every step's)."""
+        if self.groups is not None:
+            meter = self.groups.meter
+            meter.step = step
+            meter.records = [r for r in meter.records if r[0] == step]
+
+    def explain_failure(self, err: BaseException) -> BaseException | None:
+        """For a failed or timed-out collective, an error that names the lost ranks (from their heartbeats: see
+        :mod:`~.liveness`), raised ``from`` the original; ``None`` for any other error."""
+        if self.heartbeat is None or not is_distributed_failure(err):
+            return None
+        step = f" at step {self.groups.meter.step}" if self.groups is not None else ""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return RuntimeError(
+            f"rank {self.rank}: a collective failed{step} ({first[:600]}). Of the {self.world_size} ranks, "
+            f"{self.heartbeat.diagnosis()} The job cannot continue: restart it and resume from the last checkpoint "
+            "(resume_from_checkpoint=True takes the last complete one)."
+        )
 
     @property
     def is_active(self) -> bool:

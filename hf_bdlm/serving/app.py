@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -32,7 +33,7 @@ from . import protocol, tools
 from .config import ServerConfig
 from .engine import Engine
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
-from .scheduler import BatchScheduler, Job, QueueFull
+from .scheduler import BatchScheduler, Job, QueueFull, ShuttingDown
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
@@ -43,6 +44,20 @@ class ClientGone(Exception):
 
 
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
+class RetryLater(APIError):
+    """An error the client should retry, with ``Retry-After`` in whole seconds (at least 1): a 429 (the queue is full:
+    the seconds the queue ahead is expected to take) or a 503 (the server is stopping: retry elsewhere)."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float):
+        kind = "rate_limit_exceeded" if status == 429 else "service_unavailable"
+        super().__init__(status, message, type=kind if status == 429 else "server_error", code=kind)
+        self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+
+
+def _stopping(message: str) -> RetryLater:
+    return RetryLater(503, f"{message}; retry the request (on another instance).", 1)
 
 
 class APIKeyMiddleware:
@@ -98,7 +113,7 @@ def _scheduler_lifespan(scheduler: BatchScheduler) -> Callable[[FastAPI], Abstra
 
 
 async def _api_error(request: Request, err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=getattr(err, "headers", None))
 
 
 async def _client_gone(request: Request, err: ClientGone) -> Response:
@@ -162,8 +177,10 @@ def _submit(scheduler: BatchScheduler, jobs: list[Job]) -> None:
     try:
         scheduler.submit(jobs)
     except QueueFull as err:
-        raise APIError(429, f"the server is busy ({err}); retry later.", type="rate_limit_exceeded",
-                       code="rate_limit_exceeded") from None
+        wait = scheduler.expected_wait_s()
+        raise RetryLater(429, f"the server is busy ({err}); retry in {max(1, math.ceil(wait))} s.", wait) from None
+    except ShuttingDown as err:
+        raise _stopping(str(err)) from None
 
 
 # --- routes ------------------------------------------------------------------------------------------------------
@@ -299,6 +316,8 @@ async def _collect(request: Request, job: Job) -> tuple[str, str]:
                 parts.append(payload)
             elif kind == "done":
                 return "".join(parts), payload
+            elif kind == "unavailable":
+                raise _stopping(payload)
             else:
                 raise APIError(500, payload, type="server_error")
     finally:
@@ -313,6 +332,8 @@ async def _job_events(job: Job) -> AsyncIterator[tuple[str, str]]:
             kind, payload = await job.events.get()
             if kind == "error":
                 raise APIError(500, payload, type="server_error")
+            if kind == "unavailable":
+                raise _stopping(payload)
             yield kind, payload
             if kind == "done":
                 return

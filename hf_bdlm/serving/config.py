@@ -37,6 +37,10 @@ class ServerConfig:
             Largest `max_tokens` a request may ask for (400 beyond).
         default_max_tokens (`int`, defaults to 1024):
             Budget of a request that sets no `max_tokens` (capped by the context left).
+        shutdown_grace_s (`float`, defaults to 25):
+            On SIGTERM (or Ctrl-C) the server stops accepting connections and lets the requests in flight finish for
+            at most this many seconds, then cancels the rest and exits 0. Below Kubernetes' default
+            `terminationGracePeriodSeconds` (30), so the pod exits before it would be killed.
     """
 
     host: str = "127.0.0.1"
@@ -49,10 +53,13 @@ class ServerConfig:
     max_prompt_tokens: int | None = None
     max_tokens_limit: int = 4096
     default_max_tokens: int = 1024
+    shutdown_grace_s: float = 25.0
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_tokens_limit", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0 seconds, got {self.shutdown_grace_s}.")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must lie in [0, 65535], got {self.port}.")

@@ -28,6 +28,10 @@ class QueueFull(Exception):
     """The scheduler's queue holds `max_queue` waiting jobs already."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping and sheds its work: a new job is refused."""
+
+
 class TextStream:
     """Incremental detokenization with stop strings: `add(ids)` returns the new text that is safe to send.
 
@@ -70,7 +74,8 @@ class Job:
     """One generation request (one prompt) as the worker sees it.
 
     `batch_key` groups jobs that may share a batch (``ServingDecoder.batch_key``).
-    Events for the client go to `events` on `loop`: `("text", str)`, `("done", finish_reason)`, `("error", str)`.
+    Events for the client go to `events` on `loop`: `("text", str)`, `("done", finish_reason)`, `("error", str)`,
+    `("unavailable", str)` (the server stopped before the job's end).
     """
 
     prompt_ids: list[int]
@@ -108,6 +113,13 @@ class Job:
             self.finish_reason = "error"
             self.emit("error", message)
 
+    def shed(self, message: str) -> None:
+        """End an unfinished job because the server stops; it leaves its batch at the next block."""
+        if self.finish_reason is None:
+            self.finish_reason = "error"
+            self.cancelled.set()
+            self.emit("unavailable", message)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -123,6 +135,7 @@ class SchedulerStats:
     cancelled: int = 0
     rejected: int = 0
     failed_batches: int = 0
+    recent_batch_s: float = 0.0  # moving average of a batch's duration: what a 429's Retry-After is computed from
 
     @property
     def mean_batch(self) -> float:
@@ -150,6 +163,8 @@ class BatchScheduler:
         self._pending: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._shedding = False
+        self._batch: list[Job] = []
         self._thread: threading.Thread | None = None
         self.running = 0
 
@@ -168,9 +183,22 @@ class BatchScheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def shed(self, message: str) -> int:
+        """Refuse new jobs and end every unfinished one, queued or decoding, with ``message`` (the server stops);
+        returns how many were ended."""
+        with self._cond:
+            self._shedding = True
+            jobs = [job for job in [*self._pending, *self._batch] if not job.finished]
+            self._pending.clear()
+        for job in jobs:
+            job.shed(message)
+        return len(jobs)
+
     def submit(self, jobs: list[Job]) -> None:
         """Queue jobs together (all or none)."""
         with self._cond:
+            if self._shedding:
+                raise ShuttingDown("the server is shutting down")
             if len(self._pending) + len(jobs) > self.max_queue:
                 self.stats.rejected += len(jobs)
                 raise QueueFull(f"{len(self._pending)} requests are waiting (limit {self.max_queue})")
@@ -180,6 +208,12 @@ class BatchScheduler:
     @property
     def queued(self) -> int:
         return len(self._pending)
+
+    def expected_wait_s(self) -> float:
+        """Seconds before a request queued now would start decoding: the batches ahead of it (the running one and the
+        queue's) at the recent batch duration."""
+        ahead = (1 if self.running else 0) + len(self._pending) / self.max_batch_size
+        return ahead * self.stats.recent_batch_s
 
     def _take_first(self) -> Job | None:
         with self._cond:
@@ -218,7 +252,8 @@ class BatchScheduler:
             self.stats.batches += 1
             self.stats.jobs += len(batch)
             self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
-            self.running = len(batch)
+            self.running, self._batch = len(batch), batch
+            started = time.perf_counter()
             try:
                 self.run_batch(batch)
             except Exception as err:  # a failed batch must not kill the worker: its clients get a 500
@@ -227,5 +262,8 @@ class BatchScheduler:
                 for job in batch:
                     job.fail(f"generation failed: {type(err).__name__}: {err}")
             finally:
+                seconds = time.perf_counter() - started
+                recent = self.stats.recent_batch_s
+                self.stats.recent_batch_s = seconds if recent == 0 else 0.8 * recent + 0.2 * seconds
                 self.stats.cancelled += sum(job.cancelled.is_set() for job in batch)
-                self.running = 0
+                self.running, self._batch = 0, []

@@ -41,16 +41,18 @@ from accelerate.utils import is_peft_model
 from torch.utils.data import DataLoader
 from transformers import ProcessorMixin, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import has_length, rotate_checkpoints
 from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
+from ..checkpoint_files import check_weight_files
 from ..protocols.registry import ModelFamily
 from ..protocols.step import TrainingStep
 from ..objectives import Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
 from ..parallel.tensor import apply_tensor_parallel
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
+from .checkpoints import TRAINER_STATE_NAME, CheckpointCommit, check_resumable, last_complete_checkpoint
 from .config import ACCELERATE_PARALLELISM_ENV, BDLMSFTConfig
 from .fsdp import (
     fsdp_request,
@@ -293,18 +295,67 @@ class BDLMSFTTrainer(SFTTrainer):
             self._fsdp_step.reshard()
         return super().create_optimizer(model)
 
+    # --- checkpoints: atomic saves (hf_bdlm/trainer/checkpoints.py) ---------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        # True: the last *complete* checkpoint; unfinished saves are reported and skipped. A path: refused if unfinished.
+        # A recipe's `--resume_from_checkpoint True` arrives as a string (TrainingArguments types it `str`).
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true" and \
+                not os.path.isdir(resume_from_checkpoint):
+            resume_from_checkpoint = True
+        if resume_from_checkpoint is True:
+            found = last_complete_checkpoint(self.args.output_dir, report=self.is_world_process_zero())
+            if found is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            resume_from_checkpoint = found
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            check_resumable(resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        except Exception as err:
+            # A lost peer fails a collective with "connection reset" at best: say which rank is gone.
+            explained = self.plugin.explain_failure(err)
+            if explained is None:
+                raise
+            raise explained from err
+
+    def _get_output_dir(self, trial) -> str:
+        # While a checkpoint is saved, the Trainer writes it into the staging folder (see _save_checkpoint).
+        staging = getattr(self, "_checkpoint_commit", None)
+        return str(staging.staging_run_dir) if staging is not None else super()._get_output_dir(trial)
+
     def _save_checkpoint(self, model, trial):
-        self._saving_checkpoint = True
+        """transformers' save, written into a staging folder and renamed into place once every rank has written its
+        part: a process killed during the save leaves no ``checkpoint-N`` that a resume would take."""
+        run_dir = super()._get_output_dir(trial)
+        commit = CheckpointCommit(run_dir, self.state.global_step, self.args.should_save,
+                                  self.accelerator.wait_for_everyone)
+        commit.prepare()
+        self._checkpoint_commit = commit
         try:
             super()._save_checkpoint(model, trial)
+            self._save_extra_state(str(commit.staged))
+            published = commit.published(self.state.best_model_checkpoint)
+            if published != self.state.best_model_checkpoint:  # the Trainer recorded the staging path as the best
+                self.state.best_model_checkpoint = published
+                if self.args.should_save:
+                    self.state.save_to_json(os.path.join(commit.staged, TRAINER_STATE_NAME))
         finally:
-            self._saving_checkpoint = False
+            self._checkpoint_commit = None
+        commit.commit()
+        if self.args.should_save:  # the Trainer rotated the staging folder; the checkpoints are here
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        """Write what a model family's trainer keeps beyond transformers' checkpoint (its objective's state) into
+        ``checkpoint_dir``, before the checkpoint is committed. Nothing by default."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self.fsdp2 is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        if getattr(self, "_saving_checkpoint", False) and state_dict_type(self.fsdp2) == "SHARDED_STATE_DICT":
+        saving_checkpoint = getattr(self, "_checkpoint_commit", None) is not None
+        if saving_checkpoint and state_dict_type(self.fsdp2) == "SHARDED_STATE_DICT":
             save_sharded_model(self.model, output_dir)
         else:
             # Gathered on rank 0 and written as an ordinary transformers checkpoint (a PEFT model: its adapter).
@@ -328,6 +379,7 @@ class BDLMSFTTrainer(SFTTrainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        check_weight_files(resume_from_checkpoint)  # a weights file cut short: its name and the fix, not a parse error
         if isinstance(model, TrainingStep):
             model = model.module
         # A sharded (DCP) checkpoint loads into any run, FSDP2 or not, on any world size: DCP reshards.
@@ -430,6 +482,7 @@ class BDLMSFTTrainer(SFTTrainer):
 
     # --- the loss --------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self.plugin.begin_step(self.state.global_step + 1)
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         normalizer = 0.0
         for batch in batches:

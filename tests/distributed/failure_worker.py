@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 2 tests/distributed/failure_worker.py --out /tmp/f
 
-Both cases run in one launch, in this order: ``disagree`` (the ranks build plans of different sequence lengths; each
-writes the error it raised to ``OUT.disagree.<rank>``), then ``timeout`` (rank 0 starts an all-gather that rank 1
+The cases run in one launch, in this order: ``disagree`` (the ranks build plans of different sequence lengths; each
+writes the error it raised to ``OUT.disagree.<rank>``), ``mesh_timeouts`` (the timeout of each group of a mesh built
+with a 7 s timeout, to ``OUT.mesh_timeouts.<rank>``), then ``timeout`` (rank 0 starts an all-gather that rank 1
 never joins, on groups with a 3 s timeout; rank 0 writes the timeout's message to ``OUT.timeout.0``, rank 1 waits for
 that file, so that it is alive, not gone, while rank 0 waits).
 """
@@ -48,6 +49,21 @@ def disagree(out: str, rank: int) -> None:
     dist.barrier()  # both ranks have written their error
 
 
+def mesh_timeouts(out: str, rank: int) -> None:
+    # Groups smaller than the world are new groups (DeviceMesh would give them torch's 30-minute default); a dim that
+    # spans the world is the default group, with its own timeout.
+    groups = BlockParallelGroups.create(2, 2, ByteMeter(), timeout=timedelta(seconds=7))
+    dims = {}
+    for name in ("dp", "ring", "clean_ring", "tp"):
+        group = groups.mesh.get_group(name)
+        dims[name] = {"size": group.size(), "is_default_group": group is dist.group.WORLD,
+                      "timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds()}
+    default = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    path = Path(f"{out}.mesh_timeouts.{rank}")
+    path.write_text(json.dumps({"dims": dims, "default_group_timeout_s": default}))
+    dist.barrier()
+
+
 def timeout(out: str, rank: int) -> None:
     # A short timeout only where a peer is meant to hang.
     groups = BlockParallelGroups.create(2, 2, ByteMeter(), timeout=timedelta(seconds=3))
@@ -72,6 +88,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     disagree(args.out, rank)
+    mesh_timeouts(args.out, rank)
     timeout(args.out, rank)
     # After a timed-out collective the group holds work that can never finish; tearing it down (even implicitly at
     # interpreter exit) may abort inside gloo. Teardown after the disagreement aborted there too, about once in a few

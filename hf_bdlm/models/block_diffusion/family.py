@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ...checkpoint_files import BadCheckpointFile, load_pretrained
 from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
 from ...protocols.family import ModelFamily
 from ...protocols.step import unwrap_model
@@ -41,8 +42,9 @@ class BlockDiffusionFamily(ModelFamily):
         from transformers import AutoModel, AutoModelForCausalLM
 
         if config.model_type == BlockDiffusionConfig.model_type:
-            return AutoModel.from_pretrained(path, **init_kwargs), processing_class
-        causal = AutoModelForCausalLM.from_pretrained(path, **init_kwargs)
+            check_mask_token(getattr(processing_class, "tokenizer", processing_class), config, path)
+            return load_pretrained(AutoModel.from_pretrained, path, **init_kwargs), processing_class
+        causal = load_pretrained(AutoModelForCausalLM.from_pretrained, path, **init_kwargs)
         return self._convert(causal, processing_class, args, path)
 
     def load_for_serving(self, path, config, init_kwargs, block_size):
@@ -52,12 +54,13 @@ class BlockDiffusionFamily(ModelFamily):
             _check_causal_lm_config(config, path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if config.model_type == BlockDiffusionConfig.model_type:
-            return AutoModel.from_pretrained(path, **init_kwargs), tokenizer
+            check_mask_token(tokenizer, config, path)
+            return load_pretrained(AutoModel.from_pretrained, path, **init_kwargs), tokenizer
         from .conversion import convert_causal_lm
 
         logger.warning("%s is a causal LM: converting it to a block diffusion LM (block size %d, no training)", path,
                        block_size)
-        causal = AutoModelForCausalLM.from_pretrained(path, **init_kwargs)
+        causal = load_pretrained(AutoModelForCausalLM.from_pretrained, path, **init_kwargs)
         model, tokenizer = convert_causal_lm(causal, tokenizer, block_size=block_size)
         model.generation_config.eos_token_id = causal.generation_config.eos_token_id
         return model, tokenizer
@@ -167,4 +170,23 @@ def _check_causal_lm_config(config, path) -> None:
         f"{path} holds a model_type={model_type!r} checkpoint, which hf_bdlm cannot load: it loads the model types "
         f"of its families {families} and converts decoder-only causal LMs (transformers' AutoModelForCausalLM types "
         "without a masked-LM head, e.g. 'llama', 'qwen2', 'mistral', 'gemma3_text'). Pass such a checkpoint folder."
+    )
+
+
+def check_mask_token(tokenizer, config, path) -> None:
+    """The tokenizer of a block-diffusion folder must be the one saved with it: its mask token is the model's
+    ``mask_token_id`` (the token the noise writes and the decoder fills in)."""
+    mask_id = config.mask_token_id
+    if tokenizer is None or getattr(tokenizer, "mask_token_id", None) == mask_id:
+        return
+    folder = os.fspath(path)
+    where = os.path.join(folder, "tokenizer_config.json") if os.path.isdir(folder) else f"the tokenizer of {folder}"
+    found = getattr(tokenizer, "mask_token", None)
+    has = (f"its mask token is {found!r} (id {tokenizer.mask_token_id})" if found is not None else
+           "it has no mask token")
+    raise BadCheckpointFile(
+        f"{where}: {has}, but the model's config gives mask_token_id={mask_id} (the token the model denoises). The "
+        "tokenizer is not the one saved with the model (the source causal LM's, without the [MASK] token that "
+        "convert_causal_lm adds?). Save the converted tokenizer into the folder (tokenizer.save_pretrained(folder), "
+        "with the tokenizer convert_causal_lm returned), or pass it as processing_class."
     )

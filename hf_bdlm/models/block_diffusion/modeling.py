@@ -34,6 +34,7 @@ from ...attention import (
     vectorized_rows,
 )
 from ...attention.rows import document_positions
+from ...checkpoint_files import check_weight_files
 from .configuration import BlockDiffusionConfig
 from .generation import BlockDiffusionGenerationMixin
 
@@ -67,6 +68,13 @@ class BlockDiffusionPreTrainedModel(PreTrainedModel):
         # The backbone initialises its own modules; nothing here owns parameters of its own.
         if hasattr(self, "backbone") and module is not self:
             self.backbone._init_weights(module)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # A weights file cut short or damaged: an error naming it and the fix, not safetensors' parse error.
+        if pretrained_model_name_or_path is not None:
+            check_weight_files(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
 
 class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPreTrainedModel):

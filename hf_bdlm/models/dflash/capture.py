@@ -450,8 +450,9 @@ class FeatureStore:
         with safe_open(path, framework="pt") as f:
             return f.get_slice(name)[start:stop]
 
-    def verify(self, progress: bool = False) -> None:
-        """Check every record file against its sha256; raises naming the files that differ or are missing."""
+    def verify(self, progress: bool = False, sha256: bool = True) -> None:
+        """Check every record file against the manifest: present, of its size, and (``sha256``, reading every byte)
+        of its sha256; raises naming the files that differ or are missing, and the fix."""
         from tqdm.auto import tqdm
 
         bad = []
@@ -459,11 +460,13 @@ class FeatureStore:
             path = self.root / entry["file"]
             if not path.is_file():
                 bad.append(f"{entry['file']} (missing)")
-            elif file_sha256(path) != entry["sha256"]:
+            elif path.stat().st_size != entry["bytes"]:
+                bad.append(f"{entry['file']} ({path.stat().st_size} bytes, the manifest records {entry['bytes']})")
+            elif sha256 and file_sha256(path) != entry["sha256"]:
                 bad.append(f"{entry['file']} (sha256 differs)")
         if bad:
             raise ValueError(f"{len(bad)} of {len(self)} records of {self.root} fail verification: {bad}. Rerun the "
-                             "capture with resume=True to redo them.")
+                             "capture with resume=True to redo them (or copy the folder again).")
 
     def check_drafter(self, config, *, target_id: str | None = None) -> None:
         """Raise when the features do not fit a drafter: its canonical ``target_layer_ids``, its feature width

@@ -26,6 +26,7 @@ import logging
 import os
 from typing import ClassVar
 
+from ...checkpoint_files import load_pretrained
 from ...protocols.family import ModelFamily
 from ...protocols.step import run_step, unwrap_model
 from .target import TargetHeads, drafter_class, load_target_heads, resolve_target_path
@@ -53,7 +54,7 @@ class DFlashFamily(ModelFamily):
     def load(self, path, config, args, processing_class, init_kwargs):
         """The drafter saved at ``path``, bound to the heads of ``args.target_model``."""
         kwargs = {k: v for k, v in init_kwargs.items() if k in ("dtype", "revision")}
-        drafter = drafter_class(config).from_pretrained(path, **kwargs)
+        drafter = load_pretrained(drafter_class(config).from_pretrained, path, **kwargs)
         return self.adopt(drafter, processing_class, args)
 
     def adopt(self, model, processing_class, args):

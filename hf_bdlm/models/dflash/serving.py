@@ -105,15 +105,17 @@ def load_speculative(target_path: str, draft_path: str, init_kwargs: dict, devic
     ``num_speculative_tokens`` proposals per step (`None`: the drafter's ``B - 1``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ...checkpoint_files import load_pretrained
     from .configuration import DFlashConfig
     from .speculative import speculative_token_count
     from .target import drafter_class
 
     config = DFlashConfig.from_pretrained(draft_path)
     speculative_token_count(num_speculative_tokens, int(config.block_size))  # before loading anything
-    target = AutoModelForCausalLM.from_pretrained(target_path, **init_kwargs).eval().requires_grad_(False)
+    target = load_pretrained(AutoModelForCausalLM.from_pretrained, target_path, **init_kwargs)
+    target = target.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    drafter = drafter_class(config).from_pretrained(draft_path, **init_kwargs)
+    drafter = load_pretrained(drafter_class(config).from_pretrained, draft_path, **init_kwargs)
     if device:
         target, drafter = target.to(device), drafter.to(device)
     drafter.bind_target(target)

@@ -45,7 +45,6 @@ from typing import Any
 import datasets
 import torch
 from transformers import TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ...objectives.base import supervised_mask
 from ...objectives.noise import hash_uniform
@@ -551,6 +550,8 @@ class DFlashTrainer(BDLMSFTTrainer):
         if processing_class is None:
             processing_class = _target_tokenizer(target_name, args.target_revision)
         for store in stores:
+            # Every record's size always (a copy cut short); its sha256 too with verify_features="sha256".
+            store.verify(sha256=args.verify_features == "sha256")
             _check_features(store, drafter, heads, target_name)
             if args.dflash_loss == "kl" and not store.has_teacher:
                 raise ValueError(f"dflash_loss='kl' needs the target's teacher states, which the features in "
@@ -601,10 +602,10 @@ class DFlashTrainer(BDLMSFTTrainer):
         return self.objective.corrupt(batch, seed=self.objective.seed, step=step, total_steps=total)
 
     # --- checkpoints -----------------------------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        # Inside the checkpoint's atomic save (hf_bdlm/trainer/checkpoints.py): committed with the rest, or not at all.
         if self.args.should_save:
+            folder = Path(checkpoint_dir)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / OBJECTIVE_STATE_FILE).write_text(json.dumps(self.objective.state_dict(), indent=1))
 

@@ -44,6 +44,10 @@ class DFlashTrainingConfig(BDLMSFTConfig):
         features_dir (`str`, *optional*):
             A folder of captured target features (`hf-bdlm dflash capture`, `capture_features`): the training data
             when `train_dataset` is not given.
+        verify_features (`str`, defaults to `"size"`):
+            What the trainer checks of each captured record against the capture's manifest before training: `"size"`
+            (present and of its recorded size: a copy cut short; costs nothing) or `"sha256"` (also its sha256:
+            any changed byte; reads the whole capture once, on every process).
 
         > The DFlash objective (`DFlashObjectiveConfig`'s options)
 
@@ -83,6 +87,8 @@ class DFlashTrainingConfig(BDLMSFTConfig):
     target_revision: str | None = field(default=None, metadata={"help": "The target's revision."})
     features_dir: str | None = field(default=None, metadata={"help": "Captured target features (hf-bdlm dflash "
                                                                      "capture): the training data."})
+    verify_features: str = field(default="size", metadata={"help": "'size' or 'sha256': what the trainer checks "
+                                                                   "of each captured record before training."})
     max_anchors: int = field(default=64, metadata={"help": "Anchors (draft blocks) per sequence and step."})
     anchor_sampling: str = field(default="locality", metadata={"help": "'locality' or 'uniform'."})
     anchor_group_size: int = field(default=0, metadata={"help": "Kept for recipe compatibility."})
@@ -104,6 +110,8 @@ class DFlashTrainingConfig(BDLMSFTConfig):
     def __post_init__(self):
         if self.objective is None:
             self.objective = "dflash"
+        if self.verify_features not in ("size", "sha256"):
+            raise ValueError(f"verify_features must be 'size' or 'sha256', got {self.verify_features!r}.")
         if isinstance(self.lk_loss_type, str) and self.lk_loss_type.lower() in ("none", "null", ""):
             self.lk_loss_type = None  # a YAML / command-line spelling of "plain cross entropy"
         if getattr(self, "activation_checkpointing", None) is None and self.gradient_checkpointing is None:

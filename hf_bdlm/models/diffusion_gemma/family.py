@@ -15,6 +15,7 @@ import logging
 import os
 from typing import ClassVar
 
+from ...checkpoint_files import load_pretrained
 from ...protocols.family import ModelFamily
 from ...protocols.step import run_step
 from .modeling import (
@@ -48,14 +49,14 @@ class DiffusionGemmaFamily(ModelFamily):
         return unwrap_diffusion_gemma(model) is not None
 
     def load(self, path, config, args, processing_class, init_kwargs):
-        return diffusion_gemma_class().from_pretrained(path, **init_kwargs), processing_class
+        return load_pretrained(diffusion_gemma_class().from_pretrained, path, **init_kwargs), processing_class
 
     def load_for_serving(self, path, config, init_kwargs, block_size):
         """The model and its tokenizer (a processor's tokenizer, with the processor's chat template when the
         tokenizer has none); ``block_size`` is unused (the canvas length is the model's)."""
         from transformers import AutoTokenizer
 
-        model = diffusion_gemma_class().from_pretrained(path, **init_kwargs)
+        model = load_pretrained(diffusion_gemma_class().from_pretrained, path, **init_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = _processor_chat_template(path)
