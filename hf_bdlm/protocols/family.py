@@ -14,7 +14,7 @@ The trainer's step with a family ``f`` (``model``: the family's model inside wra
     loss, metrics = f.loss(runner, model, objective, corrupted, layout)
 
 ``runner`` is what the step runs through: the model (or its DDP wrapper) for a family whose objective calls the
-model's forward, a :class:`~hf_bdlm.models.step.TrainingStep` for one whose objective drives the model's parts
+model's forward, a :class:`~hf_bdlm.protocols.step.TrainingStep` for one whose objective drives the model's parts
 itself (``owns_step``).
 """
 

@@ -1,6 +1,6 @@
 """`TrainingStep`: a training step that is not the model's forward, as a module forward DDP and Accelerate see.
 
-A family that ``owns_step`` (`hf_bdlm.models.family`) trains with an objective that calls the model's parts itself
+A family that ``owns_step`` (`hf_bdlm.protocols.family`) trains with an objective that calls the model's parts itself
 (an encoder-decoder's: its encoder, its decoder once or twice, its LM head on the scored rows only) and never the
 model's top-level forward. A
 `DistributedDataParallel` wrapper synchronizes gradients only for a forward that went through it (its reducer

@@ -5,7 +5,7 @@
     ids = engine.chat_prompt([{"role": "user", "content": "Compute 2 + 2."}])
 
 The checkpoint's family (found from its config's ``model_type``, ``hf_bdlm.models``) loads it and gives the
-decoder (:class:`hf_bdlm.models.family.ServingDecoder`) that turns a request into settings and decodes batches;
+decoder (:class:`hf_bdlm.protocols.family.ServingDecoder`) that turns a request into settings and decodes batches;
 `Engine.run_batch`, what the scheduler's worker thread calls, streams each job's text back block by block.
 """
 

@@ -284,7 +284,7 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
         return push_to_hub(self, repo_id, tokenizer=tokenizer, info=card_info, **kwargs)
 
     def generate(self, input_ids: torch.Tensor, generation_config=None, **kwargs) -> torch.Tensor:
-        """Block-wise diffusion decoding; see :func:`hf_bdlm.generation.generate`."""
+        """Block-wise diffusion decoding; see :func:`hf_bdlm.models.block_diffusion.generation.generate`."""
         from .generation import generate
 
         return generate(self, input_ids, generation_config=generation_config, **kwargs)
