@@ -12,7 +12,6 @@ reverse).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from .cost import Cluster, Prediction, Recipe, plan_all, recommend
 from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from ...checkpoint_files import BadCheckpointFile, load_pretrained
 from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
 from ...protocols.family import ModelFamily
