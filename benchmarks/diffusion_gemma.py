@@ -303,7 +303,7 @@ def paper_projection() -> tuple[list[dict], str]:
     not a fit: nothing in the planner is tuned to them."""
     from dataclasses import replace
 
-    from hf_bdlm.models import family_named
+    from hf_bdlm.protocols.registry import family_named
     from hf_bdlm.planner.cli import PAPER_GROUP, PAPER_PAIR, paper_topology
     from hf_bdlm.planner.cost import Recipe
     from hf_bdlm.planner.hardware import device_spec

@@ -59,8 +59,8 @@ metadata: {{version: 1.0}}
 """
 # Where the time goes, by the function that spends it (cumulative time under cProfile).
 PROFILE_PARTS = {
-    "backbone forward": ("hf_bdlm/modeling.py", "forward"),
-    "LM head": ("hf_bdlm/modeling.py", "lm_logits"),
+    "backbone forward": ("hf_bdlm/models/block_diffusion/modeling.py", "forward"),
+    "LM head": ("hf_bdlm/models/block_diffusion/modeling.py", "lm_logits"),
     "Monte-Carlo draws": ("hf_bdlm/objectives/likelihood.py", "absorbing_draws"),
 }
 

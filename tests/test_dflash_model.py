@@ -27,6 +27,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from hf_bdlm.attention.rows import document_starts
 from hf_bdlm.models.dflash.configuration import DFlashConfig, default_target_layer_ids
 from hf_bdlm.models.dflash.planning import PUBLISHED_DFLASH2
 from hf_bdlm.models.dflash.modeling import (
@@ -35,7 +36,6 @@ from hf_bdlm.models.dflash.modeling import (
     DFlashContextCache,
     DFlashDraftModel,
     attend_with_lse,
-    document_starts,
     draft_context_mask,
     merge_partials,
 )

@@ -41,7 +41,7 @@ import types
 import pytest
 import torch
 
-from hf_bdlm.models.dflash.modeling import document_starts
+from hf_bdlm.attention.rows import document_starts
 from hf_bdlm.models.dflash.objective import (
     DFlashObjective,
     DFlashObjectiveConfig,

@@ -72,7 +72,7 @@ def rel(a, b):
 def test_training_lowers_the_loss_and_saves_a_drafter_that_reloads_and_serves(tmp_path, features, target):
     from transformers import AutoConfig
 
-    from hf_bdlm.models import family_for_config
+    from hf_bdlm.protocols.registry import family_for_config
     from hf_bdlm.models.dflash.export import check_serving_inventory, export_drafter
 
     trainer = DFlashTrainer(fixtures.tiny_drafter(target), fixtures.config(

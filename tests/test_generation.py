@@ -14,7 +14,7 @@ from transformers import AutoModel, Gemma3TextConfig, GenerationConfig, LlamaCon
 
 import hf_bdlm
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
-from hf_bdlm.generation import (
+from hf_bdlm.models.block_diffusion.generation import (
     BlockDiffusionGenerationConfig,
     BlockDiffusionGenerationMixin,
     CachedContext,

@@ -215,7 +215,8 @@ def test_remote_code_imports_only_torch_transformers_and_the_standard_library(tm
 def test_remote_code_holds_the_whole_model_and_none_of_the_hub_hooks():
     modeling = bundle_remote_code()["modeling_block_diffusion.py"]
     for source in ("attention/masks.py", "attention/rows.py", "attention/tiles.py", "attention/kernels.py",
-                   "attention/backends.py", "attention/interface.py", "generation.py", "modeling.py"):
+                   "attention/backends.py", "attention/interface.py", "models/block_diffusion/generation.py",
+                   "models/block_diffusion/modeling.py"):
         assert f"hf_bdlm/{source}" in modeling
     for definition in ("def allowed(", "def plan_attention(", "def bdlm_attention_forward(", "def generate(",
                        "class BlockDiffusionForMaskedLM("):

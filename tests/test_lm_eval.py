@@ -31,9 +31,9 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from hf_bdlm.evaluation.lm_eval_model import HFBDLMEvalModel, load_for_evaluation  # noqa: E402
-from hf_bdlm.models import family_named  # noqa: E402
+from hf_bdlm.protocols.registry import family_named  # noqa: E402
 from hf_bdlm.models.diffusion_gemma import likelihood as dg_likelihood  # noqa: E402
-from hf_bdlm.models.family import ScoreRequest  # noqa: E402
+from hf_bdlm.protocols.family import ScoreRequest  # noqa: E402
 from hf_bdlm.objectives import get_objective  # noqa: E402
 from hf_bdlm.objectives.likelihood import absorbing_draws, request_key, sample_uniform, stratified_levels  # noqa: E402,E501
 from tiny_bdlm import BLOCK, MASK, tiny_bdlm, tiny_tokenizer  # noqa: E402

@@ -13,15 +13,12 @@ from transformers import LlamaConfig
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.attention.masks import CLEAN, NOISY
 from hf_bdlm.attention.rows import vectorized_rows
-from hf_bdlm.objectives import (
+from hf_bdlm.models.block_diffusion.objectives import (
     FastDLLMv2CausalCleanObjective,
     FastDLLMv2Objective,
     StandardObjective,
-    get_objective,
-    hash_uniform,
-    supervised_mask,
-    target_rows_in,
 )
+from hf_bdlm.objectives import get_objective, hash_uniform, supervised_mask, target_rows_in
 
 B, MASK, VOCAB = 4, 63, 64
 OBJECTIVES = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean")

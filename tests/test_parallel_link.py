@@ -126,7 +126,7 @@ def test_a_link_without_its_own_element_size_charges_the_bytes_moved():
 
 def test_the_rate_of_a_process_alone_is_measured_and_recorded():
     """One process, no group: the rate of its matmul runs, with what the records need to judge it."""
-    from hf_bdlm.planner.calibrate import benchmark_model
+    from hf_bdlm.benchmarks.calibrate import benchmark_model
     from hf_bdlm.planner.link import emulated_link
     from hf_bdlm.planner.rank_rate import measure_rank_rate
 

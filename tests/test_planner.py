@@ -16,7 +16,7 @@ from hf_bdlm.attention.rows import RowMeta, vectorized_rows
 from hf_bdlm.cli import main
 from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.parallel.plan import PlanConfig, make_plan, window_exchange
-from hf_bdlm.planner.calibrate import validate
+from hf_bdlm.benchmarks.calibrate import validate
 from hf_bdlm.planner.cost import (TIE, Cluster, Recipe, allowed_key_counts, kv_bytes_by_name, layouts, plan_all,
                                   predict, rank_work, recommend)
 from hf_bdlm.planner.hardware import DeviceSpec, device_spec
@@ -263,7 +263,7 @@ def test_cli_plans_a_config_file_and_recommends(tmp_path, capsys):
 
 def test_computed_pairs_of_block_tiles_are_the_allowed_pairs_and_grouped_tiles_compute_more():
     from hf_bdlm.attention.tiles import plan_attention
-    from hf_bdlm.planner.calibrate import blockwise_work, computed_pairs
+    from hf_bdlm.planner.kernel_work import blockwise_work, computed_pairs
 
     rule, rows = MaskRule(4), vectorized_rows(256)
     allowed = int(dense_mask(rows, rows, rule).sum())
@@ -283,7 +283,7 @@ def test_sliding_layers_are_priced_at_the_pairs_and_calls_of_the_kernels_tile_pl
     # brings (the paper's CP: every member's noisy rows, then every member's clean rows): window-edge group tiles
     # compute masked pairs too.
     from hf_bdlm.attention.tiles import plan_attention
-    from hf_bdlm.planner.calibrate import blockwise_work, computed_pairs
+    from hf_bdlm.planner.kernel_work import blockwise_work, computed_pairs
 
     L, window = 512, 48
     rule = MaskRule(4)
@@ -314,7 +314,8 @@ def test_sliding_layers_are_priced_at_the_pairs_and_calls_of_the_kernels_tile_pl
 
 
 def test_each_kernel_call_adds_its_fixed_cost_to_a_lone_ranks_step():
-    from hf_bdlm.planner.calibrate import benchmark_recipe, blockwise_work, record_dims
+    from hf_bdlm.benchmarks.calibrate import benchmark_recipe, record_dims
+    from hf_bdlm.planner.kernel_work import blockwise_work
 
     model = tiny_model(layers=3)
     dims, L = record_dims({"mode": "single"}), 256
@@ -330,7 +331,7 @@ def test_each_kernel_call_adds_its_fixed_cost_to_a_lone_ranks_step():
 
 
 def test_rate_entries_without_the_kernel_call_cost_get_it_measured_and_keep_their_rates(tmp_path, monkeypatch):
-    from hf_bdlm.planner import calibrate
+    from hf_bdlm.benchmarks import calibrate
 
     rates = tmp_path / "rates.json"
     old = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
@@ -370,7 +371,7 @@ def test_validate_from_cached_rates_prints_equal_bytes(tmp_path, capsys):
 
 
 def test_validate_on_one_core_shares_it_with_oversubscribed_efficiency(tmp_path):
-    from hf_bdlm.planner.calibrate import benchmark_model, cpu_device
+    from hf_bdlm.benchmarks.calibrate import benchmark_model, cpu_device
 
     rates = tmp_path / "rates.json"
     one = dict(matmul_flops=5e10, attention_flops=4e10, hbm_bytes_per_s=1e10, intra_node_bytes_per_s=3e8,
@@ -387,7 +388,7 @@ def test_validate_on_one_core_shares_it_with_oversubscribed_efficiency(tmp_path)
 
 
 def test_the_step_elementwise_rate_is_what_matmuls_and_attention_leave_of_the_step():
-    from hf_bdlm.planner.calibrate import benchmark_model, step_elementwise_rate
+    from hf_bdlm.benchmarks.calibrate import benchmark_model, step_elementwise_rate
 
     model = benchmark_model(2)
     rates = dict(matmul_flops=1e11, attention_flops=8e10, benchmark_step_s=1.0)
@@ -420,7 +421,7 @@ def test_paper_comparison_takes_the_fastest_fitting_of_each_side():
 def test_ring_shard_pairs_split_the_ranks_pairs(dims):
     # What the ring computes shard by shard (and csbp on its local noisy rows) adds up to the rank's pairs; its own
     # shard (and local source) are the rank's own rows. Counted, and as the blockwise kernel's tiles compute them.
-    from hf_bdlm.planner.calibrate import blockwise_work
+    from hf_bdlm.planner.kernel_work import blockwise_work
 
     rule = MaskRule(4)
     exact = rank_work(dims, 256, rule, (None,))

@@ -10,7 +10,7 @@ import pytest
 
 from hf_bdlm.attention.masks import MaskRule
 from hf_bdlm.parallel.dims import ParallelDims
-from hf_bdlm.planner.calibrate import blockwise_work
+from hf_bdlm.planner.kernel_work import blockwise_work
 from hf_bdlm.planner.cost import Cluster, Recipe, _layer_programs, _LayerCost, predict, rank_work
 from hf_bdlm.planner.hardware import DeviceSpec
 from hf_bdlm.planner.model import AttentionShape, ModelSpec

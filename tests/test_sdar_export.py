@@ -31,7 +31,7 @@ from benchmarks.sdar_engines import (
 )
 from hf_bdlm import convert_causal_lm
 from hf_bdlm.cli import main
-from hf_bdlm.generation import BlockDiffusionGenerationConfig, resolve_settings
+from hf_bdlm.models.block_diffusion.generation import BlockDiffusionGenerationConfig, resolve_settings
 from hf_bdlm.models.block_diffusion.export_sdar import (
     SDAR_MASK_TOKEN_ID,
     SDARExportError,
@@ -307,7 +307,7 @@ def test_where_mask_wins_sglang_stalls_lmdeploy_commits_it_and_ours_never_picks_
 
 
 def test_the_rules_differ_exactly_at_the_threshold():
-    from hf_bdlm.generation import DecodeSettings, tokens_to_unmask
+    from hf_bdlm.models.block_diffusion.generation import DecodeSettings, tokens_to_unmask
 
     masked = torch.tensor([[True, True, True, False]])
     confidence = torch.tensor([[0.9, 0.5, 0.95, 1.0]])

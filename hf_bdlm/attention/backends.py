@@ -29,7 +29,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from ..configuration import BACKENDS  # every backend attend() dispatches to
+from ..protocols.diffusion_fields import BACKENDS  # every backend attend() dispatches to
 from .kernels import BackendUnavailable, block_sparse_attention
 from .masks import MaskRule, allowed, dense_mask
 from .rows import RowMeta

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..configuration import CLEAN_ATTENTION_KINDS, WINDOW_CONVENTIONS  # the names; their rules are below
+from ..protocols.diffusion_fields import CLEAN_ATTENTION_KINDS, WINDOW_CONVENTIONS  # the names; their rules are below
 
 CLEAN = 0
 NOISY = 1

@@ -91,6 +91,30 @@ def vectorized_rows(seq_len: int, doc: torch.Tensor | None = None, device=None) 
     )
 
 
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """For each token, the index of the first token of its document: a document is a maximal run of equal ids, so an
+    id reused by two separate runs names two documents. The one start-of-document rule: RoPE positions restart there
+    (:func:`document_positions`) and a drafter's anchor context begins there.
+
+    Args:
+        document_ids (`torch.LongTensor` of shape `[batch, L]`).
+
+    Returns:
+        `torch.LongTensor` of shape `[batch, L]`.
+    """
+    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.zeros_like(index)
+    changed = document_ids[..., 1:] != document_ids[..., :-1]
+    starts[..., 1:] = torch.where(changed, index[..., 1:], 0)
+    return starts.cummax(dim=-1).values
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """RoPE position ids that restart at 0 at each packed document's first token."""
+    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    return index - document_starts(document_ids)
+
+
 def check_block_aligned_documents(doc: torch.Tensor, block_size: int) -> None:
     """Documents must start on block boundaries: every block holds tokens of one document."""
     if doc.shape[-1] % block_size:

@@ -126,7 +126,7 @@ def _step_child(spec: dict) -> dict:
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
+    from ..protocols.registry import family_named
 
     length = spec["length"]
     torch.manual_seed(0)
@@ -141,11 +141,12 @@ def _step_child(spec: dict) -> dict:
                 model.model(input_ids=ids).last_hidden_state.float().square().mean().backward()
     else:
         mask_id = MODEL["vocab_size"] - 1
-        config = BlockDiffusionConfig(
+        family = family_named("block_diffusion")  # a converted causal LM
+        config = family.new_config(
             backbone_config=backbone, block_size=BLOCK, mask_token_id=mask_id, clean_attention="causal",
             attention_backend="blockwise",
         )  # fmt: skip
-        model = BlockDiffusionForMaskedLM(config)
+        model = family.new_model(config)
 
         def step(ids):
             noisy = ids.masked_fill(torch.rand(ids.shape) < 0.5, mask_id)

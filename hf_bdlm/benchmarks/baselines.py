@@ -45,7 +45,7 @@ def out_name(link: str | None) -> str:
 def attention_imbalance(mode: str, P: int, L: int, model: str) -> float:
     """Slowest rank's allowed attention pairs over the mean, summed over the model's layers."""
     from ..parallel.dims import ParallelDims
-    from ..planner.calibrate import benchmark_model
+    from .calibrate import benchmark_model
     from ..planner.cost import layer_windows, mask_rule_of, rank_work
 
     spec = benchmark_model(MODELS[model]["layers"], MODELS[model]["window"], MODELS[model]["full_every"])
@@ -122,7 +122,7 @@ def rows(records: list[dict]) -> list[dict]:
 def table(records: list[dict], markdown: bool = False) -> str:
     """Step seconds of every layout (median [range]), CSBP's speed-up over each (ratio of medians, or a tie), exposed
     waits and the attention imbalance of each layout."""
-    from .report import _length_label, _rows_table
+    from .report import length_label, rows_table
 
     head = ["link", "model", "P", "L", *(f"{m} s" for m in LAYOUTS), "CSBP / cp-paper", "CSBP / cp", "CSBP / bp",
             "wait s (csbp/cp/cp-paper)", "attn imbalance (csbp/cp/cp-paper)"]
@@ -136,7 +136,7 @@ def table(records: list[dict], markdown: bool = False) -> str:
         steps = [parallel_modes.spread_of(by[m]).describe() if m in by else "-" for m in LAYOUTS]
         ratios = [row["csbp_over"][m].describe() if row["csbp_over"][m] else "-"
                   for m in (parallel_modes.PAPER_CP, "cp", "bp")]
-        body.append([row["link"] or "none", row["model"], str(row["P"]), _length_label(row["L"]), *steps, *ratios,
+        body.append([row["link"] or "none", row["model"], str(row["P"]), length_label(row["L"]), *steps, *ratios,
                      "/".join(cell(m, "comm_wait_s", "{:.2f}") for m in LAYOUTS[:3]),
                      "/".join(cell(m, "attention_imbalance", "{:.2f}") for m in LAYOUTS[:3])])
-    return _rows_table(head, body, markdown)
+    return rows_table(head, body, markdown)

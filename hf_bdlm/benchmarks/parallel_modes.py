@@ -54,18 +54,19 @@ if TYPE_CHECKING:
     from ..parallel.link import LinkModel
 
 BLOCK, MASK, PAD = 64, 1023, 0
+MEASURED_FAMILY = "block_diffusion"  # the model measured: a converted causal LM, found through the registry
 PAPER_CP = "cp-paper"  # the driver's name of cp in the paper's baseline layout
 
 
 # ----------------------------------------------------------------------------------------------
 # worker
 # ----------------------------------------------------------------------------------------------
-def _current_rss() -> int:
+def current_rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -76,7 +77,7 @@ def model_config(layers: int, window: int | None = None, backend: str = "blockwi
     ``window``, sliding-window layers, every ``full_every``-th one full attention when given."""
     from transformers import LlamaConfig, Qwen3Config
 
-    from ..configuration import BlockDiffusionConfig
+    from ..protocols.registry import family_named
 
     dims = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, intermediate_size=512, pad_token_id=PAD)
@@ -87,8 +88,8 @@ def model_config(layers: int, window: int | None = None, backend: str = "blockwi
         backbone = Qwen3Config(**dims, use_sliding_window=True, sliding_window=window, max_window_layers=0)
     else:
         backbone = LlamaConfig(**dims)
-    return BlockDiffusionConfig(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK,
-                                attention_backend=backend)
+    return family_named(MEASURED_FAMILY).new_config(backbone_config=backbone, block_size=BLOCK, mask_token_id=MASK,
+                                                    attention_backend=backend)
 
 
 def build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise",
@@ -97,13 +98,13 @@ def build(L: int, layers: int, window: int | None = None, device: str = "cpu", b
 
     import torch
 
-    from ..modeling import BlockDiffusionForMaskedLM
-    from hf_bdlm.objectives import get_objective
+    from ..objectives import get_objective
+    from ..protocols.registry import family_named
 
     # Same seed on every rank: identical weights and batch, as the group shares one batch.
     torch.manual_seed(0)
     cfg = model_config(layers, window, backend, full_every)
-    model = BlockDiffusionForMaskedLM(cfg).float().to(device)
+    model = family_named(MEASURED_FAMILY).new_model(cfg).float().to(device)
     objective = get_objective("standard", cfg)
     g = torch.Generator().manual_seed(1)
     batch = {"input_ids": torch.randint(2, MASK, (1, L), generator=g),
@@ -157,12 +158,12 @@ class _Device:
             self.torch.cuda.synchronize()
             self.torch.cuda.reset_peak_memory_stats()
             return self.torch.cuda.memory_allocated()
-        return _current_rss()
+        return current_rss()
 
     def peak(self) -> int:
         if self.kind == "cuda":
             return self.torch.cuda.max_memory_allocated()
-        return _peak_rss()
+        return peak_rss()
 
 
 MAX_TIMED_STEPS = 10

@@ -80,7 +80,7 @@ def _mib(n) -> str:
     return "-" if n is None else f"{n / MiB:.1f}"
 
 
-def _rows_table(head: list[str], rows: list[list[str]], markdown: bool) -> str:
+def rows_table(head: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -108,7 +108,7 @@ def modes_table(records: list[dict], markdown: bool = False) -> str:
         wait = f"{r['comm_wait_s']:.3f} ({r.get('comm_wait_fwd_s', 0):.3f}/{r.get('comm_wait_bwd_s', 0):.3f})"
         rows.append([variant(r), str(r["P"]), str(r["L"]), spread_of(r).describe(".3f"), f"{r['tokens_per_s']:.0f}",
                      _mib(r["peak_mem_bytes"]), _mib(r["bytes_per_step"]), wait])
-    return _rows_table(head, rows, markdown)
+    return rows_table(head, rows, markdown)
 
 
 def modes_comparison_table(records: list[dict], markdown: bool = False) -> str:
@@ -134,9 +134,9 @@ def modes_comparison_table(records: list[dict], markdown: bool = False) -> str:
         def vs(other):
             return "-" if other is None else compare(spread_of(other), spread_of(cs)).describe()
 
-        rows.append([str(P), _length_label(L), spread_of(cs).describe(".3f"), vs(best.get(("cp", P, L))),
+        rows.append([str(P), length_label(L), spread_of(cs).describe(".3f"), vs(best.get(("cp", P, L))),
                      vs(best.get(("cp-paper", P, L))), vs(best.get(("bp", P, L))), vs(best.get(("single", 1, L)))])
-    return _rows_table(head, rows, markdown)
+    return rows_table(head, rows, markdown)
 
 
 def link_table(records: list[dict], markdown: bool = False) -> str:
@@ -150,26 +150,26 @@ def link_table(records: list[dict], markdown: bool = False) -> str:
                     key=lambda r: (r["link"]["name"], r.get("model", ""), r["P"], r["L"], variant(r))):
         link, rate = r["link"], r["link"].get("compute_rate") or {}
         rows.append([link["name"] + (f" ({r['model']})" if r.get("model") else ""), variant(r), str(r["P"]),
-                     _length_label(r["L"]),
+                     length_label(r["L"]),
                      f"{rate['flops_per_s'] / 1e9:.1f}" if "flops_per_s" in rate else "-",
                      f"{rate['processes_per_core']:g}" if "processes_per_core" in rate else "-",
                      f"{link['scale']:.0f}" if "scale" in link else "-", f"{link['bytes_per_s'] / 1e6:.2f}",
                      f"{link['latency_s'] * 1e3:.1f}", _mib(r.get("bytes_per_step")),
                      _mib(r.get("wire_bytes_per_step", r.get("bytes_per_step")))])
-    return _rows_table(head, rows, markdown)
+    return rows_table(head, rows, markdown)
 
 
 def growth_table(fits: list[dict], markdown: bool = False) -> str:
     """Step time per L (columns) of every variant, and its fitted exponent."""
     lengths = sorted({L for f in fits for L in f["lengths"]})
-    head = ["variant", "P", *(_length_label(L) for L in lengths), "exponent"]
+    head = ["variant", "P", *(length_label(L) for L in lengths), "exponent"]
     rows = []
     for f in fits:
         by_len = dict(zip(f["lengths"], f["step_s"]))
         cells = [f"{by_len[L]:.3g}" if L in by_len else "-" for L in lengths]
         exponent = "-" if f["exponent"] is None else f"{f['exponent']:.2f}"
         rows.append([f["variant"], str(f["P"]), *cells, exponent])
-    return _rows_table(head, rows, markdown)
+    return rows_table(head, rows, markdown)
 
 
 def max_context_table(results: list[dict], markdown: bool = False) -> str:
@@ -185,7 +185,7 @@ def max_context_table(results: list[dict], markdown: bool = False) -> str:
         over = str(r["first_over"]) if r["first_over"] else f"> {r['longest']} (limit)"
         rows.append([r["variant"], str(r["P"]), str(r["longest"]), _mib(r["peak_at_longest"]), over, ratio,
                      str(len(r["probes"]))])
-    return _rows_table(head, rows, markdown)
+    return rows_table(head, rows, markdown)
 
 
 def attention_table(records: list[dict], markdown: bool = False) -> str:
@@ -200,7 +200,7 @@ def attention_table(records: list[dict], markdown: bool = False) -> str:
             rows.append([r["name"], str(r["length"]), r["skipped"], ""])
         else:
             rows.append([r["name"], str(r["length"]), spread(r).describe(".3f"), f"{r['peak_mb']:.0f}"])
-    return _rows_table(head, rows, markdown)
+    return rows_table(head, rows, markdown)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def pyplot():
     return plt
 
 
-def _length_label(x: float, _pos=None) -> str:
+def length_label(x: float, _pos=None) -> str:
     return f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"
 
 
@@ -228,7 +228,7 @@ def _log2_x(ax, lengths) -> None:
 
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(lengths)))
-    ax.xaxis.set_major_formatter(FuncFormatter(_length_label))
+    ax.xaxis.set_major_formatter(FuncFormatter(length_label))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("context length L (tokens)")
     ax.grid(True, which="both", alpha=0.3)

@@ -50,7 +50,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from ..models import FAMILY_STUDIES
+from ..protocols.registry import FAMILY_STUDIES
 from . import max_context, parallel_modes, report
 from .processes import child_env, module_command
 from .spread import MIN_TIMED_STEPS, check_timed_steps
@@ -266,7 +266,7 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
     if cfg.calibrate:
         # The planner's CPU figures, measured in the machine state the records are (hf-bdlm plan --validate reads
         # them from beside the records).
-        from hf_bdlm.planner.calibrate import RATES_FILE, benchmark_model, cpu_devices
+        from hf_bdlm.benchmarks.calibrate import RATES_FILE, benchmark_model, cpu_devices
 
         t0 = time.perf_counter()
         devices = cpu_devices(benchmark_model(cfg.layers), {1, *cfg.nprocs}, cfg.out / RATES_FILE, remeasure=True,

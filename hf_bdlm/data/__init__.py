@@ -60,3 +60,16 @@ def exact_match(prediction: str, answer: str) -> bool:
     tokens (`skip_special_tokens=True`) before calling.
     """
     return _normalize(prediction) == _normalize(answer)
+
+
+def load_splits(name: str, config: str | None = None, train_split: str = "train", test_split: str = "test"):
+    """``(train, held-out or None)`` of a dataset: ``"hf_bdlm:arith"`` (the shipped one: its train and test splits),
+    or anything ``datasets.load_dataset`` reads locally (``config``: its configuration name; the held-out split is
+    ``None`` when the dataset has no ``test_split``)."""
+    if name == "hf_bdlm:arith":
+        return load_arith("train"), load_arith("test")
+    from datasets import load_dataset
+
+    loaded = load_dataset(name, name=config)
+    test = loaded[test_split] if test_split in loaded else None
+    return loaded[train_split], test

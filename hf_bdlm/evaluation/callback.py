@@ -30,6 +30,8 @@ import torch
 
 from transformers import TrainerCallback
 
+from ..protocols.step import unwrap_model
+
 BENCHMARKS = ("swebench", "terminal-bench")
 
 
@@ -158,7 +160,7 @@ class BDLMEvalCallback(TrainerCallback):
         from .agent import AgentSettings
         from .endpoint import model_endpoint
 
-        served = model.get_base_model() if hasattr(model, "get_base_model") else model
+        served = unwrap_model(model)
         was_training = served.training
         try:
             engine = Engine(served, tokenizer, name=f"checkpoint-{step}")

@@ -30,7 +30,7 @@ def held_out_exact_match(model, tokenizer, examples, *, max_new_tokens: int | No
     The model's train/eval mode is restored.
     """
     from ..data import exact_match
-    from ..models import family_for_model
+    from ..protocols.registry import family_for_model
 
     if max_new_tokens is None:
         max_new_tokens = family_for_model(model).block_size(model)

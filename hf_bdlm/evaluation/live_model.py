@@ -15,6 +15,8 @@ import copy
 
 import torch
 
+from ..protocols.step import unwrap_model
+
 
 def holds_dtensors(model: torch.nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor (sharded by FSDP2 or split by tensor parallelism)."""
@@ -28,7 +30,7 @@ def servable_model(model: torch.nn.Module, is_main: bool, device: torch.device |
     plain copy with the gathered weights. Every rank must call it (the gather is a collective); the other ranks get
     ``None``."""
     if not holds_dtensors(model):
-        return _without_peft(model) if is_main else None
+        return unwrap_model(model) if is_main else None
     from ..trainer.fsdp import full_model_state_dict
 
     state = full_model_state_dict(model)  # on the CPU of the main process; empty elsewhere
@@ -37,12 +39,7 @@ def servable_model(model: torch.nn.Module, is_main: bool, device: torch.device |
     plain = _plain_copy(model, state)
     if device is not None:
         plain = plain.to(device)
-    return _without_peft(plain)
-
-
-def _without_peft(model):
-    # PEFT's base model keeps the adapter layers injected: it decodes with the adapter.
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    return unwrap_model(plain)
 
 
 def _plain_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -69,7 +66,7 @@ def _plain_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch
             f"without weights: {still_meta[:5]}, unexpected: {unexpected[:5]}); please report this with the model's "
             "config."
         )
-    inner = _without_peft(plain)
+    inner = unwrap_model(plain)
     inner.tie_weights()
     if getattr(base, "generation_config", None) is not None:
         inner.generation_config = copy.deepcopy(base.generation_config)

@@ -40,7 +40,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from ..models.family import DecodingRequest, ScoreRequest
+from ..protocols.family import DecodingRequest, ScoreRequest
 from ..objectives.likelihood import request_key
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class HFBDLMEvalModel(TemplateLM):
             raise TypeError(f"--model bdlm got unknown model_args {sorted(unknown)}; it takes pretrained, dtype, device, "
                             "batch_size, mc_num, seed, block_size, confidence_threshold, steps_per_block (steps), "
                             "max_gen_toks, max_length, add_bos_token, conversion_block_size.")
-        from ..models import family_for_model
+        from ..protocols.registry import family_for_model
 
         if model is None:
             if pretrained is None:
@@ -290,9 +290,7 @@ def load_for_evaluation(path: str, dtype: str | None, device: str | None, conver
 
     from transformers import AutoConfig
 
-    import hf_bdlm  # noqa: F401  (registers the Auto classes)
-
-    from ..models import family_for_config
+    from ..protocols.registry import family_for_config
 
     if path == "embedded:smollm2":
         from ..embedded import default_model_dir

@@ -15,7 +15,7 @@
 """
 
 from .card import render_model_card, write_model_card
-from ..models.card_parts import CARD_INFO_KEYS, hub_repo_id
+from ..protocols.card_parts import CARD_INFO_KEYS, hub_repo_id
 from .checkpoint import folder_files, push_folder_to_hub, push_to_hub, save_for_hub
 from .remote_code import AUTO_MAP, bundle_remote_code, write_remote_code
 

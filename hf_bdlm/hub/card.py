@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..models import REGISTRY, entry_for_model_type, family_named
-from ..models.card_parts import check_info, read_json
+from ..protocols.registry import REGISTRY, entry_for_model_type, family_named
+from ..protocols.card_parts import check_info, read_json
 
 
 def write_model_card(output_dir: str | os.PathLike, info: dict | None = None) -> Path:

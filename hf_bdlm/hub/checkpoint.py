@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from .card import write_model_card
-from ..models.card_parts import as_list
+from ..protocols.card_parts import as_list
 
 
 def save_for_hub(model, tokenizer, output_dir: str | os.PathLike, info: dict | None = None, **save_kwargs) -> Path:

@@ -2,7 +2,8 @@
 
 `BlockDiffusionForMaskedLM.save_pretrained` writes, beside the weights,
 
-- ``configuration_block_diffusion.py``: `BlockDiffusionConfig` (plus the literal constants it validates against);
+- ``configuration_block_diffusion.py``: `BlockDiffusionConfig` and what it imports of the package (the diffusion fields'
+  names and validator, :mod:`hf_bdlm.protocols.diffusion_fields`), inlined;
 - ``modeling_block_diffusion.py``: the attention rule, planner, kernels, backends, the ``"bdlm"`` attention function,
   block-wise generation and `BlockDiffusionForMaskedLM`, inlined in dependency order;
 
@@ -39,9 +40,10 @@ AUTO_MAP = {
     "AutoModel": f"{MODELING_MODULE}.BlockDiffusionForMaskedLM",
     "AutoModelForMaskedLM": f"{MODELING_MODULE}.BlockDiffusionForMaskedLM",
 }
-# Bundle roots: everything they import from the package is inlined, except the configuration (its own file).
-_CONFIG_ROOT = f"{PACKAGE}.configuration"
-_MODELING_ROOT = f"{PACKAGE}.modeling"
+# Bundle roots: everything each imports from the package is inlined into its file; the modeling file imports what the
+# configuration file holds from it.
+_CONFIG_ROOT = f"{PACKAGE}.models.block_diffusion.configuration"
+_MODELING_ROOT = f"{PACKAGE}.models.block_diffusion.modeling"
 _HUB = f"{PACKAGE}.hub"
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
@@ -180,11 +182,12 @@ def _intra_imports(module: _Module, dropped: list[tuple[int, int]]):
     return out
 
 
-def _modeling_modules() -> list[str]:
-    """Modules inlined into the modeling file, dependencies first (top-level imports decide the order)."""
+def _inlined_modules(root: str, imported: frozenset = frozenset()) -> list[str]:
+    """Modules inlined into the file of ``root``, dependencies first (top-level imports decide the order); names
+    defined in ``imported`` (the configuration file's modules) are imported from that file instead."""
     deps: dict[str, list[str]] = {}  # module -> modules it needs at import time
     found: list[str] = []
-    pending = [_MODELING_ROOT]
+    pending = [root]
     while pending:
         name = pending.pop(0)
         if name in deps:
@@ -201,7 +204,7 @@ def _modeling_modules() -> list[str]:
                         f"{module.relative_path()}:{node.lineno} imports {owner} at top level; import it inside "
                         "the function that uses it, so that the remote code can leave that function out."
                     )
-                if owner == _CONFIG_ROOT:
+                if owner in imported:
                     continue  # imported from the configuration file
                 if top_level and owner not in deps[name]:
                     deps[name].append(owner)
@@ -237,11 +240,11 @@ def _statement_lines(module: _Module, node: ast.stmt) -> tuple[int, int]:
     return first, last
 
 
-def _body(module: _Module, *, external: list[str], constants: dict[str, str]) -> list[str]:
+def _body(module: _Module, *, external: list[str], from_config: frozenset = frozenset()) -> list[str]:
     """The module's code without its imports, hub hooks, ``__all__`` and docstring (kept as a comment).
 
-    External top-level imports are appended to ``external``; literal constants the configuration file
-    needs are put in ``constants``.
+    External top-level imports are appended to ``external``; names defined in ``from_config`` (the modules of the
+    configuration file, when this module goes to another file) are imported from the configuration file.
     """
     if not any(
         isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations" for a in n.names)
@@ -261,22 +264,9 @@ def _body(module: _Module, *, external: list[str], constants: dict[str, str]) ->
         first, last = _statement_lines(module, node)
         indent = " " * node.col_offset
         names = [alias.name for alias in node.names]
-        from_config = [n for n in names if _defining_module(target, n) == _CONFIG_ROOT]
-        if module.name == _CONFIG_ROOT:
-            for name in names:  # the configuration file stays small: only literal constants are copied in
-                owner = _load(_defining_module(target, name))
-                value = _top_level_names(owner)[name]
-                try:
-                    ast.literal_eval(value.value)
-                except (ValueError, AttributeError, TypeError):
-                    raise BundleError(
-                        f"{module.relative_path()} imports {name!r} from {owner.relative_path()}, which is not a "
-                        "literal constant; the remote configuration file can only copy literal constants."
-                    ) from None
-                constants[name] = ast.get_source_segment("\n".join(owner.lines), value.value)
-            replacement = []
-        elif from_config:
-            if len(from_config) != len(names):
+        config_names = [n for n in names if _defining_module(target, n) in from_config]
+        if config_names:
+            if len(config_names) != len(names):
                 raise BundleError(f"{module.relative_path()}:{first}: split `{ast.unparse(node)}` by source module.")
             statement = f"from .{CONFIG_MODULE} import {', '.join(names)}"
             if top_level:  # with the other imports at the top of the file
@@ -352,20 +342,23 @@ def _check_unique_names(modules: list[str]) -> None:
 @functools.lru_cache(maxsize=None)
 def bundle_remote_code() -> dict[str, str]:
     """The two remote-code files, ``{file name: source}``, built from the installed package's modules."""
-    modeling_modules = _modeling_modules()
+    config_modules = _inlined_modules(_CONFIG_ROOT)
+    modeling_modules = _inlined_modules(_MODELING_ROOT, frozenset(config_modules))
+    _check_unique_names(config_modules)
     _check_unique_names(modeling_modules)
 
-    external, constants = [], {}
-    config_body = _body(_load(_CONFIG_ROOT), external=external, constants=constants)
+    external, bodies = [], []
+    for name in config_modules:
+        bodies += ["", ""] + _body(_load(name), external=external)
     config_lines = _file_header(
         "BlockDiffusionConfig, self-contained (remote code for `trust_remote_code=True`).",
-        [_load(_CONFIG_ROOT).relative_path()],
+        [_load(n).relative_path() for n in config_modules],
     )
-    config_lines += external + [""] + [f"{k} = {v}" for k, v in constants.items()] + ["", ""] + config_body
+    config_lines += external + bodies
 
     external, bodies = [], []
     for name in modeling_modules:
-        bodies += ["", ""] + _body(_load(name), external=external, constants={})
+        bodies += ["", ""] + _body(_load(name), external=external, from_config=frozenset(config_modules))
     modeling_lines = _file_header(
         "BlockDiffusionForMaskedLM and everything it runs, self-contained (remote code for `trust_remote_code=True`).",
         [_load(n).relative_path() for n in modeling_modules],

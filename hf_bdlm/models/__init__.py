@@ -1,174 +1,40 @@
-"""The model families hf_bdlm trains, one folder each, and the registry the rest of the package finds them by.
+"""The model families hf_bdlm trains, one folder each.
 
 - ``block_diffusion/``: causal LMs converted into block-diffusion models (`BlockDiffusionForMaskedLM`);
 - ``diffusion_gemma/``: transformers' `DiffusionGemmaForBlockDiffusion`, fine-tuned as it is;
-- ``dflash/``: DFlash / DFlash2 speculative drafters, trained on a frozen target's captured features;
-- ``family.py``: the interface (`ModelFamily`); ``step.py``: the training step of a family that drives its model's
-  parts itself; ``card_parts.py``: what every family's model card shares.
+- ``dflash/``: DFlash / DFlash2 speculative drafters, trained on a frozen target's captured features.
 
-Each registry line names a family, the ``model_type`` values (or, for a family whose checkpoints reuse another
-family's model type, the ``architectures``) and objectives it owns, and the module of its `ModelFamily` subclass,
-imported on first use (as transformers' auto mappings do), so that reading the registry (the trainer config checking
-an objective name, the planner reading a config) loads no model code. A new family is one
-folder plus one line here (``docs/design.md``, "Adding a model family").
+The rest of the package finds a family through the registry (:mod:`hf_bdlm.protocols.registry`), never by importing
+its folder; the registry's names are re-exported here for code written against ``hf_bdlm.models``::
 
-    from hf_bdlm.models import family_for_config, family_for_model
+    from hf_bdlm.models import family_for_config
     family_for_config(AutoConfig.from_pretrained(path)).name    # 'diffusion_gemma', 'dflash' or 'block_diffusion'
 """
 
-from __future__ import annotations
-
-import importlib
-from dataclasses import dataclass
-
-from .family import ModelFamily
-
-
-@dataclass(frozen=True)
-class FamilyEntry:
-    """One registry line: the family's name, what it owns, and where its `ModelFamily` subclass lives.
-
-    ``architectures``: ``config.architectures`` values that make a checkpoint this family's whatever its model type
-    (a DFlash drafter's ``config.json`` says ``model_type: "qwen3"``, the serving engines' contract, and
-    ``architectures: ["DFlash2DraftModel"]``); they are looked at before the model type.
-    """
-
-    name: str
-    model_types: tuple[str, ...]
-    objectives: tuple[str, ...]
-    module: str
-    class_name: str
-    architectures: tuple[str, ...] = ()
-
-
-REGISTRY: tuple[FamilyEntry, ...] = (
-    FamilyEntry("block_diffusion", ("block_diffusion",), ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean"),
-                "hf_bdlm.models.block_diffusion.family", "BlockDiffusionFamily"),
-    FamilyEntry("diffusion_gemma", ("diffusion_gemma",), ("diffusion_gemma",),
-                "hf_bdlm.models.diffusion_gemma.family", "DiffusionGemmaFamily"),
-    FamilyEntry("dflash", (), ("dflash",), "hf_bdlm.models.dflash.family", "DFlashFamily",
-                architectures=("DFlashDraftModel", "DFlash2DraftModel")),
+from ..protocols.registry import (
+    EXPORT_FORMATS,
+    FAMILY_COMMANDS,
+    FAMILY_STUDIES,
+    PLANNED_OBJECTIVES,
+    REGISTRY,
+    FamilyEntry,
+    ModelFamily,
+    add_export_formats,
+    add_family_commands,
+    all_objectives,
+    converting_family,
+    entry_for_model_type,
+    family_for_config,
+    family_for_model,
+    family_for_model_type,
+    family_for_objective,
+    family_named,
+    family_names,
+    get_objective,
+    run_export_format,
 )
-# Objectives announced but not built yet (a clear NotImplementedError instead of "unknown").
-PLANNED_OBJECTIVES: tuple[str, ...] = ()
-# Modules of `hf-bdlm` subcommands a family owns, each with ``add_parsers(subparsers)`` (argparse only at import).
-FAMILY_COMMANDS = ("hf_bdlm.models.dflash.cli",)
-# `hf-bdlm bench` studies a family owns: study name -> module with ``add_arguments(group)``, optionally
-# ``check_arguments(cfg, args)`` (refuses bad options before anything runs), ``run(cfg, args, out)`` (returns the
-# records) and ``report(records) -> str`` (the summary section).
-FAMILY_STUDIES = {"drafter": "hf_bdlm.models.dflash.benchmark"}
-# `hf-bdlm export --format NAME` formats a family writes for serving engines: name -> module with
-# ``add_arguments(group)`` (argparse only at import) and ``run_export(args)`` (``args.source``, ``args.output``,
-# ``args.push_to_hub``, ``args.private``, ``args.overwrite`` and its own options; returns the exit code).
-EXPORT_FORMATS = {"sdar": "hf_bdlm.models.block_diffusion.cli"}
-_LOADED: dict[str, ModelFamily] = {}
 
-
-def family_named(name: str) -> ModelFamily:
-    """The family registered as ``name`` (its module imported on first use)."""
-    found = _LOADED.get(name)
-    if found is not None:
-        return found
-    entry = next((e for e in REGISTRY if e.name == name), None)
-    if entry is None:
-        raise ValueError(f"no model family named {name!r}; the registered ones are {family_names()}.")
-    family = getattr(importlib.import_module(entry.module), entry.class_name)()
-    _LOADED[name] = family
-    return family
-
-
-def family_names() -> list[str]:
-    return [e.name for e in REGISTRY]
-
-
-def all_objectives() -> tuple[str, ...]:
-    """Every objective some family trains, in registry order."""
-    return tuple(o for e in REGISTRY for o in e.objectives)
-
-
-def entry_for_model_type(model_type: str | None, architectures=None) -> FamilyEntry | None:
-    """The registry line owning a checkpoint of ``model_type`` whose config lists ``architectures`` (an architecture a
-    family claims wins over the model type), or ``None`` (a causal LM to convert, or an unknown model)."""
-    for architecture in architectures or ():
-        found = next((e for e in REGISTRY if architecture in e.architectures), None)
-        if found is not None:
-            return found
-    return next((e for e in REGISTRY if model_type in e.model_types), None)
-
-
-def family_for_objective(objective: str) -> FamilyEntry:
-    """The registry line of the family that trains ``objective``; a clear error naming them all otherwise."""
-    found = next((e for e in REGISTRY if objective in e.objectives), None)
-    if found is None:
-        raise ValueError(f"unknown objective {objective!r}; the model families train {list(all_objectives())}.")
-    return found
-
-
-def get_objective(name: str, config_or_kwargs):
-    """Build objective ``name`` (of whichever family trains it) from a model config or constructor arguments."""
-    if name in PLANNED_OBJECTIVES:
-        raise NotImplementedError(
-            f"objective {name!r} is planned but not implemented yet; available now: {sorted(all_objectives())}."
-        )
-    if not any(name in e.objectives for e in REGISTRY):
-        valid = sorted(all_objectives()) + list(PLANNED_OBJECTIVES)
-        raise ValueError(f"unknown objective {name!r}; valid names: {valid}.")
-    return family_named(family_for_objective(name).name).objective_class(name).build(config_or_kwargs)
-
-
-def family_for_config(config) -> ModelFamily:
-    """The family of a checkpoint's config: the one claiming one of its ``architectures``, else the one owning its
-    ``model_type``, else the family that converts causal LMs (which raises its own clear error for a model that is
-    not one)."""
-    entry = entry_for_model_type(getattr(config, "model_type", None), getattr(config, "architectures", None))
-    if entry is not None:
-        return family_named(entry.name)
-    return converting_family()
-
-
-def family_for_model_type(model_type: str | None, architectures=None) -> ModelFamily:
-    """As :func:`family_for_config`, from a parsed ``config.json``'s ``model_type`` (and ``architectures``)."""
-    entry = entry_for_model_type(model_type, architectures)
-    return family_named(entry.name) if entry is not None else converting_family()
-
-
-def converting_family() -> ModelFamily:
-    for entry in REGISTRY:
-        family = family_named(entry.name)
-        if family.converts_causal_lms:
-            return family
-    raise RuntimeError("no registered model family converts causal LMs.")
-
-
-def add_family_commands(subparsers) -> None:
-    """Register the `hf-bdlm` subcommands of every family (:data:`FAMILY_COMMANDS`)."""
-    for module in FAMILY_COMMANDS:
-        importlib.import_module(module).add_parsers(subparsers)
-
-
-def add_export_formats(parser) -> None:
-    """Add every export format's options (:data:`EXPORT_FORMATS`) to ``hf-bdlm export``, one argument group each."""
-    for name, module in EXPORT_FORMATS.items():
-        importlib.import_module(module).add_arguments(parser.add_argument_group(f"--format {name}"))
-
-
-def run_export_format(name: str, args) -> int:
-    """Run ``hf-bdlm export --format name``."""
-    if name not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {name!r}; the formats are {sorted(EXPORT_FORMATS)}.")
-    return importlib.import_module(EXPORT_FORMATS[name]).run_export(args)
-
-
-def family_for_model(model) -> ModelFamily | None:
-    """The family whose model ``model`` is (wrappers such as PEFT and DDP looked through), or ``None``."""
-    for entry in REGISTRY:
-        family = family_named(entry.name)
-        if family.claims_model(model):
-            return family
-    return None
-
-
-__all__ = ["EXPORT_FORMATS", "FAMILY_COMMANDS", "FAMILY_STUDIES", "PLANNED_OBJECTIVES", "add_export_formats",
-           "add_family_commands", "run_export_format", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
+__all__ = ["EXPORT_FORMATS", "FAMILY_COMMANDS", "FAMILY_STUDIES", "PLANNED_OBJECTIVES", "REGISTRY", "FamilyEntry",
+           "ModelFamily", "add_export_formats", "add_family_commands", "all_objectives", "converting_family",
            "entry_for_model_type", "family_for_config", "family_for_model", "family_for_model_type",
-           "family_for_objective", "family_named", "family_names", "get_objective"]
+           "family_for_objective", "family_named", "family_names", "get_objective", "run_export_format"]

@@ -19,10 +19,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..attention.masks import CLEAN, NOISY
-from ..configuration import check_diffusion_fields
+from ..protocols.diffusion_fields import check_diffusion_fields
 from ..attention.interface import LocalLayout, TrainingLayout
-from ..attention.rows import RowMeta, check_block_aligned_documents
-from ..modeling import document_positions
+from ..attention.rows import RowMeta, check_block_aligned_documents, document_positions
 from .noise import independent_block_t, stratified_block_t, token_uniform
 
 

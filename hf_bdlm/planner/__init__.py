@@ -3,11 +3,13 @@
 - :mod:`.model`: a backbone's sizes from a transformers config (dense and MoE), and the paper's presets.
 - :mod:`.hardware`: named GPUs (datasheet figures) times named achievable fractions, or measured figures.
 - :mod:`.cost`: attention pairs, K/V bytes, memory and step time per rank, read from the project's plan.
-- :mod:`.calibrate`: CPU rates measured once; predictions of :mod:`hf_bdlm.benchmarks.parallel_modes`
-  records.
+- :mod:`.kernel_work`: the pairs and calls the ``blockwise`` kernel's tile plans compute on each rank.
 - :mod:`.rank_rate`, :mod:`.link`: the matmul rate a run's ranks get, measured in them at once, and the named cluster
   links stretched by it (bytes charged at the cluster's element size) that benchmarks and the trainer emulate.
 - :mod:`.cli`: ``hf-bdlm plan``.
+
+CPU rates measured on this machine and the predictions of benchmark records (``--validate``) are the benchmarks'
+(:mod:`hf_bdlm.benchmarks.calibrate`), which import the planner; the planner imports no benchmark.
 
     hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200
 """

@@ -4,12 +4,14 @@
     hf-bdlm plan --model path/to/config.json --context 131072 --gpus 8 --gpu-spec measured_h100.json
     hf-bdlm plan --paper                         # the paper's settings next to its published ratios
     hf-bdlm plan --validate /tmp/pm.json         # predict hf_bdlm.benchmarks.parallel_modes records on this CPU
+
+``--validate`` runs :func:`hf_bdlm.benchmarks.calibrate.run_validate` (the benchmarks import the planner, never the
+reverse).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from .cost import Cluster, Prediction, Recipe, plan_all, recommend
 from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec
@@ -34,12 +36,14 @@ SENSITIVITY = (0.25, 0.5, 1.0, 2.0, 4.0)  # InfiniBand bandwidth, times the data
 
 def paper_settings() -> tuple[tuple[str, str, int, str, str], ...]:
     """The conversion's settings, then every model family's (the registry's order)."""
-    from ..models import REGISTRY, family_named
+    from ..protocols.registry import REGISTRY, family_named
 
     return CONVERSION_SETTINGS + tuple(s for e in REGISTRY for s in family_named(e.name).paper_settings())
 
 
-def add_plan_parser(subparsers) -> None:
+def add_plan_parser(subparsers):
+    """Add ``hf-bdlm plan`` to ``subparsers``; returns its parser (the command sets what runs it: :func:`run_plan`, or
+    with ``--validate`` the benchmarks' :func:`hf_bdlm.benchmarks.calibrate.run_validate`)."""
     p = subparsers.add_parser(
         "plan", help="predict memory and step time of every parallel layout; recommend one",
         description="For every layout of --gpus GPUs (data parallel x cp / bp / csbp with each clean ring C | P, "
@@ -74,7 +78,7 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--remeasure", action="store_true", help="measure the CPU rates again for --validate")
     p.add_argument("--cores", type=int, default=None,
                    help="cores the benchmark's ranks shared, for --validate (default: this process's CPU affinity)")
-    p.set_defaults(func=run_plan)
+    return p
 
 
 def _device(args):
@@ -248,7 +252,7 @@ def run_paper(args) -> int:
           "with either transport or schedule, with or without activation checkpointing; groups: any group size, or "
           "one group over the whole cluster)")
     # Settings a family prices itself (the drafters' training on 8 H100).
-    from ..models import REGISTRY, family_named
+    from ..protocols.registry import REGISTRY, family_named
 
     efficiency = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
                   if getattr(args, f"{k}_efficiency") is not None}
@@ -259,37 +263,10 @@ def run_paper(args) -> int:
     return 0
 
 
-def run_validate(args) -> int:
-    from .calibrate import RATES_FILE, benchmark_model, default_rates_path, cpu_devices, format_validation, validate
-
-    with open(args.validate) as f:
-        records = json.load(f)
-    if not isinstance(records, list):
-        raise ValueError(f"{args.validate} must hold a JSON list of hf_bdlm.benchmarks.parallel_modes records.")
-    ok = [r for r in records if "error" not in r and "step_s" in r]
-    if not ok:
-        raise ValueError(f"{args.validate} has no successful record (each needs mode, P, C, L, layers, step_s).")
-    model = benchmark_model(ok[0]["layers"], ok[0].get("window"))
-    if args.cores is not None and args.cores <= 0:
-        raise ValueError(f"--cores must be a positive number of cores, got {args.cores}.")
-    counts = {1 if r["mode"] == "single" else r["P"] for r in ok}
-    beside = Path(args.validate).parent / RATES_FILE
-    # The figures measured with the records, unless asked to measure this machine now.
-    cache = args.rates_cache or (beside if beside.exists() and not args.remeasure else default_rates_path())
-    print(f"CPU figures: {cache}{' (measured now)' if args.remeasure else ''}")
-    devices = cpu_devices(model, counts, cache, args.remeasure, args.cores,
-                          benchmark_layers=ok[0]["layers"])
-    rows = validate(ok, devices.__getitem__)
-    print(format_validation(rows, list(devices.values())))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
-
-
 def run_plan(args) -> int:
     if args.validate:
-        return run_validate(args)
+        raise ValueError("--validate predicts benchmark records measured on this machine: run it as hf-bdlm plan "
+                         "--validate (hf_bdlm.benchmarks.calibrate.run_validate).")
     if args.paper:
         return run_paper(args)
     if args.model is None or args.context is None:

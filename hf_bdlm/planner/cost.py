@@ -181,7 +181,7 @@ class RankWork:
     ``source_pairs`` the pairs against the rank's local source (``csbp``: its noisy rows; ``cp``: none) and
     ``shard_pairs[m]`` those against the shard of the ``m``-th member of its gather group (its own included).
     ``members`` that group's ranks in ring order (the rank alone for ``bp``). ``kernel_calls[w]`` the attention
-    kernel calls a layer's tile plans issue (:func:`~hf_bdlm.planner.calibrate.blockwise_work`), each priced at the
+    kernel calls a layer's tile plans issue (:func:`~hf_bdlm.planner.kernel_work.blockwise_work`), each priced at the
     device's fixed cost per call; absent where the work counts pairs only.
     """
 

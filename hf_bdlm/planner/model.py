@@ -29,7 +29,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ..models import REGISTRY, family_for_model_type, family_named
+from ..protocols.registry import REGISTRY, family_for_model_type, family_named
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ shapes (``rows`` rows) back to back for ``window_s`` seconds; its rate is the FL
 time (every run but the last is timed while every rank computes). Nothing is cached: a rate belongs to the machine's
 state when it was measured, and the records carry it (:meth:`RankRate.as_record`).
 
-    python -c "from hf_bdlm.planner.calibrate import benchmark_model as m; from hf_bdlm.planner.rank_rate import \
+    python -c "from hf_bdlm.benchmarks.calibrate import benchmark_model as m; from hf_bdlm.planner.rank_rate import \
 measure_rank_rate as r; print(r(m(2)).describe())"
 """
 

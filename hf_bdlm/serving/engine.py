@@ -5,7 +5,7 @@
     ids = engine.chat_prompt([{"role": "user", "content": "Compute 2 + 2."}])
 
 The checkpoint's family (found from its config's ``model_type``, ``hf_bdlm.models``) loads it and gives the
-decoder (:class:`hf_bdlm.models.family.ServingDecoder`) that turns a request into settings and decodes batches;
+decoder (:class:`hf_bdlm.protocols.family.ServingDecoder`) that turns a request into settings and decodes batches;
 `Engine.run_batch`, what the scheduler's worker thread calls, streams each job's text back block by block.
 """
 
@@ -36,7 +36,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, name: str, decoder=None):
         if decoder is None:
-            from ..models import family_for_model
+            from ..protocols.registry import family_for_model
 
             family = family_for_model(model)
             if family is None:
@@ -60,9 +60,7 @@ class Engine:
         ``num_speculative_tokens`` proposals per target forward (`None`: the drafter's default)."""
         from transformers import AutoConfig
 
-        import hf_bdlm  # noqa: F401  (registers the Auto classes)
-
-        from ..models import family_for_config
+        from ..protocols.registry import family_for_config
 
         path = str(path)
         if path == "embedded:smollm2":
@@ -213,7 +211,7 @@ def _declared_model_type(path: str):
 
 
 def _family_model_types() -> list[str]:
-    from ..models import REGISTRY
+    from ..protocols.registry import REGISTRY
 
     return sorted(t for entry in REGISTRY for t in entry.model_types)
 

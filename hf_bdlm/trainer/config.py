@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
-from ..configuration import check_diffusion_fields
-from ..models import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
+from ..protocols.diffusion_fields import check_diffusion_fields
+from ..protocols.registry import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
 from ..parallel.dims import CP_LAYOUTS, MODES, SCHEDULES, TRANSPORTS, ParallelDims
 
 ACCELERATE_PARALLELISM_ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"  # set by `accelerate launch` with parallelism_config

@@ -19,11 +19,12 @@ from typing import Any
 
 import datasets
 import torch
-from accelerate.utils import is_peft_model
 from transformers import AutoConfig, AutoTokenizer
 from trl.data_utils import get_dataset_column_names, is_conversational
 
-from ..models import ModelFamily, converting_family, family_names, family_for_config, family_for_model, family_for_objective
+from ..protocols.family import ModelFamily
+from ..protocols.registry import converting_family, family_for_config, family_for_model, family_for_objective, family_names
+from ..protocols.step import unwrap_model
 from .collator import SAMPLE_ID_COLUMN
 from .config import BDLMSFTConfig
 
@@ -50,7 +51,7 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
             f"trains {family_names()}, a causal LM to convert, or a local checkpoint folder."
         )
     base_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    inner = model.get_base_model() if is_peft_model(model) else model
+    inner = unwrap_model(model)
     family = family_for_model(inner)
     model_type = getattr(getattr(inner, "config", None), "model_type", "")
     if family is None:

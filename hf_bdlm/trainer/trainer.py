@@ -12,7 +12,7 @@ transformers' own. One optimizer step:
 2. ``compute_loss``: the model's family (``hf_bdlm.models``) gives the rows this rank runs for the batch (its
    layout, sharded by the block-parallel plugin) and the loss of the targets it owns; the loss is scaled by the world
    size so that DDP's / FSDP2's mean over ranks is the single-device gradient. A family whose objective drives the
-   model's parts itself (``owns_step``) runs as the forward of a :class:`~hf_bdlm.models.step.TrainingStep`, which is
+   model's parts itself (``owns_step``) runs as the forward of a :class:`~hf_bdlm.protocols.step.TrainingStep`, which is
    what Accelerate prepares (DDP, autocast) in its place, and under FSDP2 the root unit (the family's own units
    below it: :meth:`~hf_bdlm.models.ModelFamily.shard_fsdp`).
 3. Logged ``loss`` and ``mean_token_accuracy`` are those of the whole global batch: the same numbers
@@ -46,8 +46,8 @@ from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
 from ..checkpoint_files import check_weight_files
-from ..models import ModelFamily
-from ..models.step import TrainingStep
+from ..protocols.registry import ModelFamily
+from ..protocols.step import TrainingStep
 from ..objectives import Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
 from ..parallel.tensor import apply_tensor_parallel

@@ -88,7 +88,7 @@ def shared_cores(rank: int, world: int) -> dict:
     """Rounds of (the rate every rank measures at once, a fixed matmul workload timed the same way), and rounds of the
     rate rank 0 measures alone: the fastest of each, as other jobs on a shared machine only ever slow a window down
     (one CI window measured a rate 6x below the workload's a second later)."""
-    from hf_bdlm.planner.calibrate import benchmark_model
+    from hf_bdlm.benchmarks.calibrate import benchmark_model
     from hf_bdlm.planner.link import emulated_link
     from hf_bdlm.planner.rank_rate import DEFAULT_ROWS, matmul_workload, measure_rank_rate
 

@@ -1,5 +1,6 @@
-"""The block-diffusion family (converted causal LMs): its `ModelFamily` (``family.py``) and model card (``card.py``).
-
-The model, its configuration, generation and conversion are the package's public modules (`hf_bdlm.modeling`,
-`hf_bdlm.configuration`, `hf_bdlm.generation`, `hf_bdlm.conversion`), which its remote code bundles.
+"""The block-diffusion family (converted causal LMs): its configuration (``configuration.py``), model
+(``modeling.py``), decoding (``generation.py``), conversion of a causal LM (``conversion.py``), objectives
+(``objectives/``: ``standard``, ``fast_dllm_v2``), `ModelFamily` (``family.py``), model card (``card.py``), serving
+decoder, likelihood bound and SDAR export. The remote code bundles its configuration and modeling; users import the
+public names from the package's face (``from hf_bdlm import BlockDiffusionForMaskedLM, convert_causal_lm``).
 """

@@ -5,22 +5,15 @@
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
-from ..card_parts import (
-    METRIC_LABELS,
+from ...protocols.card_parts import (
     OBJECTIVES,
-    as_list,
-    base_model_text,
-    dataset_link,
     format_value,
     hub_repo_id,
-    layout_rows,
-    layout_text,
-    parameters_text,
     read_json,
-    unique,
+    render_card_template,
+    trained_card_values,
 )
 
 TEMPLATE_FILE = "model_card.md"
@@ -46,60 +39,29 @@ GENERATION_KNOBS = {
 }
 
 
-def template_text() -> str:
-    """The packaged model-card template (Jinja2)."""
-    return importlib.resources.files(__package__).joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
-
-
 def render_block_diffusion_card(directory: Path, config: dict, info: dict) -> str:
     """The card's text for a saved block-diffusion folder (``config``: its parsed ``config.json``; ``info`` checked)."""
-    import jinja2
-    from huggingface_hub import ModelCardData
-
     from ...version import __version__
 
     backbone = config.get("backbone_config") or {}
     generation = read_json(directory / "generation_config.json") or {}
     objective = info.get("objective", config.get("objective", "standard"))
     base_model = info.get("base_model") or hub_repo_id(backbone.get("_name_or_path"))
-    datasets = as_list(info.get("dataset"))
     model_type = backbone.get("model_type", "unknown")
-
-    card_data = ModelCardData(
-        library_name="hf-bdlm",
-        base_model=base_model,
-        tags=unique(["block-diffusion", "hf-bdlm", "diffusion-language-model", model_type, objective]
-                     + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
-                     + as_list(info.get("tags"))),
-        pipeline_tag="text-generation",
-        datasets=[d for d in datasets if hub_repo_id(d)] or None,
-        license=info.get("license", "unknown"),
-    )
-    tokenizer_config = read_json(directory / "tokenizer_config.json")
-    values = dict(
-        card_data=card_data.to_yaml(),
-        model_name=info.get("model_name") or directory.resolve().name,
-        description=info.get("description"),
-        model_id=info.get("repo_id") or directory.resolve().name,
+    values = trained_card_values(
+        directory, info, library_name="hf-bdlm", base_model=base_model, name_or_path=backbone.get("_name_or_path"),
+        tags=["block-diffusion", "hf-bdlm", "diffusion-language-model", model_type, objective])
+    values.update(
         hf_bdlm_version=__version__,
         block_size=config.get("block_size"),
         mask_token_id=config.get("mask_token_id"),
         attention_backend=config.get("attention_backend"),
         dtype=config.get("dtype") or "float32",
-        base_model_text=base_model_text(base_model, backbone.get("_name_or_path")),
         backbone_text=_backbone_text(backbone),
-        parameters_text=parameters_text(directory),
         objective_text=_objective_text(objective, config.get("loss_weighting")),
         clean_attention_text=f"`{config.get('clean_attention')}` — "
         + CLEAN_ATTENTION.get(config.get("clean_attention"), "see hf_bdlm.attention.masks"),
-        layout_text=layout_text(info.get("parallel")),
-        layout_rows=layout_rows(info.get("parallel")),
-        dataset_text=", ".join(dataset_link(d) for d in datasets) + "." if datasets else "Not recorded.",
         training_rows=[(k, format_value(v)) for k, v in (info.get("training") or {}).items()],
-        metric_rows=[(METRIC_LABELS.get(k, k), format_value(v)) for k, v in (info.get("metrics") or {}).items()],
-        has_tokenizer=tokenizer_config is not None or (directory / "tokenizer.json").is_file(),
-        has_chat_template=(directory / "chat_template.jinja").is_file()
-        or bool((tokenizer_config or {}).get("chat_template")),
         example_max_new_tokens=generation.get("max_new_tokens") or 2 * int(config.get("block_size") or 32),
         example_threshold=generation.get("confidence_threshold") or 0.9,
         generation_rows=[
@@ -107,8 +69,7 @@ def render_block_diffusion_card(directory: Path, config: dict, info: dict) -> st
             for k, meaning in GENERATION_KNOBS.items()
         ],
     )
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(template_text()).render(**values).strip() + "\n"
+    return render_card_template(__package__, TEMPLATE_FILE, values)
 
 
 # --- pieces ------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def run_export(args) -> int:
     source = Path(args.source)
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} holds no config.json: pass a saved block-diffusion checkpoint folder.")
-    from .. import entry_for_model_type
+    from ...protocols.registry import entry_for_model_type
 
     config = AutoConfig.from_pretrained(source)
     if getattr(config, "model_type", None) != "block_diffusion":

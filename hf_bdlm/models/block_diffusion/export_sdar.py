@@ -28,7 +28,6 @@ input, and every other logit is exactly the model's (``mask_logit="zero"``).
 from __future__ import annotations
 
 import copy
-import importlib.resources
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..exports import qwen3_layer_shapes, write_folder
+from ...hub.exports import qwen3_layer_shapes, write_folder
 
 SDAR_MASK_TOKEN_ID = 151669
 ARCHITECTURE = "SDARForCausalLM"
@@ -106,7 +105,7 @@ def sdar_problems(config) -> list[str]:
 
 def check_servable_as_sdar(model) -> None:
     """Raise `SDARExportError` naming every reason ``model`` cannot be served as SDAR (see :func:`sdar_problems`)."""
-    from ...modeling import BlockDiffusionForMaskedLM
+    from .modeling import BlockDiffusionForMaskedLM
 
     if not isinstance(model, BlockDiffusionForMaskedLM):
         raise SDARExportError(
@@ -466,10 +465,9 @@ def check_sdar_folder(folder: str | os.PathLike) -> dict[str, Any]:
 def render_card(folder: str | os.PathLike, *, model_ref: str, model_name: str, source: str, mask_logit: str,
                 confidence_threshold: float, local: bool) -> str:
     """The model card (``README.md``) of an exported folder, from its ``config.json``."""
-    import jinja2
     from huggingface_hub import ModelCardData
 
-    from ..card_parts import hub_repo_id, parameters_text
+    from ...protocols.card_parts import hub_repo_id, parameters_text, render_card_template
 
     root = Path(folder)
     config = json.loads((root / "config.json").read_text(encoding="utf-8"))
@@ -488,9 +486,7 @@ def render_card(folder: str | os.PathLike, *, model_ref: str, model_name: str, s
         sglang_command=commands["sglang"], lmdeploy_command=commands["lmdeploy"], yaml=sglang_yaml(block, confidence_threshold),
         default_block=block == 4,
     )
-    template = importlib.resources.files(__package__).joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(template).render(**values).strip() + "\n"
+    return render_card_template(__package__, TEMPLATE_FILE, values)
 
 
 def push_sdar_to_hub(folder: str | os.PathLike, repo_id: str, *, commit_message: str | None = None,

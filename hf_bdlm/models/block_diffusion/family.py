@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from ...checkpoint_files import BadCheckpointFile, load_pretrained
-from ...configuration import TOKEN_SHIFT_OBJECTIVES, BlockDiffusionConfig
-from ...modeling import BlockDiffusionForMaskedLM
-from ...objectives import OBJECTIVE_CLASSES
-from ..family import ModelFamily
+from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
+from ...protocols.family import ModelFamily
+from ...protocols.step import unwrap_model
+from .configuration import BlockDiffusionConfig
+from .modeling import BlockDiffusionForMaskedLM
+from .objectives import OBJECTIVE_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class BlockDiffusionFamily(ModelFamily):
 
     # --- recognising and loading -------------------------------------------------------------------------------
     def claims_model(self, model) -> bool:
-        inner = _unwrapped(model)
+        inner = unwrap_model(model)
         return isinstance(inner, BlockDiffusionForMaskedLM)
 
     def load(self, path, config, args, processing_class, init_kwargs):
@@ -54,7 +54,7 @@ class BlockDiffusionFamily(ModelFamily):
         if config.model_type == BlockDiffusionConfig.model_type:
             check_mask_token(tokenizer, config, path)
             return load_pretrained(AutoModel.from_pretrained, path, **init_kwargs), tokenizer
-        from ...conversion import convert_causal_lm
+        from .conversion import convert_causal_lm
 
         logger.warning("%s is a causal LM: converting it to a block diffusion LM (block size %d, no training)", path,
                        block_size)
@@ -126,7 +126,7 @@ class BlockDiffusionFamily(ModelFamily):
         )
 
     def _convert(self, causal, processing_class, args, source):
-        from ...conversion import convert_causal_lm
+        from .conversion import convert_causal_lm
 
         kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE, "seed": args.seed}
         if args.objective is not None:
@@ -138,16 +138,22 @@ class BlockDiffusionFamily(ModelFamily):
                     source, model.config.block_size, model.config.mask_token_id)
         return model, processing_class
 
+    def new_config(self, **fields):
+        return BlockDiffusionConfig(**fields)
+
+    def new_model(self, config):
+        return BlockDiffusionForMaskedLM(config)
+
     def objective_class(self, name: str):
         return OBJECTIVE_CLASSES[name]
 
     # --- training ---------------------------------------------------------------------------------------------
     def block_size(self, model) -> int:
-        return int(_unwrapped(model).config.block_size)
+        return int(unwrap_model(model).config.block_size)
 
     def configure(self, model, args, tokenizer):
         """Apply the config's diffusion fields to the model's config and build the objective from it."""
-        cfg = _unwrapped(model).config
+        cfg = unwrap_model(model).config
         updates = {
             "block_size": args.block_size,
             "objective": args.objective,
@@ -166,17 +172,17 @@ class BlockDiffusionFamily(ModelFamily):
 
     def layout(self, plugin, model, objective, corrupted):
         """This rank's rows of the vectorized batch (:meth:`BlockParallelPlugin.layout`)."""
-        inner = _unwrapped(model)
+        inner = unwrap_model(model)
         return plugin.layout(corrupted.seq_len, self.block_size(inner), inner.mask_rule(),
                              inner.config.attention_backend, corrupted.document_ids)
 
     def loss(self, runner, model, objective, corrupted, layout, optional_pass=None):
-        return objective.loss(runner, corrupted, layout, scorer=_unwrapped(model))
+        return objective.loss(runner, corrupted, layout, scorer=unwrap_model(model))
 
     def zero_loss(self, runner, model, objective, inputs, optional_pass=None):
         ids = inputs["input_ids"]
         hidden = runner(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
-        return (hidden.sum() + _unwrapped(model).lm_logits(hidden[:, :1]).sum()) * 0.0
+        return (hidden.sum() + unwrap_model(model).lm_logits(hidden[:, :1]).sum()) * 0.0
 
     # --- the hub ----------------------------------------------------------------------------------------------
     def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
@@ -191,7 +197,7 @@ def _check_causal_lm_config(config, path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
 
-    from .. import REGISTRY
+    from ...protocols.registry import REGISTRY
 
     model_type = getattr(config, "model_type", None)
     if model_type in CAUSAL and model_type not in MASKED and not getattr(config, "is_encoder_decoder", False):
@@ -202,16 +208,6 @@ def _check_causal_lm_config(config, path) -> None:
         f"of its families {families} and converts decoder-only causal LMs (transformers' AutoModelForCausalLM types "
         "without a masked-LM head, e.g. 'llama', 'qwen2', 'mistral', 'gemma3_text'). Pass such a checkpoint folder."
     )
-
-
-def _unwrapped(model):
-    """The model inside PEFT / DDP wrappers."""
-    from accelerate.utils import is_peft_model
-
-    inner = model
-    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, a TrainingStep
-        inner = inner.module
-    return inner.get_base_model() if is_peft_model(inner) else inner
 
 
 def check_mask_token(tokenizer, config, path) -> None:

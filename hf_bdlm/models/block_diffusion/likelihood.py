@@ -31,9 +31,9 @@ from transformers import DynamicCache
 
 from ...attention import CLEAN, NOISY, LocalLayout, RowMeta
 from ...attention.rows import stream_rows
-from ...generation import as_block_diffusion_config, resolve_settings
+from .generation import as_block_diffusion_config, resolve_settings
 from ...objectives.likelihood import absorbing_draws, request_key, summarize
-from ..family import BoundEstimate, LikelihoodScorer, ScoreRequest
+from ...protocols.family import BoundEstimate, LikelihoodScorer, ScoreRequest
 
 logger = logging.getLogger(__name__)
 

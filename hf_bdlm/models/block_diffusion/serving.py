@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
-from ...generation import BlockDiffusionGenerationConfig, as_block_diffusion_config, decode_ragged, resolve_settings
-from ..family import ServingDecoder
+from .generation import BlockDiffusionGenerationConfig, as_block_diffusion_config, decode_ragged, resolve_settings
+from ...protocols.family import ServingDecoder
 
 
 class BlockDiffusionServingDecoder(ServingDecoder):

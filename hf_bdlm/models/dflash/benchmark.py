@@ -282,7 +282,7 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
     ``r``."""
     import torch.distributed as dist
 
-    from ...benchmarks.parallel_modes import _current_rss, _peak_rss
+    from ...benchmarks.parallel_modes import current_rss, peak_rss
     from .sharded import DFlashShardPlan, context_bytes, sharded_draft_forward
 
     drafter = benchmark_drafter(args.layers, args.window or None)
@@ -300,7 +300,7 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
     def plan_of(batch):
         return DFlashShardPlan.build(batch, mode=mode, world=P, rank=rank, layer_windows=windows, ring_size=C)
 
-    base = _current_rss()  # the peak counts the rank's feature rows: the layout decides them
+    base = current_rss()  # the peak counts the rank's feature rows: the layout decides them
     kv = dict(batch_size=1, kv_width=config.num_key_value_heads * config.head_dim, element_size=4)
     times, cpu_times, rates, fwd_waits, waits, losses, supervised, projected, feature_bytes = ([] for _ in range(9))
     for step in range(args.steps + 1):  # step 0 is the warm-up
@@ -352,7 +352,7 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
                 forward_bytes=sum(v for k, v in names.items() if k.endswith((".all_gather", ".all_to_all"))),
                 backward_bytes=sum(v for k, v in names.items()
                                    if k.endswith((".reduce_scatter", ".all_to_all_backward"))),
-                formula=list(context_bytes(plan, windows, **kv)), peak=_peak_rss() - base, peak_abs=_peak_rss())
+                formula=list(context_bytes(plan, windows, **kv)), peak=peak_rss() - base, peak_abs=peak_rss())
 
 
 def _loss(objective, drafter, hidden, batch, global_sum=None):
@@ -613,12 +613,12 @@ def table(records: list[dict], markdown: bool = False) -> str:
     normalised by it (one core per rank), supervised tokens/s, the feature rows held and the peak memory (largest
     rank), K/V bytes received (largest rank) and whether every rank's equal the formula, exposed waits and the loss
     against the single process's; failed launches last."""
-    from ...benchmarks.report import _length_label, _rows_table
+    from ...benchmarks.report import length_label, rows_table
 
     body = []
     for row in rows(records):
         r = row["record"]
-        body.append([str(row["P"]), _length_label(row["L"]), row["layout"], _spread(r["anchors_per_rank"]),
+        body.append([str(row["P"]), length_label(row["L"]), row["layout"], _spread(r["anchors_per_rank"]),
                      _spread(r["projected_rows_per_rank"]), str(r.get("sequences_per_step", 1)),
                      row["per_sequence"].describe(".3f"),
                      f"{max(r['compute_s_per_rank']):.3f}" if "compute_s_per_rank" in r else "-",
@@ -632,9 +632,9 @@ def table(records: list[dict], markdown: bool = False) -> str:
     for r in records:
         if "error" in r:
             message = (r["error"].strip().splitlines() or ["?"])[-1][:80]
-            body.append([str(r["P"]), _length_label(r["L"]), r["layout"], *["-"] * (len(HEAD) - 4),
+            body.append([str(r["P"]), length_label(r["L"]), r["layout"], *["-"] * (len(HEAD) - 4),
                          f"ERROR {message}"])
-    return _rows_table(HEAD, body, markdown)
+    return rows_table(HEAD, body, markdown)
 
 
 def comparison_table(records: list[dict], markdown: bool = False) -> str:
@@ -642,7 +642,7 @@ def comparison_table(records: list[dict], markdown: bool = False) -> str:
     (``2.52x``, or ``tie (0.97x)`` where the ranges overlap); the strongest baseline (faster of bp and dp) and the
     ratio over it, also with every time normalised to one core per rank and on the slowest rank's CPU seconds per
     sequence; csbp's peak memory per rank over each baseline's."""
-    from ...benchmarks.report import _length_label, _rows_table
+    from ...benchmarks.report import length_label, rows_table
 
     body = []
     for entry in comparisons(records):
@@ -656,13 +656,13 @@ def comparison_table(records: list[dict], markdown: bool = False) -> str:
             return f"{against[base]['memory_ratio']:.2f}x" if base in against else "-"
 
         strongest = entry["strongest"]
-        body.append([str(entry["P"]), _length_label(entry["L"]), entry["csbp"].describe(".3f"), cell("cp"),
+        body.append([str(entry["P"]), length_label(entry["L"]), entry["csbp"].describe(".3f"), cell("cp"),
                      cell("bp"), cell("dp"), strongest or "-", cell(strongest) if strongest else "-",
                      cell(strongest, "normalised") if strongest else "-",
                      "-" if entry["csbp_cpu"] is None else entry["csbp_cpu"].describe(".3f"),
                      cell("cp", "cpu"), cell("bp", "cpu"), cell("dp", "cpu"), memory("cp"), memory("bp"),
                      memory("dp")])
-    return _rows_table(COMPARE_HEAD, body, markdown)
+    return rows_table(COMPARE_HEAD, body, markdown)
 
 
 def _extent(values, fmt: str = "{:.2f}x") -> str:
@@ -706,12 +706,12 @@ def findings(records: list[dict]) -> list[str]:
 def report(records: list[dict]) -> str:
     """The study's section of ``summary.md``: a title saying what was measured, :func:`comparison_table`,
     :func:`findings` and :func:`table`."""
-    from ...benchmarks.report import _length_label
+    from ...benchmarks.report import length_label
 
     ok = [r for r in records if "error" not in r]
     first = ok[0] if ok else records[0] if records else {}
     layers, window = first.get("layers", "?"), first.get("window")
-    anchors = ", ".join(f"{_length_label(L)}: {A}" for L, A in sorted({(r["L"], r["anchors"]) for r in ok}))
+    anchors = ", ".join(f"{length_label(L)}: {A}" for L, A in sorted({(r["L"], r["anchors"]) for r in ok}))
     steps = sorted({r["steps"] for r in ok})
     title = (f"**DFlash2 drafter training: csbp against cp (the paper's baseline), bp and dp** (benchmark drafter: "
              f"hidden 256, {layers} layer(s), "

@@ -174,7 +174,7 @@ def capture_features(
     Returns:
         `dict`: the manifest written to ``out_dir/manifest.json``.
     """
-    decoder, config = _decoder_of(target)
+    decoder, config = decoder_of(target)
     num_layers = int(config.num_hidden_layers)
     layer_ids = _check_layer_ids(layer_ids, num_layers)
     if batch_size < 1:
@@ -240,7 +240,7 @@ def capture_features(
     return manifest
 
 
-def _decoder_of(target):
+def decoder_of(target):
     """The decoder stack to run (a causal LM's base model: no LM head, no logits) and the text config."""
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
     if decoder is None or not hasattr(decoder, "get_input_embeddings"):

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..exports import revision_flag
+from ...hub.exports import revision_flag
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -114,7 +114,7 @@ def run_init(args) -> int:
 def run_capture(args) -> int:
     from transformers import AutoTokenizer
 
-    from ...train import SFTScriptArguments, load_datasets
+    from ...data import load_splits
     from .capture import capture_features, tokenize_records
 
     path = _target_path(args.target)
@@ -129,10 +129,8 @@ def run_capture(args) -> int:
                              "was made for another target.")
     else:
         layer_ids = args.layer_ids
-    script_args = SFTScriptArguments(dataset_name=args.dataset, dataset_config=args.dataset_config,
-                                     dataset_train_split=args.split)
-    train, test = load_datasets(script_args)
-    dataset = test if args.split == script_args.dataset_test_split and test is not None else train
+    train, test = load_splits(args.dataset, args.dataset_config, train_split=args.split, test_split="test")
+    dataset = test if args.split == "test" and test is not None else train
     if args.max_records is not None:
         dataset = dataset.select(range(min(args.max_records, len(dataset))))
     tokenizer = AutoTokenizer.from_pretrained(path, revision=args.target_revision)
@@ -177,7 +175,7 @@ def run_check(args) -> int:
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
 def _target_path(name: str) -> str:
-    from ...train import resolve_model_path
+    from ...embedded import resolve_model_path
 
     return resolve_model_path(name)
 

@@ -25,7 +25,6 @@ or ``hf-bdlm dflash export CHECKPOINT --out DIR --target ID`` and ``hf-bdlm dfla
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 from pathlib import Path
@@ -33,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..card_parts import format_value, hub_repo_id, parameters_text, unique
-from ..exports import qwen3_layer_shapes, revision_flag, serving_model_id, write_folder
+from ...protocols.card_parts import format_value, hub_repo_id, parameters_text, render_card_template, unique
+from ...hub.exports import qwen3_layer_shapes, revision_flag, serving_model_id, write_folder
 from .capture import file_sha256
 
 WEIGHTS = "model.safetensors"
@@ -338,7 +337,6 @@ def render_card(folder: str | os.PathLike, *, model_name: str | None = None, mod
                 description: str | None = None, license: str = "unknown") -> str:
     """The model card (``README.md``) of an exported folder, from its ``config.json`` and ``training_export.json``;
     ``model_ref`` is what the serving commands name as the drafter (a Hub repo id or a folder)."""
-    import jinja2
     from huggingface_hub import ModelCardData
 
     root = Path(folder)
@@ -385,9 +383,7 @@ def render_card(folder: str | os.PathLike, *, model_name: str | None = None, mod
                        for k in sorted(training, key=lambda k: (k not in TRAINING_LABELS, list(TRAINING_LABELS).index(k)
                                                                 if k in TRAINING_LABELS else k))],
     )
-    template = importlib.resources.files(__package__).joinpath("model_card.md").read_text(encoding="utf-8")
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(template).render(**values).strip() + "\n"
+    return render_card_template(__package__, "model_card.md", values)
 
 
 # --- the hub --------------------------------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ import os
 from typing import ClassVar
 
 from ...checkpoint_files import load_pretrained
-from ..family import ModelFamily
-from ..step import run_step
-from .target import TargetHeads, drafter_class, load_target_heads, resolve_target_path, unwrap_drafter
+from ...protocols.family import ModelFamily
+from ...protocols.step import run_step, unwrap_model
+from .target import TargetHeads, drafter_class, load_target_heads, resolve_target_path
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class DFlashFamily(ModelFamily):
     def claims_model(self, model) -> bool:
         from .modeling import DFlashDraftModel
 
-        return isinstance(unwrap_drafter(model), DFlashDraftModel)
+        return isinstance(unwrap_model(model), DFlashDraftModel)
 
     def load(self, path, config, args, processing_class, init_kwargs):
         """The drafter saved at ``path``, bound to the heads of ``args.target_model``."""
@@ -59,7 +59,7 @@ class DFlashFamily(ModelFamily):
 
     def adopt(self, model, processing_class, args):
         """A drafter object: bound to ``args.target_model``'s heads unless a target is bound already."""
-        drafter = unwrap_drafter(model)
+        drafter = unwrap_model(model)
         if drafter.embed_tokens is None:
             target = getattr(args, "target_model", None)
             if not target:
@@ -137,7 +137,7 @@ class DFlashFamily(ModelFamily):
 
     # --- training ---------------------------------------------------------------------------------------------
     def block_size(self, model) -> int:
-        return int(unwrap_drafter(model).config.block_size)
+        return int(unwrap_model(model).config.block_size)
 
     def configure(self, model, args, tokenizer):
         """The `dflash` objective for the drafter: its block size and mask id, the run's options and seed. The
@@ -146,7 +146,7 @@ class DFlashFamily(ModelFamily):
         from .trainer import DFlashTrainingObjective
         from .trainer_config import OBJECTIVE_FIELDS
 
-        drafter = unwrap_drafter(model)
+        drafter = unwrap_model(model)
         block = drafter.config.block_size
         if args.block_size is not None and args.block_size != block:
             raise ValueError(f"block_size={args.block_size} differs from the drafter's block size {block} (its "
@@ -210,5 +210,4 @@ def _field_of(message: str) -> str:
     return OBJECTIVE_FIELDS.get(word, word) or "?"
 
 
-__all__ = ["DFlashFamily", "TargetHeads", "drafter_class", "load_target_heads", "resolve_target_path",
-           "unwrap_drafter"]
+__all__ = ["DFlashFamily", "TargetHeads", "drafter_class", "load_target_heads", "resolve_target_path"]

@@ -43,6 +43,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from ...attention.kernels import merge_partial, new_accumulators, repeat_kv
+from ...attention.rows import document_starts
 from .configuration import DFlashConfig
 
 logger = logging.getLogger(__name__)
@@ -63,23 +64,6 @@ class DFlashDraftOutput(ModelOutput):
 
 
 # --- the mask rule --------------------------------------------------------------------------------------------------
-def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """For each token, the index of the first token of its document: a document is a maximal run of equal ids, so an
-    id reused by two separate runs names two documents.
-
-    Args:
-        document_ids (`torch.LongTensor` of shape `[batch, L]`).
-
-    Returns:
-        `torch.LongTensor` of shape `[batch, L]`.
-    """
-    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
-    starts = torch.zeros_like(index)
-    changed = document_ids[..., 1:] != document_ids[..., :-1]
-    starts[..., 1:] = torch.where(changed, index[..., 1:], 0)
-    return starts.cummax(dim=-1).values
-
-
 def draft_context_mask(
     anchor_positions: torch.Tensor,
     context_positions: torch.Tensor,
@@ -102,7 +86,7 @@ def draft_context_mask(
             of them or one shard).
         block_size (`int`): tokens per draft block.
         anchor_document_starts (`torch.LongTensor` of shape `[batch, A]`, *optional*): index of the first token of
-            each anchor's document (:func:`document_starts`); `None`: one document.
+            each anchor's document (:func:`hf_bdlm.attention.rows.document_starts`); `None`: one document.
         anchor_valid (`torch.BoolTensor` of shape `[batch, A]`, *optional*): an invalid anchor sees no context.
         sliding_window (`int`, *optional*): the layer's window; `None` on a full-attention layer.
 
@@ -1007,6 +991,6 @@ def _norm_scale(norm: nn.Module, width: int) -> torch.Tensor | None:
 __all__ = [
     "BlockConvolution", "CandidateSelector", "ContextAttention", "DFlash2DraftModel", "DFlashContextCache",
     "DFlashDraftModel", "DFlashDraftOutput",
-    "DFlashPreTrainedModel", "attend_with_lse", "document_starts", "draft_block_mask", "draft_context_mask",
+    "DFlashPreTrainedModel", "attend_with_lse", "draft_block_mask", "draft_context_mask",
     "merge_partials", "rotary_factors",
 ]

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ...attention.rows import document_starts
 from ...objectives.noise import hash_uniform
 
 LOSSES = ("ce", "kl", "dpace")
@@ -230,17 +231,6 @@ GlobalSum = Callable[[torch.Tensor], torch.Tensor] | _ProcessGroup
 # ---------------------------------------------------------------- anchors, labels and weights (pure functions)
 
 
-def segment_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """First position of the run of equal document ids each position is in (``[b, T]`` -> ``[b, T]``).
-
-    Runs, not ids, delimit documents: an id reused further on starts a new document.
-    """
-    positions = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
-    changes = torch.zeros_like(document_ids, dtype=torch.bool)
-    changes[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return torch.where(changes, positions, 0).cummax(dim=1).values
-
-
 def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Positions that can anchor a block: supervised, not padding (document ``-1``), and followed by a supervised
     token of the same document.
@@ -256,7 +246,7 @@ def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor | None
     if document_ids is None:
         document_ids = torch.zeros_like(supervised, dtype=torch.int64)
     valid = torch.zeros_like(supervised)
-    same_document = segment_starts(document_ids)[:, 1:] == segment_starts(document_ids)[:, :-1]
+    same_document = document_starts(document_ids)[:, 1:] == document_starts(document_ids)[:, :-1]
     valid[:, :-1] = supervised[:, :-1] & supervised[:, 1:] & same_document & (document_ids[:, :-1] != -1)
     return valid
 
@@ -527,7 +517,7 @@ class DFlashObjective:
         in_sequence = labels < length
         labels = labels.clamp_max(length - 1)
         before_label = (labels - 1).clamp_min(0)
-        starts = segment_starts(document_ids)
+        starts = document_starts(document_ids)
         anchor_starts = starts.gather(1, anchors)
         supervised = (
             loss_mask.bool().gather(1, labels)
@@ -888,7 +878,6 @@ __all__ = [
     "position_weights",
     "sample_locality_anchors",
     "sample_uniform_anchors",
-    "segment_starts",
     "select_anchors",
     "valid_anchor_mask",
 ]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..family import ServingDecoder
+from ...protocols.family import ServingDecoder
 
 
 @dataclass(frozen=True)

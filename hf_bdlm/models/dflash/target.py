@@ -52,7 +52,7 @@ class TargetHeads(nn.Module):
 
 def resolve_target_path(name: str) -> str:
     """``embedded:smollm2`` -> the exported SmolLM2 folder; a folder or a Hub id as it is."""
-    from ...train import resolve_model_path
+    from ...embedded import resolve_model_path
 
     return resolve_model_path(name)
 
@@ -76,7 +76,7 @@ def load_target_heads(name_or_path: str, *, revision: str | None = None, dtype: 
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .capture import _decoder_of
+    from .capture import decoder_of
 
     path = resolve_target_path(name_or_path)
     config = AutoConfig.from_pretrained(path, revision=revision)
@@ -84,7 +84,7 @@ def load_target_heads(name_or_path: str, *, revision: str | None = None, dtype: 
         skeleton = AutoModelForCausalLM.from_config(config)
     names = {id(module): name for name, module in skeleton.named_modules()}
     embed, head = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
-    norm = getattr(_decoder_of(skeleton)[0], "norm", None) if with_norm else None
+    norm = getattr(decoder_of(skeleton)[0], "norm", None) if with_norm else None
     if with_norm and not isinstance(norm, nn.Module):
         raise ValueError(f"{name_or_path}: the target has no final norm (`get_decoder().norm`) to read.")
     wanted = {"embed": names[id(embed)], "head": names[id(head)]}
@@ -101,7 +101,7 @@ def load_target_heads(name_or_path: str, *, revision: str | None = None, dtype: 
         logger.warning("%s: the embedding / head tensors are not stored under their module names; loading the whole "
                        "target to read them.", name_or_path)
         full = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
-        norm_module = getattr(_decoder_of(full)[0], "norm", None) if with_norm else None
+        norm_module = getattr(decoder_of(full)[0], "norm", None) if with_norm else None
         return TargetHeads(full.get_input_embeddings(), full.get_output_embeddings(), norm_module, text, path)
     dtype = dtype or embed_weight.dtype
     embedding = nn.Embedding(*embed_weight.shape, dtype=dtype)
@@ -143,14 +143,6 @@ def _read_tensors(path: str, revision: str | None, keys: list[str]) -> dict[str,
             present = set(f.keys())
             found.update({name: f.get_tensor(name) for name in names if name in present})
     return found
-
-
-def unwrap_drafter(model):
-    """The drafter inside DDP / `TrainingStep` wrappers (or ``model`` itself)."""
-    inner = model
-    while isinstance(getattr(inner, "module", None), nn.Module):
-        inner = inner.module
-    return inner
 
 
 def drafter_class(config):

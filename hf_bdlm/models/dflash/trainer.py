@@ -48,10 +48,11 @@ from transformers import TrainingArguments
 
 from ...objectives.base import supervised_mask
 from ...objectives.noise import hash_uniform
+from ...protocols.step import unwrap_model
 from ...trainer.collator import SAMPLE_ID_COLUMN, round_up
 from ...trainer.trainer import BDLMSFTTrainer
 from .capture import FeatureStore
-from .target import TargetHeads, load_target_heads, resolve_target_path, unwrap_drafter
+from .target import TargetHeads, load_target_heads, resolve_target_path
 from .objective import (
     DFlashBatch,
     DFlashObjective,
@@ -329,7 +330,7 @@ def draft_layout(plugin, drafter, corrupted: "DFlashTrainingBatch"):
         return LocalDraftLayout(global_sum=_world_sum(plugin, 1.0))
     from .sharded import DFlashShardPlan
 
-    drafter = unwrap_drafter(drafter)
+    drafter = unwrap_model(drafter)
     groups = plugin.sharding_groups()
     windows = [drafter.config.layer_window(i) for i in range(drafter.config.num_hidden_layers)]
     plan = DFlashShardPlan.build(corrupted.anchors, mode=str(plugin.mode), world=plugin.block_parallel_size,
@@ -454,7 +455,7 @@ class DFlashTrainingObjective:
     # --- the loss --------------------------------------------------------------------------------------------------
     def loss(self, model, corrupted: DFlashTrainingBatch, layout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This rank's share of the step's loss (the shares of all ranks add up to it), and its metric sums."""
-        drafter = unwrap_drafter(model)
+        drafter = unwrap_model(model)
         config = self.config
         share, hidden = layout.draft(drafter, corrupted)
         teacher = None
@@ -494,7 +495,7 @@ class DFlashTrainingObjective:
 
     def zero_loss(self, model) -> torch.Tensor:
         """A zero reaching every trained parameter of the drafter."""
-        trained = [p for p in unwrap_drafter(model).parameters() if p.requires_grad]
+        trained = [p for p in unwrap_model(model).parameters() if p.requires_grad]
         return sum((p.reshape(-1)[:1].sum() * 0.0 for p in trained), trained[0].new_zeros(()))
 
 
@@ -622,7 +623,7 @@ class DFlashTrainer(BDLMSFTTrainer):
         """``training_export.json`` (the provenance a served drafter carries) and ``README.md`` of a saved drafter."""
         from ...version import __version__
         from .capture import file_sha256
-        from ..exports import serving_model_id
+        from ...hub.exports import serving_model_id
         from .export import PROVENANCE, PROVENANCE_FORMAT, WEIGHTS
 
         root = Path(output_dir)
@@ -748,9 +749,9 @@ def _check_features(store: FeatureStore, drafter, heads: TargetHeads | None, tar
 def _teacher_head(heads: TargetHeads | None, target) -> Callable[[torch.Tensor], torch.Tensor]:
     if heads is not None and heads.norm is not None:
         return heads.teacher_logits
-    from .capture import _decoder_of
+    from .capture import decoder_of
 
-    norm = getattr(_decoder_of(target)[0], "norm", None) if target is not None else None
+    norm = getattr(decoder_of(target)[0], "norm", None) if target is not None else None
     if norm is None:
         raise ValueError("dflash_loss='kl' needs the target's final norm: pass target= or set target_model.")
     head = target.get_output_embeddings()

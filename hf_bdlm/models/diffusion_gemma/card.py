@@ -10,23 +10,16 @@ settings (`DiffusionGemmaObjective.card_settings`)::
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
-from ..card_parts import (
-    METRIC_LABELS,
+from ...protocols.card_parts import (
     OBJECTIVES,
-    as_list,
-    base_model_text,
     check_info,
-    dataset_link,
     format_value,
     hub_repo_id,
-    layout_rows,
-    layout_text,
-    parameters_text,
     read_json,
-    unique,
+    render_card_template,
+    trained_card_values,
 )
 from .engines import decoding_settings, launch_commands
 
@@ -41,65 +34,36 @@ SETTING_LABELS = {
 }
 
 
-def template_text() -> str:
-    return importlib.resources.files(__package__).joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
-
-
 def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None) -> str:
     """The card's text for a saved DiffusionGemma folder (``config`` is its parsed ``config.json``)."""
-    import jinja2
-    from huggingface_hub import ModelCardData
-
     info = check_info(info)
     text = config.get("text_config") or {}
     base_model = info.get("base_model") or hub_repo_id(config.get("_name_or_path"))
-    datasets = as_list(info.get("dataset"))
     training = dict(info.get("training") or {})
     prediction = training.get("model_prediction_type", "mean")
-    card_data = ModelCardData(
-        library_name="transformers",
-        base_model=base_model,
-        tags=unique(["diffusion_gemma", "block-diffusion", "hf-bdlm", "diffusion-language-model"]
-                     + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
-                     + as_list(info.get("tags"))),
-        pipeline_tag="text-generation",
-        datasets=[d for d in datasets if hub_repo_id(d)] or None,
-        license=info.get("license", "unknown"),
-    )
-    tokenizer_config = read_json(directory / "tokenizer_config.json")
+    values = trained_card_values(
+        directory, info, library_name="transformers", base_model=base_model, name_or_path=config.get("_name_or_path"),
+        tags=["diffusion_gemma", "block-diffusion", "hf-bdlm", "diffusion-language-model"])
     generation = read_json(directory / "generation_config.json") or {}
     canvas = config.get("canvas_length")
     window = text.get("sliding_window")
     settings = decoding_settings(directory)
     commands = launch_commands(info.get("repo_id") or str(directory), canvas, settings)
-    values = dict(
-        card_data=card_data.to_yaml(),
-        model_name=info.get("model_name") or directory.resolve().name,
-        description=info.get("description"),
-        model_id=info.get("repo_id") or directory.resolve().name,
+    values.update(
         canvas_length=canvas,
         window_reach=f"W - 1 = {window - 1}" if window else "W - 1",
-        base_model_text=base_model_text(base_model, config.get("_name_or_path")),
         architecture_text=_architecture_text(config, text),
-        parameters_text=parameters_text(directory),
         attention_text=_attention_text(text),
         dtype=config.get("dtype") or text.get("dtype") or "float32",
         objective_text="`diffusion_gemma` — " + OBJECTIVES["diffusion_gemma"] + ".",
         settings_rows=[(SETTING_LABELS.get(k, k), format_value(v)) for k, v in training.items()],
         loo=prediction == "mean_loo",
-        layout_text=layout_text(info.get("parallel")),
-        layout_rows=layout_rows(info.get("parallel")),
-        dataset_text=", ".join(dataset_link(d) for d in datasets) + "." if datasets else "Not recorded.",
-        metric_rows=[(METRIC_LABELS.get(k, k), format_value(v)) for k, v in (info.get("metrics") or {}).items()],
-        has_chat_template=(directory / "chat_template.jinja").is_file()
-        or bool((tokenizer_config or {}).get("chat_template")),
         example_max_new_tokens=generation.get("max_new_tokens") or 2 * int(canvas or 32),
         **settings,
         vllm_command=commands["vllm"],
         sglang_command=commands["sglang"],
     )
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(template_text()).render(**values).strip() + "\n"
+    return render_card_template(__package__, TEMPLATE_FILE, values)
 
 
 def _architecture_text(config: dict, text: dict) -> str:

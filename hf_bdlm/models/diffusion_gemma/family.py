@@ -16,8 +16,8 @@ import os
 from typing import ClassVar
 
 from ...checkpoint_files import load_pretrained
-from ..family import ModelFamily
-from ..step import run_step
+from ...protocols.family import ModelFamily
+from ...protocols.step import run_step
 from .modeling import (
     DIFFUSION_GEMMA_LORA_TARGETS,
     diffusion_gemma_class,

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..step import TrainingStep
+from ...protocols.step import TrainingStep
 from .modeling import unwrap_diffusion_gemma
 
 
@@ -21,7 +21,7 @@ def shard_diffusion_gemma(model: nn.Module, fully_shard_kwargs: dict, plugin):
     Units: encoder layer ``i`` and decoder layer ``i`` share their weights (``_tied_weights_keys``: the very same
     ``Parameter`` objects), so each pair is one unit, ``fully_shard([encoder_layer_i, decoder_layer_i])``; the frozen
     vision tower (with its embedder) is one unit, never called by the text objective and so never gathered; the root
-    is a :class:`~hf_bdlm.models.step.TrainingStep` around the model, holding the rest (the embeddings, which the LM
+    is a :class:`~hf_bdlm.protocols.step.TrainingStep` around the model, holding the rest (the embeddings, which the LM
     head and the decoder's self-conditioning read; the final norm, shared too; the self-conditioning block). The
     root's forward is the whole step, so its parameters are gathered once per step and used outside any module
     forward (LM head on the scored rows, soft embeddings); it is not resharded after forward (its backward needs them at once).

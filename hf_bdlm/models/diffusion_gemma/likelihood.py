@@ -44,7 +44,7 @@ from typing import Sequence
 import torch
 
 from ...objectives.likelihood import request_key, sample_uniform, stratified_levels, summarize
-from ..family import BoundEstimate, LikelihoodScorer, ScoreRequest
+from ...protocols.family import BoundEstimate, LikelihoodScorer, ScoreRequest
 from .modeling import (
     CanvasFrame,
     DiffusionGemmaLayout,

@@ -56,6 +56,7 @@ from ...attention.backends import attend
 from ...attention.interface import bdlm_attention_forward
 from ...attention.masks import CLEAN, NOISY, MaskRule
 from ...attention.rows import RowMeta
+from ...protocols.step import unwrap_model
 
 ATTENTION_PREFIX = "bdlm_diffusion_gemma"
 # LoRA of the reference fine-tune: attention and dense-MLP linears of the encoder and decoder layers (separate adapters
@@ -76,11 +77,7 @@ def diffusion_gemma_class():
 
 def unwrap_diffusion_gemma(model):
     """The ``DiffusionGemmaForBlockDiffusion`` inside PEFT / DDP / training-step wrappers, or ``None``."""
-    inner = model
-    while hasattr(inner, "module"):  # DDP, and the training step DDP wraps (hf_bdlm.trainer.diffusion_gemma_step)
-        inner = inner.module
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
+    inner = unwrap_model(model)
     return inner if isinstance(inner, diffusion_gemma_class()) else None
 
 

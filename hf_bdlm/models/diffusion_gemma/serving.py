@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..family import ServingDecoder
+from ...protocols.family import ServingDecoder
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from typing import Mapping
 
 import torch
 
-from ..attention.masks import NOISY
-from .base import CheckedBatch, CorruptedBatch, Objective
-from .noise import token_uniform
+from ....attention.masks import NOISY
+from ....objectives.base import CheckedBatch, CorruptedBatch, Objective
+from ....objectives.noise import token_uniform
 
 # BD3-LM's default range: a bound equal to its default is not enforced by resampling (as in `_resample_q_xt`).
 UNCLIPPED_EPS_MIN, UNCLIPPED_EPS_MAX = 1e-3, 1.0

@@ -37,9 +37,9 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .attention import CLEAN, NOISY, LocalLayout, MaskRule, RowMeta
-from .attention.rows import stream_rows
-from .configuration import TOKEN_SHIFT_OBJECTIVES
+from ...attention import CLEAN, NOISY, LocalLayout, MaskRule, RowMeta
+from ...attention.rows import stream_rows
+from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
 
 BLOCK_DIFFUSION_FIELDS = ("block_size", "steps_per_block", "confidence_threshold", "mask_token_id", "token_shift",
                           "unmasking")

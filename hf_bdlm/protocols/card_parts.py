@@ -1,9 +1,12 @@
-"""What every model family's card (``hf_bdlm/models/*/card.py``) shares: the info dict's keys and checks, the label
-tables and the pieces of text read from a saved folder. It imports no family.
+"""What every model family's card (``hf_bdlm/models/*/card.py``, and the cards of exported folders) shares: the info
+dict's keys and checks, the label tables, the pieces of text read from a saved folder, the values every trained
+model's card renders the same way (:func:`trained_card_values`) and the rendering of a packaged template
+(:func:`render_card_template`). It imports no family.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 import re
@@ -187,3 +190,50 @@ def format_value(value) -> str:
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return str(value)
     return f"`{value}`"
+
+
+def trained_card_values(directory: Path, info: dict, *, library_name: str, tags: list[str], base_model: str | None,
+                        name_or_path: str | None) -> dict:
+    """The values every trained model's card renders the same way: the Hub metadata block (``card_data``: library,
+    base model, ``tags`` plus the training mode and the info's tags, datasets on the Hub, license), the title, the
+    description, the id of the loading snippets, the base model, the parameter count, the training layout, the
+    datasets, the metrics and whether the folder holds a tokenizer and a chat template. ``info``: checked
+    (:func:`check_info`); ``name_or_path``: what the base model was loaded from, when not a Hub id."""
+    from huggingface_hub import ModelCardData
+
+    datasets = as_list(info.get("dataset"))
+    card_data = ModelCardData(
+        library_name=library_name,
+        base_model=base_model,
+        tags=unique(tags + ([info["parallel"]["mode"]] if info.get("parallel", {}).get("mode") else [])
+                    + as_list(info.get("tags"))),
+        pipeline_tag="text-generation",
+        datasets=[d for d in datasets if hub_repo_id(d)] or None,
+        license=info.get("license", "unknown"),
+    )
+    tokenizer_config = read_json(directory / "tokenizer_config.json")
+    return dict(
+        card_data=card_data.to_yaml(),
+        model_name=info.get("model_name") or directory.resolve().name,
+        description=info.get("description"),
+        model_id=info.get("repo_id") or directory.resolve().name,
+        base_model_text=base_model_text(base_model, name_or_path),
+        parameters_text=parameters_text(directory),
+        layout_text=layout_text(info.get("parallel")),
+        layout_rows=layout_rows(info.get("parallel")),
+        dataset_text=", ".join(dataset_link(d) for d in datasets) + "." if datasets else "Not recorded.",
+        metric_rows=[(METRIC_LABELS.get(k, k), format_value(v)) for k, v in (info.get("metrics") or {}).items()],
+        has_tokenizer=tokenizer_config is not None or (directory / "tokenizer.json").is_file(),
+        has_chat_template=(directory / "chat_template.jinja").is_file()
+        or bool((tokenizer_config or {}).get("chat_template")),
+    )
+
+
+def render_card_template(package: str, template_file: str, values: dict) -> str:
+    """``template_file`` (Jinja2, packaged in ``package``) rendered with ``values``; a value it names and ``values``
+    lacks is an error, not an empty string."""
+    import jinja2
+
+    template = importlib.resources.files(package).joinpath(template_file).read_text(encoding="utf-8")
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(template).render(**values).strip() + "\n"

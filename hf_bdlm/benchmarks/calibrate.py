@@ -1,5 +1,5 @@
-"""The planner on this machine: CPU rates measured once, and predictions of :mod:`hf_bdlm.benchmarks.parallel_modes`
-records.
+"""The planner on this machine: CPU rates measured once, and the planner's predictions of
+:mod:`hf_bdlm.benchmarks.parallel_modes` records (``hf-bdlm plan --validate``, :func:`run_validate`).
 
 :func:`measure_cpu` times, in single-threaded processes all timing at once: (1) the benchmarked model's matrix
 multiplies forward and backward (``F.linear`` at its shapes, 4096 rows), (2) the project's block-sparse attention
@@ -35,14 +35,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..benchmarks import parallel_modes
-from ..benchmarks.processes import child_env
+from . import parallel_modes
+from .processes import child_env
 from ..cache import cache_home, update_json
 from ..parallel.dims import ParallelDims
-from .cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
-from .hardware import DeviceSpec
-from .model import AttentionShape, ModelSpec, spec_from_config
-from .rank_rate import cores, matmul_workload
+from ..planner.cost import Cluster, Recipe, kv_bytes_by_name, layer_windows, mask_rule_of, predict, rank_work
+from ..planner.hardware import DeviceSpec
+from ..planner.kernel_work import blockwise_work, computed_pairs
+from ..planner.model import AttentionShape, ModelSpec, spec_from_config
+from ..planner.rank_rate import cores, matmul_workload
 
 RATES_FILE = "cpu_rates.json"
 
@@ -287,7 +288,7 @@ def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0)
         out, spec = os.path.join(tmp, "rates.json"), os.path.join(tmp, "spec.json")
         Path(spec).write_text(json.dumps(asdict(model)))
         env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # the same hf_bdlm as this process
-        code = ("import sys; from hf_bdlm.planner.calibrate import rates_worker; "
+        code = ("import sys; from hf_bdlm.benchmarks.calibrate import rates_worker; "
                 "rates_worker(int(sys.argv[1]), *sys.argv[2:])")
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), os.path.join(tmp, "store"),
                                    out, spec, str(benchmark_layers)],
@@ -403,84 +404,6 @@ def benchmark_recipe(rec: dict) -> Recipe:
                   gradient_sync=False)
 
 
-def computed_pairs(plan, source: int | None = None) -> int:
-    """Query-key pairs a tile plan's kernel calls compute (masked-out pairs of a dense masked call included), over
-    every source or one."""
-    total = 0
-    for c in plan.calls:
-        if source is not None and c.source != source:
-            continue
-        n, q = (1, c.q_rows[1] - c.q_rows[0]) if isinstance(c.q_rows, tuple) else (
-            (1, c.q_rows.numel()) if c.q_rows.dim() == 1 else tuple(c.q_rows.shape))
-        k = c.k_rows[1] - c.k_rows[0] if isinstance(c.k_rows, tuple) else c.k_rows.shape[-1]
-        total += n * q * k
-    return total
-
-
-def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
-    """``works`` (from :func:`~.cost.rank_work`) with the pairs the ``blockwise`` kernel computes on each rank, for
-    every window of ``works`` (full and sliding-window layers): the tile plans of the sources the sharded layout
-    attends to (own rows; the peers' gathered rows, each ring shard, or a sliding layer's halo rows).
-
-    Masked-out pairs of a dense masked call are computed too: at the edge of a 1024-token window the 512-row group
-    tiles are about half allowed, so a sliding layer's kernel computes about 1.5x its allowed pairs."""
-    from ..attention.tiles import plan_attention
-    from ..parallel.plan import PlanConfig, make_plan
-
-    plan = make_plan(PlanConfig.from_dims(dims, seq_len, rule.block_size))
-    out = list(works)
-    for window in works[0].pairs if works else ():
-        rule_w = rule.with_window(window)
-        for r, (rp, w) in enumerate(zip(plan.ranks, out)):
-            q = rp.rows()
-            members = plan.exchange_members(r)
-            exchanged = dims.mode.exchanges_kv and len(members) > 1
-            if window is None and exchanged and w.sent_rows > 0 and dims.transport == "ring":
-                n = plan.sent_row_start(r)
-                tiles = [plan_attention(q, [q.slice(0, n)], rule_w)] if n else []
-                shard_tiles = [plan_attention(q, [plan.sent_rows(m)], rule_w) for m in members]
-                source = computed_pairs(tiles[0]) if n else 0
-                shards = tuple(computed_pairs(t) for t in shard_tiles)
-                total, local = source + sum(shards), source + shards[members.index(r)]
-                calls = sum(len(t.calls) for t in tiles + shard_tiles)
-                out[r] = replace(w, pairs={**w.pairs, window: total}, local_pairs={**w.local_pairs, window: local},
-                                 source_pairs=source, shard_pairs=shards,
-                                 kernel_calls={**w.kernel_calls, window: calls})
-                continue
-            total, local, calls = _computed_rank_pairs(plan, r, q, members, exchanged, dims.is_paper_cp, rule_w,
-                                                       plan_attention)
-            # The paper's CP computes its block-diagonal part (the gathered noisy source) while the clean rows travel.
-            noisy = {**w.noisy_pairs, window: local} if dims.is_paper_cp and exchanged else w.noisy_pairs
-            out[r] = replace(w, pairs={**w.pairs, window: total}, local_pairs={**w.local_pairs, window: local},
-                             noisy_pairs=noisy, kernel_calls={**w.kernel_calls, window: calls})
-    return out
-
-
-def _computed_rank_pairs(plan, r: int, q, members, exchanged: bool, blocking: bool, rule, plan_attention):
-    """``(all, local, calls)``: the pairs the kernel computes for rank ``r`` under ``rule`` (all sources; those it
-    computes before its wait: its own rows, or under the paper's CP the gathered noisy rows) and its kernel calls,
-    over the sources :class:`~hf_bdlm.parallel.engine.ExchangePass` attends to (allgather / all-to-all transports)."""
-    from ..attention.rows import RowMeta
-    from ..parallel.plan import window_exchange
-
-    if not exchanged:
-        tiles = plan_attention(q, [q], rule)
-        return computed_pairs(tiles), computed_pairs(tiles), len(tiles.calls)
-    if blocking:  # the paper's CP: every member's noisy rows, then every member's clean rows (sliding layers too)
-        noisy = RowMeta.cat([plan.ranks[m].rows().slice(0, plan.ranks[m].local_noisy_rows) for m in members])
-        clean = RowMeta.cat([plan.ranks[m].rows().slice(plan.ranks[m].local_noisy_rows, plan.ranks[m].num_rows)
-                             for m in members])
-        tiles = plan_attention(q, [noisy, clean], rule)
-        return computed_pairs(tiles), computed_pairs(tiles, 0), len(tiles.calls)
-    if rule.sliding_window is None:
-        peers = RowMeta.cat([plan.sent_rows(m) for m in members if m != r])
-    else:  # the halo rows the all-to-all brings
-        peers = window_exchange(members.index(r), [plan.ranks[m].rows() for m in members],
-                                [plan.sent_rows(m) for m in members], rule)[3]
-    tiles = plan_attention(q, [q, peers], rule)
-    return computed_pairs(tiles), computed_pairs(tiles, 0), len(tiles.calls)
-
-
 def validate(records: list[dict], device) -> list[dict]:
     """Predicted against measured step time and bytes of each successful record. ``device`` is a
     :class:`DeviceSpec`, or a function of the record's process count returning one."""
@@ -546,5 +469,33 @@ def format_validation(rows: list[dict], devices: list[DeviceSpec]) -> str:
     return "\n".join(lines)
 
 
+def run_validate(args) -> int:
+    """``hf-bdlm plan --validate RECORDS_JSON``: the planner's predictions of benchmark records, on this machine's
+    measured CPU figures (``--rates-cache``, ``--remeasure``, ``--cores``, ``--json``: see ``hf-bdlm plan --help``)."""
+    with open(args.validate) as f:
+        records = json.load(f)
+    if not isinstance(records, list):
+        raise ValueError(f"{args.validate} must hold a JSON list of hf_bdlm.benchmarks.parallel_modes records.")
+    ok = [r for r in records if "error" not in r and "step_s" in r]
+    if not ok:
+        raise ValueError(f"{args.validate} has no successful record (each needs mode, P, C, L, layers, step_s).")
+    model = benchmark_model(ok[0]["layers"], ok[0].get("window"))
+    if args.cores is not None and args.cores <= 0:
+        raise ValueError(f"--cores must be a positive number of cores, got {args.cores}.")
+    counts = {1 if r["mode"] == "single" else r["P"] for r in ok}
+    beside = Path(args.validate).parent / RATES_FILE
+    # The figures measured with the records, unless asked to measure this machine now.
+    cache = args.rates_cache or (beside if beside.exists() and not args.remeasure else default_rates_path())
+    print(f"CPU figures: {cache}{' (measured now)' if args.remeasure else ''}")
+    devices = cpu_devices(model, counts, cache, args.remeasure, args.cores,
+                          benchmark_layers=ok[0]["layers"])
+    rows = validate(ok, devices.__getitem__)
+    print(format_validation(rows, list(devices.values())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
 __all__ = ["measure_cpu", "cpu_device", "cpu_devices", "cores", "validate", "format_validation", "benchmark_model",
-           "record_dims", "step_elementwise_rate"]
+           "record_dims", "run_validate", "step_elementwise_rate"]

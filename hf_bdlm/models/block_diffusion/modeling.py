@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .attention import (
+from ...attention import (
     ATTENTION_NAME,
     AttentionLayout,
     LocalLayout,
@@ -33,7 +33,8 @@ from .attention import (
     register_attention,
     vectorized_rows,
 )
-from .checkpoint_files import check_weight_files
+from ...attention.rows import document_positions
+from ...checkpoint_files import check_weight_files
 from .configuration import BlockDiffusionConfig
 from .generation import BlockDiffusionGenerationMixin
 
@@ -54,15 +55,6 @@ class BlockDiffusionOutput(ModelOutput):
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     cache: object | None = None
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """RoPE position ids that restart at 0 at each packed document's first token."""
-    seq = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
-    first = torch.where(starts, seq, torch.zeros_like(seq)).cummax(dim=-1).values
-    return seq - first
 
 
 class BlockDiffusionPreTrainedModel(PreTrainedModel):
@@ -280,19 +272,19 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
         """[`~PreTrainedModel.save_pretrained`], plus self-contained `configuration_block_diffusion.py` and
         `modeling_block_diffusion.py` and an `auto_map` in config.json, so that the folder also loads with
         `trust_remote_code=True` where hf_bdlm is not installed (see `hf_bdlm.hub.remote_code`)."""
-        from .hub.remote_code import save_with_remote_code
+        from ...hub.remote_code import save_with_remote_code
 
         return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, tokenizer=None, card_info: dict | None = None, **kwargs):
         """Upload what [`hf_bdlm.hub.save_for_hub`] writes (weights, config, remote code, generation config, the
         model card, and the tokenizer when given) to `repo_id`; see [`hf_bdlm.hub.push_to_hub`]."""
-        from .hub import push_to_hub
+        from ...hub import push_to_hub
 
         return push_to_hub(self, repo_id, tokenizer=tokenizer, info=card_info, **kwargs)
 
     def generate(self, input_ids: torch.Tensor, generation_config=None, **kwargs) -> torch.Tensor:
-        """Block-wise diffusion decoding; see :func:`hf_bdlm.generation.generate`."""
+        """Block-wise diffusion decoding; see :func:`hf_bdlm.models.block_diffusion.generation.generate`."""
         from .generation import generate
 
         return generate(self, input_ids, generation_config=generation_config, **kwargs)

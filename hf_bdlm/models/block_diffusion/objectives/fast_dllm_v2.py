@@ -38,8 +38,8 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from ..attention.masks import CLEAN, NOISY
-from .base import CorruptedBatch, Objective
+from ....attention.masks import CLEAN, NOISY
+from ....objectives.base import CorruptedBatch, Objective
 
 
 class FastDLLMv2Objective(Objective):

@@ -14,7 +14,7 @@ The trainer's step with a family ``f`` (``model``: the family's model inside wra
     loss, metrics = f.loss(runner, model, objective, corrupted, layout)
 
 ``runner`` is what the step runs through: the model (or its DDP wrapper) for a family whose objective calls the
-model's forward, a :class:`~hf_bdlm.models.step.TrainingStep` for one whose objective drives the model's parts
+model's forward, a :class:`~hf_bdlm.protocols.step.TrainingStep` for one whose objective drives the model's parts
 itself (``owns_step``).
 """
 
@@ -53,6 +53,15 @@ class ModelFamily:
     def adopt(self, model, processing_class, args):
         """A model object the user passed; returns ``(model, processing_class)`` (converted where needed)."""
         return model, processing_class
+
+    def new_config(self, **fields):
+        """A configuration of this family's models from its fields (the keyword arguments of its config class)."""
+        raise NotImplementedError(f"the {self.name!r} family builds no configuration from fields.")
+
+    def new_model(self, config):
+        """A freshly initialised model of this family from one of its configurations (the model a benchmark
+        measures)."""
+        raise NotImplementedError(f"the {self.name!r} family builds no model from a configuration.")
 
     def objective_class(self, name: str):
         """The class of objective ``name`` (one of :attr:`objectives`)."""

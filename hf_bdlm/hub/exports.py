@@ -2,7 +2,7 @@
 Qwen3 decoder layer (the layer SDAR models and speculative drafters are made of), and writing the exported folder so
 that it is either complete or absent.
 
-    from hf_bdlm.models.exports import serving_model_id, write_folder
+    from hf_bdlm.hub.exports import serving_model_id, write_folder
     serving_model_id("embedded:smollm2")          # 'HuggingFaceTB/SmolLM2-135M-Instruct': what `vllm serve` loads
     write_folder("out/export", build, check=check_folder, overwrite=False)
 """

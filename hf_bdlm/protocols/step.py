@@ -1,6 +1,6 @@
 """`TrainingStep`: a training step that is not the model's forward, as a module forward DDP and Accelerate see.
 
-A family that ``owns_step`` (`hf_bdlm.models.family`) trains with an objective that calls the model's parts itself
+A family that ``owns_step`` (`hf_bdlm.protocols.family`) trains with an objective that calls the model's parts itself
 (an encoder-decoder's: its encoder, its decoder once or twice, its LM head on the scored rows only) and never the
 model's top-level forward. A
 `DistributedDataParallel` wrapper synchronizes gradients only for a forward that went through it (its reducer
@@ -38,6 +38,21 @@ class TrainingStep(nn.Module):
         return fn(self.module, *args, **kwargs)
 
 
+def unwrap_model(model):
+    """The model inside its training wrappers: DDP, DataParallel, FSDP1, DeepSpeed and ``torch.compile`` (Accelerate's
+    ``extract_model_from_parallel``), a :class:`TrainingStep`, and PEFT's ``PeftModel`` (its base model, which keeps
+    the adapter layers injected, so it computes with the adapter). The one place hf_bdlm looks through wrappers; anything
+    else is returned as it is."""
+    if not isinstance(model, nn.Module):
+        return model
+    from accelerate.utils import extract_model_from_parallel, is_peft_model
+
+    inner = extract_model_from_parallel(model, keep_torch_compile=False)
+    while isinstance(inner, TrainingStep):  # (DDP around) the step of a family that drives its model's parts
+        inner = extract_model_from_parallel(inner.module, keep_torch_compile=False)
+    return inner.get_base_model() if is_peft_model(inner) else inner
+
+
 def run_step(model: nn.Module, fn: Callable[..., Any], *args, **kwargs):
     """Run ``fn(model, ...)`` through ``model``'s forward when it is a (DDP-wrapped or FSDP2-sharded)
     :class:`TrainingStep`, else directly (evaluation without FSDP2, where the trainer passes the model itself)."""
@@ -46,4 +61,4 @@ def run_step(model: nn.Module, fn: Callable[..., Any], *args, **kwargs):
     return fn(model, *args, **kwargs)
 
 
-__all__ = ["TrainingStep", "run_step"]
+__all__ = ["TrainingStep", "run_step", "unwrap_model"]
