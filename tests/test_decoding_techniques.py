@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
-from hf_bdlm.generation import BlockDiffusionGenerationConfig, decode_ragged, generate, resolve_settings
+from hf_bdlm.models.block_diffusion.generation import BlockDiffusionGenerationConfig, decode_ragged, generate, resolve_settings
 
 VOCAB, MASK, BLOCK = 32, 31, 8
 NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)

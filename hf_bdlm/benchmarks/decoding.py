@@ -223,7 +223,7 @@ def serve_decode(decoder, prompts: list[list[int]], max_new_tokens: int, ignore_
                  eos: set[int]) -> list[list[int]]:
     """Decode through a family's serving decoder (what ``hf-bdlm serve`` runs); a decoder told to ignore EOS decodes
     the whole budget and its text is cut at the first EOS after."""
-    from ..models.family import DecodingRequest
+    from ..protocols.family import DecodingRequest
 
     request = DecodingRequest(ignore_eos=ignore_eos, seed=0)
     settings = [decoder.settings(request, len(p), max_new_tokens) for p in prompts]
@@ -283,7 +283,7 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import family_for_config
+    from ..protocols.registry import family_for_config
     from ..serving.engine import Engine
 
     entries: dict[str, Entry] = {}
@@ -321,7 +321,7 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
 
 
 def _request():
-    from ..models.family import DecodingRequest
+    from ..protocols.family import DecodingRequest
 
     return DecodingRequest()
 

@@ -537,7 +537,7 @@ class BDLMSFTTrainer(SFTTrainer):
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # A family owning its step does not train through the model's forward: the forward Accelerate prepares (DDP,
-        # autocast) is a TrainingStep around the model (hf_bdlm/models/step.py); the model itself is still what is
+        # autocast) is a TrainingStep around the model (hf_bdlm/protocols/step.py); the model itself is still what is
         # saved. Under FSDP2 that TrainingStep is the root unit, built when the model was sharded.
         if training and self._fsdp_step is not None:
             return self._fsdp_step

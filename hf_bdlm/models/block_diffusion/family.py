@@ -1,7 +1,7 @@
 """The block-diffusion family: causal LMs converted into `BlockDiffusionForMaskedLM` (Llama, Qwen, Gemma, ...).
 
 A checkpoint of this family has ``model_type: block_diffusion``; any other causal LM (object or folder) is converted
-on load (:func:`hf_bdlm.conversion.convert_causal_lm`). The run's diffusion fields (block size, objective, noise,
+on load (:func:`hf_bdlm.models.block_diffusion.conversion.convert_causal_lm`). The run's diffusion fields (block size, objective, noise,
 attention backend) are written into the model's config, so the saved checkpoint records what it was trained with.
 Each batch is the vectorized ``[noisy ; clean]`` sequence, sharded by the block-parallel plugin
 (:class:`hf_bdlm.parallel.ShardedLayout`); the objective calls the model's forward.
@@ -72,7 +72,7 @@ class BlockDiffusionFamily(ModelFamily):
         """The decoding techniques, each on its own over one baseline (threshold 0.9, EOS honoured at the block's
         end, every technique off), all of them together, and the references: one token per step, and no stop at
         EOS (the whole budget)."""
-        from ..family import DecodingVariant
+        from ...protocols.family import DecodingVariant
 
         none = dict(fuse_block_commit=False, eos_early_exit=False, compact_batch=False)
         sub = max(1, decoder.model.config.block_size // 4)

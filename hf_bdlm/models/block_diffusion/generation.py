@@ -10,7 +10,7 @@ next block starts fully masked. Noisy K/V never enter the cache. Tiny CPU exampl
     import torch
     from transformers import LlamaConfig
     from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
-    from hf_bdlm.generation import BlockDiffusionGenerationConfig, generate
+    from hf_bdlm.models.block_diffusion.generation import BlockDiffusionGenerationConfig, generate
     cfg = BlockDiffusionConfig(backbone_config=LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
                                block_size=4, mask_token_id=63)

@@ -19,7 +19,7 @@ from ...protocols.family import ServingDecoder
 
 
 class BlockDiffusionServingDecoder(ServingDecoder):
-    """Serves a [`BlockDiffusionForMaskedLM`] with :func:`hf_bdlm.generation.decode_ragged`."""
+    """Serves a [`BlockDiffusionForMaskedLM`] with :func:`hf_bdlm.models.block_diffusion.generation.decode_ragged`."""
 
     def __init__(self, model, tokenizer=None, use_cache: bool = True):
         self.model = model.eval()

@@ -8,7 +8,7 @@ A drafter folder says ``model_type: "qwen3"`` (the serving engines' contract) an
   the target's weights files (:func:`load_target_heads`: the whole target is never loaded to train from features);
 - the `dflash` objective (:class:`~hf_bdlm.models.dflash.trainer.DFlashTrainingObjective`) from the run's fields;
 - the step: the drafter's forward over this rank's context rows and anchors, and the loss of its share of the batch
-  (the objective drives the drafter's parts, so the step runs as a :class:`~hf_bdlm.models.step.TrainingStep`);
+  (the objective drives the drafter's parts, so the step runs as a :class:`~hf_bdlm.protocols.step.TrainingStep`);
 - the model card (the exported drafter's, :mod:`.export`), and ``hf-bdlm serve TARGET --draft DIR``.
 
     from transformers import AutoConfig
@@ -93,7 +93,7 @@ class DFlashFamily(ModelFamily):
     def decoding_variants(self, decoder):
         """Greedy speculative decoding verifying the drafter's whole block (``B - 1`` proposals) and 3 of them; the
         output is the target's own greedy text either way (its agreement is measured against the target's)."""
-        from ..family import DecodingVariant
+        from ...protocols.family import DecodingVariant
 
         block = int(decoder.drafter.config.block_size)
         counts = [block - 1] + [n for n in (3,) if n < block - 1]

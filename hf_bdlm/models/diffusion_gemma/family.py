@@ -4,7 +4,7 @@ The checkpoint stays a plain transformers DiffusionGemma one (the objective's se
 its config). What this family brings to the trainer: the `diffusion_gemma` objective built from the model, its
 tokenizer and the run's arguments (:meth:`DiffusionGemmaFamily.configure`); the canvas-frame layout of each batch,
 sharded by the block-parallel plugin (:mod:`.sharded`); a step that drives the encoder and decoder itself (through a
-:class:`~hf_bdlm.models.step.TrainingStep`); FSDP2 units that keep the tied encoder/decoder layers together
+:class:`~hf_bdlm.protocols.step.TrainingStep`); FSDP2 units that keep the tied encoder/decoder layers together
 (:mod:`.fsdp`); LoRA's reference targets; its model card (:mod:`.card`); and how `hf-bdlm serve` decodes it
 (:mod:`.serving`: transformers' `generate`, one random stream per request).
 """
@@ -70,7 +70,7 @@ class DiffusionGemmaFamily(ModelFamily):
     def decoding_variants(self, decoder):
         """Its own settings (the generation config: denoising steps and adaptive stop per canvas) and as many
         denoising steps as the canvas has tokens, without the adaptive stop (the careful reference)."""
-        from ..family import DecodingVariant
+        from ...protocols.family import DecodingVariant
 
         canvas = int(decoder.model.config.canvas_length)
         config = decoder.model.generation_config
