@@ -48,17 +48,6 @@ _PARALLEL_KEYS = {
     "tensor_parallel_size": "T",
 }
 
-OBJECTIVES = {
-    "standard": "BD3-LM, absorbing `[MASK]` noise with one masking rate `t` per block; the loss is the cross-entropy "
-    "of the masked tokens",
-    "fast_dllm_v2": "Fast-dLLM v2 (AR to block-diffusion conversion), token shift (the logit at position `i - 1` "
-    "predicts token `i`, as in the causal LM), two complementary masks per sequence, unit weights, block-causal clean "
-    "stream",
-    "fast_dllm_v2_causal_clean": "Fast-dLLM v2 with the clean stream kept token-causal, identical to the source causal "
-    "LM (its KV cache is the causal LM's own), a block's first token predicted by the clean row before it",
-    "diffusion_gemma": "DiffusionGemma, uniform-state noise with self-conditioning, plus the encoder's next-token loss",
-    "dflash": "DFlash, a block drafter distilled from a frozen target model's features (speculative decoding)",
-}
 MODES = {
     "csbp": "context-sharded block parallelism: noisy blocks split over the P ranks of a group, the clean stream "
     "sharded over a ring of C ranks",

@@ -1,7 +1,7 @@
 """`ModelFamily`: what the rest of hf_bdlm needs from a model family, and nothing more.
 
-A family is one kind of model the project trains: converted causal LMs (`block_diffusion`), transformers'
-DiffusionGemma (`diffusion_gemma`). Everything specific to a family lives in its folder under ``hf_bdlm/models/``
+A family is one kind of model the project trains (the registry, :mod:`hf_bdlm.protocols.registry`, lists them by
+name). Everything specific to a family lives in its folder under ``hf_bdlm/models/``
 (its batch layout, objectives, sharded attention layout, FSDP units, model card); the trainer, the plugin, the
 planner, the server and the hub talk to it through this interface, found in the registry
 (:mod:`hf_bdlm.models`), and never name a family. A new family is a new folder with a subclass of

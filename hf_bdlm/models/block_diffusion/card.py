@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...protocols.card_parts import (
-    OBJECTIVES,
     format_value,
     hub_repo_id,
     read_json,
@@ -17,6 +16,16 @@ from ...protocols.card_parts import (
 )
 
 TEMPLATE_FILE = "model_card.md"
+# What each objective of this family trains, in the card's words.
+OBJECTIVE_TEXT = {
+    "standard": "BD3-LM, absorbing `[MASK]` noise with one masking rate `t` per block; the loss is the cross-entropy "
+    "of the masked tokens",
+    "fast_dllm_v2": "Fast-dLLM v2 (AR to block-diffusion conversion), token shift (the logit at position `i - 1` "
+    "predicts token `i`, as in the causal LM), two complementary masks per sequence, unit weights, block-causal clean "
+    "stream",
+    "fast_dllm_v2_causal_clean": "Fast-dLLM v2 with the clean stream kept token-causal, identical to the source causal "
+    "LM (its KV cache is the causal LM's own), a block's first token predicted by the clean row before it",
+}
 
 _WEIGHTINGS = {"inverse_t": "weighted by `1/t` (the ELBO)", "unit": "unit weights"}
 CLEAN_ATTENTION = {
@@ -86,7 +95,7 @@ def _backbone_text(backbone: dict) -> str:
 
 
 def _objective_text(objective: str, weighting: str | None) -> str:
-    text = f"`{objective}` — " + OBJECTIVES.get(objective, "see hf_bdlm.objectives")
+    text = f"`{objective}` — " + OBJECTIVE_TEXT.get(objective, "see hf_bdlm.models.block_diffusion.objectives")
     if objective == "standard" and weighting in _WEIGHTINGS:
         text += ", " + _WEIGHTINGS[weighting]
     return text

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...protocols.card_parts import (
-    OBJECTIVES,
     check_info,
     format_value,
     hub_repo_id,
@@ -22,6 +21,8 @@ from ...protocols.card_parts import (
     trained_card_values,
 )
 from .engines import decoding_settings, launch_commands
+
+OBJECTIVE_TEXT = "DiffusionGemma, uniform-state noise with self-conditioning, plus the encoder's next-token loss"
 
 TEMPLATE_FILE = "model_card.md"
 SETTING_LABELS = {
@@ -55,7 +56,7 @@ def render_diffusion_gemma_card(directory: Path, config: dict, info: dict | None
         architecture_text=_architecture_text(config, text),
         attention_text=_attention_text(text),
         dtype=config.get("dtype") or text.get("dtype") or "float32",
-        objective_text="`diffusion_gemma` — " + OBJECTIVES["diffusion_gemma"] + ".",
+        objective_text="`diffusion_gemma` — " + OBJECTIVE_TEXT + ".",
         settings_rows=[(SETTING_LABELS.get(k, k), format_value(v)) for k, v in training.items()],
         loo=prediction == "mean_loo",
         example_max_new_tokens=generation.get("max_new_tokens") or 2 * int(canvas or 32),
