@@ -122,6 +122,9 @@ class SharedLaunches:
         self.launched: set[int] = set()
         self.errors: dict[tuple[int, str], str] = {}
         self._background: threading.Thread | None = None
+        # The launcher as it is now: a test that replaces the module's run_torchrun (tests/test_shared_launch.py) must
+        # not reach the session's launches running on their thread meanwhile.
+        self._run_torchrun = run_torchrun
         self._done: dict[int, threading.Event] = {}
 
     def _folder(self, job: SharedJob) -> Path:
@@ -136,7 +139,7 @@ class SharedLaunches:
                                              args=[a.replace("{out}", str(self._folder(j))) for a in j.args])
                                         for j in pending], indent=1))
             try:
-                run_torchrun("shared_launch.py", world, "--jobs", str(spec), timeout=sum(j.timeout for j in pending))
+                self._run_torchrun("shared_launch.py", world, "--jobs", str(spec), timeout=sum(j.timeout for j in pending))
                 return
             except (AssertionError, subprocess.TimeoutExpired) as error:
                 done = [(self._folder(j) / "DONE").is_file() for j in pending]
@@ -193,6 +196,8 @@ class SharedLaunches:
         if world in self._done:
             self._done[world].wait()
         elif world not in self.launched:
+            if self._background is not None:  # never beside a background launch: each measures its ranks' rate
+                self._background.join()
             self.launched.add(world)
             self._launch(world)
         folder = self._folder(job)
