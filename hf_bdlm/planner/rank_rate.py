@@ -6,10 +6,14 @@ of a core, and a rate measured by one process alone would leave the link twice t
 launch times the same matmuls at the same time, under the launch's own processes per core, threads and dtype, and
 the rate is the slowest rank's (the group runs at its pace).
 
-Each rank warms up, waits at a barrier, then runs forward and backward of ``F.linear`` at the model's projection
-shapes (``rows`` rows) back to back for ``window_s`` seconds; its rate is the FLOPs of one run over the median run
-time (every run but the last is timed while every rank computes). Nothing is cached: a rate belongs to the machine's
-state when it was measured, and the records carry it (:meth:`RankRate.as_record`).
+Each rank warms up (which also times one run), then every rank runs the same number of forward and backward
+passes of ``F.linear`` at the model's projection shapes (``rows`` rows), enough for about ``window_s`` seconds, all
+starting after one barrier. The rate is the FLOPs of those runs over the time the slowest rank took: the pace of a
+group that meets at a collective after equal work. On shared cores that is the group's throughput per rank (a rank
+the scheduler left behind gets the cores the finished ones free); the slowest rank's median run, the rule this
+replaced, once put the rate 1.8x below the pace the same four ranks then kept over equal work on two cores, and a
+link stretched by it is that much too slow. Nothing is cached: a rate belongs to the machine's state when it was
+measured, and the records carry it (:meth:`RankRate.as_record`).
 
     python -c "from hf_bdlm.benchmarks.calibrate import benchmark_model as m; from hf_bdlm.planner.rank_rate import \
 measure_rank_rate as r; print(r(m(2)).describe())"
@@ -17,8 +21,8 @@ measure_rank_rate as r; print(r(m(2)).describe())"
 
 from __future__ import annotations
 
+import math
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -62,8 +66,8 @@ class RankRate:
         processes (`int`): processes computing at once on this machine (the launch's local world size).
         cores (`int`): cores they may run on (their affinity).
         threads (`int`): torch threads per process.
-        window_s (`float`): seconds every rank computed for.
-        runs (`int`): timed runs of the slowest rank.
+        window_s (`float`): seconds the runs were sized to last.
+        runs (`int`): timed runs, the same on every rank.
         rows (`int`): rows of each matmul.
         measured_at (`str`): local time of the measurement.
     """
@@ -89,8 +93,8 @@ class RankRate:
 
     def as_record(self) -> dict:
         return dict(asdict(self), per_rank=list(self.per_rank), processes_per_core=self.processes_per_core,
-                    method="F.linear forward + backward at the model's projection shapes, every rank of the launch "
-                           "at once; median run per rank, slowest rank")
+                    method="F.linear forward + backward at the model's projection shapes, the same runs on every "
+                           "rank of the launch after a barrier; their FLOPs over the slowest rank's time")
 
 
 def cores() -> int:
@@ -109,27 +113,28 @@ def measure_rank_rate(model: ModelSpec, dtype: str = "float32", window_s: float 
     if not window_s > 0:
         raise ValueError(f"window_s must be positive seconds, got {window_s!r}.")
     run, flops = matmul_workload(model, rows, getattr(torch, dtype))
-    run(), run()  # warm-up: allocations, the kernels' first calls
+    run()  # warm-up: allocations, the kernels' first calls
+    t0 = time.perf_counter()
+    run()
+    runs = max(2, math.ceil(window_s / (time.perf_counter() - t0)))
     grouped = together and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if grouped:
+    if grouped:  # every rank does the same work: the most runs any rank asks for
+        asked = [None] * dist.get_world_size()
+        dist.all_gather_object(asked, runs)
+        runs = max(asked)
         dist.barrier()
-    times: list[float] = []
-    deadline = time.perf_counter() + window_s
-    while not times or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    for _ in range(runs):
         run()
-        times.append(time.perf_counter() - t0)
-    # Only the runs that ended inside the window ran while every rank computed (the last may have run alone).
-    mine = (flops / statistics.median(times[:-1] if len(times) > 2 else times), len(times))
+    mine = runs * flops / (time.perf_counter() - t0)
     everyone = [mine]
     if grouped:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     world = len(everyone)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if grouped else 1
-    slowest = min(everyone)
-    return RankRate(flops_per_s=slowest[0], per_rank=tuple(r for r, _ in everyone), dtype=dtype, processes=local,
-                    cores=cores(), threads=torch.get_num_threads(), window_s=window_s, runs=slowest[1], rows=rows,
+    return RankRate(flops_per_s=min(everyone), per_rank=tuple(everyone), dtype=dtype, processes=local,
+                    cores=cores(), threads=torch.get_num_threads(), window_s=window_s, runs=runs, rows=rows,
                     measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
