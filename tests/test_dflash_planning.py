@@ -1,8 +1,9 @@
-"""The drafter training projection (``hf_bdlm.models.dflash.planning``): its FLOPs equal a brute-force count of a tiny
-drafter's matmuls and the paper's own FLOP counter (``dllm_parallel``, the oracle); its attention pairs and projected
-context rows equal the mask rule; its K/V bytes and feature memory equal their formulas; CP-only replicates the
-draft work P times and csbp shares it; the printed projection carries both contexts and the published speed-ups. Pure
-functions and tiny models: no processes."""
+"""The drafter training projection (``hf_bdlm.models.dflash.planning``: the drafter's workload of the planner;
+``.projection``: the paper's setting): its FLOPs equal a brute-force count of a tiny drafter's matmuls and the paper's
+own FLOP counter (``dllm_parallel``, the oracle); its attention pairs and projected context rows equal the mask rule;
+its K/V bytes and feature memory equal their formulas; CP-only replicates the draft work P times and csbp shares it;
+the printed projection carries both contexts and the published speed-ups. Pure functions and tiny models: no
+processes."""
 
 from __future__ import annotations
 
@@ -15,29 +16,32 @@ from hf_bdlm.models.dflash.configuration import DFlashConfig
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, draft_context_mask
 from hf_bdlm.models.dflash.objective import DFlashObjective, anchor_costs
 from hf_bdlm.models.dflash.planning import (
-    PAPER_ANCHORS,
-    PUBLISHED_DFLASH2,
     RING_TILE_ROWS,
     DrafterSetting,
     DrafterSpec,
+    DrafterStep,
     anchor_shares,
+    draw_batches,
     drafter_layouts,
     drafter_memory,
     drafter_work,
-    format_projection,
-    format_reference_readings,
     forward_matmul_flops,
     kv_bytes,
     predict_drafter,
-    project_drafter_training,
     reachable_rows,
-    reference_readings,
     step_flops,
 )
-from hf_bdlm.models.dflash.planning import REFERENCE_STEPS, _draw
+from hf_bdlm.models.dflash.projection import (
+    PUBLISHED_DFLASH2,
+    REFERENCE_STEPS,
+    format_projection,
+    format_reference_readings,
+    project_drafter_training,
+    reference_readings,
+)
 from hf_bdlm.parallel.dims import ParallelDims
-from hf_bdlm.planner.cost import Cluster, Recipe
 from hf_bdlm.planner.hardware import device_spec
+from hf_bdlm.planner.workload import Cluster, Recipe, Workload, price_step
 
 VOCAB, WIDTH, BLOCK = 64, 32, 4
 
@@ -210,7 +214,7 @@ def test_feature_memory_is_the_held_shard_and_replicated_features_do_not_fit_at_
     assert cp.memory.features == 2 * (1 << 20) // 8 * feature_bytes and cp.fits  # the paper's code reads its shard
     assert bp.memory.features == 2 * (1 << 20) * feature_bytes > device.memory_bytes and not bp.fits
     # Compacted, the sharded forward reads only the rows a rank projects: balanced over a ring, all its own under bp.
-    batch = _draw(1 << 20, PAPER_ANCHORS, spec.block_size, "locality", 0, 0)
+    batch = draw_batches(spec, setting)[0]  # the draw predict_drafter prices (seed 0, step 0)
     for dims in (ParallelDims(8, 8, "csbp", world_size=8), ParallelDims(8, 1, "bp", world_size=8)):
         works = drafter_work(spec, dims, batch)
         assert all(w.feature_rows == w.projected_rows for w in works)
@@ -226,6 +230,28 @@ def test_feature_memory_is_the_held_shard_and_replicated_features_do_not_fit_at_
     one, many = (drafter_memory(spec, ParallelDims(8, 8, "cp", world_size=w), work, recipe, False, 1)
                  for w in (8, 64))
     assert one.states > many.states and one.features == many.features  # states shard over the world, features not
+
+
+# --- one pricing ---------------------------------------------------------------------------------------------------
+def test_the_drafters_step_is_a_workload_the_planner_prices():
+    spec = DrafterSpec.from_config(tiny_config())
+    device, cluster, recipe = device_spec("h100"), Cluster(4, 4), Recipe(loss_chunk_rows=4096)
+    dims = ParallelDims(4, 2, "csbp", world_size=4)
+    setting = DrafterSetting(64, max_anchors=6, anchor_sampling="uniform", features="resident", draws=1)
+    works = drafter_work(spec, dims, draw_batches(spec, setting)[0])
+    step = DrafterStep(spec, dims, works)
+    assert isinstance(step, Workload)
+    priced = price_step(step, device, cluster, recipe, False)
+    # the planner's records hold the drafter's own counts
+    assert priced.memory == tuple(drafter_memory(spec, dims, w, recipe, False, 1) for w in works)
+    assert priced.bytes_per_step == max(kv_bytes(spec, w) for w in works) > 0
+    # FSDP2 over the 4 GPUs moves the drafter's trainable parameters: bf16 gathered twice, bf16 gradients once
+    n = spec.trainable_params()
+    fsdp_bytes = (2 * n * 2 + n * 2) * 3 / 4
+    assert priced.times.fsdp_comm_s == pytest.approx(fsdp_bytes / device.link_bytes_per_s(False), rel=1e-12)
+    pred = predict_drafter(spec, dims, setting, device, cluster, recipe)
+    assert pred.memory == priced.peak and pred.kv_bytes == priced.bytes_per_step and pred.fits == priced.fits
+    assert pred.parts["FSDP2 exposed"] == priced.times.fsdp_exposed_s
 
 
 # --- how the layouts compare ---------------------------------------------------------------------------------------

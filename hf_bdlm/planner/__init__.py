@@ -2,7 +2,11 @@
 
 - :mod:`.model`: a backbone's sizes from a transformers config (dense and MoE), and the paper's presets.
 - :mod:`.hardware`: named GPUs (datasheet figures) times named achievable fractions, or measured figures.
-- :mod:`.cost`: attention pairs, K/V bytes, memory and step time per rank, read from the project's plan.
+- :mod:`.workload`: what a workload gives per rank (step segments, compute by part, memory by part, bytes by name)
+  and the one pricing of it on a device, a cluster and a recipe (:func:`~.workload.price_step`), the prediction
+  record, the pick (:func:`~.workload.recommend`). A backbone's step (:mod:`.cost`) and a family's own (the DFlash
+  drafters', in their folder) are workloads; the planner imports no family.
+- :mod:`.cost`: attention pairs, K/V bytes, memory and step time per rank of a backbone, read from the project's plan.
 - :mod:`.kernel_work`: the pairs and calls the ``blockwise`` kernel's tile plans compute on each rank.
 - :mod:`.rank_rate`, :mod:`.link`: the matmul rate a run's ranks get, measured in them at once, and the named cluster
   links stretched by it (bytes charged at the cluster's element size) that benchmarks and the trainer emulate.
@@ -14,9 +18,10 @@ CPU rates measured on this machine and the predictions of benchmark records (``-
     hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200
 """
 
-from .cost import Cluster, Prediction, Recipe, plan_all, predict, recommend
+from .cost import BackboneStep, Prediction, plan_all, predict
 from .hardware import DeviceSpec, device_spec
 from .model import ModelSpec, model_spec
+from .workload import Cluster, LayoutPrediction, Recipe, Workload, price_step, recommend
 
 __all__ = ["Cluster", "Prediction", "Recipe", "plan_all", "predict", "recommend", "DeviceSpec", "device_spec",
-           "ModelSpec", "model_spec"]
+           "ModelSpec", "model_spec", "BackboneStep", "LayoutPrediction", "Workload", "price_step"]

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 
-from .cost import Cluster, Prediction, Recipe, plan_all, recommend
+from .cost import Prediction, plan_all
 from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec
 from .model import model_spec, presets
+from .workload import Cluster, Recipe, recommend
 
 GIB = 2 ** 30
 
@@ -242,7 +243,7 @@ def run_paper(args) -> int:
             cs, base = c["csbp"], c["baseline"]
 
             def name(p):
-                return "none fits" if p is None else f"{p.label} AC {'on' if p.checkpointing else 'off'}"
+                return "none fits" if p is None else p.name
 
             ratio = f"{cs.tokens_per_s / base.tokens_per_s:.2f}x" if cs and base else "n/a"
             mem = f"{cs.memory.total / base.memory.total:.2f}" if cs and base else "n/a"

@@ -17,7 +17,9 @@ whose validation is the only one. docs/design.md §6 states the formulas:
 - step time: every layer's forward and backward and the LM head, each scheduled across the group's ranks
   (:mod:`.schedule`: compute, sends and waits in the order the kernels issue them; ``cp`` / ``csbp`` overlap the
   transfer with attention over the rank's own rows, the ring chains its rotations, ``bp`` has nothing to move;
-  on a CPU with more ranks than cores they share the cores), summed, plus FSDP2's exposed traffic.
+  on a CPU with more ranks than cores they share the cores), summed, plus FSDP2's exposed traffic: the backbone's
+  step is a :class:`~.workload.Workload` (:class:`BackboneStep`), priced as every workload is
+  (:func:`~.workload.price_step`).
 - the paper's CP baseline (``cp_layout="paper"``): its plan's contiguous clean shards give the imbalance; its
   transfers are its reference's (the noisy rows' gather completes before any attention, the clean rows' gather hides
   behind the block-diagonal part only, both reduce-scatters run after every gradient) and its sliding layers gather
@@ -31,7 +33,7 @@ device_spec('h200'), Cluster(16, 8)).step_s)"
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -42,94 +44,10 @@ from ..parallel.dims import ParallelDims, divisors
 from ..parallel.plan import GroupPlan, PlanConfig, make_plan
 from .hardware import DeviceSpec
 from .model import ModelSpec
-from .schedule import Compute, Send, Wait, simulate
-
-FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM = 4  # QK^T and PV: 2 FLOPs per multiply-add each
-BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM = 10  # dV, dP, dQ, dK plus the recomputed QK^T (FlashAttention's backward)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``gpus`` devices, ``gpus_per_node`` per node; rank ``i`` sits on node ``i // gpus_per_node``."""
-
-    gpus: int
-    gpus_per_node: int
-
-    def __post_init__(self):
-        for name in ("gpus", "gpus_per_node"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
-        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise ValueError(f"--gpus {self.gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}: "
-                             "nodes are assumed full; give whole nodes.")
-
-    def spans_nodes(self, group: int) -> bool:
-        """Whether some group of ``group`` consecutive ranks (groups start at multiples of ``group``, as the mesh
-        lays out block-parallel groups and clean rings) spans more than one node."""
-        n = self.gpus_per_node
-        return any(start // n != (start + group - 1) // n for start in range(0, self.gpus, group))
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """What the training step keeps in memory and moves, besides the layout (docs/design.md §6).
-
-    Parameters:
-        param_bytes (`int`, 2): bf16 parameters (FSDP2 shards, and the gathered copy a layer computes with).
-        grad_bytes (`int`, 2): bf16 gradients (sharded; reduce-scattered in this dtype).
-        optimizer_bytes (`int`, 8): AdamW's two fp32 states per parameter.
-        activation_bytes (`int`, 2): bf16 activations and K/V.
-        loss_chunk_rows (`int`, 8192): targets per LM-head call (the objectives' ``loss_chunk_size``).
-        target_fraction (`float`, 0.5): targets per noisy row (``standard``: each token masked with rate
-            ``t ~ U(0, 1]``, half on average).
-        fsdp (`bool`, True): FSDP2 over the whole world (``False``: replicated parameters, as DDP).
-        fsdp_prefetch_layers (`int`, 2): gathered layers alive at once (the one computing, the next prefetched).
-        gradient_sync (`bool`, True): gradients are synchronized over the world every step (FSDP2's
-            reduce-scatter, DDP's all-reduce); ``False`` for a bare forward / backward (the CPU benchmark).
-        activation_overhead (`float`, 1.0): multiplies the activation estimate (what autograd saves, counted
-            tensor by tensor) to account for allocator retention and kernel workspaces; give a measured ratio
-            (``--validate`` prints measured against predicted peaks).
-        model_parallel (`int`, 1): GPUs inside a node that share each rank of the block-parallel layout, as the
-            paper's runs put tensor parallelism (27B conversion) or expert parallelism (26B-A4B) inside a node and the
-            CP/BP group across nodes. A rank's compute, K/V bytes (each GPU sends its share over its own NIC) and
-            memory are divided among its ``t`` GPUs; their own traffic is added, exposed, over NVLink per layer and
-            pass: ``"tp"``, two all-reduces of the rank's activations (``2 (t-1)/t`` of ``rows x hidden`` each);
-            ``"ep"``, on MoE layers, the dispatch and combine all-to-alls of each GPU's ``top_k`` token copies
-            (``(t-1)/t`` of ``rows/t x top_k x hidden`` each).
-        model_parallel_kind (`str`, "tp"): ``"tp"`` or ``"ep"``.
-    """
-
-    param_bytes: int = 2
-    grad_bytes: int = 2
-    optimizer_bytes: int = 8
-    activation_bytes: int = 2
-    loss_chunk_rows: int = 8192
-    target_fraction: float = 0.5
-    fsdp: bool = True
-    fsdp_prefetch_layers: int = 2
-    gradient_sync: bool = True
-    activation_overhead: float = 1.0
-    model_parallel: int = 1
-    model_parallel_kind: str = "tp"
-
-    def __post_init__(self):
-        if not isinstance(self.model_parallel, int) or self.model_parallel < 1:
-            raise ValueError(f"model_parallel must be a positive integer, got {self.model_parallel!r}.")
-        if self.model_parallel_kind not in ("tp", "ep"):
-            raise ValueError(f"model_parallel_kind must be 'tp' or 'ep', got {self.model_parallel_kind!r}.")
-
-    def model_parallel_seconds(self, model: "ModelSpec", rows: int, batch: int, nvlink_bytes_per_s: float) -> float:
-        """Exposed NVLink time of one layer's forward (or backward) pass for a rank of ``rows`` rows."""
-        t = self.model_parallel
-        if t == 1:
-            return 0.0
-        size = batch * rows * model.hidden * self.activation_bytes
-        if self.model_parallel_kind == "tp":
-            return 2 * 2 * (t - 1) / t * size / nvlink_bytes_per_s
-        if not model.num_experts:
-            return 0.0
-        return 2 * (t - 1) / t * size / t * model.top_k / nvlink_bytes_per_s
+from .schedule import Compute, Send, Wait
+from .workload import (BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, TIE, Cluster,
+                       LayoutPrediction, MemoryParts, PricedStep, Recipe, StepTerms, StepTimes, price_step,
+                       recommend, schedule_step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,7 +310,7 @@ def kv_bytes_by_name(model: ModelSpec, dims: ParallelDims, work: RankWork, elem_
 # memory
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Memory:
+class Memory(MemoryParts):
     """Peak bytes of one rank, by part (their sum is :attr:`total`)."""
 
     parameters: float
@@ -402,13 +320,6 @@ class Memory:
     activations: float
     gathered_kv: float
     logits: float
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts().values())
-
-    def parts(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def memory(model: ModelSpec, dims: ParallelDims, work: RankWork, recipe: Recipe, checkpointing: bool,
@@ -609,84 +520,102 @@ def _noisy_share(dims: ParallelDims, work: RankWork) -> float:
     return work.noisy_rows / work.sent_rows
 
 
-@lru_cache(maxsize=1024)
-def _segment(programs: tuple, cores: int, efficiency: float, sync_cost: float) -> tuple[float, tuple]:
-    """A segment's duration (its slowest rank) and each rank's schedule (all ranks start it together)."""
-    sched = simulate(programs, cores, efficiency, sync_cost)
-    return max(s.finish for s in sched), tuple(sched)
+@dataclass(frozen=True)
+class BackboneStep:
+    """A backbone's training step on one layout, as the planner's :class:`~.workload.Workload`: every layer's forward
+    (twice with checkpointing: the recomputation) and backward over each rank's rows and pairs (``works``:
+    :func:`rank_work`, or what a kernel's tiles compute), then the LM head; ``batch`` sequences per group, the K/V
+    moved in ``style`` (default: the layout's own, :meth:`CommStyle.of`)."""
+
+    model: ModelSpec
+    dims: ParallelDims
+    works: tuple[RankWork, ...]
+    batch: int = 1
+    style: CommStyle | None = None
+
+    def comm_style(self) -> CommStyle:
+        return self.style or CommStyle.of(self.dims)
+
+    def step_terms(self, device: DeviceSpec, cluster: Cluster, recipe: Recipe, checkpointing: bool) -> StepTerms:
+        """Each layer's forward and backward programs (:func:`_layer_programs`), then the LM head's; per rank its
+        compute and the parts :class:`RankTime` reports (``attention``, ``linear``, ``transfer``: the K/V transfer
+        time, ``model parallel``: the NVLink collectives')."""
+        model, dims, works, batch = self.model, self.dims, self.works, self.batch
+        style = self.comm_style()
+        fwd_passes = 2 if checkpointing else 1
+        G = gather_size(dims)
+        bw = device.link_bytes_per_s(cluster.spans_nodes(G if dims.mode.exchanges_kv else 1))
+        P = len(works)
+        compute, attention, linear, comm, mp = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
+        segments = []
+        for i, a in enumerate(model.layers):
+            costs = [_layer_cost(model, dims, w, i, device, bw, recipe, batch, style) for w in works]
+            fwd, bwd = _layer_programs(dims, works, costs, a.window, device.link_latency_s, style)
+            segments += [(fwd, fwd_passes), (bwd, 1)]
+            for r, (w, c) in enumerate(zip(works, costs)):
+                attn = w.pairs[a.window] * (c.per_pair_fwd * fwd_passes + c.per_pair_bwd) \
+                    + c.calls_fwd * fwd_passes + c.calls_bwd
+                attention[r] += attn
+                linear[r] += c.matrices_fwd * (fwd_passes + 2)
+                compute[r] += attn + (c.matrices_fwd + c.elementwise_fwd) * (fwd_passes + 2)
+                comm[r] += c.comm_fwd * fwd_passes + c.comm_bwd
+                mp[r] += c.model_parallel * (fwd_passes + 1)
+        head = []
+        for r, w in enumerate(works):
+            targets = w.noisy_rows * recipe.target_fraction + (w.clean_rows if model.head_on_clean else 0)
+            t = batch * targets * model.head_flops_per_row() * 3 / device.matmul_flops / recipe.model_parallel
+            head.append((Compute(t),))
+            linear[r] += t
+            compute[r] += t
+        segments.append((tuple(head), 1))
+        parts = tuple({"attention": attention[r], "linear": linear[r], "transfer": comm[r], "model parallel": mp[r]}
+                      for r in range(P))
+        return StepTerms(tuple(segments), tuple(compute), parts, model.total_params(), len(model.layers))
+
+    def rank_memory(self, recipe: Recipe, checkpointing: bool) -> tuple[Memory, ...]:
+        """Each rank's peak (:func:`memory`), shared among its GPUs under model parallelism."""
+        mems = [memory(self.model, self.dims, w, recipe, checkpointing, self.comm_style()) for w in self.works]
+        if recipe.model_parallel > 1:  # a rank's states, activations and K/V are shared among its GPUs
+            mems = [m.divided(recipe.model_parallel) for m in mems]
+        return tuple(mems)
+
+    def bytes_received(self, recipe: Recipe) -> tuple[dict[str, int], ...]:
+        """Each rank's K/V bytes by the ``ByteMeter``'s names (:func:`kv_bytes_by_name`)."""
+        return tuple(kv_bytes_by_name(self.model, self.dims, w, recipe.activation_bytes, self.batch, self.comm_style())
+                     for w in self.works)
+
+
+def _rank_times(terms: StepTerms, times: StepTimes) -> tuple[RankTime, ...]:
+    """Every rank's :class:`RankTime` from its scheduled step. Wall time computing beyond the work itself is processor
+    sharing (float residue aside); the model-parallel collectives hold the passes back: communication, exposed."""
+    out = []
+    for r, (compute, parts) in enumerate(zip(terms.compute_s, terms.parts)):
+        mp = parts["model parallel"]
+        out.append(RankTime(compute, parts["attention"], parts["linear"], parts["transfer"] + mp + times.fsdp_comm_s,
+                            times.waited_s[r] + mp + times.fsdp_exposed_s, times.busy_s[r] - compute - mp,
+                            times.idle_s[r]))
+    return tuple(out)
 
 
 def rank_times(model: ModelSpec, dims: ParallelDims, works: Sequence[RankWork], device: DeviceSpec, cluster: Cluster,
                recipe: Recipe, checkpointing: bool, batch: int = 1,
                style: CommStyle | None = None) -> tuple[RankTime, ...]:
-    """Every rank's step: each layer's forward (twice with checkpointing: the recomputation) and backward, then the
-    LM head, scheduled across the group (:func:`~.schedule.simulate`; each segment starts when the previous one's
-    slowest rank is done, which the collectives of ``cp`` / ``csbp`` enforce and which costs ``bp`` nothing when
-    its ranks' shares are alike layer by layer), plus FSDP2's parameter and gradient traffic."""
-    fwd_passes = 2 if checkpointing else 1
-    style = style or CommStyle.of(dims)
-    G = gather_size(dims)
-    bw = device.link_bytes_per_s(cluster.spans_nodes(G if dims.mode.exchanges_kv else 1))
-    P = len(works)
-    compute, attention, linear, comm, mp = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
-    segments = []
-    for i, a in enumerate(model.layers):
-        costs = [_layer_cost(model, dims, w, i, device, bw, recipe, batch, style) for w in works]
-        fwd, bwd = _layer_programs(dims, works, costs, a.window, device.link_latency_s, style)
-        segments += [(fwd, fwd_passes), (bwd, 1)]
-        for r, (w, c) in enumerate(zip(works, costs)):
-            attn = w.pairs[a.window] * (c.per_pair_fwd * fwd_passes + c.per_pair_bwd) \
-                + c.calls_fwd * fwd_passes + c.calls_bwd
-            attention[r] += attn
-            linear[r] += c.matrices_fwd * (fwd_passes + 2)
-            compute[r] += attn + (c.matrices_fwd + c.elementwise_fwd) * (fwd_passes + 2)
-            comm[r] += c.comm_fwd * fwd_passes + c.comm_bwd
-            mp[r] += c.model_parallel * (fwd_passes + 1)
-    head = []
-    for r, w in enumerate(works):
-        targets = w.noisy_rows * recipe.target_fraction + (w.clean_rows if model.head_on_clean else 0)
-        t = batch * targets * model.head_flops_per_row() * 3 / device.matmul_flops / recipe.model_parallel
-        head.append((Compute(t),))
-        linear[r] += t
-        compute[r] += t
-    segments.append((tuple(head), 1))
-    busy, waited, idle = [0.0] * P, [0.0] * P, [0.0] * P
-    for programs, count in segments:
-        span, sched = _segment(programs, device.shared_cores, device.oversubscribed_efficiency, device.sync_cost_s)
-        for r, s in enumerate(sched):
-            busy[r] += count * s.busy
-            waited[r] += count * s.waited
-            idle[r] += count * (span - s.finish)
-    fsdp_exposed = fsdp_comm = 0.0
-    W = dims.world_size or dims.block_parallel_size
-    if W > 1 and recipe.gradient_sync:
-        # FSDP2: all-gather the bf16 parameters in forward and again in backward, reduce-scatter the gradients (DDP:
-        # one all-reduce, twice the bytes of a reduce-scatter), overlapped with every layer's compute but the first.
-        n = model.total_params()
-        frac = (W - 1) / W
-        data = (2 * n * recipe.param_bytes + n * recipe.grad_bytes) * frac if recipe.fsdp else \
-            2 * n * recipe.grad_bytes * frac
-        data /= recipe.model_parallel  # each GPU of a rank holds its share of the parameters
-        fsdp_comm = data / device.link_bytes_per_s(cluster.spans_nodes(W))
-        fsdp_exposed = max(0.0, fsdp_comm - min(compute) * (1 - 1 / max(1, len(model.layers))))
-    # Wall time computing beyond the work itself is processor sharing (float residue aside).
-    return tuple(RankTime(compute[r], attention[r], linear[r], comm[r] + mp[r] + fsdp_comm,
-                          waited[r] + mp[r] + fsdp_exposed, busy[r] - compute[r] - mp[r], idle[r]) for r in range(P))
+    """Every rank's step (:class:`BackboneStep`): each layer's forward (twice with checkpointing: the recomputation)
+    and backward, then the LM head, scheduled across the group (:func:`~.workload.schedule_step`; each segment starts
+    when the previous one's slowest rank is done, which the collectives of ``cp`` / ``csbp`` enforce and which costs
+    ``bp`` nothing when its ranks' shares are alike layer by layer), plus FSDP2's parameter and gradient traffic."""
+    terms = BackboneStep(model, dims, tuple(works), batch, style).step_terms(device, cluster, recipe, checkpointing)
+    return _rank_times(terms, schedule_step(terms, dims, device, cluster, recipe))
 
 
 # ----------------------------------------------------------------------------------------------
 # a layout's prediction, all layouts, the recommendation
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Prediction:
-    dims: ParallelDims
-    checkpointing: bool
-    seq_len: int
-    step_s: float
-    tokens_per_s: float
-    memory: Memory
-    fits: bool
-    bytes_per_step: int
+class Prediction(LayoutPrediction):
+    """A backbone layout's :class:`~.workload.LayoutPrediction` with every rank's step (``ranks``) and the slowest
+    rank's compute over the mean (``imbalance``)."""
+
     ranks: tuple[RankTime, ...]
     imbalance: float  # slowest rank's compute over the mean
 
@@ -702,7 +631,8 @@ class Prediction:
 def predict(model: ModelSpec, dims: ParallelDims, seq_len: int, device: DeviceSpec, cluster: Cluster,
             recipe: Recipe = Recipe(), checkpointing: bool = False, batch: int = 1,
             work: tuple[RankWork, ...] | None = None, style: CommStyle | None = None) -> Prediction:
-    """Step time, throughput, peak memory and K/V bytes of one layout (``dims`` with its world size).
+    """Step time, throughput, peak memory and K/V bytes of one layout (``dims`` with its world size): the
+    :class:`BackboneStep` priced by :func:`~.workload.price_step`.
 
     ``work`` replaces the per-rank work :func:`rank_work` counts (e.g. the pairs a particular kernel's tiles compute);
     ``style`` how its K/V move (default: the layout's own, :meth:`CommStyle.of`).
@@ -714,16 +644,13 @@ def predict(model: ModelSpec, dims: ParallelDims, seq_len: int, device: DeviceSp
         # The transport moves the same rows differently: the plan, pairs and halos are the allgather layout's.
         work = rank_work(replace(dims, transport="allgather"), seq_len, mask_rule_of(model), layer_windows(model),
                          not style.whole_sliding)
-    times = rank_times(model, dims, work, device, cluster, recipe, checkpointing, batch, style)
-    mems = [memory(model, dims, w, recipe, checkpointing, style) for w in work]
-    if recipe.model_parallel > 1:  # a rank's states, activations and K/V are shared among its GPUs
-        mems = [Memory(**{k: v / recipe.model_parallel for k, v in m.parts().items()}) for m in mems]
-    peak = max(mems, key=lambda m: m.total)
+    priced: PricedStep = price_step(BackboneStep(model, dims, tuple(work), batch, style), device, cluster, recipe,
+                                    checkpointing)
+    times = _rank_times(priced.terms, priced.times)
     step = max(t.step_s for t in times)
-    nbytes = max(sum(kv_bytes_by_name(model, dims, w, recipe.activation_bytes, batch, style).values()) for w in work)
     mean = sum(t.compute_s for t in times) / len(times)
-    return Prediction(dims, checkpointing, seq_len, step, dims.data_parallel_size * batch * seq_len / step, peak,
-                      peak.total <= device.memory_bytes, nbytes, times, max(t.compute_s for t in times) / mean)
+    return Prediction(dims, checkpointing, seq_len, step, dims.data_parallel_size * batch * seq_len / step,
+                      priced.peak, priced.fits, priced.bytes_per_step, times, max(t.compute_s for t in times) / mean)
 
 
 def layouts(world: int, seq_len: int, block_size: int, ring_transport: bool = True,
@@ -772,20 +699,6 @@ def plan_all(model: ModelSpec, seq_len: int, device: DeviceSpec, cluster: Cluste
     return sorted(preds, key=lambda p: -p.tokens_per_s)
 
 
-TIE = 0.001  # throughputs this close are a tie for the model (it is not that precise): the smaller peak wins
-
-
-def recommend(predictions: list[Prediction]) -> Prediction | None:
-    """The highest-throughput prediction that fits the device memory (``None`` when none fits); among those within
-    :data:`TIE` of it, the one with the smallest peak memory."""
-    fitting = [p for p in predictions if p.fits]
-    if not fitting:
-        return None
-    top = max(p.tokens_per_s for p in fitting)
-    return min((p for p in fitting if p.tokens_per_s >= top * (1 - TIE)), key=lambda p: p.memory.total)
-
-
-__all__ = ["Cluster", "CommStyle", "Recipe", "RankWork", "Memory", "RankTime", "Prediction", "allowed_key_counts", "key_intervals",
-           "rank_work",
-           "kv_bytes_by_name", "memory", "rank_times", "predict", "layouts", "plan_all", "recommend", "gather_size",
-           "mask_rule_of", "layer_windows"]
+__all__ = ["Cluster", "CommStyle", "Recipe", "RankWork", "Memory", "RankTime", "BackboneStep", "Prediction",
+           "allowed_key_counts", "key_intervals", "rank_work", "kv_bytes_by_name", "memory", "rank_times", "predict",
+           "layouts", "plan_all", "recommend", "gather_size", "mask_rule_of", "layer_windows", "TIE"]

@@ -191,10 +191,11 @@ class DFlashFamily(ModelFamily):
                            description=info.get("description"), license=info.get("license") or "unknown")
 
     def paper_projection(self, efficiency):
-        """Drafter training on 8 H100 at 512K and 1M beside the published 2.48x / 7.59x (:mod:`.planning`), then the
+        """Drafter training on 8 H100 at 512K and 1M beside the published 2.48x / 7.59x (:mod:`.projection`), then the
         reference recipe's constants switched in one after another."""
         from ...planner.hardware import device_spec
-        from .planning import format_projection, format_reference_readings, project_drafter_training, reference_readings
+        from .projection import (format_projection, format_reference_readings, project_drafter_training,
+                                 reference_readings)
 
         device = device_spec("h100", None, efficiency)
         rows = project_drafter_training(device=device)

@@ -1,5 +1,11 @@
 """Projected DFlash drafter training on a cluster: every layout's step time, peak memory and fit, from counted work.
 
+The drafter's step is a workload of the planner (:class:`DrafterStep`, a :class:`hf_bdlm.planner.workload.Workload`):
+this module counts what the step puts on each rank (anchors, context pairs, reachable rows, FLOPs, K/V rows, memory
+terms); the planner prices it as it prices a backbone's (:func:`~hf_bdlm.planner.workload.price_step`: the segments
+scheduled across the group, FSDP2's traffic, the peak against the device) and picks among the layouts
+(:func:`~hf_bdlm.planner.workload.recommend`).
+
 A drafter trains on one sequence of ``L`` tokens per group and step: the target's features at its ``target_layer_ids``
 (captured offline, ``F = len(ids) x H_target`` wide), ``A`` anchors and their blocks of ``B`` tokens. The layouts are
 the project's :class:`~hf_bdlm.parallel.dims.ParallelDims` over the ``P`` ranks of a group (``D = W / P`` groups train
@@ -29,72 +35,42 @@ objective's own anchor draw, :func:`~.objective.DFlashObjective.prepare`):
   :mod:`.sharded`): a full-attention layer all-gathers the peers' shards, ``R = R' = (C-1) L / C``; a sliding layer
   exchanges exactly the peers' rows in reach of the rank's anchors (``R``) and gets back the gradients of its own
   rows the peers received (``R'``);
-- FSDP2 over the world, as :func:`hf_bdlm.planner.cost.rank_times` prices it.
+- FSDP2 over the world, as the planner prices it for every workload (:func:`~hf_bdlm.planner.workload.schedule_step`).
 
 Time uses the planner's figures and conventions throughout (:mod:`hf_bdlm.planner`: :func:`device_spec`'s achievable
 rates, 2 FLOPs per multiply-add, 4 / 10 attention FLOPs per pair and head dim forward / backward, the link model and
 :func:`~hf_bdlm.planner.schedule.simulate`: each layer's transfer overlaps the local attention and the draft matrices);
-memory its :class:`~hf_bdlm.planner.cost.Recipe` (bf16 states, AdamW's fp32 moments, FSDP2 over the world, the loss's
-``chunk_rows x vocabulary`` logits). :func:`project_drafter_training` prices every layout of 8 H100 at 512K and 1M for
-the published DFlash2 drafter of a Qwen3-27B-class target and sets the CSBP / CP-only ratio (and CSBP / plain data
-parallelism, the strongest baseline) next to the paper's published 2.48x and 7.59x; nothing is fitted to them.
-:func:`reference_readings` then switches the reference recipe's constants (:data:`REFERENCE_RECIPE`: its layout,
-feature reads, optimizer, checkpointing, CP-only group, anchors) in one after another.
+memory its :class:`~hf_bdlm.planner.workload.Recipe` (bf16 states, AdamW's fp32 moments, FSDP2 over the world, the
+loss's ``chunk_rows x vocabulary`` logits). The paper's setting priced with it, beside the published speed-ups, is
+:mod:`.projection`.
 
-    python -c "from hf_bdlm.models.dflash.planning import *; print(format_projection(project_drafter_training()))"
+    python -c "from hf_bdlm.models.dflash.planning import *; from hf_bdlm.models.dflash.projection import \\
+PUBLISHED_DFLASH2; from hf_bdlm.planner import Cluster, device_spec; from hf_bdlm.parallel.dims import ParallelDims; \\
+print(predict_drafter(DrafterSpec.from_config(PUBLISHED_DFLASH2), ParallelDims(8, 8, 'csbp'), DrafterSetting(1 << 20, \\
+draws=1), device_spec('h100'), Cluster(8, 8)).step_s)"
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
 import torch
 
 from ...parallel.dims import ParallelDims, divisors
-from ...planner.cost import BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, TIE, Cluster, Recipe
-from ...planner.hardware import DEFAULT_EFFICIENCY, DeviceSpec, device_spec
+from ...planner.hardware import DEFAULT_EFFICIENCY, DeviceSpec
 from ...planner.model import AttentionShape, ModelSpec
-from ...planner.schedule import Compute, Send, Wait, simulate
+from ...planner.schedule import Compute, Send, Wait
+from ...planner.workload import (BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, Cluster,
+                                 LayoutPrediction, MemoryParts, PricedStep, Recipe, StepTerms, price_step, recommend)
 from .configuration import DFlashConfig
 from .objective import DFlashBatch, DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
 from .sharded import balanced_bounds
 
-# The published DFlash2 drafter of a Qwen3-27B-class target (z-lab/Qwen3.8-27B-DFlash2, config.json): 5 layers of
-# width 5120, every layer a 2048-token sliding window, block 8, reading 5 target layers (canonical ids 6, 20, 34, 48,
-# 62) of a 5120-wide target. The paper's recipe trains it at 1M context on 8 H100 80GB, 2048 anchors, locality
-# sampling, D-PACE, bf16, context_parallel 2 x block_parallel 2, no activation checkpointing.
-PUBLISHED_DFLASH2 = {
-    "architectures": ["DFlash2DraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": None, "is_causal": False,
-    "dflash_config": {"block_size": 8, "conv_group_size": 16, "conv_kernel_size": 2, "mask_token_id": 248070,
-                      "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [5, 19, 33, 47, 61]},
-    "dtype": "bfloat16", "eos_token_id": 248044, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
-    "initializer_range": 0.02, "intermediate_size": 17408, "layer_types": ["sliding_attention"] * 5,
-    "max_position_embeddings": 262144, "max_window_layers": 5,
-    "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8,
-    "num_target_layers": 64, "pad_token_id": 248044, "rms_norm_eps": 1e-06,
-    "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"}, "sliding_window": 2048,
-    "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": True, "vocab_size": 248320,
-}
-# The paper's published CSBP / CP-only drafter training speed-ups on 8 H100 (one node), by context.
-PUBLISHED_SPEEDUPS = {524288: 2.48, 1048576: 7.59}
-PAPER_GPUS = 8
+# The paper's recipe draws 2048 anchors per sequence: a DrafterSetting's default.
 PAPER_ANCHORS = 2048
-# The recipe's topology: context_parallel 2 x block_parallel 2, i.e. csbp groups of 2 ranks, 4 data-parallel groups.
-RECIPE_GROUP, RECIPE_RING = 2, 2
-# The reference's own DFlash2 drafter recipe (turbo-dllm 0.1.6, recipes/runs/dflash2-qwen3-8-27b-1m.yaml, which its
-# tests call "the paper runtime configuration"; the package ships no 512K drafter recipe and no CP-only baseline
-# recipe): 1M tokens, topology context_parallel 2 x block_parallel 2 on 8 H100 80GB (4 data-parallel groups), batch 1
-# per group, 2048 locality anchors, block 8, D-PACE, bf16, offline features read from host memory (each rank copies
-# its whole context shard, pinned, one step ahead: two shards on the device), K/V moved around the ring, optimizer
-# torch_fused_adamw (every GPU keeps all parameters, gradients and moments: no FSDP), activation checkpointing off.
-REFERENCE_RECIPE = dict(seq_len=1048576, context_parallel_size=2, block_parallel_size=2, batch_size=1,
-                        max_anchors=2048, anchor_sampling="locality", block_size=8, dtype="bf16",
-                        target_features="offline (host memory, whole shards prefetched one step ahead)",
-                        transport="ring", optimizer="torch_fused_adamw (replicated)", activation_checkpointing=False)
 # Host -> device feature reads: PCIe Gen5 x16 per GPU ("NVIDIA H100 Tensor Core GPU Datasheet", SXM: 128 GB/s, both
 # directions together), one direction, at the planner's achievable link fraction. Host memory and storage behind it
 # are assumed not to be the bottleneck.
@@ -415,17 +391,24 @@ def drafter_work(spec: DrafterSpec, dims: ParallelDims, batch: DFlashBatch,
     return tuple(out)
 
 
+def kv_bytes_by_name(spec: DrafterSpec, work: DrafterRankWork, elem_bytes: int = 2) -> dict[str, int]:
+    """Context K/V bytes a rank receives per step, every layer: forward (``context_kv``) and backward
+    (``context_kv_backward``: the K/V again on the ring, the gradients of its rows elsewhere)."""
+    layers = range(spec.num_layers)
+    return {"context_kv": sum(work.recv_rows[i] * spec.kv_row_bytes(i, elem_bytes) for i in layers),
+            "context_kv_backward": sum(work.recv_grad_rows[i] * spec.kv_row_bytes(i, elem_bytes) for i in layers)}
+
+
 def kv_bytes(spec: DrafterSpec, work: DrafterRankWork, elem_bytes: int = 2) -> int:
     """K/V bytes a rank receives per step, forward and backward, every layer (the module docstring's formula)."""
-    return sum((work.recv_rows[i] + work.recv_grad_rows[i]) * spec.kv_row_bytes(i, elem_bytes)
-               for i in range(spec.num_layers))
+    return sum(kv_bytes_by_name(spec, work, elem_bytes).values())
 
 
 # ----------------------------------------------------------------------------------------------
 # memory
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class DrafterMemory:
+class DrafterMemory(MemoryParts):
     """Peak bytes of one rank, by part (their sum is :attr:`total`)."""
 
     states: float  # trainable parameters, gradients and AdamW moments (sharded by FSDP2), gathered FSDP units
@@ -435,13 +418,6 @@ class DrafterMemory:
     context: float  # the projected context rows and every layer's context K/V
     gathered_kv: float  # the peers' K/V
     logits: float  # one loss chunk's fp32 logits and their gradient
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def parts(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def drafter_memory(spec: DrafterSpec, dims: ParallelDims, work: DrafterRankWork, recipe: Recipe,
@@ -534,21 +510,14 @@ def _work(spec: DrafterSpec, dims: ParallelDims, setting: DrafterSetting, step: 
 
 
 @dataclass(frozen=True)
-class DrafterPrediction:
-    """One layout's projected step (averaged over the anchor draws; memory: the largest).
+class DrafterPrediction(LayoutPrediction):
+    """One layout's projected step (averaged over the anchor draws; memory: the largest; ``bytes_per_step``: the
+    context K/V bytes of the rank receiving the most).
 
     ``parts`` the step of the rank with the most work, by :data:`PARTS` (seconds; they add up to ``step_s``).
     """
 
-    dims: ParallelDims
-    checkpointing: bool
-    seq_len: int
-    step_s: float
     sequences_per_s: float
-    tokens_per_s: float
-    memory: DrafterMemory
-    fits: bool
-    kv_bytes: float
     load_s: float
     parts: dict
 
@@ -557,6 +526,10 @@ class DrafterPrediction:
         d = self.dims
         transport = f" {d.transport}" if d.clean_ring_size > 1 else ""
         return f"{d.mode} P={d.block_parallel_size} C={d.clean_ring_size} D={d.data_parallel_size}{transport}"
+
+    @property
+    def kv_bytes(self) -> float:
+        return self.bytes_per_step
 
     def to_dict(self) -> dict:
         d = self.dims
@@ -567,83 +540,91 @@ class DrafterPrediction:
                     fits=self.fits, kv_bytes=self.kv_bytes, load_s=self.load_s, parts=dict(self.parts))
 
 
-def _step(spec: DrafterSpec, dims: ParallelDims, works: Sequence[DrafterRankWork], device: DeviceSpec,
-          cluster: Cluster, recipe: Recipe, checkpointing: bool, load: Sequence[float]) -> dict[str, float]:
-    """Each segment (context projection; every layer forward, with checkpointing twice; head and loss; every layer
-    backward) scheduled across the group, summed; plus FSDP2's exposed traffic and the exposed feature reads. Returns
-    the parts of the rank with the most work."""
-    mm, attn, hbm = device.matmul_flops, device.attention_flops, device.hbm_bytes_per_s
-    s = recipe.activation_bytes
-    G = dims.clean_ring_size
-    bw = device.link_bytes_per_s(cluster.spans_nodes(G))
-    lat = device.link_latency_s
-    hops = (G - 1, 2 * G - 1) if dims.transport == "ring" else (1, 1)  # messages in a row: latency paid per hop
-    P = len(works)
-    draft, attention, context, comm_wait, idle = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
-    fwd_passes = 2 if checkpointing else 1
+@dataclass(frozen=True)
+class DrafterStep:
+    """A drafter's training step on one layout (``works``: :func:`drafter_work`), as the planner's
+    :class:`~hf_bdlm.planner.workload.Workload`: the context projection; every layer forward (twice with
+    checkpointing), its context K/V moving while the draft matrices and the own attention compute; the head and loss;
+    every layer backward. ``feature_buffers`` context feature buffers on the device (:func:`drafter_memory`)."""
 
-    def run(programs, count):
-        sched = simulate(programs, device.shared_cores, device.oversubscribed_efficiency, device.sync_cost_s)
-        span = max(x.finish for x in sched)
-        for r, x in enumerate(sched):
-            comm_wait[r] += count * x.waited
-            idle[r] += count * (span - x.finish)
+    spec: DrafterSpec
+    dims: ParallelDims
+    works: tuple[DrafterRankWork, ...]
+    feature_buffers: int = 1
 
-    projection = [2 * context_projection_flops(spec, w.projected_rows) / mm for w in works]
-    run([(Compute(t),) for t in projection], 1)
-    for i, a in enumerate(spec.model.layers):
-        hd = a.heads * a.head_dim
-        fwd, bwd = [], []
-        for r, w in enumerate(works):
-            rows = w.anchors * spec.block_size
-            kv = context_kv_flops(spec, i, w.projected_rows) / mm
-            matrices = (draft_layer_flops(spec, i, rows) / mm
-                        + rows * spec.activation_elements_per_row(i) * s * 2 / hbm)
-            own = (w.block_pairs[i] + w.own_pairs[i]) * hd / attn
-            peer = w.peer_pairs[i] * hd / attn
-            f, b = FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM
-            draft[r] += matrices * (fwd_passes + 2)
-            attention[r] += (own + peer) * (f * fwd_passes + b)
-            context[r] += kv * (fwd_passes + 2)
-            if G == 1:
-                fwd.append((Compute(kv + matrices + (own + peer) * f),))
-                bwd.append((Compute(2 * kv + 2 * matrices + (own + peer) * b),))
-                continue
-            row = spec.kv_row_bytes(i, s)
-            members = tuple(("kv", m) for m in range(r // G * G, r // G * G + G))
-            # Forward: the own K/V go out while the draft matrices and the attention over the own shard and the
-            # blocks compute; backward: the peers' gradients go home while the own rows' backward computes. A
-            # collective completes for all once its slowest member has received.
-            fwd_done = w.recv_rows[i] * row / bw + hops[0] * lat
-            bwd_done = w.recv_grad_rows[i] * row / bw + hops[1] * lat
-            fwd.append((Compute(kv), Send(("kv", r), fwd_done), Compute(matrices + own * f), Wait(members),
-                        Compute(peer * f)))
-            bwd.append((Compute(peer * b), Send(("kv", r), bwd_done), Compute(2 * matrices + own * b),
-                        Wait(members), Compute(2 * kv)))
-        run(fwd, fwd_passes)
-        run(bwd, 1)
-    head = [3 * (head_flops(spec, w.supervised_rows) + selector_flops(spec, w.supervised_rows)) / mm for w in works]
-    run([(Compute(t),) for t in head], 1)
-    compute = [projection[r] + context[r] + draft[r] + attention[r] + head[r] for r in range(P)]
-    W = dims.world_size or P
-    fsdp_exposed = 0.0
-    if W > 1 and recipe.gradient_sync:
-        # As the planner prices FSDP2 (hf_bdlm.planner.cost.rank_times): parameters gathered forward and backward,
-        # gradients reduce-scattered, hidden behind every layer's compute but the first.
-        n = spec.trainable_params()
-        data = ((2 * n * recipe.param_bytes + n * recipe.grad_bytes) if recipe.fsdp else 2 * n * recipe.grad_bytes)
-        fsdp = data * (W - 1) / W / device.link_bytes_per_s(cluster.spans_nodes(W))
-        fsdp_exposed = max(0.0, fsdp - min(compute) * (1 - 1 / spec.num_layers))
-    r = max(range(P), key=lambda q: compute[q])
-    busy = compute[r] + comm_wait[r] + idle[r] + fsdp_exposed
-    return {"draft layers": draft[r], "attention": attention[r], "context projection": projection[r] + context[r],
-            "head and loss": head[r], "exposed communication": comm_wait[r], "waiting for peers": idle[r],
-            "FSDP2 exposed": fsdp_exposed, "feature reads exposed": max(0.0, max(load) - busy)}
+    def step_terms(self, device: DeviceSpec, cluster: Cluster, recipe: Recipe, checkpointing: bool) -> StepTerms:
+        """The segments' programs, each rank's compute and its parts by :data:`PARTS` (the computing ones)."""
+        spec, dims, works = self.spec, self.dims, self.works
+        mm, attn, hbm = device.matmul_flops, device.attention_flops, device.hbm_bytes_per_s
+        s = recipe.activation_bytes
+        G = dims.clean_ring_size
+        bw = device.link_bytes_per_s(cluster.spans_nodes(G))
+        lat = device.link_latency_s
+        hops = (G - 1, 2 * G - 1) if dims.transport == "ring" else (1, 1)  # messages in a row: latency paid per hop
+        P = len(works)
+        draft, attention, context = [0.0] * P, [0.0] * P, [0.0] * P
+        fwd_passes = 2 if checkpointing else 1
+        projection = [2 * context_projection_flops(spec, w.projected_rows) / mm for w in works]
+        segments = [(tuple((Compute(t),) for t in projection), 1)]
+        for i, a in enumerate(spec.model.layers):
+            hd = a.heads * a.head_dim
+            fwd, bwd = [], []
+            for r, w in enumerate(works):
+                rows = w.anchors * spec.block_size
+                kv = context_kv_flops(spec, i, w.projected_rows) / mm
+                matrices = (draft_layer_flops(spec, i, rows) / mm
+                            + rows * spec.activation_elements_per_row(i) * s * 2 / hbm)
+                own = (w.block_pairs[i] + w.own_pairs[i]) * hd / attn
+                peer = w.peer_pairs[i] * hd / attn
+                f, b = FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM
+                draft[r] += matrices * (fwd_passes + 2)
+                attention[r] += (own + peer) * (f * fwd_passes + b)
+                context[r] += kv * (fwd_passes + 2)
+                if G == 1:
+                    fwd.append((Compute(kv + matrices + (own + peer) * f),))
+                    bwd.append((Compute(2 * kv + 2 * matrices + (own + peer) * b),))
+                    continue
+                row = spec.kv_row_bytes(i, s)
+                members = tuple(("kv", m) for m in range(r // G * G, r // G * G + G))
+                # Forward: the own K/V go out while the draft matrices and the attention over the own shard and the
+                # blocks compute; backward: the peers' gradients go home while the own rows' backward computes. A
+                # collective completes for all once its slowest member has received.
+                fwd_done = w.recv_rows[i] * row / bw + hops[0] * lat
+                bwd_done = w.recv_grad_rows[i] * row / bw + hops[1] * lat
+                fwd.append((Compute(kv), Send(("kv", r), fwd_done), Compute(matrices + own * f), Wait(members),
+                            Compute(peer * f)))
+                bwd.append((Compute(peer * b), Send(("kv", r), bwd_done), Compute(2 * matrices + own * b),
+                            Wait(members), Compute(2 * kv)))
+            segments += [(tuple(fwd), fwd_passes), (tuple(bwd), 1)]
+        head = [3 * (head_flops(spec, w.supervised_rows) + selector_flops(spec, w.supervised_rows)) / mm for w in works]
+        segments.append((tuple((Compute(t),) for t in head), 1))
+        compute = tuple(projection[r] + context[r] + draft[r] + attention[r] + head[r] for r in range(P))
+        parts = tuple({"draft layers": draft[r], "attention": attention[r],
+                       "context projection": projection[r] + context[r], "head and loss": head[r]} for r in range(P))
+        return StepTerms(tuple(segments), compute, parts, spec.trainable_params(), spec.num_layers)
+
+    def rank_memory(self, recipe: Recipe, checkpointing: bool) -> tuple[DrafterMemory, ...]:
+        return tuple(drafter_memory(self.spec, self.dims, w, recipe, checkpointing, self.feature_buffers)
+                     for w in self.works)
+
+    def bytes_received(self, recipe: Recipe) -> tuple[dict[str, int], ...]:
+        return tuple(kv_bytes_by_name(self.spec, w, recipe.activation_bytes) for w in self.works)
+
+
+def _step_parts(priced: PricedStep, load: Sequence[float]) -> dict[str, float]:
+    """The step of the rank with the most work by :data:`PARTS`: its compute, its waits on messages and on the group's
+    slowest rank, FSDP2's exposed traffic, and the feature reads the step does not hide (``load``: each rank's)."""
+    terms, times = priced.terms, priced.times
+    r = max(range(len(terms.compute_s)), key=lambda q: terms.compute_s[q])
+    busy = terms.compute_s[r] + times.waited_s[r] + times.idle_s[r] + times.fsdp_exposed_s
+    return {**terms.parts[r], "exposed communication": times.waited_s[r], "waiting for peers": times.idle_s[r],
+            "FSDP2 exposed": times.fsdp_exposed_s, "feature reads exposed": max(0.0, max(load) - busy)}
 
 
 def predict_drafter(spec: DrafterSpec, dims: ParallelDims, setting: DrafterSetting, device: DeviceSpec,
                     cluster: Cluster, recipe: Recipe = Recipe(), checkpointing: bool = False) -> DrafterPrediction:
-    """Step time, throughput, peak memory, fit and K/V bytes of one layout (``dims`` with its world size)."""
+    """Step time, throughput, peak memory, fit and K/V bytes of one layout (``dims`` with its world size): each draw's
+    :class:`DrafterStep` priced by :func:`~hf_bdlm.planner.workload.price_step`, averaged over the draws."""
     if recipe.model_parallel != 1:
         raise ValueError(f"tensor / expert parallelism is not modelled for drafters; got model_parallel="
                          f"{recipe.model_parallel}. Use Recipe(model_parallel=1).")
@@ -656,17 +637,18 @@ def predict_drafter(spec: DrafterSpec, dims: ParallelDims, setting: DrafterSetti
         works = _work(spec, dims, replace(setting, features="host"), step)
         load = [w.feature_rows * spec.feature_width * recipe.activation_bytes / setting.host_bytes_per_s
                 if setting.features == "host" else 0.0 for w in works]
-        steps.append(_step(spec, dims, works, device, cluster, recipe, checkpointing, load))
-        mems += [drafter_memory(spec, dims, w, recipe, checkpointing, buffers) for w in works]
-        nbytes.append(max(kv_bytes(spec, w, recipe.activation_bytes) for w in works))
+        priced = price_step(DrafterStep(spec, dims, works, buffers), device, cluster, recipe, checkpointing)
+        steps.append(_step_parts(priced, load))
+        mems += priced.memory
+        nbytes.append(priced.bytes_per_step)
         loads.append(max(load))
     parts = {k: sum(p[k] for p in steps) / len(steps) for k in PARTS}
     step = sum(parts.values())
     peak = max(mems, key=lambda m: m.total)
     D = dims.data_parallel_size
-    return DrafterPrediction(dims, checkpointing, setting.seq_len, step, D / step, D * setting.seq_len / step, peak,
-                             peak.total <= device.memory_bytes, sum(nbytes) / len(nbytes), sum(loads) / len(loads),
-                             parts)
+    return DrafterPrediction(dims, checkpointing, setting.seq_len, step, D * setting.seq_len / step, peak,
+                             peak.total <= device.memory_bytes, sum(nbytes) / len(nbytes), D / step,
+                             sum(loads) / len(loads), parts)
 
 
 def drafter_layouts(world: int, transports: Sequence[str] = ("ring", "allgather")) -> list[ParallelDims]:
@@ -691,331 +673,15 @@ def plan_drafter(spec: DrafterSpec, setting: DrafterSetting, device: DeviceSpec,
 
 
 def fastest(preds: Sequence[DrafterPrediction], **match) -> DrafterPrediction | None:
-    """The fastest prediction that fits among those whose dims match ``match`` (e.g. ``mode="cp"``,
-    ``block_parallel_size=8``); among those within the planner's :data:`~hf_bdlm.planner.cost.TIE` of it, one without
-    activation checkpointing, then the smallest peak. ``None`` when none fits."""
-    found = [p for p in preds if p.fits and all(getattr(p.dims, k) == v for k, v in match.items())]
-    if not found:
-        return None
-    top = max(p.tokens_per_s for p in found)
-    return min((p for p in found if p.tokens_per_s >= top * (1 - TIE)), key=lambda p: (p.checkpointing, p.memory.total))
+    """The planner's pick (:func:`~hf_bdlm.planner.workload.recommend`) among the predictions whose dims match
+    ``match`` (e.g. ``mode="cp"``, ``block_parallel_size=8``): the fastest that fits and, within the planner's tie,
+    one without activation checkpointing, then the smallest peak. ``None`` when none fits."""
+    return recommend(preds, prefer=lambda p: (p.checkpointing, p.memory.total), **match)
 
 
-# ----------------------------------------------------------------------------------------------
-# the paper's setting
-# ----------------------------------------------------------------------------------------------
-def _name(p: DrafterPrediction) -> str:
-    return f"{p.label} AC {'on' if p.checkpointing else 'off'}"
-
-
-def compare_layouts(preds: Sequence[DrafterPrediction], gpus: int) -> dict:
-    """The picks of one context: ``baseline`` (the paper's CP-only layout: ``cp`` over all ``gpus`` ranks, K/V ring),
-    ``best_cp`` (the fastest fitting ``cp`` of any group size), ``data_parallel`` (one GPU per sequence: ``gpus``
-    sequences a step), ``recipe`` (the recipe's ``csbp``: groups of 2, clean rings of 2), ``best_csbp``, each
-    ``{label, seconds_per_sequence, peak_bytes}`` or ``None`` when it does not fit; the throughput ratios ``ratio``
-    (best csbp / baseline), ``ratio_over_best_cp``, ``ratio_over_data_parallel``, ``recipe_ratio``; ``breakdown``:
-    seconds per sequence, baseline minus best csbp, by :data:`PARTS` (they add up to ``difference_s``); ``peaks``:
-    the smallest peak (bytes) and fit of each ``cp`` group size and of the recipe's layout."""
-    picks = dict(baseline=fastest(preds, mode="cp", block_parallel_size=gpus, transport="ring"),
-                 best_cp=fastest(preds, mode="cp"), data_parallel=fastest(preds, block_parallel_size=1),
-                 recipe=fastest(preds, mode="csbp", block_parallel_size=RECIPE_GROUP, clean_ring_size=RECIPE_RING,
-                                transport="allgather"),
-                 best_csbp=fastest(preds, mode="csbp"))
-    out = {k: None if p is None else dict(label=_name(p), seconds_per_sequence=1 / p.sequences_per_s,
-                                          peak_bytes=p.memory.total) for k, p in picks.items()}
-    base, best = picks["baseline"], picks["best_csbp"]
-
-    def ratio(p, over):
-        return None if p is None or over is None else p.tokens_per_s / over.tokens_per_s
-
-    out.update(ratio=ratio(best, base), ratio_over_best_cp=ratio(best, picks["best_cp"]),
-               ratio_over_data_parallel=ratio(best, picks["data_parallel"]),
-               recipe_ratio=ratio(picks["recipe"], base), breakdown=None, difference_s=None)
-    if base is not None and best is not None:
-        D0, D1 = base.dims.data_parallel_size, best.dims.data_parallel_size
-        out["breakdown"] = {k: base.parts[k] / D0 - best.parts[k] / D1 for k in PARTS}
-        out["difference_s"] = sum(out["breakdown"].values())
-    peaks = {}
-    for p in preds:
-        d = p.dims
-        if (d.mode == "cp" and d.transport == "ring") or (
-                d.mode == "csbp" and (d.block_parallel_size, d.clean_ring_size) == (RECIPE_GROUP, RECIPE_RING)
-                and d.transport == "allgather"):
-            key = p.label
-            if key not in peaks or p.memory.total < peaks[key][0]:
-                peaks[key] = (p.memory.total, p.fits)
-    out["peaks"] = peaks
-    return out
-
-
-def project_drafter_training(
-    contexts: Sequence[int] = tuple(PUBLISHED_SPEEDUPS),
-    *,
-    config: DFlashConfig | dict | None = None,
-    device: DeviceSpec | None = None,
-    gpus: int = PAPER_GPUS,
-    gpus_per_node: int = PAPER_GPUS,
-    recipe: Recipe | None = None,
-    max_anchors: int = PAPER_ANCHORS,
-    anchor_sampling: str = "locality",
-    draws: int = 4,
-) -> list[dict]:
-    """The paper's drafter setting priced per context: every layout of ``gpus`` GPUs with the features read from host
-    memory each step, and again with them resident on the device; per feature mode the picks, ratios and breakdown of
-    :func:`compare_layouts`. Nothing is fitted to the published speed-ups; they are carried along for the table.
-
-    Args:
-        contexts (`Sequence[int]`): context lengths (default 512K and 1M, the published ones).
-        config (`DFlashConfig` or `dict`, *optional*): the drafter (default :data:`PUBLISHED_DFLASH2`).
-        device (`DeviceSpec`, *optional*): default ``device_spec("h100")`` (datasheet times the planner's fractions).
-        gpus (`int`), gpus_per_node (`int`): the cluster (default one node of 8).
-        recipe (`Recipe`, *optional*): default the planner's, with the objective's 4096-row loss chunks.
-        max_anchors, anchor_sampling, draws: see :class:`DrafterSetting`.
-
-    Returns:
-        `list[dict]`: one JSON-ready dict per context: ``context``, ``published`` (the paper's speed-up or ``None``),
-        ``drafter``, ``gpus``, ``memory_limit_bytes``, ``setting``, ``predictions`` (every layout, host reads, what
-        fits first, fastest first) and ``host`` / ``resident`` (:func:`compare_layouts` of each feature mode).
-    """
-    spec = DrafterSpec.from_config(config if config is not None else PUBLISHED_DFLASH2,
-                                   None if config is not None else "z-lab/Qwen3.8-27B-DFlash2")
-    device = device or device_spec("h100")
-    cluster = Cluster(gpus, gpus_per_node)
-    recipe = recipe or Recipe(loss_chunk_rows=4096)
-    rows = []
-    for L in contexts:
-        row = dict(context=L, published=PUBLISHED_SPEEDUPS.get(L), drafter=spec.model.name, gpus=gpus,
-                   device=device.name, memory_limit_bytes=device.memory_bytes)
-        for features in FEATURES:
-            setting = DrafterSetting(L, max_anchors, anchor_sampling, features, draws=draws)
-            preds = plan_drafter(spec, setting, device, cluster, recipe)
-            row[features] = compare_layouts(preds, gpus)
-            if features == "host":
-                row["setting"] = asdict(setting)
-                row["predictions"] = [p.to_dict() for p in preds]
-        rows.append(row)
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# the reference's recipe, constant by constant
-# ----------------------------------------------------------------------------------------------
-# Each step switches one more of the planner's settings to the reference recipe's (:data:`REFERENCE_RECIPE`), after
-# the steps before it: (constant, the reference's value, this planner's default, what changes).
-REFERENCE_STEPS = (
-    ("CSBP layout", "cp 2 x bp 2: csbp P=2 C=2 D=4", "the fastest csbp (any P, C, transport)",
-     dict(csbp=(RECIPE_GROUP, RECIPE_RING, "allgather"))),
-    ("CSBP's K/V transport and feature reads", "K/V ring; whole L/C shards from host, two on the GPU",
-     "window exchange; only the rows it projects", dict(csbp=(RECIPE_GROUP, RECIPE_RING, "ring"))),
-    ("optimizer", "torch fused AdamW, replicated on every GPU", "FSDP2 over the 8 GPUs", dict(fsdp=False)),
-    ("activation checkpointing", "off", "off or on, the faster that fits", dict(checkpointing=(False,))),
-    ("CP-only baseline", "no recipe shipped", "cp over all 8 GPUs, K/V ring", dict(baseline="fastest")),
-    ("anchors at 512K", "no 512K recipe (1M: 2048, i.e. 2048 per 1M tokens)", "2048 at every context",
-     dict(anchor_density=True)),
-)
-
-
-def _fastest_prediction(spec, layouts, setting, device, cluster, recipe, checkpointing) -> DrafterPrediction:
-    """The fastest fitting prediction of ``layouts`` x ``checkpointing``, else the fastest of them (not fitting)."""
-    preds = [predict_drafter(spec, d.with_world(cluster.gpus), setting, device, cluster, recipe, ac)
-             for d in layouts for ac in checkpointing]
-    return max(preds, key=lambda p: (p.fits, p.tokens_per_s))
-
-
-def reference_readings(
-    projection: list[dict],
-    *,
-    config: DFlashConfig | dict | None = None,
-    device: DeviceSpec | None = None,
-    gpus: int = PAPER_GPUS,
-    gpus_per_node: int = PAPER_GPUS,
-    draws: int = 4,
-) -> list[dict]:
-    """CSBP / CP-only per sequence as the reference recipe's constants replace the planner's one after another
-    (:data:`REFERENCE_STEPS`), at each context of ``projection`` (:func:`project_drafter_training`, whose host picks
-    are the first row). A pick is the fastest that fits; where none fits, the fastest anyway (``fits`` False), so
-    each row still shows what the constant does to time.
-
-    Returns:
-        `list[dict]`: per row ``constant``, ``reference``, ``ours`` and per context (``"524288"``, ...) a dict
-        ``{csbp, csbp_s, csbp_fits, csbp_peak_bytes, baseline, baseline_s, baseline_fits, baseline_peak_bytes,
-        ratio}`` (seconds per sequence; ratio = the baseline's over csbp's).
-    """
-    spec = DrafterSpec.from_config(config if config is not None else PUBLISHED_DFLASH2,
-                                   None if config is not None else "z-lab/Qwen3.8-27B-DFlash2")
-    device = device or device_spec("h100")
-    cluster = Cluster(gpus, gpus_per_node)
-    first = dict(constant="(this planner's picks)", reference="-", ours="-")
-    for row in projection:
-        c = row["host"]
-        if c["best_csbp"] is None or c["baseline"] is None:
-            first[str(row["context"])] = None
-            continue
-        base, best = c["baseline"], c["best_csbp"]
-        first[str(row["context"])] = dict(
-            csbp=best["label"], csbp_s=best["seconds_per_sequence"], csbp_fits=True, csbp_peak_bytes=best["peak_bytes"],
-            baseline=base["label"], baseline_s=base["seconds_per_sequence"], baseline_fits=True,
-            baseline_peak_bytes=base["peak_bytes"], ratio=base["seconds_per_sequence"] / best["seconds_per_sequence"])
-    out = [first]
-    state = dict(csbp=None, fsdp=True, checkpointing=(False, True), baseline="all", anchor_density=False)
-    for constant, reference, ours, change in REFERENCE_STEPS:
-        state.update(change)
-        entry = dict(constant=constant, reference=reference, ours=ours)
-        recipe = Recipe(loss_chunk_rows=4096, fsdp=state["fsdp"])
-        for row in projection:
-            L = row["context"]
-            anchors = (max(1, L * REFERENCE_RECIPE["max_anchors"] // REFERENCE_RECIPE["seq_len"])
-                       if state["anchor_density"] else PAPER_ANCHORS)
-            setting = DrafterSetting(L, anchors, "locality", "host", draws=draws)
-            if state["csbp"] is None:
-                csbp_layouts = [d for d in drafter_layouts(gpus) if d.mode == "csbp"]
-            else:
-                P, C, transport = state["csbp"]
-                csbp_layouts = [ParallelDims(P, C, "csbp", transport=transport)]
-            cp_layouts = [ParallelDims(P, P, "cp", transport="ring") for P in divisors(gpus)[1:]]
-            if state["baseline"] == "all":
-                cp_layouts = cp_layouts[-1:]  # CP-only over every GPU
-            csbp = _fastest_prediction(spec, csbp_layouts, setting, device, cluster, recipe, state["checkpointing"])
-            base = _fastest_prediction(spec, cp_layouts, setting, device, cluster, recipe, state["checkpointing"])
-            entry[str(L)] = dict(csbp=_name(csbp), csbp_s=1 / csbp.sequences_per_s, csbp_fits=csbp.fits,
-                                 csbp_peak_bytes=csbp.memory.total, baseline=_name(base),
-                                 baseline_s=1 / base.sequences_per_s, baseline_fits=base.fits,
-                                 baseline_peak_bytes=base.memory.total, anchors=anchors,
-                                 ratio=csbp.sequences_per_s / base.sequences_per_s)
-        out.append(entry)
-    return out
-
-
-def format_reference_readings(readings: list[dict], projection: list[dict]) -> str:
-    """:func:`reference_readings` as two tables: the constants (the reference's value, this planner's), then per
-    context the CSBP and CP-only picks after each switch and their ratio, beside the published speed-up."""
-    GB = 1e9
-    limit = projection[0]["memory_limit_bytes"] / GB
-
-    def side(label, seconds, fits, peak):
-        return f"{label} {seconds:.3f}" + ("" if fits else f" (NO: {peak / GB:.0f} GB)")
-
-    lines = ["The published pair against the reference's own recipe (turbo-dllm 0.1.6, "
-             "runs/dflash2-qwen3-8-27b-1m.yaml: the package ships no 512K drafter recipe and no CP-only baseline), "
-             "its constants switched in one after another:", f"  {'':3}{'constant':40} {'reference':53} this planner"]
-    for i, entry in enumerate(readings[1:], 1):
-        lines.append(f"  {i:<3}{entry['constant']:40} {entry['reference']:53} {entry['ours']}")
-    for row in projection:
-        L = row["context"]
-        lines += ["", f"  {_k(L)} (published {_x(row['published'])}; seconds per sequence, features from the host; NO: "
-                      f"over the {limit:.0f} GB a GPU holds)",
-                  f"  {'after':6} {'CSBP':54} {'CP-only':46} CSBP / CP-only"]
-        for i, entry in enumerate(readings):
-            c = entry.get(str(L))
-            if c is None:
-                lines.append(f"  {i if i else '-':<6} n/a")
-                continue
-            csbp = side(c["csbp"], c["csbp_s"], c["csbp_fits"], c["csbp_peak_bytes"])
-            base = side(c["baseline"], c["baseline_s"], c["baseline_fits"], c["baseline_peak_bytes"])
-            lines.append(f"  {i if i else '-':<6} {csbp:54} {base:46} "
-                         f"{c['ratio']:.2f}x" + (f"  ({c['anchors']} anchors)" if "anchors" in c else ""))
-        if row["published"]:
-            found = [(abs(e[str(L)]["ratio"] / row["published"] - 1), i, e[str(L)]["ratio"])
-                     for i, e in enumerate(readings) if e.get(str(L))]
-            gap, i, ratio = min(found)
-            lines.append(f"  closest to the published {_x(row['published'])}: after {i if i else '-'}, {ratio:.2f}x "
-                         f"({ratio / row['published'] - 1:+.0%})")
-    return "\n".join(lines)
-
-
-def _k(L: int) -> str:
-    return f"{L // 1048576}M" if L % 1048576 == 0 else f"{L // 1024}K"
-
-
-def _x(v) -> str:
-    return "n/a" if v is None else f"{v:.2f}x"
-
-
-def _pick(p: dict | None) -> str:
-    return "none fits" if p is None else f"{p['label']} {p['seconds_per_sequence']:.3f}"
-
-
-def format_projection(rows: list[dict], top: int | None = 8) -> str:
-    """The tables of :func:`project_drafter_training`'s result: per context the ``top`` fastest layouts (host reads;
-    the picked ones always), the picks and ratios next to the published speed-ups, the peaks that decide what fits,
-    and where the CP-only / CSBP difference comes from."""
-    GB = 1e9
-    first = rows[0]
-    s = first["setting"]
-    lines = [f"DFlash drafter training: {first['drafter']} on {first['gpus']} x {first['device'].upper()} (one node); "
-             f"{s['max_anchors']} anchors ({s['anchor_sampling']}), one sequence per group and step; features read "
-             f"from host memory each step ({s['host_bytes_per_s'] / GB:.0f} GB/s per GPU, prefetched: two buffers); "
-             f"FSDP2 over the world; memory limit {first['memory_limit_bytes'] / GB:.1f} GB per GPU.", ""]
-    head = (f"{'context':>7}  {'layout':27} {'AC':3} {'step_s':>7} {'seq/s':>7} {'tok/s':>10} {'peakGB':>7} "
-            f"{'feat':>6} {'acts':>6} {'fits':>4} {'KV GB':>7} {'load_s':>7}")
-    lines += [head, "-" * len(head)]
-    for row in rows:
-        picked = {row["host"][k]["label"] for k in ("baseline", "best_cp", "data_parallel", "recipe", "best_csbp")
-                  if row["host"][k]}
-        for i, p in enumerate(row["predictions"]):
-            name = f"{p['label']} AC {'on' if p['checkpointing'] else 'off'}"
-            if top is not None and i >= top and name not in picked:
-                continue
-            mem = p["memory"]
-            lines.append(f"{_k(row['context']):>7} {'*' if name in picked else ' '} {p['label']:27} "
-                         f"{'on' if p['checkpointing'] else 'off':3} {p['step_s']:7.3f} {p['sequences_per_s']:7.2f} "
-                         f"{p['tokens_per_s']:10.0f} {p['peak_bytes'] / GB:7.1f} {mem['features'] / GB:6.1f} "
-                         f"{mem['activations'] / GB:6.1f} {'yes' if p['fits'] else 'NO':>4} {p['kv_bytes'] / GB:7.2f} "
-                         f"{p['load_s']:7.3f}")
-    lines.append("(* picked below; per GPU: peak, features, activations in GB, K/V GB received per step, feature "
-                 "read per step in s, hidden behind the step unless longer)")
-    lines += ["", "Picks (layout, AC, seconds per sequence) and CSBP's throughput over them:",
-              f"{'context':>7} {'features':8}  {'CP-only over 8 (paper)':38} {'fastest cp':38} "
-              f"{'fastest csbp':38} {'vs paper':>8} {'vs cp':>6} {'vs dp':>6} {'recipe':>7} {'published':>9}"]
-    for row in rows:
-        for features in FEATURES:
-            c = row[features]
-            lines.append(f"{_k(row['context']):>7} {features:8}  {_pick(c['baseline']):38} {_pick(c['best_cp']):38} "
-                         f"{_pick(c['best_csbp']):38} {_x(c['ratio']):>8} {_x(c['ratio_over_best_cp']):>6} "
-                         f"{_x(c.get('ratio_over_data_parallel')):>6} {_x(c['recipe_ratio']):>7} "
-                         f"{_x(row['published']) if features == 'host' else '':>9}")
-    lines.append("(vs paper: over the CP-only layout over all 8 GPUs; vs cp: over the fastest fitting cp of any group "
-                 "size; vs dp: over plain data parallelism, one GPU per sequence ("
-                 + ", ".join(f"{_k(row['context'])}: {_pick(row['host'].get('data_parallel'))}" for row in rows)
-                 + "), the strongest baseline; recipe: the recipe's csbp P=2 C=2 D=4 over the CP-only layout; n/a: it "
-                 "does not fit)")
-    lines += ["", "Peaks per GPU that decide what fits (GB, the smaller of AC on / off):"]
-    for row in rows:
-        for features in FEATURES:
-            peaks = row[features]["peaks"]
-            cells = ", ".join(f"{k.split(' D=')[0]} {v / GB:.1f}{'' if ok else ' NO'}"
-                              for k, (v, ok) in sorted(peaks.items()))
-            lines.append(f"  {_k(row['context'])} {features}: {cells}")
-    lines += ["", "Where the CP-only (paper) - fastest CSBP difference comes from (seconds per sequence):"]
-    for row in rows:
-        for features in FEATURES:
-            c = row[features]
-            if c["breakdown"] is None:
-                lines.append(f"  {_k(row['context'])} {features}: n/a (a side does not fit)")
-                continue
-            parts = "; ".join(f"{k} {v:+.3f}" for k, v in c["breakdown"].items() if abs(v) >= 5e-4)
-            lines.append(f"  {_k(row['context'])} {features}: {c['difference_s']:.3f} s = {parts}")
-    lines += ["", "Reading it: CP-only runs every anchor's draft block on each of its P ranks (the draft layers, their "
-              "attention, the head and the loss: P times) while csbp deals the anchors, so csbp's gain over it is "
-              "bounded by P and nears P as the draft work dominates. The context work (fc, the context K/V) is not "
-              "replicated; with every drafter layer sliding it is the union of the anchors' windows whatever L is, "
-              "which csbp cuts evenly over its ring and reads alone from the host, while the CP-only layout (the "
-              "paper's code) reads whole L / P shards and leaves the projection on the rank(s) owning the anchors' "
-              "windows. L then enters only through the CP-only layout's features: their memory (what fits) and host "
-              "reads (hidden behind its longer step). The ratio therefore does not grow with context here. A published "
-              "ratio that grows from 512K to 1M points at its baseline (CP over a smaller group, where one fits, "
-              "replicates the draft fewer times: compare 'vs cp') or at costs of the published CP run that grow with "
-              "L and are not counted here (whole shards projected or gathered, memory pressure). Plain data "
-              "parallelism (one GPU per sequence, 'vs dp') replicates nothing either, and with the compact context one "
-              "sequence fits on one GPU: it is the strongest baseline, and csbp's gain over it is memory per GPU, not "
-              "throughput."]
-    return "\n".join(lines)
-
-
-__all__ = ["PUBLISHED_DFLASH2", "PUBLISHED_SPEEDUPS", "HOST_LINK_BYTES_PER_S", "PARTS", "DrafterSpec",
+__all__ = ["PAPER_ANCHORS", "HOST_LINK_BYTES_PER_S", "RING_TILE_ROWS", "FEATURES", "PARTS", "DrafterSpec",
            "DrafterRankWork", "DrafterMemory", "DrafterSetting", "DrafterPrediction", "draft_layer_flops",
            "context_projection_flops", "context_kv_flops", "head_flops", "selector_flops", "forward_matmul_flops",
-           "step_flops", "anchor_shares", "reachable_rows", "drafter_work", "kv_bytes", "drafter_memory",
-           "draw_batches", "predict_drafter", "drafter_layouts", "plan_drafter", "fastest", "compare_layouts",
-           "project_drafter_training", "format_projection", "REFERENCE_RECIPE", "REFERENCE_STEPS",
-           "reference_readings", "format_reference_readings"]
+           "step_flops", "anchor_shares", "reachable_runs", "reachable_rows", "drafter_work", "kv_bytes_by_name",
+           "kv_bytes", "drafter_memory", "draw_batches", "DrafterStep", "predict_drafter", "drafter_layouts",
+           "plan_drafter", "fastest"]
