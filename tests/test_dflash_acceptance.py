@@ -43,6 +43,7 @@ from hf_bdlm.models.dflash.objective import DFlashObjective, DFlashObjectiveConf
 from hf_bdlm.models.dflash.speculative import draft_block  # noqa: E402
 from hf_bdlm.models.dflash.trainer import DFlashTrainer  # noqa: E402
 from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig  # noqa: E402
+from hf_bdlm.protocols.card_parts import format_value  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -189,7 +190,8 @@ def test_training_eval_acceptance_equals_the_servers(setup, served):
     assert again["eval_acceptance_length"] == health["acceptance_length"]
     assert 1.0 < health["acceptance_length"] < BLOCK
     card = (setup["root"] / "drafter" / "README.md").read_text()
-    assert f"| Held-out acceptance length (greedy, counted as served) | {round(health['acceptance_length'], 3)}" in card
+    shown = format_value(round(health["acceptance_length"], 3))
+    assert f"| Held-out acceptance length (greedy, counted as served) | {shown} |" in card
 
 
 def test_acceptance_at_trainings_anchors_is_another_number(setup, served):
