@@ -15,13 +15,19 @@ Stages (the data stages run once, cached in ``data_dir``; a rerun reuses what is
    process answers its share of the prompts;
 2. **features**: the target's hidden states at the drafter's layers over prompt + answer (``capture_features``),
    ``data_dir/features``; the loss covers the answers;
+   The target's answers to the ``eval_prompts`` held-out prompts (one at a time, ``eval_max_new_tokens`` each: what
+   the measurement decodes) are captured too, ``data_dir/eval_features``: the trainer's eval set;
 3. **training**: a new drafter (``drafter_layers`` layers, initialised from the target's last layers) trained by
    `DFlashTrainer` on every process (each reads only its context rows of the features), saved to ``output_dir``;
+   then its acceptance on the held-out capture as the trainer's eval counts it
+   (:meth:`~hf_bdlm.models.dflash.trainer.DFlashTrainer.served_acceptance`, at the headline proposal count);
 4. **measurement** (main process): ``eval_prompts`` held-out prompts decoded greedily by the target alone
    (``generate``) and with the drafter (``speculative_generate``) at each of ``eval_speculative_tokens`` proposals
    per target forward, ``eval_max_new_tokens`` each; the outputs must be identical.
    ``output_dir/dflash_results.json`` records, per proposal count, the acceptance length, both tokens/s and their
-   ratio (the first count is the headline, ``speculative``), and the time of every stage.
+   ratio (the first count is the headline, ``speculative``), the training eval's acceptance beside the measured one
+   (``acceptance``: equal where the features the decoding loop computes step by step choose the same proposals as
+   the captured ones), and the time of every stage.
 
 Arguments: :class:`DFlashRecipeArguments` below and :class:`~hf_bdlm.models.dflash.trainer_config.DFlashTrainingConfig`
 (`target_model`, the objective's options, TRL's training fields, block parallelism), from the YAML and the command
@@ -43,6 +49,7 @@ from trl import TrlParser
 from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig
 
 RESPONSES = "responses.jsonl"
+EVAL_RESPONSES = "eval_responses.jsonl"
 # What the embedded CPU config aims at (block 8): tokens per target forward, and greedy tokens/s over the target alone.
 GOAL_ACCEPTANCE, GOAL_SPEEDUP = 3.0, 1.8
 
@@ -289,12 +296,29 @@ def main(recipe: DFlashRecipeArguments, args: DFlashTrainingConfig) -> dict:
             say(f"[1/3] data: {len(records)} answers of {args.target_model} ({answered} tokens), features of layers "
                 f"{list(layer_ids)} in {data_dir} ({timings['responses_s']:.0f}s + {timings['features_s']:.0f}s)")
 
+    # The held-out prompts' answers, one prompt at a time as the measurement decodes them, and their features: the
+    # trainer's eval set, on which it counts the acceptance serving reaches.
+    _, held_out = load_prompts(recipe.dataset_name)
+    held_out = held_out[: recipe.eval_prompts]
+    eval_features = data_dir / "eval_features"
+    with state.main_process_first():
+        if state.is_main_process:
+            with main_process_threads(recipe.main_process_threads):
+                eval_records = generate_responses(target, tokenizer, held_out, data_dir / EVAL_RESPONSES,
+                                                  max_tokens=recipe.eval_max_new_tokens, batch_size=1)
+                capture_features(target, eval_records, layer_ids=layer_ids, out_dir=eval_features,
+                                 batch_size=max(1, recipe.generation_batch_size // 4), target_id=args.target_model,
+                                 progress=not args.disable_tqdm)
+
     # 3. Training: every process, each reading its own context rows.
     torch.manual_seed(args.seed)
     drafter = DFlash2DraftModel.from_target(target, init=recipe.drafter_init, num_hidden_layers=recipe.drafter_layers,
                                             target_layer_ids=layer_ids, block_size=recipe.drafter_block_size,
                                             selector_rank=recipe.selector_rank)
-    trainer = DFlashTrainer(drafter, args, train_dataset=str(features), processing_class=tokenizer,
+    if recipe.eval_speculative_tokens and args.eval_num_speculative_tokens is None:
+        args.eval_num_speculative_tokens = recipe.eval_speculative_tokens[0]  # the headline count, as measured
+    trainer = DFlashTrainer(drafter, args, train_dataset=str(features), eval_dataset=str(eval_features),
+                            processing_class=tokenizer,
                             target=args.target_model)  # embedding and head only: every rank binds the same heads
     plugin = trainer.plugin
     say(f"[2/3] training a {recipe.drafter_layers}-layer DFlash2 drafter (block {recipe.drafter_block_size}, "
@@ -310,15 +334,20 @@ def main(recipe: DFlashRecipeArguments, args: DFlashTrainingConfig) -> dict:
                "parallel": {"world": plugin.world_size, "P": plugin.block_parallel_size, "mode": str(plugin.mode)}}
     say(f"      {steps} steps in {timings['train_s']:.0f}s ({results['seconds_per_step']:.2f}s/step), "
         f"mean loss {result.training_loss:.3f}")
+    tick = time.perf_counter()
+    evaluated = trainer.served_acceptance()  # every process replays its share of the held-out records
+    timings["eval_acceptance_s"] = time.perf_counter() - tick
+    results["acceptance"] = {"training_eval": evaluated.acceptance_length,
+                             "verification_steps": evaluated.verification_steps,
+                             "num_speculative_tokens": args.eval_num_speculative_tokens or recipe.drafter_block_size - 1}
 
     # 4. The measurement, on the main process, with the whole target bound.
     if state.is_main_process:
-        _, held_out = load_prompts(recipe.dataset_name)
         drafter.bind_target(target)
         tick = time.perf_counter()
         with main_process_threads(recipe.main_process_threads):
-            sweep = measure(target, drafter, tokenizer, held_out[: recipe.eval_prompts],
-                            max_new_tokens=recipe.eval_max_new_tokens, speculative_tokens=recipe.eval_speculative_tokens)
+            sweep = measure(target, drafter, tokenizer, held_out, max_new_tokens=recipe.eval_max_new_tokens,
+                            speculative_tokens=recipe.eval_speculative_tokens)
         timings["measure_s"] = time.perf_counter() - tick
         results["speculative"], results["speculative_sweep"] = sweep[0], sweep
         spec = sweep[0]
@@ -328,7 +357,12 @@ def main(recipe: DFlashRecipeArguments, args: DFlashTrainingConfig) -> dict:
             say(f"      {row['num_speculative_tokens']} proposals per forward (block {row['block_size']}): acceptance "
                 f"length {row['acceptance_length']:.2f}, {row['speculative_tokens_per_s']:.1f} tokens/s "
                 f"({row['speedup']:.2f}x)")
-        trainer.model_card_info["results"] = {"acceptance_length": round(spec["acceptance_length"], 3)}
+        results["acceptance"]["served"] = spec["acceptance_length"]
+        say(f"      acceptance length on the held-out prompts: {evaluated.acceptance_length:.3f} by the training eval "
+            f"(captured features), {spec['acceptance_length']:.3f} decoded")
+        trainer.model_card_info["results"] = {"acceptance_length": round(spec["acceptance_length"], 3),
+                                              "eval_acceptance_length": round(evaluated.acceptance_length, 3),
+                                              "eval_verification_steps": evaluated.verification_steps}
     state.wait_for_everyone()
     trainer.save_model(args.output_dir)
     if state.is_main_process:

@@ -139,9 +139,9 @@ def test_speculative_generate_alone_equals_greedy_generate(family):
     sequences, stats = speculative_generate(target, drafter, ids, max_new_tokens=13)
     assert torch.equal(sequences, greedy(target, ids, max_new_tokens=13))
     assert 1.0 <= stats.mean_acceptance_length <= BLOCK
-    # The prefill yields 1 token, each verification its acceptance length (the last one possibly cut by the budget).
+    # The prefill yields 1 token, each verification the tokens it commits (its acceptance length).
     steps = stats.target_forwards - 1
-    assert 12 <= stats.mean_acceptance_length * steps < 12 + BLOCK
+    assert stats.mean_acceptance_length * steps == pytest.approx(12)
     assert stats.generated_tokens == 13 and 1 <= stats.draft_forwards <= steps and stats.wall_time_s > 0
 
 
@@ -327,6 +327,23 @@ def test_budget_caps_the_last_block(monkeypatch):
     assert torch.equal(out, reference[:, :ids.shape[1] + n])
     assert stats.target_forwards == 3 and stats.generated_tokens == n
     assert stats.mean_acceptance_length == (BLOCK + 2) / 2
+
+
+def test_acceptance_counts_only_the_tokens_a_row_returns(monkeypatch):
+    """A perfect drafter's block that crosses the row's EOS counts the tokens up to the EOS, not the whole block (the
+    server's and the trainer's eval's rule, `AcceptanceCounts`)."""
+    target = tiny_target()
+    ids = prompts()[1][None]
+    free = greedy(target, ids, max_new_tokens=1 + 2 * BLOCK)[0, ids.shape[1]:].tolist()
+    # EOS: a token first written among the second verification's proposals (generated positions B + 1 .. 2B - 1; the
+    # prefill wrote position 0, the first verification 1 .. B), so that a block of B is cut to position - B tokens.
+    position = next(p for p in range(BLOCK + 1, 2 * BLOCK) if free[p] not in free[:p])
+    oracle_proposals(monkeypatch, [torch.cat([ids[0], torch.tensor(free)])])
+    out, stats = speculative_generate(target, tiny_drafter(target), ids, max_new_tokens=1 + 2 * BLOCK,
+                                      eos_token_id=free[position], pad_token_id=0)
+    assert out[0, ids.shape[1]:].tolist() == free[:position + 1]
+    # The prefill's token, a whole block (B), then the block cut after its EOS (position - B): position tokens in 2.
+    assert stats.target_forwards == 3 and stats.mean_acceptance_length == position / 2
 
 
 @pytest.mark.parametrize("count", [1, 2])

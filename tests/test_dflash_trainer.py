@@ -365,4 +365,9 @@ def test_the_recipe_answers_captures_trains_measures_and_saves_for_a_tiny_target
     assert 1.0 <= sweep[1]["acceptance_length"] <= 2 and sweep[1]["new_tokens"] == 2 * 8
     assert json.loads((out / "dflash_results.json").read_text())["speculative"] == spec
     assert len((out / "data" / "responses.jsonl").read_text().splitlines()) == 6
+    # The training eval's acceptance on the held-out answers' capture is the decoded one (at the headline count).
+    assert len((out / "data" / "eval_responses.jsonl").read_text().splitlines()) == 2
+    acceptance = results["acceptance"]
+    assert acceptance["num_speculative_tokens"] == 3 and acceptance["verification_steps"] > 0
+    assert acceptance["training_eval"] == pytest.approx(spec["acceptance_length"], rel=1e-12)
     assert check_serving_inventory(out)["block_size"] == 4

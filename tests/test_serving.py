@@ -76,6 +76,7 @@ def test_chat_completion_returns_text_and_usage(client, engine):
     prompt_ids = engine.chat_prompt(PROMPT)
     assert out.usage.prompt_tokens == len(prompt_ids)
     assert out.usage.completion_tokens == 12 and out.usage.total_tokens == len(prompt_ids) + 12
+    assert not out.usage.model_extra  # OpenAI's three counts; a drafter's acceptance only with --draft
 
 
 def test_streaming_sends_one_chunk_per_decoded_block_and_the_same_text(client):

@@ -1,6 +1,7 @@
 """What a model family implements and how the rest of hf_bdlm finds one: the bottom of the package.
 
-- ``family.py``: `ModelFamily`, the serving decoder (`ServingDecoder`) and lm-eval's likelihood scorer;
+- ``family.py``: `ModelFamily`, the serving decoder (`ServingDecoder`), speculative decoding's `AcceptanceCounts` and
+  lm-eval's likelihood scorer;
 - ``step.py``: `TrainingStep`, the training step of a family whose objective drives its model's parts itself;
 - ``card_parts.py``: what every family's model card shares;
 - ``registry.py``: the registry, one line per family naming the module of its `ModelFamily` subclass, imported on

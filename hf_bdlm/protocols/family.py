@@ -179,10 +179,14 @@ class ServingDecoder:
     Attributes:
         model: the model (in eval mode).
         context_length (`int`): most tokens (prompt + completion) the model takes.
+        speculative (`bool`): the decoder is greedy speculative decoding: a row's first block is the prefill's
+            token, and each later block is what one target forward, verifying drafted tokens, committed. The server
+            then counts each row's acceptance (:class:`AcceptanceCounts`) and reports it in the usage.
     """
 
     model: Any
     context_length: int
+    speculative: ClassVar[bool] = False
 
     def settings(self, request, prompt_len: int, max_tokens: int):
         """The settings of one request (the checkpoint's generation config + the fields the request sets, the
@@ -217,6 +221,48 @@ class ServingDecoder:
         other the family runs (a drafter, an encoder). ``hf-bdlm bench --only decoding`` counts their calls and rows
         and times them, for its cost model."""
         return {"model": self.model}
+
+
+@dataclass
+class AcceptanceCounts:
+    """The acceptance of greedy speculative decoding, counted one way wherever it is measured: by the server per
+    request (``hf-bdlm serve --draft``, in the usage and ``/health``) and by a drafter's trainer on held-out data
+    (its eval replays the verification steps serving would run).
+
+    A verification step is one target forward after the prefill, for one request; it commits ``n >= 1`` tokens
+    (the proposals it accepted, then the target's own token), cut where the request ends (its EOS or its token
+    budget): only tokens the request returns count.
+
+    Attributes:
+        verification_steps (`int`): verification steps.
+        accepted_tokens (`int`): committed tokens beyond each step's first (accepted proposals).
+    """
+
+    verification_steps: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, committed: int) -> None:
+        """Count one verification step that committed ``committed`` tokens (>= 1)."""
+        if committed < 1:
+            raise ValueError(f"a verification step commits at least one token (the target's own), got {committed}.")
+        self.verification_steps += 1
+        self.accepted_tokens += committed - 1
+
+    def merge(self, other: "AcceptanceCounts") -> None:
+        """Add the counts of ``other`` (another request, another rank's share)."""
+        self.verification_steps += other.verification_steps
+        self.accepted_tokens += other.accepted_tokens
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per verification step, in ``[1, B]`` (0.0 before any step): ``1 + accepted /
+        steps``, the acceptance length vLLM and SGLang report."""
+        steps = self.verification_steps
+        return (steps + self.accepted_tokens) / steps if steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"verification_steps": self.verification_steps, "accepted_tokens": self.accepted_tokens,
+                "acceptance_length": self.acceptance_length}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions` (plain JSON or
 SSE streaming with one chunk per decoded block; the prompt as text or token ids), the tokenizer routes vLLM serves
 (`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`: lm-eval's local-completions tokenizes through them by
-default), `GET /health` (no key needed; scheduler counters). Every error is
+default), `GET /health` (no key needed; scheduler counters; with a drafter, the acceptance of every request served:
+the verification steps, accepted tokens and acceptance length, also in each response's `usage.speculative`). Every error is
 OpenAI's JSON error shape; bad input is a 4xx, and a failure inside generation is a 500 for that request only.
 Chat `tools` go to the chat template when it renders them (a 400 otherwise) and the answer's tool-call text comes
 back as `tool_calls` (hf_bdlm/serving/tools.py); streamed, the calls arrive whole in the last chunks.
@@ -29,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..protocols.family import AcceptanceCounts
 from . import protocol, tools
 from .config import ServerConfig
 from .engine import Engine
@@ -193,7 +195,8 @@ def _add_info_routes(app: FastAPI, engine: Engine, scheduler: BatchScheduler, cr
         return {"status": "ok", "model": engine.name, "queued": scheduler.queued, "running": scheduler.running,
                 "batches": stats.batches, "requests": stats.jobs, "largest_batch": stats.largest_batch,
                 "mean_batch": round(stats.mean_batch, 3), "rejected": stats.rejected, "cancelled": stats.cancelled,
-                "failed_batches": stats.failed_batches}
+                "failed_batches": stats.failed_batches,
+                **({"speculative": engine.acceptance.as_dict()} if engine.acceptance is not None else {})}
 
     @app.get("/v1/models")
     async def list_models():
@@ -233,8 +236,7 @@ def _add_chat_route(app: FastAPI, engine: Engine, scheduler: BatchScheduler, con
             if parsed:
                 parsed = parsed if req.parallel_tool_calls else parsed[:1]
                 tool_calls, finish = [c.to_openai() for c in parsed], "tool_calls"
-        return protocol.chat_response(rid, engine.name, text, finish, len(job.prompt_ids), job.completion_tokens,
-                                      tool_calls)
+        return protocol.chat_response(rid, engine.name, text, finish, _usage(engine, [job]), tool_calls)
 
 
 def _add_completion_route(app: FastAPI, engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> None:
@@ -264,8 +266,7 @@ def _add_completion_route(app: FastAPI, engine: Engine, scheduler: BatchSchedule
                 if not job.finished:
                     job.cancelled.set()
         choices = [((p if req.echo else "") + text, finish) for p, (text, finish) in zip(texts, results)]
-        return protocol.completion_response(rid, engine.name, choices, sum(len(j.prompt_ids) for j in jobs),
-                                            sum(j.completion_tokens for j in jobs))
+        return protocol.completion_response(rid, engine.name, choices, _usage(engine, jobs))
 
 
 def _add_tokenizer_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None:
@@ -367,8 +368,7 @@ async def _chat_events(engine: Engine, job: Job, rid: str, include_usage: bool,
             finish = "tool_calls" if parsed else finish
         yield protocol.chat_chunk(rid, engine.name, {}, finish=finish)
     if include_usage:
-        yield protocol.chat_chunk(rid, engine.name, {}, usage_=protocol.usage(len(job.prompt_ids),
-                                                                               job.completion_tokens))
+        yield protocol.chat_chunk(rid, engine.name, {}, usage_=_usage(engine, [job]))
 
 
 async def _completion_events(engine: Engine, job: Job, rid: str, include_usage: bool,
@@ -382,8 +382,18 @@ async def _completion_events(engine: Engine, job: Job, rid: str, include_usage: 
         else:
             yield protocol.completion_chunk(rid, engine.name, "", finish=payload)
     if include_usage:
-        yield protocol.completion_chunk(rid, engine.name, "", usage_=protocol.usage(len(job.prompt_ids),
-                                                                                     job.completion_tokens))
+        yield protocol.completion_chunk(rid, engine.name, "", usage_=_usage(engine, [job]))
+
+
+def _usage(engine: Engine, jobs: list[Job]) -> dict:
+    """The usage of finished `jobs` (one request's prompts), with a speculative decoder's acceptance over them."""
+    speculative = None
+    if engine.acceptance is not None:
+        counts = AcceptanceCounts()
+        for job in jobs:
+            counts.merge(job.acceptance)
+        speculative = counts.as_dict()
+    return protocol.usage(sum(len(j.prompt_ids) for j in jobs), sum(j.completion_tokens for j in jobs), speculative)
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:

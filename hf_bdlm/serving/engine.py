@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..protocols.family import AcceptanceCounts
 from .protocol import APIError
 from .scheduler import Job, TextStream
 
@@ -32,6 +33,10 @@ class Engine:
         tokenizer: its tokenizer; chat requests need a chat template.
         name (`str`): the model id clients must send.
         decoder ([`ServingDecoder`], *optional*): how to decode; defaults to the model's family's.
+
+    Attributes:
+        acceptance ([`AcceptanceCounts`] or `None`): a speculative decoder's acceptance over every request served
+            so far (`GET /health` reports it; each job counts its own); `None` for other decoders.
     """
 
     def __init__(self, model, tokenizer, name: str, decoder=None):
@@ -48,6 +53,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name
         self.context_length = decoder.context_length
+        self.acceptance = AcceptanceCounts() if decoder.speculative else None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, name: str | None = None, dtype: torch.dtype | None = None,
@@ -186,6 +192,11 @@ class Engine:
                     stop.add(row)
                     continue
                 ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+                if self.acceptance is not None and job.completion_tokens and ids:
+                    # A speculative decoder's blocks after a row's first (the prefill's token): one verification
+                    # step each, committing these tokens.
+                    job.acceptance.add(len(ids))
+                    self.acceptance.add(len(ids))
                 job.completion_tokens += len(ids)
                 delta, stopped = job.stream.add(ids)
                 if delta:

@@ -232,12 +232,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, speculative: dict | None = None) -> dict:
+    """OpenAI's usage object; with ``speculative`` (a speculative decoder's ``AcceptanceCounts.as_dict()``), also
+    ``usage["speculative"]``: the request's verification steps, accepted tokens and acceptance length."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if speculative is not None:
+        out["speculative"] = speculative
+    return out
 
 
-def chat_response(rid: str, model: str, text: str | None, finish: str, prompt_tokens: int, completion_tokens: int,
+def chat_response(rid: str, model: str, text: str | None, finish: str, usage_: dict,
                   tool_calls: list[dict] | None = None) -> dict:
     message = {"role": "assistant", "content": text}
     if tool_calls:
@@ -245,7 +250,7 @@ def chat_response(rid: str, model: str, text: str | None, finish: str, prompt_to
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage_,
     }
 
 
@@ -257,13 +262,12 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, usa
     return chunk
 
 
-def completion_response(rid: str, model: str, choices: list[tuple[str, str]], prompt_tokens: int,
-                        completion_tokens: int) -> dict:
+def completion_response(rid: str, model: str, choices: list[tuple[str, str]], usage_: dict) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
                     for i, (text, finish) in enumerate(choices)],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage_,
     }
 
 

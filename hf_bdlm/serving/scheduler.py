@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocols.family import AcceptanceCounts
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,7 +77,8 @@ class Job:
 
     `batch_key` groups jobs that may share a batch (``ServingDecoder.batch_key``).
     Events for the client go to `events` on `loop`: `("text", str)`, `("done", finish_reason)`, `("error", str)`,
-    `("unavailable", str)` (the server stopped before the job's end).
+    `("unavailable", str)` (the server stopped before the job's end). `acceptance` counts the verification steps of a
+    speculative decoder (``ServingDecoder.speculative``), block by block.
     """
 
     prompt_ids: list[int]
@@ -88,6 +91,7 @@ class Job:
     events: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     completion_tokens: int = 0
+    acceptance: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     finish_reason: str | None = None
     submitted: float = field(default_factory=time.perf_counter)
 

@@ -9,6 +9,7 @@ states, proposes a block of next tokens in one forward; the target verifies the 
 - :mod:`.trainer`, :mod:`.trainer_config`: `DFlashTrainer` (`BDLMSFTTrainer`'s machinery over captured features);
 - :mod:`.capture`: the frozen target's features written once, read by token range;
 - :mod:`.speculative`: lossless greedy decoding with a drafter (transformers' assisted generation, a batched loop);
+- :mod:`.acceptance`: the acceptance serving reaches, replayed on held-out captured features (the trainer's eval);
 - :mod:`.export`: the serving folder, its inventory check, ``push_to_hub``; :mod:`.cli`: ``hf-bdlm dflash``.
 
     from hf_bdlm.models.dflash import DFlash2DraftModel, speculative_generate
@@ -26,7 +27,7 @@ _EXPORTS = {
     "DFlashShardPlan": "sharded", "sharded_draft_forward": "sharded",
     "DFlashTrainer": "trainer", "DFlashTrainingConfig": "trainer_config",
     "SpeculativeStats": "speculative", "dflash_assisted_decoding": "speculative",
-    "speculative_generate": "speculative",
+    "speculative_generate": "speculative", "replay_acceptance": "acceptance",
 }
 __all__ = sorted(_EXPORTS)
 

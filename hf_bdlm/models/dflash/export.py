@@ -329,6 +329,8 @@ TRAINING_LABELS = {
     "objective": "Objective",
     "learning_rate": "Learning rate",
     "acceptance_length": "Mean acceptance length",
+    "eval_acceptance_length": "Held-out acceptance length (greedy, counted as served)",
+    "eval_verification_steps": "Held-out verification steps",
     "features": "Target features",
 }
 

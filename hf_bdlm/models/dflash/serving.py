@@ -7,6 +7,9 @@ before it, so a completion is token for token ``target.generate(prompt_ids, do_s
 alone or batched. ``--num-speculative-tokens N`` verifies the first ``N`` proposals of each drafted block (default
 ``B - 1``). Sampling is refused (``temperature`` above 0, ``top_p`` below 1): serve without ``--draft`` to
 sample. The diffusion fields (``steps_per_block``, ``confidence_threshold``) do not apply and are refused too.
+A row's first block is the prefill's token and each later one what a verification forward committed, so the server
+counts each request's acceptance (``usage.speculative``, ``/health``): the number `DFlashTrainer`'s eval replays
+on held-out captured features (:mod:`.acceptance`).
 
     engine = Engine.from_pretrained("path/to/causal-lm", draft="runs/drafter")   # what serve --draft builds
 """
@@ -29,7 +32,10 @@ class SpeculativeSettings:
 
 
 class SpeculativeServingDecoder(ServingDecoder):
-    """Serves a causal LM ``target`` with greedy speculative decoding through ``drafter`` (module docstring)."""
+    """Serves a causal LM ``target`` with greedy speculative decoding through ``drafter`` (module docstring). Each
+    block after a request's first is one verification forward: the server counts its acceptance from them."""
+
+    speculative = True
 
     def __init__(self, target, drafter, tokenizer=None, num_speculative_tokens: int | None = None):
         from .speculative import check_drafter_for_target, speculative_token_count

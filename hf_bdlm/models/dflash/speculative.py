@@ -339,9 +339,10 @@ class SpeculativeStats:
     Attributes:
         target_forwards (`int`): target forwards, the prefill included (each runs the whole batch).
         draft_forwards (`int`): drafter forwards (each drafts one block for every row).
-        mean_acceptance_length (`float`): tokens the target kept per verification forward and row, averaged over
-            the (forward, unfinished row) pairs: accepted proposals + the target's own token, in ``[1, B]``
-            (counted before an EOS or the token budget cuts a block short; 0.0 when nothing was verified).
+        mean_acceptance_length (`float`): tokens committed per verification forward and row, averaged over the
+            (forward, unfinished row) pairs: accepted proposals + the target's own token, in ``[1, B]``, cut where
+            the row ends (its EOS, its token budget), as the server and `DFlashTrainer`'s eval count it
+            (``AcceptanceCounts``; 0.0 when nothing was verified).
         generated_tokens (`int`): new tokens over all rows (EOS included, padding excluded).
         wall_time_s (`float`): seconds for the whole call.
     """
@@ -552,13 +553,14 @@ class SpeculativeSession:
         choice = out.logits.argmax(dim=-1)                                      # the target's token after each slot
         accepted = (proposals == choice[:, :k]).long().cumprod(dim=1).sum(dim=1)
         keep = accepted + 1                               # accepted proposals + the target's own token
-        self.accepted_sum += keep.masked_fill(finished, 0).sum()
-        self.accepted_count += (~finished).sum()
         # Cut at the token budget and after the first EOS; finished rows keep nothing.
         keep = torch.minimum(keep, max_new_tokens - self.generated)
         is_eos = torch.isin(choice, self.eos) & (offsets[None] < keep[:, None])
         ends = is_eos.any(1)
         keep = torch.where(ends, is_eos.long().argmax(1) + 1, keep).masked_fill(finished, 0)
+        # Acceptance counts what each row commits (AcceptanceCounts: the server's and the trainer's eval's rule).
+        self.accepted_sum += keep.sum()
+        self.accepted_count += (~finished).sum()
         self.finished = finished | ends | (self.generated + keep >= max_new_tokens)
 
         # Slots 0 .. keep-1 ran the anchor and the accepted proposals: their K/V and features are context now; the

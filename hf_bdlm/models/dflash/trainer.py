@@ -14,6 +14,10 @@ What differs from SFT, each in one place:
   up to the loss of the whole optimizer step: ``"ce"`` / ``"kl"`` the mean over every sequence of the step,
   ``"dpace"`` the D-PACE-normalised loss of each micro-batch (its weight totals summed over every rank holding a
   distinct share), averaged over the step's micro-batches;
+- **evaluation**: besides the loss at the objective's anchors, the acceptance `hf-bdlm serve --draft` would count on
+  the eval records (:meth:`DFlashTrainer.served_acceptance`, ``eval_acceptance_length``): greedy speculative decoding
+  replayed from each record's prompt over its answer, with the server's anchors, proposals and counting
+  (:mod:`.acceptance`);
 - **saving**: the drafter's folder (its own tensors only: ``DFlash2DraftModel.from_pretrained`` loads it, ``hf-bdlm
   dflash export`` and vLLM / SGLang take it, with its ``training_export.json`` and card), and the objective's state
   in each checkpoint (``dflash_objective.json``), restored on resume.
@@ -48,10 +52,13 @@ from transformers import TrainingArguments
 
 from ...objectives.base import supervised_mask
 from ...objectives.noise import hash_uniform
+from ...protocols.family import AcceptanceCounts
 from ...protocols.step import unwrap_model
 from ...trainer.collator import SAMPLE_ID_COLUMN, round_up
 from ...trainer.trainer import BDLMSFTTrainer
+from .acceptance import replay_acceptance, served_requests
 from .capture import FeatureStore
+from .speculative import speculative_token_count
 from .target import TargetHeads, load_target_heads, resolve_target_path
 from .objective import (
     DFlashBatch,
@@ -513,7 +520,8 @@ class DFlashTrainer(BDLMSFTTrainer):
         train_dataset ([`FeatureStore`], `str` or `os.PathLike`, *optional*):
             The captured features (a store or its folder); defaults to `args.features_dir`.
         eval_dataset ([`FeatureStore`], `str` or `os.PathLike`, *optional*):
-            Held-out captured features.
+            Held-out captured features; defaults to `args.eval_features_dir`. Evaluation logs the loss and, with
+            `args.eval_acceptance`, the served acceptance on them (:meth:`served_acceptance`).
         processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
             The target's tokenizer (saved beside the drafter); defaults to the target folder's.
         target ([`~transformers.PreTrainedModel`] or `str`, *optional*):
@@ -545,8 +553,11 @@ class DFlashTrainer(BDLMSFTTrainer):
         if source is None:
             raise ValueError("no training features: pass train_dataset (a FeatureStore or a capture folder) or set "
                              "features_dir (capture them with `hf-bdlm dflash capture` or capture_features).")
+        if eval_dataset is None:
+            eval_dataset = args.eval_features_dir
         stores = [_as_store(source, "train")] + ([_as_store(eval_dataset, "eval")] if eval_dataset is not None else [])
         drafter, heads, target_name = _bound_drafter(model, target, args)
+        speculative_token_count(args.eval_num_speculative_tokens, int(drafter.config.block_size))  # before any work
         if processing_class is None:
             processing_class = _target_tokenizer(target_name, args.target_revision)
         for store in stores:
@@ -601,6 +612,58 @@ class DFlashTrainer(BDLMSFTTrainer):
         total = self.state.max_steps if self.model.training else None
         return self.objective.corrupt(batch, seed=self.objective.seed, step=step, total_steps=total)
 
+    # --- evaluation ------------------------------------------------------------------------------------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """The eval batches' loss (at the objective's anchors), then with ``eval_acceptance`` the served acceptance
+        on the same records (:meth:`served_acceptance`): ``{prefix}_acceptance_length`` and
+        ``{prefix}_verification_steps``, logged with the loss (``trainer_state.json``, the drafter's card)."""
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if self.args.eval_acceptance:
+            counts = self.served_acceptance(dataloader.dataset)
+            output.metrics[f"{metric_key_prefix}_acceptance_length"] = counts.acceptance_length
+            output.metrics[f"{metric_key_prefix}_verification_steps"] = counts.verification_steps
+        return output
+
+    @torch.no_grad()
+    def served_acceptance(self, dataset: datasets.Dataset | None = None) -> AcceptanceCounts:
+        """The acceptance ``hf-bdlm serve --draft`` would count on the records of ``dataset`` (default: the eval
+        set), each request being a record's prompt and its answer as the target's greedy completion
+        (:func:`~.acceptance.served_requests`, :func:`~.acceptance.replay_acceptance`), verifying
+        ``args.eval_num_speculative_tokens`` proposals per step.
+
+        Every process replays its share of the records (every ``world``-th), ``per_device_eval_batch_size``
+        requests per drafter forward, and the counts are summed over the world (a collective: every process calls
+        it). It equals the server's count where the records are the target's own greedy answers (self-distilled).
+        """
+        dataset = self.eval_dataset if dataset is None else dataset
+        if dataset is None:
+            raise ValueError("served_acceptance needs eval records: pass eval_dataset or set eval_features_dir.")
+        drafter = unwrap_model(self.model)
+        world, rank = self.plugin.world_size, self.args.process_index
+        requests = []  # (store, record, input ids, start, stop): features are read batch by batch
+        for row in range(rank, len(dataset), world):
+            example = dataset[row]
+            ids = torch.as_tensor(example["input_ids"])
+            store = self.feature_stores[int(example[STORE_COLUMN])]
+            for start, stop in served_requests(ids, torch.as_tensor(example["completion_mask"])):
+                requests.append((store, int(example[RECORD_COLUMN]), ids, start, stop))
+        counts = AcceptanceCounts()
+        size = max(1, int(self.args.per_device_eval_batch_size))
+        training = drafter.training
+        drafter.eval()
+        try:
+            for first in range(0, len(requests), size):
+                batch = [(ids, store.features(record, 0, stop - 1), start, stop)
+                         for store, record, ids, start, stop in requests[first:first + size]]
+                for part in replay_acceptance(drafter, batch, self.args.eval_num_speculative_tokens):
+                    counts.merge(part)
+        finally:
+            drafter.train(training)
+        total = self.plugin.sum_over_world(torch.tensor([counts.verification_steps, counts.accepted_tokens],
+                                                        dtype=torch.long, device=self.args.device))
+        return AcceptanceCounts(int(total[0]), int(total[1]))
+
     # --- checkpoints -----------------------------------------------------------------------------------------------
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         # Inside the checkpoint's atomic save (hf_bdlm/trainer/checkpoints.py): committed with the rest, or not at all.
@@ -635,10 +698,13 @@ class DFlashTrainer(BDLMSFTTrainer):
             tensor_count = len(list(f.keys()))
         info = self.model_card_metadata()
         last = info.get("metrics", {})
+        evaluated = next((h for h in reversed(self.state.log_history) if "eval_acceptance_length" in h), {})
         training = {"dataset": info.get("dataset"), "steps": self.state.global_step, "loss": last.get("loss"),
                     "objective": f"dflash ({self.objective.config.loss})",
                     "learning_rate": self.args.learning_rate,
                     "features": f"layers {list(self.feature_stores[0].layer_ids)} of {self.target_name}",
+                    "eval_acceptance_length": (round(evaluated["eval_acceptance_length"], 3) if evaluated else None),
+                    "eval_verification_steps": evaluated.get("eval_verification_steps"),
                     **{k: v for k, v in self.model_card_info.get("results", {}).items()}}
         config = json.loads((root / "config.json").read_text())
         provenance = {

@@ -44,6 +44,10 @@ class DFlashTrainingConfig(BDLMSFTConfig):
         features_dir (`str`, *optional*):
             A folder of captured target features (`hf-bdlm dflash capture`, `capture_features`): the training data
             when `train_dataset` is not given.
+        eval_features_dir (`str`, *optional*):
+            A folder of captured features of held-out records: the eval data when `eval_dataset` is not given. For
+            `eval_acceptance_length` to be the acceptance `hf-bdlm serve --draft` reaches, capture the target's own
+            greedy answers to held-out prompts (as `recipes/dflash.py` does).
         verify_features (`str`, defaults to `"size"`):
             What the trainer checks of each captured record against the capture's manifest before training: `"size"`
             (present and of its recorded size: a copy cut short; costs nothing) or `"sha256"` (also its sha256:
@@ -78,6 +82,17 @@ class DFlashTrainingConfig(BDLMSFTConfig):
             Log `mean_token_accuracy`: how often the drafter's first choice is the label, over the supervised slots
             (one more projection of those rows on the vocabulary, without gradient).
 
+        > Served acceptance on the eval data
+
+        eval_acceptance (`bool`, defaults to `True`):
+            At each evaluation, also replay greedy speculative decoding over every eval record (its prompt, then its
+            answer as the target's greedy completion; `hf_bdlm.models.dflash.acceptance`) and log
+            `eval_acceptance_length` (tokens committed per verification step, counted as the server counts them) and
+            `eval_verification_steps`. One drafter forward per step over a batch of records, no gradient.
+        eval_num_speculative_tokens (`int`, *optional*):
+            Proposals verified per step in that replay, `1 .. block_size - 1` (`None`: `block_size - 1`, the
+            server's default; match `hf-bdlm serve --num-speculative-tokens`).
+
     Anchors: those of sequence `s` at optimizer step `t` are drawn by the objective from `(seed, s, t)` alone, so they
     do not depend on the data-parallel or block-parallel layout, on gradient accumulation, or on a resume.
     """
@@ -87,6 +102,8 @@ class DFlashTrainingConfig(BDLMSFTConfig):
     target_revision: str | None = field(default=None, metadata={"help": "The target's revision."})
     features_dir: str | None = field(default=None, metadata={"help": "Captured target features (hf-bdlm dflash "
                                                                      "capture): the training data."})
+    eval_features_dir: str | None = field(default=None, metadata={"help": "Captured features of held-out records: "
+                                                                          "the eval data."})
     verify_features: str = field(default="size", metadata={"help": "'size' or 'sha256': what the trainer checks "
                                                                    "of each captured record before training."})
     max_anchors: int = field(default=64, metadata={"help": "Anchors (draft blocks) per sequence and step."})
@@ -106,10 +123,19 @@ class DFlashTrainingConfig(BDLMSFTConfig):
                                                                           "drafter."})
     loss_chunk_rows: int = field(default=4096, metadata={"help": "Supervised rows per vocabulary projection."})
     draft_token_accuracy: bool = field(default=True, metadata={"help": "Log the drafter's token accuracy."})
+    eval_acceptance: bool = field(default=True, metadata={"help": "Log the served acceptance length on the eval "
+                                                                  "records (a replay of greedy speculative decoding)."})
+    eval_num_speculative_tokens: int | None = field(default=None, metadata={"help": "Proposals per verification step "
+                                                                                    "of that replay (default: B - 1)."})
 
     def __post_init__(self):
         if self.objective is None:
             self.objective = "dflash"
+        if self.eval_num_speculative_tokens is not None and (
+                isinstance(self.eval_num_speculative_tokens, bool) or not isinstance(self.eval_num_speculative_tokens, int)
+                or self.eval_num_speculative_tokens < 1):
+            raise ValueError(f"eval_num_speculative_tokens must be an integer >= 1 (at most the drafter's block size - "
+                             f"1), got {self.eval_num_speculative_tokens!r}; leave it unset for block_size - 1.")
         if self.verify_features not in ("size", "sha256"):
             raise ValueError(f"verify_features must be 'size' or 'sha256', got {self.verify_features!r}.")
         if isinstance(self.lk_loss_type, str) and self.lk_loss_type.lower() in ("none", "null", ""):
