@@ -4,11 +4,10 @@
 
 1. Rank 0 launches every case of :data:`KILLS` as its own torchrun launch of tests/distributed/dead_rank_worker.py
    (``--at-once`` of them at a time, default 2, the other rank waiting) and records for each: the launcher's exit
-   status and the seconds
-   from the kill to its exit, its failure summary, the survivors' own last error lines, which of the launch's
-   processes outlived it, and the checkpoints left. ``two_nodes`` cases start one torchrun agent per rank
-   (``--nnodes 2`` on this machine), as two nodes would: the agent of the survivor does not see the dead rank, the
-   survivor has to notice it itself.
+   status and the seconds from the kill to its exit, its failure summary, the survivors' own last error lines, which
+   of the launch's processes outlived it, and the checkpoints left. ``two_nodes`` cases start one torchrun agent per
+   rank (``--nnodes 2`` on this machine), as two nodes would: the agent of the survivor does not see the dead rank,
+   the survivor has to notice it itself.
 2. Both ranks then run, for each case of :data:`RESUMES`, the uninterrupted run and the resume of the killed run from
    its last complete checkpoint, on the same layout; rank 0 writes ``OUT/<case>/{resumed,uninterrupted}`` weights.
 
