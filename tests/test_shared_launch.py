@@ -1,9 +1,10 @@
 """The launches of the distributed tests (tests/torchrun.py).
 
 Shared launches: one launch per world size runs every declared job in order, a job's folder is handed out only once
-the job finished (from a launch in the background, while the jobs after it still run), and a failing job reports in its own tests while the jobs after it run in a fresh launch (torchrun
-itself is replaced by a fake that plays the jobs of a spec). A launch whose rank crashes in native code runs once
-more, with a warning; a second crash or a Python error fails (real torchrun launches)."""
+the job finished (from a launch in the background, while the jobs after it still run), and a failing job reports in
+its own tests while the jobs after it run in a fresh launch (torchrun itself is replaced by a fake that plays the jobs
+of a spec). A launch whose rank crashes in native code runs once more, with a warning; a second crash or a Python
+error fails (real torchrun launches)."""
 
 import json
 import threading
