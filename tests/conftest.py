@@ -9,17 +9,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Tiny models and masks: intra-op threads only add overhead (10x on a loaded 2-core machine).
 torch.set_num_threads(1)
 
-from torchrun import SharedJob, SharedLaunches  # noqa: E402
+from torchrun import SharedJob, SharedLaunches, in_background  # noqa: E402
 
 _SHARED_JOBS = pytest.StashKey[list]()
 
 
+def _shared_order(module) -> int:
+    """0: the module declares no shared job; 1: only jobs of launches that run in the background; 2: a job of a launch
+    that runs alone, in the foreground."""
+    jobs = getattr(module, "SHARED_JOBS", None) or ()
+    return 0 if not jobs else 1 if all(in_background(job.world) for job in jobs) else 2
+
+
 def pytest_collection_modifyitems(config, items):
-    """The shared launches run the ``SHARED_JOBS`` of the modules that have a selected test, in collection order; the
-    modules that declare them run last (each module's tests stay together and in order), so that the launches run in
-    the background while the other tests run (``shared_launch``)."""
-    declares = {item.module for item in items if getattr(getattr(item, "module", None), "SHARED_JOBS", None)}
-    items.sort(key=lambda item: getattr(item, "module", None) in declares)  # stable: the order within each group
+    """The shared launches run the ``SHARED_JOBS`` of the modules that have a selected test, in the order the modules
+    run; the modules that declare them run last (each module's tests stay together and in order), so that the launches
+    run in the background while the other tests run (``shared_launch``). Of those, the modules whose jobs all run in
+    the background go first: each reads its job as soon as it is done, while the launch goes on with the next; the
+    first module that needs the launch that runs alone waits for the background one to end."""
+    items.sort(key=lambda item: _shared_order(getattr(item, "module", None)))  # stable: the order within each group
     jobs: dict[tuple[int, str], SharedJob] = {}
     for module in dict.fromkeys(item.module for item in items if getattr(item, "module", None)):
         for job in getattr(module, "SHARED_JOBS", ()):

@@ -1,5 +1,7 @@
 """`hf-bdlm bench`: the power-law fit, tables and plots on synthetic records, the longest-context search with a fake
-probe, argument errors, and tiny real runs of the command (each measurement a torchrun launch)."""
+probe, argument errors, and tiny real runs of the command (each measurement a torchrun launch). The smallest run of
+the modes study (csbp at P = 2 beside the single process, L = 256) runs from the installed wheel in
+tests/test_installed_wheel.py, which checks its records and plots."""
 
 import json
 from pathlib import Path
@@ -248,41 +250,6 @@ def test_report_only_redraws_plots_and_markdown_from_the_json(tmp_path, capsys):
     assert "| csbp ring | 4 | 4096 |" in md and "| bp contiguous | 2 |" in md
     assert all(_is_png(tmp_path / n) for n in ("modes_tokens_per_s.png", "modes_comm_wait.png", "growth.png"))
     assert "--- summary.md ---" in capsys.readouterr().out
-
-
-@pytest.mark.distributed
-def test_tiny_bench_run_writes_the_planners_records_and_plots(tmp_path, capsys):
-    """The command end to end (through the main the console script calls, in this process: the console script
-    itself answers in tests/test_cli.py, the wheel's command runs this configuration in tests/test_installed_wheel.py):
-    L = 256, csbp (all-gather) at P = 2 and the single process, each measurement its own launch."""
-    out = tmp_path / "bench"
-    code = cli.main(["bench", "--only", "modes", "--lengths", "256", "--nprocs", "2", "--modes", "csbp", "--transports",
-                     "allgather", "--layers", "1", "--steps", "3", "--min-time", "0", "--no-calibrate", "--out",
-                     str(out)])
-    stdout, stderr = capsys.readouterr()
-    if code and (out / "parallel_modes.json").exists():  # the failed launch's own output, not its summary
-        failed = [r["error"] for r in json.loads((out / "parallel_modes.json").read_text()) if "error" in r]
-        pytest.fail("a measurement failed:\n" + "\n".join(failed) + stdout[-1000:])
-    assert code == 0, stdout[-2000:] + stderr[-2000:]
-    assert "[modes 2/2," in stdout
-    records = json.loads((out / "parallel_modes.json").read_text())
-    assert isinstance(records, list)
-    assert {(r["mode"], r["transport"]) for r in records} == {("single", None), ("csbp", "allgather")}
-    for r in records:
-        for key in ("mode", "transport", "schedule", "P", "C", "L", "layers", "window", "step_s", "tokens_per_s",
-                    "peak_mem_bytes", "bytes_per_step", "bytes_by_name", "comm_wait_s"):
-            assert key in r, key
-        assert r["L"] == 256 and r["step_s"] > 0 and r["peak_mem_bytes"] > 0
-        assert r["steps"] == len(r["step_times"]) == 3  # --steps 3 and no --min-time
-        assert r["step_spread"]["values"] == r["step_times"] and r["step_spread"]["median"] == r["step_s"]
-    gather = records[1]
-    # docs/design.md §3: csbp receives (C - 1) / C * 2 (K, V) * L * H_kv * d * 4 bytes per layer forward, as much
-    # backward.
-    assert gather["bytes_per_step"] == 2 * (1 / 2 * 2 * 256 * 2 * 32 * 4)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["studies"]["modes"]["failed"] == 0 and summary["machine"]["cpus"] >= 1
-    assert all(_is_png(out / n) for n in summary["plots"]) and len(summary["plots"]) == 4
-    assert "CSBP's speed-up over each mode" in (out / "summary.md").read_text()
 
 
 def test_report_of_a_study_where_everything_failed_lists_the_errors_without_plots(tmp_path):

@@ -17,27 +17,20 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_bdlm.benchmarks import decoding
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from tiny_bdlm import MASK, VOCAB, save_tiny_bdlm, tiny_tokenizer  # noqa: E402
+from tiny_bdlm import MASK, save_tiny_bdlm, save_tiny_target  # noqa: E402
 from tiny_diffusion_gemma import save_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     root = tmp_path_factory.mktemp("decoding")
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
-                                          bos_token_id=2, eos_token_id=3, pad_token_id=1))
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
+    target = save_tiny_target(root / "target")
     DFlash2DraftModel.from_target(target, init="target_layers", num_hidden_layers=1, block_size=4,
                                   mask_token_id=MASK).save_pretrained(root / "drafter")
     save_tiny_bdlm(root / "bdlm")

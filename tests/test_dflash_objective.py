@@ -388,7 +388,10 @@ def test_dpace_split_over_a_gloo_group_adds_up(tmp_path):
     whole = objective.loss(logits, batch).item()
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_gloo_rank, args=(2, str(tmp_path / "store"), results), nprocs=2, join=True)
+        # Forked, not spawned: a spawned rank imports torch and this module again (most of the test's time); the
+        # test process has no process group to inherit (tests/test_checkpoint_atomic.py forks its runs too).
+        mp.start_processes(_gloo_rank, args=(2, str(tmp_path / "store"), results), nprocs=2, join=True,
+                           start_method="fork")
         assert abs(results[0] + results[1] - whole) < 1e-12
 
 

@@ -3,8 +3,8 @@ rows, projects which of them, and drafts which anchors), the sharded forward in 
 peers), and the training steps of every mode on 2 and 4 gloo processes against one process: losses, weights, the
 bytes each rank receives and the context rows it projects (an all-sliding drafter projects only the rows in reach).
 
-The pure tests run in-process; the distributed ones launch torchrun (tests/distributed/dflash_worker.py, one launch per
-world size running every case).
+The pure tests run in-process; the distributed ones read the job of tests/distributed/dflash_worker.py in the shared
+launches of 2 and 4 processes (every case in each).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dflash_worker import BLOCK, DRAFTERS, LENGTH, MATRIX, WINDOW, objective_of,
 from hf_bdlm.models.dflash.modeling import draft_context_mask
 from hf_bdlm.models.dflash.objective import DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
 from hf_bdlm.models.dflash.sharded import DFlashShardPlan, balanced_bounds, context_bytes, sharded_draft_forward
-from torchrun import run_torchrun  # noqa: E402
+from torchrun import SharedJob  # noqa: E402
 
 MODES = ("cp", "bp", "csbp")
 
@@ -393,11 +393,14 @@ def test_forward_errors_name_the_bad_value_and_the_fix():
 TOLERANCE = {"float32": (2e-6, 1e-5), "float64": (1e-12, 1e-12)}
 
 
+SHARED_JOBS = [SharedJob("dflash_parallel", "dflash_worker.py", world, ("--out", "{out}/results.json"))
+               for world in (2, 4)]
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dflash_parallel") / "results.json"
-    run_torchrun("dflash_worker.py", request.param, "--out", str(out), timeout=600)
-    return request.param, json.loads(out.read_text())
+def results(request, shared_launch):
+    folder = shared_launch.folder("dflash_parallel", request.param)
+    return request.param, json.loads((folder / "results.json").read_text())
 
 
 @pytest.mark.distributed

@@ -1,6 +1,7 @@
 """recipes/dg_matched.py: the matched comparison of a tiny random DiffusionGemma, run whole under torchrun.
 
-One launch (2 processes, P = 2) trains csbp, the paper's CP baseline (cp-paper) and bp at the smallest settings: 4
+One job of the session's shared torchrun launch of 2 processes (tests/distributed/dg_matched_worker.py runs the
+recipe's main on its ranks, P = 2) trains csbp, the paper's CP baseline (cp-paper) and bp at the smallest settings: 4
 steps, checkpoints at 2 and 4, one offline SWE-bench task per checkpoint. The three compute the step with different
 arithmetic (which rows each rank holds, what travels, what bp recomputes), yet every layout computes the same loss:
 the records must show the same supervised tokens, the same initial held-out loss and the same losses step by step
@@ -12,19 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from torchrun import SharedJob
 
 pytest.importorskip("minisweagent", reason="the per-checkpoint evaluation needs mini-swe-agent (eval/dev extra)")
 pytest.importorskip("fastapi", reason="the per-checkpoint evaluation serves the model (serve extra)")
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "dg_matched.py"
 CONFIG = ROOT / "recipes" / "configs" / "dg_matched_cpu.yaml"
 # Float32 layouts of one loss: measured here within 8.9e-8 relative (cp-paper and bp against csbp, 4 steps; not
 # bitwise, as their arithmetic differs, where csbp and balanced cp were bitwise equal); the bound leaves room for
@@ -33,18 +32,18 @@ LOSS_RTOL = 1e-5
 LAYOUTS = ["csbp", "cp-paper", "bp"]
 
 
+# The recipe's main() on the 2 ranks of the session's shared launch (tests/distributed/dg_matched_worker.py).
+SHARED_JOBS = [SharedJob("dg_matched", "dg_matched_worker.py", 2, (
+    "--config", str(CONFIG), "--max_steps", "4", "--save_steps", "2", "--output_dir", "{out}/runs",
+    "--results_dir", "{out}/results", "--held_out_examples", "8", "--exact_match_examples", "2",
+    "--eval_tasks", "hf-bdlm__textkit-1", "--eval_max_tokens", "4", "--layouts", *LAYOUTS))]
+
+
 @pytest.fixture(scope="module")
-def record(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("dg_matched")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(RECIPE),
-           "--config", str(CONFIG), "--max_steps", "4", "--save_steps", "2", "--output_dir", str(out / "runs"),
-           "--results_dir", str(out / "results"), "--held_out_examples", "8", "--exact_match_examples", "2",
-           "--eval_tasks", "hf-bdlm__textkit-1", "--eval_max_tokens", "4", "--layouts", *LAYOUTS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, f"the recipe failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    data = json.loads((out / "results" / "dg_matched_records.json").read_text())
-    data["_results"] = out / "results"
+def record(shared_launch) -> dict:
+    results = shared_launch.folder("dg_matched", 2) / "results"
+    data = json.loads((results / "dg_matched_records.json").read_text())
+    data["_results"] = results
     return data
 
 

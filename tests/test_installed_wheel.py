@@ -384,7 +384,8 @@ def test_every_subcommand_answers_help(probe):
 @pytest.mark.distributed
 def test_bench_runs_its_smallest_configuration_from_the_wheel(site, work):
     """csbp (all-gather) at P = 2 under torchrun and the single process, L = 256, 1 layer, 3 steps (the fewest a timed
-    study takes)."""
+    study takes): the command end to end (the entry point's main; the console script itself answers in
+    tests/test_cli.py), each measurement its own launch, writing the planner's records and the plots."""
     out = work / "bench"
     proc = run_installed(site, work, "-m", "hf_bdlm.cli", "bench", "--only", "modes", "--lengths", "256",
                          "--nprocs", "2", "--modes", "csbp", "--transports", "allgather", "--layers", "1",
@@ -393,13 +394,28 @@ def test_bench_runs_its_smallest_configuration_from_the_wheel(site, work):
         failed = [r["error"] for r in json.loads((out / "parallel_modes.json").read_text()) if "error" in r]
         pytest.fail("a measurement failed:\n" + "\n".join(failed) + proc.stdout[-1000:])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "[modes 2/2," in proc.stdout
     records = json.loads((out / "parallel_modes.json").read_text())
+    assert isinstance(records, list)
     assert {(r["mode"], r["P"], r["L"]) for r in records} == {("single", 1, 256), ("csbp", 2, 256)}
-    assert all(r["step_s"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
+    assert {(r["mode"], r["transport"]) for r in records} == {("single", None), ("csbp", "allgather")}
+    for r in records:
+        for key in ("mode", "transport", "schedule", "P", "C", "L", "layers", "window", "step_s", "tokens_per_s",
+                    "peak_mem_bytes", "bytes_per_step", "bytes_by_name", "comm_wait_s"):
+            assert key in r, key
+        assert r["step_s"] > 0 and r["peak_mem_bytes"] > 0
+        assert r["steps"] == len(r["step_times"]) == 3  # --steps 3 and no --min-time
+        assert r["step_spread"]["values"] == r["step_times"] and r["step_spread"]["median"] == r["step_s"]
+    gather = next(r for r in records if r["mode"] == "csbp")
+    # docs/design.md §3: csbp receives (C - 1) / C * 2 (K, V) * L * H_kv * d * 4 bytes per layer forward, as much
+    # backward.
+    assert gather["bytes_per_step"] == 2 * (1 / 2 * 2 * 256 * 2 * 32 * 4)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["studies"]["modes"]["failed"] == 0 and len(summary["plots"]) == 4
-    assert all((out / name).stat().st_size > 5000 for name in summary["plots"])
-    assert (out / "summary.md").is_file()
+    assert summary["studies"]["modes"]["failed"] == 0 and summary["machine"]["cpus"] >= 1
+    assert len(summary["plots"]) == 4
+    assert all((out / name).stat().st_size > 5000 and (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+               for name in summary["plots"])
+    assert "CSBP's speed-up over each mode" in (out / "summary.md").read_text()
 
 
 def test_plan_validate_predicts_the_committed_records_from_the_wheel(site, work):

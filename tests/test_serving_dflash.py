@@ -22,15 +22,13 @@ import torch
 openai = pytest.importorskip("openai", reason="the serving tests need the openai client (dev extra)")
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
 from hf_bdlm.models.dflash.serving import SpeculativeServingDecoder  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, parse_request  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_bdlm import MASK, VOCAB, save_tiny_bdlm, tiny_tokenizer  # noqa: E402
+from tiny_bdlm import MASK, save_tiny_bdlm, save_tiny_target  # noqa: E402
 
 KEY = "test-key"
 EOS = 3
@@ -41,12 +39,7 @@ PROMPTS = [[{"role": "user", "content": " ".join(f"w{7 + (i * 5 + j) % 50}" for 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("speculative")
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
-                                          bos_token_id=2, eos_token_id=EOS, pad_token_id=1))
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
+    target = save_tiny_target(root / "target", num_hidden_layers=3)
     drafter = DFlash2DraftModel.from_target(target, init="target_layers", num_hidden_layers=1, block_size=4,
                                             mask_token_id=MASK)
     drafter.save_pretrained(root / "drafter")

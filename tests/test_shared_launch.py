@@ -1,11 +1,13 @@
 """The launches of the distributed tests (tests/torchrun.py).
 
 Shared launches: one launch per world size runs every declared job in order, a job's folder is handed out only once
-the job finished, and a failing job reports in its own tests while the jobs after it run in a fresh launch (torchrun
-itself is replaced by a fake that plays the jobs of a spec). A launch whose rank crashes in native code runs once
-more, with a warning; a second crash or a Python error fails (real torchrun launches)."""
+the job finished (from a launch in the background, while the jobs after it still run), and a failing job reports in
+its own tests while the jobs after it run in a fresh launch (torchrun itself is replaced by a fake that plays the jobs
+of a spec). A launch whose rank crashes in native code runs once more, with a warning; a second crash or a Python
+error fails (real torchrun launches)."""
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,25 @@ def test_a_failing_job_fails_its_tests_only_and_the_jobs_after_it_run_in_a_fresh
         with pytest.raises(AssertionError, match=f"failed in '{name}':\ntorchrun shared_launch.py failed: .* {name}"):
             shared.folder(name, 2)
     assert [names for _, _, names, _ in launches] == [["a", "fail_b", "c", "fail_d"], ["c", "fail_d"]]
+
+
+def test_a_background_launchs_job_is_handed_out_once_done_while_the_jobs_after_it_still_run(monkeypatch, tmp_path):
+    release = threading.Event()
+
+    def fake_run_torchrun(script, nproc, *args, timeout=600):
+        for job in json.loads(Path(args[args.index("--jobs") + 1]).read_text()):
+            if job["name"] == "b":
+                assert release.wait(60)  # b runs until the test has read a
+            Path(job["folder"]).mkdir(parents=True)
+            (Path(job["folder"]) / "DONE").touch()
+
+    monkeypatch.setattr(torchrun, "run_torchrun", fake_run_torchrun)
+    shared = SharedLaunches([SharedJob("a", "worker.py", 1), SharedJob("b", "worker.py", 1)], tmp_path)
+    shared.start_in_background()
+    assert shared.folder("a", 1) == tmp_path / "world1" / "a"
+    assert not (tmp_path / "world1" / "b").exists()  # the launch is still on b
+    release.set()
+    assert shared.folder("b", 1) == tmp_path / "world1" / "b"
 
 
 def test_a_job_no_module_declared_is_refused(launches, tmp_path):

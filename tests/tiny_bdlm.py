@@ -1,7 +1,8 @@
 """A tiny random block-diffusion checkpoint folder with a word-level tokenizer and a chat template, built offline.
 
 Used by the serving and evaluation tests: `save_tiny_bdlm(path)` writes weights, config, generation config and
-tokenizer; `hf_bdlm.serving.Engine.from_pretrained(path)` loads it like any checkpoint.
+tokenizer; `hf_bdlm.serving.Engine.from_pretrained(path)` loads it like any checkpoint. `save_tiny_target(path)` writes
+a tiny random causal Llama of the same vocabulary and tokenizer (a speculative decoder's target).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 
@@ -49,3 +50,16 @@ def save_tiny_bdlm(path: str | Path, context: int = CONTEXT) -> Path:
     tiny_bdlm(context=context).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def save_tiny_target(path: str | Path, num_hidden_layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random causal Llama (seeded ``seed``) of this vocabulary, saved to ``path`` with :func:`tiny_tokenizer`;
+    the model is returned (a drafter is made from it)."""
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=num_hidden_layers,
+                                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                          max_position_embeddings=CONTEXT, bos_token_id=2, eos_token_id=3,
+                                          pad_token_id=1))
+    target.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return target

@@ -90,6 +90,12 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> sub
     return proc
 
 
+def in_background(world: int) -> bool:
+    """Whether the shared launch of ``world`` processes runs in the background
+    (:meth:`SharedLaunches.start_in_background`): at most as many processes as the machine has cores."""
+    return world <= (os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class SharedJob:
     """A worker of tests/distributed/ run inside the shared launch of ``world`` processes.
@@ -139,7 +145,8 @@ class SharedLaunches:
                                              args=[a.replace("{out}", str(self._folder(j))) for a in j.args])
                                         for j in pending], indent=1))
             try:
-                self._run_torchrun("shared_launch.py", world, "--jobs", str(spec), timeout=sum(j.timeout for j in pending))
+                self._run_torchrun("shared_launch.py", world, "--jobs", str(spec),
+                                   timeout=sum(j.timeout for j in pending))
                 return
             except (AssertionError, subprocess.TimeoutExpired) as error:
                 done = [(self._folder(j) / "DONE").is_file() for j in pending]
@@ -157,12 +164,13 @@ class SharedLaunches:
 
         The test process runs one test at a time on one core; the launches' ranks use the other core meanwhile
         (tests/conftest.py orders the modules that read shared results last, so they rarely wait). ``folder`` waits
-        for the launch it needs; ``stop`` ends what still runs when the session ends early.
+        for the job it needs, not for the rest of its launch; ``stop`` ends what still runs when the session ends
+        early.
         """
         # A launch of more processes than cores would starve the test process and itself (measured on 2 cores with the
         # 4-process launch beside the tests: the suite 27 min, the gloo tests that ran meanwhile up to 6x slower); it
         # runs when its tests ask for it, alone.
-        worlds = [w for w in dict.fromkeys(j.world for j in self.jobs) if w <= (os.cpu_count() or 1)]
+        worlds = [w for w in dict.fromkeys(j.world for j in self.jobs) if in_background(w)]
         if not worlds or self._background is not None:
             return
         self._done = {world: threading.Event() for world in worlds}
@@ -193,21 +201,23 @@ class SharedLaunches:
         job = next((j for j in self.jobs if (j.name, j.world) == (name, world)), None)
         if job is None:
             raise KeyError(f"no shared job {name!r} of {world} processes; declare it in the module's SHARED_JOBS")
-        if world in self._done:
-            self._done[world].wait()
+        folder = self._folder(job)
+        if world in self._done:  # in the background: the job's own end (its DONE), or its launch's
+            while not (folder / "DONE").is_file() and not self._done[world].wait(0.2):
+                pass
         elif world not in self.launched:
             if self._background is not None:  # never beside a background launch: each measures its ranks' rate
                 self._background.join()
             self.launched.add(world)
             self._launch(world)
-        folder = self._folder(job)
         if not (folder / "DONE").is_file():
             raise AssertionError(self.errors.get((world, name), f"job {name!r} of {world} processes did not run"))
         return folder
 
 
 def run_in_process(script: str, *args: str) -> None:
-    """Run the worker ``script`` of tests/distributed/ as ``main(args)`` in this process, its environment changes undone.
+    """Run the worker ``script`` of tests/distributed/ as ``main(args)`` in this process, its environment changes
+    undone.
 
     A worker meant for one process (a single-process reference) gives what a 1-process launch gives, without the
     launch's start-up.

@@ -1,5 +1,5 @@
-"""Worker for tests/test_dflash_parallel.py: the DFlash drafter's sharded forward (cp / bp / csbp) against one
-process, one torchrun launch for every case.
+"""Worker for tests/test_dflash_parallel.py (a job of the shared launches of 2 and 4 processes): the DFlash drafter's
+sharded forward (cp / bp / csbp) against one process, every case in one launch.
 
     torchrun --nproc_per_node 2 tests/distributed/dflash_worker.py --out /tmp/dflash.json
 
@@ -23,6 +23,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from shared_launch import join_process_group, leave_process_group
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_bdlm.models.dflash.configuration import DFlashConfig
@@ -249,12 +250,12 @@ def cases(world: int) -> list[dict]:
     return [dict(c, P=world, C=c.get("C", rings[c["mode"]])) for c in out]
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    started = join_process_group()
     world = dist.get_world_size()
     targets = {"float32": tiny_target(torch.float32), "float64": tiny_target(torch.float64)}
     groups, results = {}, []
@@ -272,8 +273,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump([case for ranks in zip(*everyone) for case in ranks], f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group(started)
 
 
 if __name__ == "__main__":
