@@ -7,9 +7,12 @@ of a spec). A launch whose rank crashes in native code runs once more, with a wa
 error fails (real torchrun launches)."""
 
 import json
+import subprocess
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import torchrun
@@ -108,6 +111,26 @@ def test_a_python_error_fails_at_once(tmp_path):
     with pytest.raises(AssertionError, match="the worker's own error"):
         torchrun.run_torchrun("crash_worker.py", 2, "--marker", str(marker), "--mode", "raise", timeout=120)
     assert marker.read_text() == "1"
+
+
+@pytest.mark.distributed
+def test_killing_a_launch_leaves_none_of_its_ranks_behind(tmp_path):
+    # A launch past its timeout is killed; torchrun starts its ranks in sessions of their own, so this is the case where
+    # killing only the launcher's process group left both ranks running for the rest of the suite.
+    with pytest.raises(subprocess.TimeoutExpired):
+        torchrun.run_torchrun("crash_worker.py", 2, "--marker", str(tmp_path / "launches"), "--mode", "hang", timeout=30)
+    pids = [int((tmp_path / f"rank{rank}.pid").read_text()) for rank in range(2)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_native_crash_reads_the_signal_from_torchruns_summary():

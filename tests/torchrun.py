@@ -21,6 +21,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,10 +43,25 @@ RUNNING: set[subprocess.Popen] = set()  # the launches under way (each leads a p
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a launch: the launcher and every process below it.
+
+    torchrun's agent starts each rank in a session of its own (torch's elastic ``SubprocessHandler`` passes
+    ``start_new_session=True``), so killing the launcher's process group alone leaves the ranks running, orphaned,
+    on the cores the rest of the suite needs. The ranks are found as the launcher's descendants before any is killed.
+    """
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for rank in ranks:
+        try:
+            rank.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
