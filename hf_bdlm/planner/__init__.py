@@ -4,8 +4,8 @@
 - :mod:`.hardware`: named GPUs (datasheet figures) times named achievable fractions, or measured figures.
 - :mod:`.workload`: what a workload gives per rank (step segments, compute by part, memory by part, bytes by name)
   and the one pricing of it on a device, a cluster and a recipe (:func:`~.workload.price_step`), the prediction
-  record, the pick (:func:`~.workload.recommend`). A backbone's step (:mod:`.cost`) and a family's own (the DFlash
-  drafters', in their folder) are workloads; the planner imports no family.
+  record, the pick (:func:`~.workload.recommend`). A backbone's step (:mod:`.cost`) and a family's own (a speculative
+  drafter's, in its family's folder) are workloads; the planner imports no family.
 - :mod:`.cost`: attention pairs, K/V bytes, memory and step time per rank of a backbone, read from the project's plan.
 - :mod:`.kernel_work`: the pairs and calls the ``blockwise`` kernel's tile plans compute on each rank.
 - :mod:`.rank_rate`, :mod:`.link`: the matmul rate a run's ranks get, measured in them at once, and the named cluster

@@ -12,7 +12,7 @@ receives by name. The planner prices every workload the same way (:func:`price_s
 - the peak over the ranks against the device's memory, the most bytes any rank receives.
 
 Two workloads implement it: a backbone's layers on the project's plan (:class:`hf_bdlm.planner.cost.BackboneStep`),
-and a model family's own step (the DFlash drafters', in their family's folder, which imports the planner; the planner
+and a model family's own step (a speculative drafter's, in its family's folder, which imports the planner; the planner
 never imports a family). :func:`recommend` picks among their predictions (:class:`LayoutPrediction`) the same way.
 """
 
