@@ -111,9 +111,10 @@ def test_the_server_decodes_each_family_with_that_familys_decoder(tmp_path):
     assert type(engine.decoder).__module__.startswith(f"hf_bdlm.models.{family.name}")
 
 
-# The shared code talks to families through hf_bdlm.models only: no family is named outside its own folder, except
-# in these places (user-facing text and data, each for a stated reason).
-ALLOWED: set[str] = set()  # none now: each family's card text lives in its own folder
+# The shared code talks to families through hf_bdlm.models only: no family is named outside its own folder. A place
+# that must (user-facing text or data) goes here with its reason; none does now (each family's card text lives in its
+# own folder).
+ALLOWED: set[str] = set()
 FAMILY_NAMES = re.compile(r"diffusion_?gemma|dflash", re.IGNORECASE)
 
 
