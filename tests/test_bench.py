@@ -294,7 +294,7 @@ def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path, capsys):
     own launch; a second run adds its layout."""
     out = tmp_path / "bench"
     common = ["bench", "--only", "baselines", "--baseline-lengths", "256", "--baseline-nprocs", "2",
-              "--baseline-models", "dense", "--steps", "3", "--min-time", "0", "--out", str(out)]
+              "--baseline-models", "dense", "--steps", "3", "--min-time", "0", "--no-calibrate", "--out", str(out)]
     for layouts in (["csbp", "cp-paper"], ["cp"]):
         code = cli.main(common + ["--baseline-layouts", *layouts])
         stdout, stderr = capsys.readouterr()
@@ -309,6 +309,24 @@ def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path, capsys):
     assert csbp["bytes_per_step"] * 2 == cp["bytes_per_step"]
     assert paper["attention_imbalance"] == pytest.approx(1.2) and cp["attention_imbalance"] == 1.0  # 4 blocks
     assert "CSBP against both CP baselines" in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("extra, measured", [([], [(6, [2, 4])]), (["--no-calibrate"], []), (["--quick"], [])])
+def test_baselines_measure_the_planners_figures_beside_their_records(extra, measured, monkeypatch, tmp_path):
+    """The full preset measures cpu_rates.json into the records' folder before the study (for the first model's
+    layers and the study's group sizes), where hf-bdlm plan --validate reads it; --no-calibrate and --quick do not."""
+    from hf_bdlm.benchmarks import baselines, suite
+
+    calls, order = [], []
+    monkeypatch.setattr(suite, "measure_planner_figures",
+                        lambda out, layers, counts: calls.append((out, layers, sorted(counts))) or order.append("rates"))
+    monkeypatch.setattr(baselines, "run_study", lambda *a, **k: order.append("study") or [])
+    args = ["bench", "--only", "baselines", "--baseline-models", "sliding", "dense", "--baseline-nprocs", "2", "4",
+            "--baseline-lengths", "512", "--out", str(tmp_path)] + extra
+    suite.run_baselines(suite.resolve(cli.build_parser().parse_args(args)))
+    assert [(layers, counts) for _, layers, counts in calls] == measured
+    assert all(out == tmp_path for out, _, _ in calls)
+    assert order == ["rates"] * len(measured) + ["study"]  # measured before the launches
 
 
 def test_a_crashed_launch_runs_once_more_and_keeps_its_error(monkeypatch, tmp_path):

@@ -245,9 +245,24 @@ def _emulated_link(link: str | None) -> str | None:
     return link
 
 
+def measure_planner_figures(out: pathlib.Path, layers: int, process_counts) -> None:
+    """The planner's CPU figures for ``process_counts`` ranks, measured now into ``out``/cpu_rates.json: in the
+    machine state the records beside them are made in (``hf-bdlm plan --validate`` reads them from there; figures
+    measured hours later, on a host whose pace drifts, miss by as much as the drift)."""
+    from hf_bdlm.benchmarks.calibrate import RATES_FILE, benchmark_model, cpu_devices
+
+    t0 = time.perf_counter()
+    devices = cpu_devices(benchmark_model(layers), set(process_counts), out / RATES_FILE, remeasure=True,
+                          benchmark_layers=layers)
+    _progress(f"  planner CPU figures for {', '.join(map(str, devices))} process(es) -> {out / RATES_FILE} "
+              f"({time.perf_counter() - t0:.0f} s)")
+
+
 def run_baselines(cfg: BenchConfig) -> list[dict]:
     from . import baselines
 
+    if cfg.calibrate:  # figures for the first model's layers: what hf-bdlm plan --validate reads them for
+        measure_planner_figures(cfg.out, baselines.MODELS[cfg.baseline_models[0]]["layers"], cfg.baseline_nprocs)
     records = []
     for link in cfg.links:
         records += baselines.run_study(cfg.baseline_models, cfg.baseline_nprocs, cfg.baseline_lengths, cfg.steps,
@@ -264,15 +279,7 @@ def run_modes(cfg: BenchConfig) -> list[dict]:
               + (f", more to fill {cfg.min_time:g} s; steps under {cfg.min_time / 2:g} s launched "
                  f"{parallel_modes.SHORT_LAUNCHES} times, the median kept" if cfg.min_time else "") + ")")
     if cfg.calibrate:
-        # The planner's CPU figures, measured in the machine state the records are (hf-bdlm plan --validate reads
-        # them from beside the records).
-        from hf_bdlm.benchmarks.calibrate import RATES_FILE, benchmark_model, cpu_devices
-
-        t0 = time.perf_counter()
-        devices = cpu_devices(benchmark_model(cfg.layers), {1, *cfg.nprocs}, cfg.out / RATES_FILE, remeasure=True,
-                              benchmark_layers=cfg.layers)
-        _progress(f"  planner CPU figures for {', '.join(map(str, devices))} process(es) -> {cfg.out / RATES_FILE} "
-                  f"({time.perf_counter() - t0:.0f} s)")
+        measure_planner_figures(cfg.out, cfg.layers, {1, *cfg.nprocs})
     link = _emulated_link(cfg.link)
     records: list[dict] = []
     _run_configs(configs, cfg, cfg.layers, "modes", records, cfg.out / "parallel_modes.json", link)
