@@ -76,8 +76,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(full preset: 5, quick: 0)")
     modes.add_argument("--no-calibrate", action="store_true",
                        help="do not measure the planner's CPU figures (cpu_rates.json beside the records, which "
-                            "hf-bdlm plan --validate reads; about 80 s; the full preset measures them before the modes and baselines "
-                            "studies, --quick not)")
+                            "hf-bdlm plan --validate reads; about 80 s; the full preset measures them before the "
+                            "modes and baselines studies, --quick not)")
     modes.add_argument("--link", nargs="+", default=None, metavar="NAME",
                        help="run the modes and baselines studies through an emulated cluster link (h100-nvlink, "
                             "h100-ib, h200-nvlink, h200-ib; none: no link): K/V charged at the cluster's bf16 element "
