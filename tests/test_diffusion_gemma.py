@@ -491,3 +491,26 @@ def test_a_checkpoint_the_trainer_saves_carries_every_field_vllm_and_sglang_read
     torch.manual_seed(0)
     after = reloaded.generate(prompt, max_new_tokens=2 * B, eos_token_id=None)
     assert torch.equal(getattr(before, "sequences", before), getattr(after, "sequences", after))
+
+
+def test_certainty_term_adds_the_entropy_of_the_right_canvas_predictions():
+    model = tiny_model()
+    samples = [sample(23, response_start=5, seed=0), sample(17, response_start=10, seed=1)]
+    plain = objective(noise_eps_min=0.5, noise_eps_max=0.5)
+    forced = objective(noise_eps_min=0.5, noise_eps_max=0.5, certainty_weight=0.5)
+    corrupted = plain.corrupt(batch_of(*samples), seed=0, step=0)
+    base, _ = plain.loss(model, corrupted)
+    loss, metrics = forced.loss(model, corrupted)
+    frame = corrupted.frame
+    layout = DiffusionGemmaLayout.local(frame)
+    _, cache = encode(model, frame, layout)
+    logits = softcapped_logits(model, decode(model, frame, layout, corrupted.noisy_ids, cache))
+    scored, targets = logits[frame.canvas_supervised], frame.canvas_target[frame.canvas_supervised]
+    hits = scored.argmax(-1) == targets
+    entropy = torch.distributions.Categorical(logits=scored[hits]).entropy().sum()
+    assert int(hits.sum()) >= 3 and metrics["correct"] == int(hits.sum())
+    assert metrics["certainty_sum"].item() == pytest.approx(entropy.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(base.item() + 0.5 * entropy.item() / corrupted.normalizer, rel=1e-5)
+    with torch.no_grad():  # evaluation: the cross-entropy alone
+        assert torch.equal(forced.loss(model, corrupted)[0], plain.loss(model, corrupted)[0])
+    assert forced.card_settings()["certainty_weight"] == 0.5 and "certainty_weight" not in plain.card_settings()

@@ -427,3 +427,71 @@ def test_objective_and_model_must_agree_on_the_mask_token(model):
     c = obj.corrupt(batch, seed=0, step=0)
     with pytest.raises(ValueError, match="mask_token_id=62 but the model"):
         obj.loss(model, c)
+
+
+# --- the certainty-forcing term ------------------------------------------------------------------------------------
+def _right_prediction_entropy(model, c, name):
+    """Σ entropy at the targets predicted right, computed apart from the objective: [MASK]'s column sliced out of
+    the logits (the standard objective) or kept (Fast-dLLM v2), torch.distributions' entropy."""
+    hidden = model(input_ids=c.noisy_ids, clean_input_ids=c.clean_ids, return_logits=False).hidden_states
+    index = target_rows_in(vectorized_rows(c.seq_len), c)
+    logits = model.lm_logits(hidden[c.target_sample, index])
+    without = torch.cat([logits[:, :MASK], logits[:, MASK + 1:]], dim=-1)  # MASK is the last id: ids below keep theirs
+    hits = without.argmax(-1) == c.target_token
+    kept = without if name == "standard" else logits
+    return torch.distributions.Categorical(logits=kept[hits]).entropy().sum(), int(hits.sum())
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_certainty_term_adds_the_entropy_of_the_right_predictions(model, name):
+    plain, forced = _objective(name), _objective(name, certainty_weight=0.5)
+    c = plain.corrupt(_sft_batch(), seed=0, step=0)
+    base, _ = plain.loss(model, c)
+    loss, metrics = forced.loss(model, c)
+    entropy, hits = _right_prediction_entropy(model, c, name)
+    assert hits >= 3 and metrics["correct"] == hits
+    assert metrics["certainty_sum"].item() == pytest.approx(entropy.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(base.item() + 0.5 * entropy.item() / c.normalizer, rel=1e-5)
+    # The gradient of the term (the [MASK] column at the dtype's lowest value, not -inf) is the reference's.
+    grads = []
+    for total in (loss - base, 0.5 * entropy / c.normalizer):
+        model.zero_grad()
+        total.backward(retain_graph=True)
+        grads.append(model.get_output_embeddings().weight.grad.clone())
+    model.zero_grad()
+    assert torch.isfinite(grads[0]).all() and grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+def test_certainty_term_leaves_evaluation_and_a_zero_weight_unchanged(model):
+    c = _objective("standard").corrupt(_sft_batch(), seed=0, step=0)
+    with torch.no_grad():  # evaluation scores the cross-entropy alone
+        base, m_base = _objective("standard").loss(model, c)
+        forced, m_forced = _objective("standard", certainty_weight=2.0).loss(model, c)
+    assert torch.equal(base, forced) and "certainty_sum" not in m_forced
+    off, m_off = _objective("standard", certainty_weight=0.0).loss(model, c)
+    on, _ = _objective("standard").loss(model, c)
+    assert torch.equal(off, on) and "certainty_sum" not in m_off
+    assert _objective("standard").card_settings() == {}
+    assert _objective("standard", certainty_weight=0.5).card_settings() == {"certainty_weight": 0.5}
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_certainty_losses_of_a_partition_of_the_rows_add_up(model, name):
+    obj = _objective(name, certainty_weight=1.0)
+    c = obj.corrupt(_sft_batch(), seed=0, step=0)
+    full, m_full = obj.loss(model, c)
+    hidden = model(input_ids=c.noisy_ids, clean_input_ids=c.clean_ids, return_logits=False).hidden_states
+    index = target_rows_in(vectorized_rows(c.seq_len), c)
+    split = 10  # two "ranks", as in the partition test above, each with its own targets' certainty
+    l1, m1 = obj.loss_from_hidden(model, hidden[:, :split], c, torch.where(index < split, index, -1))
+    l2, m2 = obj.loss_from_hidden(model, hidden[:, split:], c, torch.where(index >= split, index - split, -1))
+    assert (l1 + l2).item() == pytest.approx(full.item(), rel=1e-5)
+    assert (m1["certainty_sum"] + m2["certainty_sum"]).item() == pytest.approx(m_full["certainty_sum"].item(), rel=1e-5)
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True, "1"])
+def test_a_bad_certainty_weight_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"certainty_weight must be a finite number >= 0 .* got "):
+        _objective("standard", certainty_weight=bad)

@@ -58,6 +58,9 @@ def test_parallelism_config_of_an_accelerate_launch_is_read(tmp_path, monkeypatc
         (dict(loss_weighting="sqrt"), "loss_weighting must be one of"),
         (dict(objective="fast_dllm_v2", loss_weighting="inverse_t"), "fast_dllm_v2' uses unit weights"),
         (dict(attention_backend="sdpa"), "attention_backend must be one of"),
+        (dict(certainty_weight=-0.5), r"certainty_weight must be a finite number >= 0 .* got -0.5"),
+        (dict(objective="dflash", certainty_weight=1.0), r"\['certainty_weight'\] are block-diffusion settings and "
+                                                         "do not apply to objective='dflash'"),
         (dict(block_parallel_size=0), "block_parallel_size must be a positive integer, got 0"),
         (dict(block_parallel_mode="ulysses"), "block_parallel_mode must be one of .* got 'ulysses'"),
         (dict(block_schedule="zigzag"), "block_schedule must be one of"),

@@ -30,9 +30,10 @@ def parse(*argv):
     return sft.make_parser().parse_args_and_config(args=list(argv))[:3]
 
 
-def test_there_are_the_four_configs_and_six_launch_files():
+def test_there_are_the_five_configs_and_six_launch_files():
     assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "smollm2_cpu_parallel.yaml",
-                                         "qwen3_conversion_256k_16gpu.yaml", "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
+                                         "smollm2_cpu_confident.yaml", "qwen3_conversion_256k_16gpu.yaml",
+                                         "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
     assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "cpu_2proc_fsdp2.yaml", "fsdp2_8gpu.yaml",
                                             "multinode_2x8gpu.yaml", "cpu_4proc_tp2_fsdp2.yaml",
                                             "tp2_fsdp2_2x8gpu.yaml"}
@@ -146,3 +147,13 @@ def test_accelerate_launch_runs_the_embedded_cpu_csbp_config(tmp_path):
     assert results["steps"] == 1
     card = (out / "README.md").read_text()
     assert "csbp" in card
+
+
+def test_the_confident_run_is_the_longer_run_plus_the_certainty_term_alone():
+    longer = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_parallel.yaml").read_text())
+    confident = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_confident.yaml").read_text())
+    changed = {k for k in longer.keys() | confident.keys() if longer.get(k) != confident.get(k)}
+    assert changed == {"output_dir", "certainty_weight"} and confident["certainty_weight"] > 0
+    _, args, _ = parse("--config", str(ROOT / "recipes/configs/smollm2_cpu_confident.yaml"),
+                       "--block_parallel_size", "1", "--output_dir", "/tmp/unused")
+    assert args.certainty_weight == confident["certainty_weight"]

@@ -144,3 +144,20 @@ def test_evaluate_reports_the_loss_and_accuracy_of_the_held_out_set(tmp_path):
     again = trainer.evaluate()
     assert first["eval_loss"] > 0 and 0 <= first["eval_mean_token_accuracy"] <= 1
     assert first["eval_loss"] == again["eval_loss"]  # evaluation noise is fixed
+
+
+def test_the_certainty_term_trains_is_logged_and_goes_on_the_card(tmp_path):
+    plain = train(tmp_path, "plain", objective="fast_dllm_v2")
+    forced = train(tmp_path, "forced", objective="fast_dllm_v2", certainty_weight=1.0)
+    assert forced.objective.certainty_weight == 1.0 and plain.objective.certainty_weight == 0.0
+    history = [h for h in forced.state.log_history if "loss" in h]
+    # The first step starts from the same weights with the same noise: the term only adds (an entropy is >= 0), and
+    # adds something once a target is predicted right.
+    assert history[0]["loss"] >= losses(plain)[0]
+    right = [h for h in history if h["mean_token_accuracy"] > 0]
+    assert right and all(h["certainty_entropy"] > 0 for h in right)
+    if history[0]["mean_token_accuracy"] > 0:
+        assert history[0]["loss"] > losses(plain)[0]
+    assert not any("certainty_entropy" in h for h in plain.state.log_history)
+    assert forced.model_card_info["training"] == {"certainty_weight": 1.0}
+    assert "training" not in plain.model_card_info

@@ -11,6 +11,7 @@ while the normalizer, which counts the whole batch, keeps the per-rank losses su
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -127,6 +128,12 @@ class Objective:
         loss_chunk_size (`int`, defaults to 8192):
             targets scored per LM-head call; above it, chunks are recomputed in backward instead of keeping
             `[n, vocab]` logits alive (at long context `n * vocab` floats would not fit).
+        certainty_weight (`float`, defaults to 0.0):
+            weight `beta` of the certainty-forcing term (dParallel, Chen et al. 2025): the entropy of the model's
+            distribution at each target it already predicts (argmax = target), added as
+            `beta * sum(H) / normalizer`. It sharpens predictions that are right, so more positions clear a
+            confidence threshold in the same decoding step. A training term: a forward without gradient
+            (evaluation) scores the cross-entropy alone, so `eval_loss` compares with runs without it.
     """
 
     name: ClassVar[str] = ""
@@ -146,6 +153,7 @@ class Objective:
         noise_eps_max: float = 1.0,
         loss_weighting: str = "inverse_t",
         loss_chunk_size: int = 8192,
+        certainty_weight: float = 0.0,
     ):
         check_diffusion_fields(block_size=block_size, mask_token_id=mask_token_id, objective=self.name or None,
                                noise_eps_min=noise_eps_min, noise_eps_max=noise_eps_max, loss_weighting=loss_weighting,
@@ -158,6 +166,7 @@ class Objective:
         self.noise_eps_max = float(noise_eps_max)
         self.loss_weighting = loss_weighting
         self.loss_chunk_size = loss_chunk_size
+        self.certainty_weight = check_certainty_weight(certainty_weight)
 
     @classmethod
     def config_kwargs(cls, config: Any) -> dict[str, Any]:
@@ -171,10 +180,12 @@ class Objective:
         )
 
     @classmethod
-    def build(cls, config_or_kwargs: Any) -> "Objective":
-        """The objective from a model config (:meth:`config_kwargs`) or a mapping of constructor arguments."""
+    def build(cls, config_or_kwargs: Any, **training: Any) -> "Objective":
+        """The objective from a model config (:meth:`config_kwargs`) or a mapping of constructor arguments, with
+        ``training`` settings the config does not hold (``certainty_weight``) on top."""
         kwargs = dict(config_or_kwargs) if isinstance(config_or_kwargs, Mapping) else cls.config_kwargs(
             config_or_kwargs)
+        kwargs.update(training)
         required = getattr(cls, "required_kwargs", ("block_size", "mask_token_id"))
         missing = [k for k in required if kwargs.get(k) is None]
         if missing:
@@ -190,8 +201,9 @@ class Objective:
 
     # --- what the trainer asks of every objective ------------------------------------------
     def card_settings(self) -> dict[str, Any]:
-        """Settings for the model card that the saved config does not record (none: they are in the config)."""
-        return {}
+        """Settings for the model card that the saved config does not record (the certainty term's weight, when
+        trained with one; the rest are in the config)."""
+        return {"certainty_weight": self.certainty_weight} if self.certainty_weight else {}
 
     # Whether the objective has a pass that runs for some samples only (drawn per sample), which every rank must run
     # when any needs it under FSDP2 (each layer call gathers over the world).
@@ -318,7 +330,8 @@ class Objective:
             losses of ranks that partition the targets add up to the single-device loss; ``metrics`` holds
             detached sums to all-reduce: ``loss_sum`` (Σ w·CE), ``ce_sum`` (Σ CE), ``correct`` (argmax hits),
             ``count`` (targets scored) and ``normalizer`` (already the whole batch's: sum it over data-parallel
-            replicas only, not over the ranks of a block-parallel group).
+            replicas only, not over the ranks of a block-parallel group); with a certainty term in training also
+            ``certainty_sum`` (Σ entropy over the targets predicted right).
         """
         self._check_model(model)
         if tuple(row_index.shape) != tuple(corrupted.target_token.shape):
@@ -330,14 +343,17 @@ class Objective:
             raise ValueError("corrupted.normalizer is 0: the batch has no supervised token, the loss is undefined.")
         held = row_index >= 0
         hidden = hidden_of_rows[corrupted.target_sample[held], row_index[held]]
-        weighted, ce, correct = self._target_cross_entropy(
-            model, hidden, corrupted.target_token[held], corrupted.target_weight[held]
+        certainty = self.certainty_weight > 0 and torch.is_grad_enabled()
+        weighted, ce, correct, entropy = self._target_cross_entropy(
+            model, hidden, corrupted.target_token[held], corrupted.target_weight[held], certainty
         )
         if hidden.shape[0] == 0:
             # No target on these rows: a zero that still reaches every parameter, so backward (and DDP's
             # gradient hooks) see the same graph as on ranks that do hold targets.
             weighted = weighted + model.lm_logits(hidden_of_rows[:1, :1]).sum() * 0.0
         loss = weighted / corrupted.normalizer
+        if certainty:
+            loss = loss + self.certainty_weight * entropy / corrupted.normalizer
         metrics = {
             "loss_sum": weighted.detach(),
             "ce_sum": ce.detach(),
@@ -345,6 +361,8 @@ class Objective:
             "count": held.sum(),
             "normalizer": torch.tensor(float(corrupted.normalizer), device=loss.device),
         }
+        if certainty:
+            metrics["certainty_sum"] = entropy.detach()
         return loss, metrics
 
     def loss(
@@ -391,13 +409,15 @@ class Objective:
                 )
 
     def _target_cross_entropy(
-        self, model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(Σ w·CE, Σ CE, argmax hits) over targets, the [MASK] logit excluded; chunked over targets."""
+        self, model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor,
+        certainty: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Σ w·CE, Σ CE, argmax hits, Σ entropy over the hits, 0 unless ``certainty``) over targets, the [MASK]
+        logit excluded; chunked over targets."""
         chunk = self.loss_chunk_size
         if hidden.shape[0] <= chunk or not torch.is_grad_enabled():
             return _chunk_cross_entropy(
-                hidden, tokens, weights, model.lm_logits, self.mask_token_id, self.exclude_mask_logit
+                hidden, tokens, weights, model.lm_logits, self.mask_token_id, self.exclude_mask_logit, certainty
             )
         totals = []
         for start in range(0, hidden.shape[0], chunk):
@@ -406,13 +426,14 @@ class Objective:
                 checkpoint(
                     _chunk_cross_entropy,
                     hidden[sl], tokens[sl], weights[sl], model.lm_logits, self.mask_token_id, self.exclude_mask_logit,
-                    use_reentrant=False,
+                    certainty, use_reentrant=False,
                 )
             )
         return tuple(torch.stack(parts).sum() for parts in zip(*totals))
 
 
-def _chunk_cross_entropy(hidden, tokens, weights, lm_logits, mask_token_id: int, exclude_mask_logit: bool):
+def _chunk_cross_entropy(hidden, tokens, weights, lm_logits, mask_token_id: int, exclude_mask_logit: bool,
+                         certainty: bool = False):
     # Float32 softmax whatever the model dtype: the CE of a bf16 logit row loses ~2 digits.
     logits = lm_logits(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -420,9 +441,34 @@ def _chunk_cross_entropy(hidden, tokens, weights, lm_logits, mask_token_id: int,
     # [MASK] is never a clean token: generate never picks it, nor does the accuracy metric. BD3-LM also drops it
     # from the softmax; Fast-dLLM v2 keeps it (a causal-LM loss over the whole vocabulary).
     without_mask = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
-    ce = F.cross_entropy(without_mask if exclude_mask_logit else logits, tokens, reduction="none")
-    correct = (without_mask.argmax(dim=-1) == tokens).sum().detach()
-    return (weights.to(ce.dtype) * ce).sum(), ce.sum(), correct
+    scored = without_mask if exclude_mask_logit else logits
+    ce = F.cross_entropy(scored, tokens, reduction="none")
+    hits = without_mask.argmax(dim=-1) == tokens
+    entropy = ce.new_zeros(())
+    if certainty:
+        # The same distribution as the CE's, its excluded logit the dtype's lowest finite value instead of -inf: a
+        # probability of exactly 0 whose p * log p, and its gradient, stay 0 rather than 0 * inf.
+        finite = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device),
+                                   torch.finfo(logits.dtype).min) if exclude_mask_logit else logits
+        entropy = certainty_entropy(finite, hits)
+    return (weights.to(ce.dtype) * ce).sum(), ce.sum(), hits.sum().detach(), entropy
+
+
+def check_certainty_weight(value: Any) -> float:
+    """``certainty_weight`` as a float, or a clear error: a finite number >= 0 (0 turns the term off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"certainty_weight must be a finite number >= 0 (0 turns the certainty-forcing term off), got {value!r}."
+        )
+    return float(value)
+
+
+def certainty_entropy(logits: torch.Tensor, hits: torch.Tensor) -> torch.Tensor:
+    """Σ over the rows where ``hits`` of the entropy of ``softmax(logits)`` (finite logits: mask a logit out with
+    the dtype's lowest value, not ``-inf``): the certainty-forcing term, which sharpens only the predictions that
+    are already right."""
+    log_p = F.log_softmax(logits[hits], dim=-1)
+    return -(log_p.exp() * log_p).sum()
 
 
 __all__ = [
@@ -431,6 +477,8 @@ __all__ = [
     "CheckedBatch",
     "CorruptedBatch",
     "Objective",
+    "certainty_entropy",
+    "check_certainty_weight",
     "supervised_mask",
     "target_rows_in",
 ]

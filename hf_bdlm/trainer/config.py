@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
+from ..objectives.base import check_certainty_weight
 from ..protocols.diffusion_fields import check_diffusion_fields
 from ..protocols.registry import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
 from ..parallel.dims import CP_LAYOUTS, MODES, SCHEDULES, TRANSPORTS, ParallelDims
@@ -57,6 +58,12 @@ class BDLMSFTConfig(SFTConfig):
         attention_backend (`str`, *optional*):
             `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`). Defaults to the
             model's. CPU training needs `"blockwise"` or `"dense"`.
+        certainty_weight (`float`, *optional*):
+            Weight `beta` of the certainty-forcing term (dParallel, Chen et al. 2025): `beta` times the entropy of the
+            model's distribution at each masked target it already predicts (argmax = target), over the loss's
+            normalizer. It makes right predictions confident, so more positions clear a confidence threshold in one
+            decoding step. Evaluation scores the cross-entropy alone. Block-diffusion and DiffusionGemma objectives;
+            refused for a DFlash drafter. Defaults to off (`0`).
 
         > Parameters of a self-conditioning encoder-decoder family's objective (its `ModelFamily.config_fields`;
         > rejected with any other objective; documented with that family in `docs/`)
@@ -144,6 +151,11 @@ class BDLMSFTConfig(SFTConfig):
     loss_weighting: str | None = field(default=None, metadata={"help": "'inverse_t' or 'unit' (default: the model's)."})
     attention_backend: str | None = field(
         default=None, metadata={"help": "'dense', 'blockwise', 'flex' or 'flash' (default: the model's)."}
+    )
+    certainty_weight: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the certainty-forcing term: the entropy at the masked targets the model already "
+                          "predicts, so more of them clear a confidence threshold per decoding step (default: off)."},
     )
     self_conditioning_prob: float | None = field(
         default=None,
@@ -236,6 +248,8 @@ class BDLMSFTConfig(SFTConfig):
                                objectives=tuple(sorted(all_objectives())), noise_eps_min=self.noise_eps_min,
                                noise_eps_max=self.noise_eps_max, loss_weighting=self.loss_weighting,
                                attention_backend=self.attention_backend, zero_noise_ok=zero_noise_ok)
+        if self.certainty_weight is not None:
+            check_certainty_weight(self.certainty_weight)
         self._check_family_fields()
 
     def _check_family_fields(self) -> None:

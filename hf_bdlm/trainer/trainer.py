@@ -203,7 +203,8 @@ class BDLMSFTTrainer(SFTTrainer):
             args.packing, args.eval_packing, args.model_init_kwargs = packing, eval_packing, init_kwargs
 
         # Sums over the logging window of [loss_sum, correct, masked tokens, tokens], whole global batch.
-        self._window = {"train": torch.zeros(4, dtype=torch.float64), "eval": torch.zeros(4, dtype=torch.float64)}
+        # Sums over the logging window: loss, argmax hits, targets, tokens, and the certainty term's entropy.
+        self._window = {"train": torch.zeros(5, dtype=torch.float64), "eval": torch.zeros(5, dtype=torch.float64)}
         self._tokens_seen = 0.0
         if self.fsdp2 is not None:
             self._shard_with_fsdp2()
@@ -561,11 +562,13 @@ class BDLMSFTTrainer(SFTTrainer):
     def _record(self, mode: str, metrics, inputs) -> None:
         """Add this micro-batch's metric sums, summed over every rank, to the logging window."""
         device = self.args.device
-        local = torch.zeros(4, dtype=torch.float64, device=device)
+        local = torch.zeros(5, dtype=torch.float64, device=device)
         if metrics is not None:
             local[0] = metrics["loss_sum"].double()
             local[1] = metrics["correct"].double()
             local[2] = metrics["count"].double()
+            if "certainty_sum" in metrics:
+                local[4] = metrics["certainty_sum"].double()
         # Every rank of a group holds the whole batch: count its tokens once per group.
         local[3] = inputs["attention_mask"].sum().double() / self.plugin.block_parallel_size
         self._window[mode] += self.plugin.sum_over_world(local).cpu()
@@ -582,6 +585,9 @@ class BDLMSFTTrainer(SFTTrainer):
         if window[2] > 0:
             self._metrics[mode]["mean_token_accuracy"] = [float(window[1] / window[2])]
             self._metrics[mode]["masked_tokens"] = [float(window[2])]
+        if window[1] > 0 and getattr(self.objective, "certainty_weight", 0.0) > 0 and mode == "train":
+            # The certainty term's entropy per target predicted right (nats): what it drives toward 0.
+            self._metrics[mode]["certainty_entropy"] = [float(window[4] / window[1])]
         if mode == "train":
             self._tokens_seen += float(window[3])
             self._metrics[mode]["num_tokens"] = [self._tokens_seen]

@@ -168,7 +168,7 @@ class BlockDiffusionFamily(ModelFamily):
                 logger.info("model config: %s %r -> %r (from BDLMSFTConfig)", name, getattr(cfg, name), value)
                 setattr(cfg, name, value)
         cfg.validate_diffusion_fields()
-        return self.objective_class(cfg.objective).build(cfg)
+        return self.objective_class(cfg.objective).build(cfg, certainty_weight=args.certainty_weight or 0.0)
 
     def layout(self, plugin, model, objective, corrupted):
         """This rank's rows of the vectorized batch (:meth:`BlockParallelPlugin.layout`)."""

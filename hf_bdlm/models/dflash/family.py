@@ -34,7 +34,7 @@ from .target import TargetHeads, drafter_class, load_target_heads, resolve_targe
 logger = logging.getLogger(__name__)
 
 # BDLMSFTConfig fields of the block-diffusion objectives, meaningless for a drafter (refused when set).
-_DIFFUSION_FIELDS = ("loss_weighting", "noise_eps_min", "noise_eps_max", "attention_backend")
+_DIFFUSION_FIELDS = ("loss_weighting", "noise_eps_min", "noise_eps_max", "attention_backend", "certainty_weight")
 
 
 class DFlashFamily(ModelFamily):

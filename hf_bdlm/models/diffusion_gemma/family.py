@@ -145,7 +145,8 @@ class DiffusionGemmaFamily(ModelFamily):
             kwargs[name] = default if value is None else value
         frame_multiple, canvas_multiple = frame_padding(args.parallel_dims, canvas)
         objective = DiffusionGemmaObjective(end_token_ids=ends or None, pad_to_multiple_of=frame_multiple,
-                                            canvas_blocks_multiple_of=canvas_multiple, **kwargs)
+                                            canvas_blocks_multiple_of=canvas_multiple,
+                                            certainty_weight=args.certainty_weight or 0.0, **kwargs)
         freeze_router = args.freeze_router is None or args.freeze_router
         for name, param in dg.named_parameters():
             if (freeze_router and ".router." in name) or name.startswith(VISION_PARAMETER_PREFIXES):

@@ -59,7 +59,7 @@ from .modeling import (
     softcapped_logits,
     unwrap_diffusion_gemma,
 )
-from ...objectives.base import Objective, supervised_mask
+from ...objectives.base import Objective, certainty_entropy, check_certainty_weight, supervised_mask
 from ...objectives.noise import hash_uniform
 
 MODEL_PREDICTION_TYPES = ("mean", "mean_loo")
@@ -145,6 +145,7 @@ class DiffusionGemmaObjective(Objective):
         loss_chunk_size: int = 8192,
         pad_to_multiple_of: int | None = None,
         canvas_blocks_multiple_of: int | None = None,
+        certainty_weight: float = 0.0,
     ):
         for name, value in (("block_size", block_size), ("vocab_size", vocab_size), ("loss_chunk_size", loss_chunk_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -178,6 +179,7 @@ class DiffusionGemmaObjective(Objective):
         self.loss_chunk_size = loss_chunk_size
         self.pad_to_multiple_of = pad_to_multiple_of
         self.canvas_blocks_multiple_of = canvas_blocks_multiple_of
+        self.certainty_weight = check_certainty_weight(certainty_weight)
 
     @classmethod
     def config_kwargs(cls, config: Any) -> dict[str, Any]:
@@ -207,7 +209,7 @@ class DiffusionGemmaObjective(Objective):
             "self_conditioning_prob": self.self_conditioning_prob,
             "ar_loss_weight": self.ar_loss_weight,
             "model_prediction_type": self.model_prediction_type,
-        }
+        } | ({"certainty_weight": self.certainty_weight} if self.certainty_weight else {})
 
     @property
     def has_optional_pass(self) -> bool:
@@ -322,11 +324,14 @@ class DiffusionGemmaObjective(Objective):
         sample, row = frame.canvas_supervised.nonzero(as_tuple=True)
         held = canvas_row[row] >= 0
         sample, row = sample[held], row[held]
-        d_sum, correct = self._canvas_cross_entropy(
+        certainty = self.certainty_weight > 0 and torch.is_grad_enabled()  # a training term (the base class's)
+        d_sum, correct, entropy = self._canvas_cross_entropy(
             dg, canvas_hidden[sample, canvas_row[row]], frame.canvas_target[sample, row],
-            corrupted.noisy_ids[sample, row], corrupted.canvas_t[sample, row],
+            corrupted.noisy_ids[sample, row], corrupted.canvas_t[sample, row], certainty,
         )
         loss = d_sum / corrupted.normalizer
+        if certainty:
+            loss = loss + self.certainty_weight * entropy / corrupted.normalizer
         ar_sum = torch.zeros((), device=device)
         ar_count = torch.zeros((), dtype=torch.long, device=device)
         ar_normalizer = corrupted.ar_step_normalizer or corrupted.ar_normalizer
@@ -348,6 +353,8 @@ class DiffusionGemmaObjective(Objective):
             "ar_count": ar_count,
             "ar_normalizer": torch.tensor(float(ar_normalizer), device=device),
         }
+        if certainty:
+            metrics["certainty_sum"] = entropy.detach()
         return loss, metrics
 
     def zero_loss(self, model, inputs: Mapping[str, torch.Tensor],
@@ -380,7 +387,8 @@ class DiffusionGemmaObjective(Objective):
             )
         return dg
 
-    def _canvas_cross_entropy(self, model, hidden, tokens, observed, t):
+    def _canvas_cross_entropy(self, model, hidden, tokens, observed, t, certainty: bool = False):
+        """(Σ CE, argmax hits, Σ entropy over the hits, 0 unless ``certainty``) over canvas targets."""
         loo = self.model_prediction_type == "mean_loo"
         vocab = self.vocab_size
 
@@ -391,7 +399,10 @@ class DiffusionGemmaObjective(Objective):
                 bonus = torch.log1p((1.0 - rate) * vocab / rate.clamp(min=1e-30)).to(logits.dtype)
                 logits = logits.scatter_add(1, obs[:, None], bonus[:, None])
             ce = F.cross_entropy(logits, tok, reduction="sum")
-            return ce, (logits.argmax(dim=-1) == tok).sum().detach()
+            hits = logits.argmax(dim=-1) == tok
+            wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # entropy in >= float32, as the CE
+            entropy = certainty_entropy(wide, hits) if certainty else ce.new_zeros(())
+            return ce, hits.sum().detach(), entropy
 
         return _chunked(score, self.loss_chunk_size, hidden, tokens, observed, t)
 
@@ -416,7 +427,7 @@ def _chunked(fn, chunk: int, *tensors):
     n = tensors[0].shape[0]
     if n <= chunk or not torch.is_grad_enabled():
         if n == 0:
-            return tuple(torch.zeros((), device=tensors[0].device) for _ in range(2))
+            return tuple(torch.zeros((), device=tensors[0].device) for _ in range(3))
         return fn(*tensors)
     parts = [checkpoint(fn, *(t[s : s + chunk] for t in tensors), use_reentrant=False) for s in range(0, n, chunk)]
     return tuple(torch.stack(p).sum() for p in zip(*parts))
