@@ -5,6 +5,8 @@ Tiny Llama BDLM on CPU, a few seconds: ``python -m pytest tests/test_objectives.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -442,10 +444,22 @@ def _right_prediction_entropy(model, c, name):
     return torch.distributions.Categorical(logits=kept[hits]).entropy().sum(), int(hits.sum())
 
 
+def _half_right(model, c):
+    """``c`` with every other target replaced by the model's own prediction: an untrained model then predicts about
+    half its targets right (else it would hit few of 64 ids, and the term would have nothing to act on)."""
+    with torch.no_grad():
+        hidden = model(input_ids=c.noisy_ids, clean_input_ids=c.clean_ids, return_logits=False).hidden_states
+        logits = model.lm_logits(hidden[c.target_sample, target_rows_in(vectorized_rows(c.seq_len), c)])
+    own = logits.index_fill(-1, torch.tensor([MASK]), float("-inf")).argmax(-1)
+    tokens = c.target_token.clone()
+    tokens[::2] = own[::2]
+    return dataclasses.replace(c, target_token=tokens)
+
+
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_certainty_term_adds_the_entropy_of_the_right_predictions(model, name):
     plain, forced = _objective(name), _objective(name, certainty_weight=0.5)
-    c = plain.corrupt(_sft_batch(), seed=0, step=0)
+    c = _half_right(model, plain.corrupt(_sft_batch(), seed=0, step=0))
     base, _ = plain.loss(model, c)
     loss, metrics = forced.loss(model, c)
     entropy, hits = _right_prediction_entropy(model, c, name)
@@ -479,7 +493,7 @@ def test_certainty_term_leaves_evaluation_and_a_zero_weight_unchanged(model):
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_certainty_losses_of_a_partition_of_the_rows_add_up(model, name):
     obj = _objective(name, certainty_weight=1.0)
-    c = obj.corrupt(_sft_batch(), seed=0, step=0)
+    c = _half_right(model, obj.corrupt(_sft_batch(), seed=0, step=0))
     full, m_full = obj.loss(model, c)
     hidden = model(input_ids=c.noisy_ids, clean_input_ids=c.clean_ids, return_logits=False).hidden_states
     index = target_rows_in(vectorized_rows(c.seq_len), c)
@@ -487,6 +501,7 @@ def test_certainty_losses_of_a_partition_of_the_rows_add_up(model, name):
     l1, m1 = obj.loss_from_hidden(model, hidden[:, :split], c, torch.where(index < split, index, -1))
     l2, m2 = obj.loss_from_hidden(model, hidden[:, split:], c, torch.where(index >= split, index - split, -1))
     assert (l1 + l2).item() == pytest.approx(full.item(), rel=1e-5)
+    assert m_full["certainty_sum"] > 0 and m1["correct"] > 0 and m2["correct"] > 0  # both "ranks" hold right ones
     assert (m1["certainty_sum"] + m2["certainty_sum"]).item() == pytest.approx(m_full["certainty_sum"].item(), rel=1e-5)
     model.zero_grad()
 
