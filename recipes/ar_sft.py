@@ -2,8 +2,9 @@
 
 Same data (the shipped arithmetic/word tasks, conversational prompt/completion, loss on the completion only), same
 sequence length, learning rate, schedule, seed and token budget as the block-diffusion quickstart
-(`recipes/configs/smollm2_cpu_csbp.yaml`: 90 steps of 2 processes x 4 sequences = 90 steps of 8 sequences here, one
-process), so that ``hf-bdlm bench --only decoding`` compares decoding speeds at a fair quality:
+(`recipes/configs/smollm2_cpu_csbp.yaml`: 90 steps of 4 sequences: its 2 processes form one block-parallel group, which
+shares each batch of 4; here one process takes the same 4), so that ``hf-bdlm bench --only decoding`` compares
+decoding speeds at a fair quality (``--max_steps 150`` for the 150-step recipes):
 
     python recipes/ar_sft.py --output_dir outputs/smollm2-135m-ar-sft
 """
@@ -16,14 +17,19 @@ import time
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> dict:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded:smollm2", help="a causal-LM folder or embedded:smollm2")
     p.add_argument("--output_dir", default="outputs/smollm2-135m-ar-sft")
     p.add_argument("--max_steps", type=int, default=90)
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per step (the BDLM's 2 processes x 4)")
+    p.add_argument("--batch_size", type=int, default=4,
+                   help="sequences per step (the BDLM recipe's: its block-parallel group of 2 shares a batch of 4)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -157,3 +157,15 @@ def test_the_confident_run_is_the_longer_run_plus_the_certainty_term_alone():
     _, args, _ = parse("--config", str(ROOT / "recipes/configs/smollm2_cpu_confident.yaml"),
                        "--block_parallel_size", "1", "--output_dir", "/tmp/unused")
     assert args.certainty_weight == confident["certainty_weight"]
+
+
+def test_the_ar_baseline_sees_the_bdlm_recipes_sequences():
+    # The decoding study's AR parent (recipes/ar_sft.py) is trained on the BDLM recipe's token budget: as many steps,
+    # each of the sequences one step of the 2-process recipe takes (a block-parallel group shares one batch).
+    import ar_sft
+
+    quick = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_csbp.yaml").read_text())
+    world = yaml.safe_load((ROOT / "recipes/accelerate/cpu_2proc.yaml").read_text())["num_processes"]
+    per_step = quick["per_device_train_batch_size"] * world // quick["block_parallel_size"]
+    defaults = ar_sft.make_parser().parse_args([])
+    assert (defaults.max_steps, defaults.batch_size) == (quick["max_steps"], per_step) == (90, 4)
