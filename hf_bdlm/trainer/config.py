@@ -62,8 +62,8 @@ class BDLMSFTConfig(SFTConfig):
             Weight `beta` of the certainty-forcing term (dParallel, Chen et al. 2025): `beta` times the entropy of the
             model's distribution at each masked target it already predicts (argmax = target), over the loss's
             normalizer. It makes right predictions confident, so more positions clear a confidence threshold in one
-            decoding step. Evaluation scores the cross-entropy alone. Block-diffusion and DiffusionGemma objectives;
-            refused for a DFlash drafter. Defaults to off (`0`).
+            decoding step. Evaluation scores the cross-entropy alone. Read by the objectives that denoise by
+            confidence; a family whose model is not decoded that way refuses it. Defaults to off (`0`).
 
         > Parameters of a self-conditioning encoder-decoder family's objective (its `ModelFamily.config_fields`;
         > rejected with any other objective; documented with that family in `docs/`)
