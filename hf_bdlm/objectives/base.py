@@ -131,8 +131,8 @@ class Objective:
         certainty_weight (`float`, defaults to 0.0):
             weight `beta` of the certainty-forcing term (dParallel, Chen et al. 2025): the entropy of the model's
             distribution at each target it already predicts (argmax = target), added as
-            `beta * sum(H) / normalizer`. It sharpens predictions that are right, so more positions clear a
-            confidence threshold in the same decoding step. A training term: a forward without gradient
+            `beta * sum(H) / normalizer`. It sharpens predictions that are right, meant to let more positions
+            clear a confidence threshold in the same decoding step (measured: docs/evaluation.md). A training term: a forward without gradient
             (evaluation) scores the cross-entropy alone, so `eval_loss` compares with runs without it.
     """
 

@@ -61,8 +61,8 @@ class BDLMSFTConfig(SFTConfig):
         certainty_weight (`float`, *optional*):
             Weight `beta` of the certainty-forcing term (dParallel, Chen et al. 2025): `beta` times the entropy of the
             model's distribution at each masked target it already predicts (argmax = target), over the loss's
-            normalizer. It makes right predictions confident, so more positions clear a confidence threshold in one
-            decoding step. Evaluation scores the cross-entropy alone. Read by the objectives that denoise by
+            normalizer. It makes right predictions confident, meant to let more positions clear a confidence threshold
+            in one decoding step (measured: docs/evaluation.md). Evaluation scores the cross-entropy alone. Read by the objectives that denoise by
             confidence; a family whose model is not decoded that way refuses it. Defaults to off (`0`).
 
         > Parameters of a self-conditioning encoder-decoder family's objective (its `ModelFamily.config_fields`;

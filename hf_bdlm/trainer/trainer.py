@@ -202,8 +202,8 @@ class BDLMSFTTrainer(SFTTrainer):
         finally:
             args.packing, args.eval_packing, args.model_init_kwargs = packing, eval_packing, init_kwargs
 
-        # Sums over the logging window of [loss_sum, correct, masked tokens, tokens], whole global batch.
-        # Sums over the logging window: loss, argmax hits, targets, tokens, and the certainty term's entropy.
+        # Sums over the logging window of [loss_sum, correct, masked tokens, tokens, certainty entropy], whole global
+        # batch.
         self._window = {"train": torch.zeros(5, dtype=torch.float64), "eval": torch.zeros(5, dtype=torch.float64)}
         self._tokens_seen = 0.0
         if self.fsdp2 is not None:

@@ -400,8 +400,9 @@ class DiffusionGemmaObjective(Objective):
                 logits = logits.scatter_add(1, obs[:, None], bonus[:, None])
             ce = F.cross_entropy(logits, tok, reduction="sum")
             hits = logits.argmax(dim=-1) == tok
-            wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # entropy in >= float32, as the CE
-            entropy = certainty_entropy(wide, hits) if certainty else ce.new_zeros(())
+            entropy = ce.new_zeros(())
+            if certainty:  # in at least float32, as the CE
+                entropy = certainty_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), hits)
             return ce, hits.sum().detach(), entropy
 
         return _chunked(score, self.loss_chunk_size, hidden, tokens, observed, t)
