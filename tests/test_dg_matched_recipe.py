@@ -96,7 +96,10 @@ def test_layouts_see_the_same_data_order_and_token_budget(record):
 def test_layouts_start_from_the_same_held_out_loss(record):
     first = [_series(record, layout, "checkpoint")[0] for layout in LAYOUTS]
     assert {p["step"] for p in first} == {0}
-    assert len({p["metrics"]["held_out_loss"] for p in first}) == 1
+    # The same weights scored under each layout's own arithmetic: equal to float32 rounding (measured apart by 8.9e-8
+    # relative on one CPU and bitwise equal on another), not bitwise.
+    for p in first[1:]:
+        assert p["metrics"]["held_out_loss"] == pytest.approx(first[0]["metrics"]["held_out_loss"], rel=1e-6, abs=0)
 
 
 @pytest.mark.parametrize("other", LAYOUTS[1:])

@@ -1,7 +1,7 @@
 """lm-eval's `--model bdlm` on both families: lm-eval's own command line on local tasks, batch invariance, the bounds.
 
 Two tiny models learn to count (consecutive words w7 w8 w9 ...) for a few seconds: a converted BDLM (fast_dllm_v2
-objective, 200 steps) and a DiffusionGemma (80 steps). `hf-bdlm lm-eval` (lm-eval's CLI with `bdlm` registered)
+objective, 200 steps) and a DiffusionGemma (200 steps). `hf-bdlm lm-eval` (lm-eval's CLI with `bdlm` registered)
 runs the shipped local tasks (tests/data/lm_eval_tasks: a multiple-choice task and a generation task over jsonl, no
 hub) on each, and the results JSON is checked. The same requests scored and generated in this process at batch size
 1 give exactly the CLI's batch-8 answers. The bounds themselves: each family's estimate equals the bound computed
@@ -68,25 +68,39 @@ def train(model, objective, steps: int, lr: float, rows: int, length: int, offse
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def bdlm_dir(tmp_path_factory):
+def counting_bdlm(path: Path) -> Path:
+    """The converted BDLM that counts: tiny, fast_dllm_v2 objective, 200 steps; saved with its tokenizer."""
     model = tiny_bdlm()
     model.config.objective, model.config.loss_weighting = "fast_dllm_v2", "unit"
     train(model, get_objective("fast_dllm_v2", model.config), steps=200, lr=3e-3, rows=16, length=16,
           offset=BD_WORD_ID)
-    path = tmp_path_factory.mktemp("counting-bdlm")
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module")
-def dg_dir(tmp_path_factory):
-    model = tiny_model(seed=0)
+def counting_diffusion_gemma(path: Path, seed: int = 0) -> Path:
+    """The DiffusionGemma that counts: tiny MoE, canvas 4, 200 steps at the converted model's learning rate.
+
+    Trained long enough that its scores do not hang on float rounding: across initial seeds 0-2 it ranks the next
+    word first for 7-8 of the 8 questions (an 80-step, lr 1e-2 model scored 3-5 of 8 with the seed, and 3 or 5 with
+    the CPU it ran on).
+    """
+    model = tiny_model(seed=seed)
     objective = get_objective("diffusion_gemma", dict(block_size=CANVAS, vocab_size=64, fill_token_id=EOS,
                                                       end_token_ids={EOS, TURN_END}, self_conditioning_prob=0.0))
-    train(model, objective, steps=80, lr=1e-2, rows=8, length=12, offset=DG_WORD_ID, prompt=4)
-    return save_checkpoint(tmp_path_factory.mktemp("counting-diffusion-gemma"), model, denoising_steps=4)
+    train(model, objective, steps=200, lr=3e-3, rows=8, length=12, offset=DG_WORD_ID, prompt=4)
+    return save_checkpoint(path, model, denoising_steps=4)
+
+
+@pytest.fixture(scope="module")
+def bdlm_dir(tmp_path_factory):
+    return counting_bdlm(tmp_path_factory.mktemp("counting-bdlm"))
+
+
+@pytest.fixture(scope="module")
+def dg_dir(tmp_path_factory):
+    return counting_diffusion_gemma(tmp_path_factory.mktemp("counting-diffusion-gemma"))
 
 
 def offline_env(tmp_path) -> dict:
@@ -150,9 +164,10 @@ def test_cli_scores_a_converted_bdlm_and_batch_1_answers_exactly_as_batch_8(bdlm
 def test_cli_scores_diffusion_gemma_and_batch_1_answers_exactly_as_batch_8(dg_dir, tmp_path, monkeypatch):
     results, samples = run_cli(dg_dir, tmp_path / "out", tmp_path)
     assert results["config"]["model"] == "bdlm"
-    # 80 steps of training: the bound ranks the next word first for 5 of the 8 questions (measured 0.625; chance
-    # 0.25), and 1 of the 6 counts is continued exactly (benchmarks/results/lm_eval_tasks/diffusion_gemma_results.json).
-    assert results["results"]["bdlm_count_mc"]["acc,none"] >= 0.5
+    # 200 steps of training: the bound ranks the next word first for 7 of the 8 questions (chance 0.25); from initial
+    # seeds 0-2, 7-8 of 8 (benchmarks/results/lm_eval_tasks/diffusion_gemma_seeds.json), so one miss more than the
+    # worst seed still passes and float rounding on another CPU does not decide the test.
+    assert results["results"]["bdlm_count_mc"]["acc,none"] >= 0.75
     assert 0.0 <= results["results"]["bdlm_count_gen"]["exact_match,none"] <= 1.0
     assert all(len(row["resps"][0][0].split()) <= 4 for row in samples["bdlm_count_gen"])  # max_gen_toks = 4
     alone = evaluate_in_process(HFBDLMEvalModel(pretrained=str(dg_dir), batch_size=1, mc_num=8, seed=0), tmp_path,
@@ -372,8 +387,7 @@ def test_the_bound_ranks_a_trained_models_gold_continuations_far_above_corrupted
     gaps = [g.log_likelihood - b.log_likelihood for g, b in zip(good, bad)]
     stderr = math.sqrt(sum(g.stderr ** 2 + b.stderr ** 2 for g, b in zip(good, bad))) / len(gaps)
     # Measured (benchmarks/results/lm_eval_tasks/elbo_ranking.json): converted BDLM gold -0.06 .. -0.12 against
-    # -24 .. -32, every pair apart by 24 nats or more; DiffusionGemma (80 steps) gold -7 .. -22 against -19 .. -35,
-    # mean gap 11.1 nats at 5.5 standard errors, single pairs within their noise (standard errors 2 - 6 nats).
+    # -24 .. -32, every pair apart by 24 nats or more; DiffusionGemma gold -2.7 .. -10.6 against -37 .. -56, every
+    # pair apart by 30 nats or more (a single bound's standard error up to 7 nats: its uniform-state bound is noisier).
     assert sum(gaps) / len(gaps) > 3 * stderr, (gaps, stderr)
-    if family == "block_diffusion":
-        assert min(gaps) > 10.0, gaps
+    assert min(gaps) > 10.0, gaps

@@ -294,7 +294,10 @@ def test_diffusion_gemma_trains_in_the_papers_cp_layout_as_in_csbp(diffusion_gem
     assert paper["steps"] == csbp["steps"] == [1, 2, 3, 4] and paper["dtensors"] == paper["parameters"]
     assert _rel(paper["losses"], csbp["losses"]) <= TOL, (paper["losses"], csbp["losses"])
     assert paper["eval_loss"] == pytest.approx(csbp["eval_loss"], rel=TOL)
-    assert _weights_rel(paper["weights"], csbp["weights"]) <= TOL
+    # Weights after four AdamW steps: its first updates divide each gradient by its own size, so a float32
+    # reassociation in a small gradient moves an update by far more than the loss moves. Measured 1.54e-5 on an AMD
+    # EPYC host and within 1e-5 on the host the test was written on; the bound leaves 3x over the worst.
+    assert _weights_rel(paper["weights"], csbp["weights"]) <= 5e-5
     assert diffusion_gemma[1]["plain/cp_paper/fsdp2"]["losses"] == paper["losses"]
 
 
