@@ -30,9 +30,10 @@ def parse(*argv):
     return sft.make_parser().parse_args_and_config(args=list(argv))[:3]
 
 
-def test_there_are_the_five_configs_and_six_launch_files():
+def test_there_are_the_six_configs_and_six_launch_files():
     assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "smollm2_cpu_parallel.yaml",
-                                         "smollm2_cpu_confident.yaml", "qwen3_conversion_256k_16gpu.yaml",
+                                         "smollm2_cpu_confident.yaml", "smollm2_cpu_self_distill.yaml",
+                                         "qwen3_conversion_256k_16gpu.yaml",
                                          "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
     assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "cpu_2proc_fsdp2.yaml", "fsdp2_8gpu.yaml",
                                             "multinode_2x8gpu.yaml", "cpu_4proc_tp2_fsdp2.yaml",
@@ -169,3 +170,62 @@ def test_the_ar_baseline_sees_the_bdlm_recipes_sequences():
     per_step = quick["per_device_train_batch_size"] * world // quick["block_parallel_size"]
     defaults = ar_sft.make_parser().parse_args([])
     assert (defaults.max_steps, defaults.batch_size) == (quick["max_steps"], per_step) == (90, 4)
+
+
+# --- recipes/self_distill.py: a block-diffusion model's own answers as SFT data ---------------------------------------
+
+
+def _self_distill_model(tmp_path, eos):
+    """The tiny random block-diffusion checkpoint; ``eos`` its generation config's EOS ids (``None``: it never ends)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_bdlm import MASK, save_tiny_bdlm
+
+    folder = save_tiny_bdlm(tmp_path / "bdlm")
+    config = json.loads((folder / "generation_config.json").read_text())
+    config["eos_token_id"] = eos if eos is None else [t for t in eos if t != MASK]
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_self_distill_writes_the_models_own_answers_as_a_dataset_the_recipe_reads(tmp_path):
+    import self_distill
+
+    # Every token ends an answer: each answer is the model's first settled token, then it stops.
+    folder = _self_distill_model(tmp_path, eos=list(range(64)))
+    out = tmp_path / "data"
+    summary = self_distill.main(["--model", str(folder), "--out", str(out), "--prompts", "5", "--batch_size", "2",
+                                 "--max_new_tokens", "4", "--threads", "1"])
+    assert (summary["prompts"], summary["rows"], summary["left_out_unfinished"]) == (5, 5, 0)
+    train, test = sft.load_datasets(sft.SFTScriptArguments(dataset_name=str(out)))
+    from hf_bdlm.data import load_splits
+
+    shipped_train, shipped_test = load_splits("hf_bdlm:arith")
+    assert len(train) == 5 and list(test) == list(shipped_test)  # the held-out split unchanged
+    for i, row in enumerate(train):
+        assert row["prompt"] == shipped_train[i]["prompt"] and row["answer"] == shipped_train[i]["answer"]
+        [turn] = row["completion"]
+        assert turn["role"] == "assistant" and len(turn["content"].split()) <= 1  # one token, its EOS dropped
+    assert summary["teacher_exact_match"] == 0.0  # a random model's words are not the tasks' answers
+
+
+def test_self_distill_refuses_a_model_whose_answers_never_end(tmp_path):
+    import self_distill
+
+    folder = _self_distill_model(tmp_path, eos=None)
+    with pytest.raises(SystemExit, match="ended none of its 2 answers within --max_new_tokens 4"):
+        self_distill.main(["--model", str(folder), "--out", str(tmp_path / "data"), "--prompts", "2",
+                           "--max_new_tokens", "4"])
+    assert not (tmp_path / "data").exists()
+    with pytest.raises(SystemExit, match="--prompts 0"):
+        self_distill.main(["--model", str(folder), "--out", str(tmp_path / "data"), "--prompts", "0"])
+
+
+def test_the_self_distillation_run_trains_the_confident_model_on_its_own_answers():
+    confident = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_confident.yaml").read_text())
+    distill = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_self_distill.yaml").read_text())
+    assert distill["model_name_or_path"] == confident["output_dir"]
+    documented = (ROOT / "recipes/self_distill.py").read_text()
+    assert f"--model {confident['output_dir']} --out {distill['dataset_name']}" in documented
+    same = ("block_size", "objective", "certainty_weight", "learning_rate", "per_device_train_batch_size",
+            "block_parallel_size", "block_parallel_mode", "max_length")
+    assert {k: distill[k] for k in same} == {k: confident[k] for k in same}
