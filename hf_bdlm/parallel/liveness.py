@@ -14,6 +14,7 @@ stopped (its process died, or is frozen), and the error says so by rank number.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -44,6 +45,10 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="hf-bdlm-heartbeat", daemon=True)
         self._thread.start()
+        # At exit the thread ends and drops its store client before the interpreter finalizes: a daemon thread still
+        # holding one then can abort the process after its work is done ("terminate called without an active
+        # exception", exit code -6 on a finished run).
+        atexit.register(self.stop, join_s=2 * BEAT_S)
 
     @classmethod
     def from_env(cls, rank: int, world: int) -> "Heartbeat | None":
@@ -55,6 +60,7 @@ class Heartbeat:
         return cls(rank, world, host, int(port))
 
     def _beat(self) -> None:
+        store = None
         try:
             store = _store(self.host, self.port)
             while not self._stop.is_set():
@@ -62,9 +68,18 @@ class Heartbeat:
                 self._stop.wait(BEAT_S)
         except Exception as err:  # noqa: BLE001 - the store is gone (its host ended): nothing to beat in
             logger.debug("heartbeat of rank %d stopped: %s", self.rank, err)
+        finally:
+            del store  # the client is closed here, in this thread, not at interpreter teardown
 
-    def stop(self) -> None:
+    def stop(self, join_s: float | None = None) -> None:
+        """Stop beating; with ``join_s``, wait up to that long for the thread to end (it does within a store call)."""
         self._stop.set()
+        if join_s is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
+
+    @property
+    def beating(self) -> bool:
+        return self._thread.is_alive()
 
     def counters(self, ranks: list[int]) -> list[int]:
         store = _store(self.host, self.port)
