@@ -45,20 +45,9 @@ def scores(results: dict) -> dict:
 
 
 def elbo_ranking(folder: Path, family: str, offset: int) -> dict:
-    from hf_bdlm.evaluation.lm_eval_model import load_for_evaluation
-    from hf_bdlm.protocols.family import ScoreRequest
-    from hf_bdlm.protocols.registry import family_named
+    from test_lm_eval import gold_and_corrupted
 
-    model, _ = load_for_evaluation(str(folder), None, "cpu", 32)
-    scorer = family_named(family).likelihood_scorer(model, None)
-    gold, corrupted = [], []
-    for start in range(10, 40, 3):
-        context = tuple(range(start + offset, start + offset + 5))
-        continuation = tuple(range(start + offset + 5, start + offset + 9))
-        gold.append(ScoreRequest(context, continuation))
-        corrupted.append(ScoreRequest(context, continuation[::-1]))
-    good = scorer.score(gold, mc_num=16, seed=0, batch_size=8)
-    bad = scorer.score(corrupted, mc_num=16, seed=0, batch_size=8)
+    good, bad = gold_and_corrupted(folder, family, offset)
     gaps = [g.log_likelihood - b.log_likelihood for g, b in zip(good, bad)]
     return {"gold": [[s.log_likelihood, s.stderr] for s in good], "corrupted": [[s.log_likelihood, s.stderr] for s in bad],
             "min_gap": min(gaps), "mean_gap": sum(gaps) / len(gaps)}
