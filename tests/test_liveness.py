@@ -1,8 +1,9 @@
 """The heartbeat (hf_bdlm.parallel.liveness) in a process of its own: it beats, and it is over before the process ends.
 
-A daemon thread still holding its store client when the interpreter finalizes can abort a process whose work is done
-(a finished training run exited -6, "terminate called without an active exception"); the heartbeat stops and joins
-its thread at exit. The killed-rank diagnosis itself is tested under real launches in tests/test_faults.py.
+A finished 2-process training run once exited -6 at teardown ("terminate called without an active exception"); a
+daemon thread still inside a store client when the interpreter finalizes is one way to get there (not shown to be
+that run's), so the heartbeat stops and joins its thread at exit. The killed-rank diagnosis itself is tested under
+real launches in tests/test_faults.py.
 Run: python -m pytest tests/test_liveness.py -q
 """
 

@@ -45,9 +45,8 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="hf-bdlm-heartbeat", daemon=True)
         self._thread.start()
-        # At exit the thread ends and drops its store client before the interpreter finalizes: a daemon thread still
-        # holding one then can abort the process after its work is done ("terminate called without an active
-        # exception", exit code -6 on a finished run).
+        # At exit the thread ends and drops its store client before the interpreter finalizes, rather than being
+        # frozen inside a store call during teardown (a C++ client torn down then may abort a finished process).
         atexit.register(self.stop, join_s=2 * BEAT_S)
 
     @classmethod
