@@ -8,7 +8,8 @@ its exact-techniques setting (confidence threshold 0.9, EOS exit; the same token
 folder the SFT recipe reads (``dataset_name: OUT``: ``train.jsonl`` the model's answers, ``test.jsonl`` the shipped
 held-out split unchanged, so exact match is still scored against the references):
 
-    python recipes/self_distill.py --model outputs/smollm2-135m-bdlm-confident --out outputs/self-distill-data
+    python recipes/self_distill.py --model outputs/smollm2-135m-bdlm-confident --out outputs/self-distill-data \\
+        --prompts 400
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/sft.py \\
         --config recipes/configs/smollm2_cpu_self_distill.yaml
 
