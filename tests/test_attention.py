@@ -6,7 +6,6 @@ Fast and CPU-only (CUDA tests skip with a reason): ``python -m pytest tests/test
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import warnings
 
@@ -29,7 +28,6 @@ from hf_bdlm.attention.tiles import DEFAULT_GROUP_ROWS, plan_attention, split_ch
 
 KINDS = ("block_causal", "causal")
 CUDA = torch.cuda.is_available()
-HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -377,91 +375,6 @@ def test_flex_backward_equals_dense_on_cuda(kind):
     want = _run("dense", q, [source], rows, [rows], rule, grad_out)
     for a, b in zip([got[0]] + got[1], [want[0]] + want[1]):
         assert _rel_err(a.double(), b) <= 1e-4
-
-
-# --- flash -----------------------------------------------------------------------------------
-
-
-def test_flash_without_cuda_tensors_raises_backend_unavailable():
-    rows = vectorized_rows(8)
-    q = torch.randn(1, 2, 16, 8)
-    with pytest.raises(BackendUnavailable, match="blockwise"):
-        attend("flash", q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
-
-
-def test_flash_rejects_float32_naming_blockwise():
-    from hf_bdlm.attention.flash import attend_flash_attn
-
-    rows = vectorized_rows(8)
-    q = torch.randn(1, 2, 16, 8)
-    with pytest.raises(BackendUnavailable, match="blockwise"):
-        attend_flash_attn(q, [(q, q)], rows, [rows], MaskRule(4), 0.5, {})
-
-
-def _flash_reference_mask(cq, ck, causal, left, right):
-    """flash-attn 2's documented mask: query i sees keys in
-    ``[i + ck - cq - left, i + ck - cq + right]`` (bottom-right aligned; -1 = unbounded)."""
-    i = torch.arange(cq)[:, None]
-    j = torch.arange(ck)[None, :]
-    centre = i + ck - cq
-    ok = torch.ones(cq, ck, dtype=torch.bool)
-    if causal:
-        right = 0
-    if left >= 0:
-        ok &= j >= centre - left
-    if right >= 0:
-        ok &= j <= centre + right
-    return ok
-
-
-@pytest.mark.parametrize("convention", ["per_query", "block_start"])
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("window", [None, 1, 5, 8, 12, 17, 25], ids=lambda w: f"w{w}")
-def test_flash_maps_every_masked_tile_to_causal_or_window_flags_exactly(kind, window, convention):
-    # CPU-checkable half of the flash backend: each planned tile mask becomes flash-attn flags
-    # (after trimming rows/keys the mask leaves empty) that reproduce the mask exactly.
-    from hf_bdlm.attention.flash import flash_call
-
-    block_size = 8
-    rows = vectorized_rows(64, _docs([3, 5], block_size))
-    rule = MaskRule(block_size, kind, window, convention)
-    plan = plan_attention(rows.batch_item(0), [rows.batch_item(0)], rule, group_rows=0)
-    for call in plan.calls:
-        fc = flash_call(call)
-        if call.mask is None:
-            assert (fc.causal, fc.window) == (False, (-1, -1)) and fc.trim == (0, 0, 0, 0)
-            continue
-        q0, q1, k0, k1 = fc.trim
-        cq, ck = call.mask.shape
-        flash = torch.zeros_like(call.mask)
-        flash[q0 : cq - q1, k0 : ck - k1] = _flash_reference_mask(cq - q0 - q1, ck - k0 - k1, fc.causal, *fc.window)
-        assert torch.equal(flash, call.mask), f"{call.mask.int()} mapped to {fc}"
-
-
-def test_flash_rejects_a_mask_that_is_not_a_band_naming_the_tile():
-    from hf_bdlm.attention.flash import flash_call
-    from hf_bdlm.attention.tiles import KernelCall
-
-    mask = torch.tensor([[True, False, True], [False, True, False], [True, False, True]])
-    with pytest.raises(NotImplementedError, match=r"query rows \(3, 6\)"):
-        flash_call(KernelCall((3, 6), 0, (0, 3), mask))
-
-
-@pytest.mark.skipif(not (CUDA and HAS_FLASH_ATTN), reason="needs CUDA and the flash-attn package")
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("window", [None, 8, 24], ids=["no_window", "w<B", "B<w<2B"])
-def test_flash_equals_dense_on_cuda(kind, window):
-    doc = torch.cat([_docs([4, 12], 16), _docs([16], 16)]).cuda()
-    rows = vectorized_rows(256, doc)
-    rule = MaskRule(16, kind, window)
-    q, (source,) = _qkv(2, 4, 2, rows.num_rows, [rows.num_rows], dim=64)
-    q, source = q.detach().cuda(), tuple(t.detach().cuda() for t in source)
-    grad_out = torch.randn_like(q)
-    half = [tuple(t.bfloat16() for t in source)]
-    got = _run("flash", q.bfloat16(), half, rows, [rows], rule, grad_out.bfloat16())
-    want = _run("dense", q, [source], rows, [rows], rule, grad_out)
-    for a, b in zip([got[0]] + got[1], [want[0]] + want[1]):
-        assert _rel_err(a.double(), b) <= 3e-2
 
 
 # --- errors ----------------------------------------------------------------------------------

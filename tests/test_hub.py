@@ -223,7 +223,7 @@ def test_remote_code_holds_the_whole_model_and_none_of_the_hub_hooks():
         assert definition in modeling
     assert "def save_pretrained(" not in modeling and "def push_to_hub(" not in modeling
     config = bundle_remote_code()["configuration_block_diffusion.py"]
-    assert "class BlockDiffusionConfig(" in config and 'BACKENDS = ("dense"' in config
+    assert "class BlockDiffusionConfig(" in config and 'BACKENDS = ("auto"' in config
 
 
 def test_bundle_check_refuses_files_that_would_need_the_package():

@@ -16,7 +16,6 @@ Backends:
                (:mod:`.kernels`); never builds a ``T x T`` mask or score matrix. CPU and CUDA.
 ``flex``       FlexAttention with a ``BlockMask`` from the same predicate. Training on CUDA;
                on CPU forward only (PyTorch has no CPU backward for it).
-``flash``      flash-attn over the block-sparse plan; CUDA and the ``flash`` extra only.
 
 A backend that cannot run here raises :class:`BackendUnavailable` naming the reason; nothing
 is replaced silently by another backend.
@@ -90,18 +89,6 @@ def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def attend_flash(q, sources, q_rows, k_rows, rule, scale, cache):
-    if not torch.cuda.is_available() or q.device.type != "cuda":
-        raise BackendUnavailable("attention_backend='flash' needs CUDA tensors; use 'blockwise' or 'flex'.")
-    if importlib.util.find_spec("flash_attn") is None:
-        raise BackendUnavailable(
-            "attention_backend='flash' needs the flash-attn package: pip install 'hf-bdlm[flash]'."
-        )
-    from .flash import attend_flash_attn
-
-    return attend_flash_attn(q, sources, q_rows, k_rows, rule, scale, cache)
-
-
 def common_dtype(q, sources):
     """Bring q/k/v to one dtype, as SDPA does: under autocast its dtype, else the promoted one.
 
@@ -135,7 +122,6 @@ _DISPATCH = {
     "dense": attend_dense,
     "blockwise": attend_blockwise,
     "flex": attend_flex,
-    "flash": attend_flash,
 }
 
 

@@ -16,9 +16,9 @@ the local sources meanwhile and reads the arrived rows only from the transfer's 
 its wait; in backward it starts returning their gradients before computing the local ones.
 
 The loops (row selection, batching, LSE merge, gradient scatter) are written once, here; what
-runs one call is an :class:`AttentionKernel`: :data:`SDPA_KERNEL` (the CPU flash kernel of
-PyTorch, ``_scaled_dot_product_flash_attention_for_cpu``, and on CUDA PyTorch's memory-efficient
-kernel; both take arbitrary additive masks) or flash-attn's (:mod:`.flash`, band masks only).
+runs one call is an :class:`AttentionKernel`: :data:`SDPA_KERNEL`, PyTorch's fused kernels with an
+arbitrary additive mask (on CPU ``_scaled_dot_product_flash_attention_for_cpu``, on CUDA the
+memory-efficient kernel, whose bias :func:`aligned_bias` pads to its alignment).
 """
 
 from __future__ import annotations
@@ -43,6 +43,48 @@ def _additive_mask(mask: torch.Tensor | None, dtype, device, cache: dict) -> tor
         found = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask.to(device), float("-inf"))
         cache[key] = found
     return found
+
+
+# CUDA's memory-efficient kernel reads the bias in 16-byte vectors: its batch, head and row strides must be multiples
+# of 16 bytes (kAlignmentQ: 8 bf16/fp16 values, 4 fp32, 2 fp64), else it raises "attn_bias is not correctly aligned".
+BIAS_ALIGNMENT_BYTES = 16
+
+
+def aligned_bias(bias: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``bias`` (in ``dtype``) as a view whose storage's last dimension is padded to the kernel's alignment.
+
+    Same shape and values; every stride but the last is a multiple of :data:`BIAS_ALIGNMENT_BYTES` for a contiguous
+    input (and stays so once expanded over batch and heads: expanded strides are 0). Returns ``bias`` itself when
+    it is already aligned. ``F.scaled_dot_product_attention`` pads the same way before calling the kernel; the direct
+    ``_scaled_dot_product_efficient_attention`` call does not, and odd tile widths (23, 25 keys in packed Gemma-3
+    batches) occur.
+    """
+    dtype = bias.dtype if dtype is None else dtype
+    multiple = max(1, BIAS_ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
+    width = bias.shape[-1]
+    if bias.dtype == dtype and bias.stride(-1) == 1 and all(
+        (s * bias.element_size()) % BIAS_ALIGNMENT_BYTES == 0 for s in (*bias.stride()[:-1], bias.storage_offset())
+    ):
+        return bias
+    padded = -(-width // multiple) * multiple
+    storage = torch.zeros((*bias.shape[:-1], padded), dtype=dtype, device=bias.device)
+    storage[..., :width] = bias
+    return storage[..., :width]
+
+
+def cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, cache: dict) -> torch.Tensor | None:
+    """The bias the CUDA branch of :class:`SDPAKernel` hands the memory-efficient kernel for a call's boolean mask:
+    the additive mask, aligned (:func:`aligned_bias`, built once per mask, dtype and device and cached like
+    :func:`_additive_mask`), expanded to ``[n, H, cq, ck]`` for ``q [n, H, cq, d]``."""
+    if mask is None:
+        return None
+    key = ("aligned", id(mask), q.dtype, q.device)
+    found = cache.get(key)
+    if found is None:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask.to(q.device),
+                                                                                       float("-inf"))
+        found = cache[key] = aligned_bias(additive, q.dtype)
+    return found.expand(q.shape[0], q.shape[1], *found.shape[-2:])
 
 
 class AttentionKernel(Protocol):
@@ -75,21 +117,21 @@ class SDPAKernel:
         return plan.calls
 
     def forward(self, call, q, k, v, scale, cache):
-        mask = _additive_mask(call.mask, q.dtype, q.device, cache)
         if q.device.type == "cpu":
+            mask = _additive_mask(call.mask, q.dtype, q.device, cache)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, False, attn_mask=mask, scale=scale
             )
             return out, lse, None
-        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], *mask.shape[-2:])
+        bias = cuda_bias(call.mask, q, cache)  # backward reuses it through ``extra``
         out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, 0.0, False, scale=scale
         )
         return out, lse[..., : q.shape[2]], (bias, seed, offset, lse)
 
     def backward(self, call, grad_out, q, k, v, out, lse, extra, scale, cache):
-        mask = _additive_mask(call.mask, q.dtype, q.device, cache)
         if q.device.type == "cpu":
+            mask = _additive_mask(call.mask, q.dtype, q.device, cache)
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
             )
@@ -201,8 +243,8 @@ def forward_calls(calls, q, keys: dict, values: dict, scale, out_acc, lse_acc, c
         vs = select_rows(values[call.source], call.k_rows)
         out, lse, extra = kernel.forward(call, qs, ks, vs, scale, cache)
         if call.empty_rows is not None:
-            # Kernels report LSE 0 (PyTorch) or +inf (flash-attn) for a row whose keys are all masked; an empty
-            # row must not weigh in the merge.
+            # PyTorch's kernels report LSE 0 for a row whose keys are all masked; an empty row must not weigh in
+            # the merge.
             lse = lse.masked_fill(call.empty_rows.to(lse.device), float("-inf"))
         extras.append(extra)
         merge_partial(

@@ -22,7 +22,7 @@ tiles become a short list of :class:`KernelCall`:
   computed and masked out (``python -m hf_bdlm.benchmarks.attention --compare-block-tiles``
   measures it; docs/benchmarks.md has the numbers).
   ``group_rows=0`` plans chunk by chunk only: every mask is then a causal band or a window
-  edge, which is what the flash-attn backend can run.
+  edge.
 
 A plan is built once per forward and layer kind and reused by every layer.
 """
@@ -181,7 +181,7 @@ def plan_attention(
 
     ``group_rows`` > 0 lets the planner cover a dense region of up to ``group_rows x group_rows``
     rows with one masked call (see the module docstring); ``0`` plans block-sized tiles only,
-    each mask a band of the token-causal diagonal or a window edge (what flash-attn can run).
+    each mask a band of the token-causal diagonal or a window edge.
     """
     qc = split_chunks(q_rows, rule.block_size)
     q_group = _groups(qc, group_rows)

@@ -283,7 +283,7 @@ def make_parser() -> argparse.ArgumentParser:
     # attention at 2 threads on a loaded 2-core machine. PASSIVE sleeps instead of spinning.
     p.add_argument("--omp-wait-policy", default="PASSIVE", help="OMP_WAIT_POLICY of the children ('' = inherit)")
     p.add_argument("--compare-block-tiles", action="store_true",
-                   help="also time blockwise with block-sized tiles only (planner group_rows=0, as the flash backend)")
+                   help="also time blockwise with block-sized tiles only (planner group_rows=0)")
     p.add_argument("--quick", action="store_true", help="L up to 2K, steps up to 1K")
     p.add_argument("--out", default="results.json")
     p.add_argument("--child", help=argparse.SUPPRESS)

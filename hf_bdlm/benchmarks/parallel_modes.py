@@ -561,7 +561,7 @@ def main(argv=None) -> None:
                         help="cuda: one GPU per rank, NCCL, peaks from the CUDA allocator")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: the step under bf16 autocast over float32 weights")
-    parser.add_argument("--attention-backend", default="blockwise", choices=["blockwise", "flex", "flash", "dense"])
+    parser.add_argument("--attention-backend", default="blockwise", choices=["blockwise", "flex", "dense"])
     parser.add_argument("--link", default=None, choices=_link_names(), metavar="NAME",
                         help="emulated cluster link (h100-nvlink, h100-ib, h200-nvlink, h200-ib): every K/V transfer "
                              "is charged at the cluster's bf16 element size and takes latency + bytes / bandwidth of "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 # The option names: ``hf_bdlm.attention.backends`` implements each backend, ``hf_bdlm.attention.masks`` each
 # clean-attention kind and window convention, the objectives each loss weighting.
-BACKENDS = ("dense", "blockwise", "flex", "flash")
+BACKENDS = ("auto", "dense", "blockwise", "flex")
 CLEAN_ATTENTION_KINDS = ("block_causal", "causal")
 WINDOW_CONVENTIONS = ("per_query", "block_start")
 LOSS_WEIGHTINGS = ("inverse_t", "unit")

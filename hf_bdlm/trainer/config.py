@@ -56,8 +56,9 @@ class BDLMSFTConfig(SFTConfig):
             `"inverse_t"` (`1/t`, the ELBO) or `"unit"`; the `fast_dllm_v2` objectives always use `"unit"`. Defaults to
             the model's.
         attention_backend (`str`, *optional*):
-            `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`). Defaults to the
-            model's. CPU training needs `"blockwise"` or `"dense"`.
+            `"auto"` (`"flex"` on CUDA tensors, `"blockwise"` elsewhere), `"dense"`, `"blockwise"` or `"flex"` (see
+            `hf_bdlm.attention.backends`). Defaults to the model's. CPU training needs `"auto"`, `"blockwise"` or
+            `"dense"`.
         certainty_weight (`float`, *optional*):
             Weight `beta` of the certainty-forcing term (dParallel, Chen et al. 2025): `beta` times the entropy of the
             model's distribution at each masked target it already predicts (argmax = target), over the loss's
@@ -150,7 +151,7 @@ class BDLMSFTConfig(SFTConfig):
     noise_eps_max: float | None = field(default=None, metadata={"help": "Highest per-block masking rate."})
     loss_weighting: str | None = field(default=None, metadata={"help": "'inverse_t' or 'unit' (default: the model's)."})
     attention_backend: str | None = field(
-        default=None, metadata={"help": "'dense', 'blockwise', 'flex' or 'flash' (default: the model's)."}
+        default=None, metadata={"help": "'auto', 'dense', 'blockwise' or 'flex' (default: the model's)."}
     )
     certainty_weight: float | None = field(
         default=None,

@@ -55,7 +55,8 @@ class BlockDiffusionConfig(PreTrainedConfig):
         loss_weighting (`str`, defaults to `"inverse_t"`):
             Weight of a masked token's cross-entropy: `"inverse_t"` (`1/t`, the ELBO) or `"unit"`.
         attention_backend (`str`, defaults to `"blockwise"`):
-            `"dense"`, `"blockwise"`, `"flex"` or `"flash"` (see `hf_bdlm.attention.backends`).
+            `"auto"` (`"flex"` on CUDA tensors, `"blockwise"` elsewhere), `"dense"`, `"blockwise"` or `"flex"` (see
+            `hf_bdlm.attention.backends`).
     """
 
     model_type = "block_diffusion"
