@@ -128,10 +128,20 @@ def keys_in_window(q_stream, q_pos, k_pos, rule: MaskRule, k_stream=None) -> tor
     return out
 
 
+def key_reach(q_stream, q_pos, rule: MaskRule, k_stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the inclusive range ``(lo, hi)`` of positions of ``k_stream`` keys the rule lets it see, documents
+    aside (an empty range has ``lo > hi``). Both ends are non-decreasing in the query's position within one query
+    stream, which is what lets :mod:`.block_mask` turn them into runs of tiles. With or without a window."""
+    return _reach(q_stream, q_pos, rule, k_stream)
+
+
 def _reach(q_stream, q_pos, rule: MaskRule, k_stream: int | None):
     """Per query, the inclusive key-position range ``(lo, hi)`` its window and stream table allow (keys of
-    ``k_stream``; ``None``: either stream); an empty range has ``lo > hi``."""
-    lo, hi = window_key_range(q_stream, q_pos, rule)
+    ``k_stream``; ``None``: either stream); an empty range has ``lo > hi``. Without a window the range starts at 0."""
+    if rule.sliding_window is None:
+        lo, hi = torch.zeros_like(q_pos), torch.full_like(q_pos, torch.iinfo(torch.int64).max // 2)
+    else:
+        lo, hi = window_key_range(q_stream, q_pos, rule)
     start = torch.div(q_pos, rule.block_size, rounding_mode="floor") * rule.block_size
     block_end = start + (rule.block_size - 1)
     noisy = q_stream == NOISY
