@@ -14,8 +14,13 @@ Backends:
 ``dense``      SDPA with the boolean mask of the rule: the reference; ``O(T^2)`` memory.
 ``blockwise``  block-sparse plan (:mod:`.tiles`) run by fused kernels merged by log-sum-exp
                (:mod:`.kernels`); never builds a ``T x T`` mask or score matrix. CPU and CUDA.
-``flex``       FlexAttention with a ``BlockMask`` from the same predicate. Training on CUDA;
-               on CPU forward only (PyTorch has no CPU backward for it).
+``flex``       compiled FlexAttention, one call per key source over a ``BlockMask`` built from the block
+               structure (:mod:`.flex`, :mod:`.block_mask`); the CUDA training path. On CPU forward only
+               (PyTorch has no CPU backward for it).
+``auto``       ``flex`` on CUDA tensors, ``blockwise`` elsewhere (the default).
+
+Whatever the backend, a call in which every query may see every key (a decoding step: one noisy block over its
+clean prefix and itself) runs one SDPA call without any mask.
 
 A backend that cannot run here raises :class:`BackendUnavailable` naming the reason; nothing
 is replaced silently by another backend.
@@ -23,14 +28,13 @@ is replaced silently by another backend.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
 from ..protocols.diffusion_fields import BACKENDS  # every backend attend() dispatches to
+from .flex import attend_flex
 from .kernels import BackendUnavailable, block_sparse_attention
-from .masks import MaskRule, allowed, dense_mask
+from .masks import MaskRule, all_pairs_allowed, dense_mask
 from .rows import RowMeta
 from .tiles import batch_plans
 
@@ -56,37 +60,6 @@ def attend_dense(q, sources, q_rows, k_rows, rule, scale, cache):
 def attend_blockwise(q, sources, q_rows, k_rows, rule, scale, cache):
     plans = batch_plans(q_rows, k_rows, rule, cache, q.shape[0])
     return block_sparse_attention(plans, q, sources, scale)[0]
-
-
-def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    k, v, rows = _cat_sources(sources, k_rows)
-    if q.device.type != "cuda":
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise BackendUnavailable(
-                "attention_backend='flex' has no backward pass on CPU in PyTorch; train on CPU with "
-                "attention_backend='blockwise' (flex runs CPU inference only)."
-            )
-        # PyTorch's CPU check looks at requires_grad even under no_grad.
-        q, k, v = q.detach(), k.detach(), v.detach()
-    key = ("flex", rule)
-    block_mask = cache.get(key)
-    if block_mask is None:
-        dev = q.device
-        qs, qp, ks, kp = q_rows.stream.to(dev), q_rows.pos.to(dev), rows.stream.to(dev), rows.pos.to(dev)
-        qd = None if q_rows.doc is None else q_rows.doc.to(dev)
-        kd = None if rows.doc is None else rows.doc.to(dev)
-
-        def mask_mod(b, h, qi, ki):
-            return allowed(
-                qs[qi], qp[qi], None if qd is None else qd[b, qi], ks[ki], kp[ki], None if kd is None else kd[b, ki], rule
-            )
-
-        batch = 1 if qd is None else q.shape[0]
-        block_mask = create_block_mask(mask_mod, batch, None, q.shape[2], k.shape[2], device=dev)
-        cache[key] = block_mask
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def common_dtype(q, sources):
@@ -118,6 +91,14 @@ def source_rows(source) -> int:
     return source[0].shape[2] if isinstance(source, tuple) else source.num_rows
 
 
+def _unmasked(q_rows: RowMeta, k_rows: RowMeta, rule: MaskRule, cache: dict) -> bool:
+    key = ("unmasked", rule)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = all_pairs_allowed(q_rows, k_rows, rule)
+    return found
+
+
 _DISPATCH = {
     "dense": attend_dense,
     "blockwise": attend_blockwise,
@@ -141,6 +122,8 @@ def attend(
     communication). ``blockwise`` starts the transfer, computes the local sources meanwhile and
     reads the deferred rows after their wait; the other backends gather synchronously first.
     """
+    if backend == "auto":
+        backend = "flex" if q.device.type == "cuda" else "blockwise"
     fn = _DISPATCH.get(backend)
     if fn is None:
         raise ValueError(f"Unknown attention backend {backend!r}; choose one of {BACKENDS}.")
@@ -150,6 +133,9 @@ def attend(
             f"{[source_rows(s) for s in sources]} key rows for {[r.num_rows for r in k_rows]} described."
         )
     q, sources = common_dtype(q, sources)
-    if fn is not attend_blockwise:
+    if len(sources) == 1 and isinstance(sources[0], tuple) and _unmasked(q_rows, k_rows[0], rule, cache):
+        k, v = sources[0]
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    if fn not in (attend_blockwise, attend_flex):
         sources = [s if isinstance(s, tuple) else s.materialize() for s in sources]
     return fn(q, sources, q_rows, k_rows, rule, scale, cache)

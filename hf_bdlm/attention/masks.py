@@ -199,6 +199,25 @@ def allowed(q_stream, q_pos, q_doc, k_stream, k_pos, k_doc, rule: MaskRule):
     return ok
 
 
+def all_pairs_allowed(q_rows, k_rows, rule: MaskRule) -> bool:
+    """Whether every query row may see every key row (e.g. a decoding step: a noisy block over its clean prefix and
+    itself), decided in O(rows) from the rule's key ranges: then attention needs no mask at all."""
+    if q_rows.num_rows == 0 or k_rows.num_rows == 0:
+        return False
+    if q_rows.doc is not None or k_rows.doc is not None:
+        docs = torch.cat([d.flatten() for d in (q_rows.doc, k_rows.doc) if d is not None])
+        if bool((docs != docs[0]).any()):
+            return False
+    for stream in (CLEAN, NOISY):
+        k_pos = k_rows.pos[k_rows.stream == stream]
+        if k_pos.numel() == 0:
+            continue
+        lo, hi = key_reach(q_rows.stream, q_rows.pos.long(), rule, stream)
+        if int(lo.max()) > int(k_pos.min()) or int(hi.min()) < int(k_pos.max()):
+            return False
+    return True
+
+
 def dense_mask(q_rows, k_rows, rule: MaskRule) -> torch.Tensor:
     """Boolean mask ``[batch or 1, Tq, Tk]`` of allowed pairs between two :class:`RowMeta`."""
     q_doc = None if q_rows.doc is None else q_rows.doc[:, :, None]
