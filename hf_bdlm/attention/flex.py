@@ -15,9 +15,9 @@ are computed meanwhile and the peers' rows are read only after the wait (:class:
 :class:`_AwaitTransfer`). In backward, the peers' gradients start travelling home as soon as their attention's
 backward produced them, while the local sources' backward runs.
 
-On CPU PyTorch has no FlexAttention backward and its compiled CPU kernel returns no log-sum-exp: a single source runs
-compiled (forward only), several sources run eagerly with the log-sum-exp (inference sizes; it materialises the
-scores). Training on CPU is refused with a message naming ``blockwise``.
+On CPU PyTorch has no FlexAttention backward, and its compiled CPU kernel returns no log-sum-exp and takes no float64:
+a single float32/bf16 source runs compiled (forward only); several sources, or float64, run eagerly (inference sizes:
+eager FlexAttention materialises the scores). Training on CPU is refused with a message naming ``blockwise``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def flex_call(q, k, v, block_mask, scale: float, with_lse: bool):
     from torch.nn.attention.flex_attention import AuxRequest
 
     gqa = k.shape[1] != q.shape[1]
-    compiled = q.device.type == "cuda" or not with_lse
+    # torch's compiled CPU kernel returns no LSE and takes no float64: those CPU calls run eagerly (inference only).
+    compiled = q.device.type == "cuda" or not (with_lse or q.dtype == torch.float64)
     fn = compiled_flex_attention() if compiled else _eager_flex_attention
     if not with_lse:
         return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
@@ -135,6 +136,17 @@ def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
         sources = [s if isinstance(s, tuple) else s.materialize() for s in sources]
         sources = [(k.detach(), v.detach()) for k, v in sources]
     with_lse = len(sources) > 1
+
+    def partial(i, q, k, v):
+        return flex_call(q, k, v, _block_mask(cache, i, q_rows, k_rows[i], rule, q.device), scale, with_lse)
+
+    return attend_sources(q, sources, partial)
+
+
+def attend_sources(q, sources, partial):
+    """Attention of ``q`` over key sources, each computed by ``partial(i, q, k, v) -> (out, lse)`` and merged by
+    log-sum-exp (one source: its output as it is). Deferred sources start their transfer first and are computed
+    last, from the rows their wait returns; their gradients start home from their attention's backward."""
     transfers = {}
     for i, s in enumerate(sources):
         if not isinstance(s, tuple):
@@ -142,12 +154,8 @@ def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
             transfer.token = _StartTransfer.apply(transfer, s.k, s.v)
     partials: list = [None] * len(sources)
     for i in sorted(range(len(sources)), key=lambda j: j in transfers):  # local sources while the others travel
-        if i in transfers:
-            k, v = _AwaitTransfer.apply(transfers[i], transfers[i].token)
-        else:
-            k, v = sources[i]
-        mask = _block_mask(cache, i, q_rows, k_rows[i], rule, q.device)
-        partials[i] = flex_call(q, k, v, mask, scale, with_lse)
-    if not with_lse:
+        k, v = _AwaitTransfer.apply(transfers[i], transfers[i].token) if i in transfers else sources[i]
+        partials[i] = partial(i, q, k, v)
+    if len(partials) == 1:
         return partials[0][0]
     return merge_by_lse(partials, q.dtype)

@@ -11,6 +11,7 @@ not built: ``"bdlm"`` has no entry in transformers' mask interface, so its mask 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +39,20 @@ class TrainingLayout(AttentionLayout, Protocol):
     def loss_row_index(self, corrupted) -> torch.Tensor: ...
 
 
+# Single-device training layouts kept across steps (least recently used first out): a run has one shape, or a few
+# under packing, and each kept layout holds its plans (a few MB at 128K tokens).
+KEPT_LAYOUTS = 4
+_VECTORIZED: OrderedDict = OrderedDict()
+
+
+def documents_key(document_ids: torch.Tensor | None):
+    """A hashable key of a batch's document ids (``None`` without packing): equal ids, equal key."""
+    if document_ids is None:
+        return None
+    ids = document_ids.detach().cpu()
+    return (tuple(ids.shape), str(ids.dtype), ids.numpy().tobytes())
+
+
 @dataclass
 class LocalLayout:
     """All rows on this device: ``query`` rows described by ``q_rows``, ``key`` rows by ``k_rows``.
@@ -51,15 +66,29 @@ class LocalLayout:
     q_rows: RowMeta
     k_rows: RowMeta
     base_rule: MaskRule
-    backend: str = "blockwise"
+    backend: str = "auto"
     cache: dict = field(default_factory=dict)
 
     @classmethod
-    def vectorized(cls, seq_len: int, rule: MaskRule, backend: str = "blockwise",
+    def vectorized(cls, seq_len: int, rule: MaskRule, backend: str = "auto",
                    document_ids: torch.Tensor | None = None) -> "LocalLayout":
-        """The single-device training layout: noisy rows ``0..L-1``, then clean rows ``0..L-1``."""
-        rows = vectorized_rows(seq_len, document_ids, device=None if document_ids is None else document_ids.device)
-        return cls(rows, rows, rule, backend)
+        """The single-device training layout: noisy rows ``0..L-1``, then clean rows ``0..L-1``.
+
+        Layouts are kept (the last :data:`KEPT_LAYOUTS`, keyed by length, rule, backend and the batch's document ids)
+        with the tile plans and block masks their cache fills on the first forward: a later step of the same shape
+        and documents plans nothing."""
+        key = (seq_len, rule, backend, documents_key(document_ids))
+        found = _VECTORIZED.get(key)
+        if found is None:
+            rows = vectorized_rows(seq_len, document_ids,
+                                   device=None if document_ids is None else document_ids.device)
+            found = cls(rows, rows, rule, backend)
+            _VECTORIZED[key] = found
+            while len(_VECTORIZED) > KEPT_LAYOUTS:
+                _VECTORIZED.popitem(last=False)
+        else:
+            _VECTORIZED.move_to_end(key)
+        return found
 
     def local_inputs(self, noisy: torch.Tensor, clean: torch.Tensor, position_ids: torch.Tensor):
         """The rows' ``(input_ids [b, R], position_ids [b, R])``: here both streams, noisy first."""

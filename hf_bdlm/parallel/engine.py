@@ -17,7 +17,8 @@ communicator's rank order. :meth:`ExchangePass.attend` then runs the attention o
 - **ring** (full-attention layers, ``transport="ring"``): every member's sent rows rotate through the ring, this
   rank's first (:func:`~.ring.ring_attention`, plans from :func:`~hf_bdlm.attention.tiles.plan_attention`, one set per
   batch item when the items' documents differ); the unsent part of the key tensor is the only local source. The ring
-  runs the block-sparse kernels, so it needs ``attention_backend="blockwise"``.
+  runs the block-sparse kernels, so it needs ``attention_backend="blockwise"`` (or ``"auto"``, under which the ring's
+  layers run them on CUDA too).
 
 - **blocking** (``blocking=True``, the paper's CP baseline, :class:`~.dims.CPLayout`), as the reference code runs a
   layer (``turbo-dllm`` 0.1.6: ``_GatherPureCPActiveKV``, then ``_PureContextShardedActiveAttentionImpl``): the
@@ -51,8 +52,9 @@ from .ring import ring_attention
 
 
 def check_transport(transport: str, backend: str) -> None:
-    """Refuse the ring transport with an attention backend other than the block-sparse kernels it runs."""
-    if transport == "ring" and backend != "blockwise":
+    """Refuse the ring transport with an attention backend other than the block-sparse kernels it runs (``auto``
+    runs them there on every device: the ring merges its shards' partial results itself)."""
+    if transport == "ring" and backend not in ("auto", "blockwise"):
         raise ValueError(
             f"the ring transport runs the block-sparse kernels of attention_backend='blockwise'; got "
             f"attention_backend={backend!r}. Use 'blockwise' or block_parallel_transport='allgather'."

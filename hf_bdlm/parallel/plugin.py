@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ..attention.interface import LocalLayout
+from ..attention.interface import KEPT_LAYOUTS, LocalLayout, documents_key
 from .dims import CPLayout, Mode, ParallelDims, Schedule, Transport
 from .groups import BlockParallelGroups
 from .link import LinkModel
@@ -268,20 +268,21 @@ class BlockParallelPlugin:
         """The rows this rank runs for a batch of sequences of length ``seq_len``: its :class:`ShardedLayout`, or
         with ``P = 1`` the whole batch (:meth:`LocalLayout.vectorized <hf_bdlm.attention.interface.LocalLayout.vectorized>`).
 
-        Without packed documents a layout depends only on its arguments, so it is kept and reused with its
-        tile plans (built once per layer kind) by every later batch of the same shape.
+        A layout depends only on its arguments (packed documents included), so the last
+        :data:`~hf_bdlm.attention.interface.KEPT_LAYOUTS` are kept and reused with their tile plans and block masks
+        (built once per layer kind): a later batch of the same shape and documents plans nothing.
         """
         self._check_ready()
-        key = (seq_len, block_size, rule, backend)
-        found = self._layouts.get(key) if document_ids is None else None
+        if not self.is_active:
+            return LocalLayout.vectorized(seq_len, rule, backend, document_ids)
+        key = (seq_len, block_size, rule, backend, documents_key(document_ids))
+        found = self._layouts.get(key)
         if found is None:
-            if self.is_active:
-                found = ShardedLayout.build(self.plan_config(seq_len, block_size), self.groups, rule, backend,
-                                            document_ids)
-            else:
-                found = LocalLayout.vectorized(seq_len, rule, backend, document_ids)
-            if document_ids is None:
-                self._layouts[key] = found
+            found = ShardedLayout.build(self.plan_config(seq_len, block_size), self.groups, rule, backend,
+                                        document_ids)
+            self._layouts[key] = found
+            while len(self._layouts) > KEPT_LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
         return found
 
     def sharding_groups(self) -> BlockParallelGroups | None:

@@ -54,7 +54,7 @@ class ShardedLayout:
     plan: GroupPlan
     groups: BlockParallelGroups
     base_rule: MaskRule
-    backend: str = "blockwise"
+    backend: str = "auto"
     doc: torch.Tensor | None = None
     transport: str = "allgather"
     cache: dict = field(default_factory=dict)
@@ -79,7 +79,7 @@ class ShardedLayout:
             members.index(me), blocking=self.plan.config.dims.is_paper_cp, cache=self.cache)
 
     @classmethod
-    def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="blockwise",
+    def build(cls, config: PlanConfig, groups: BlockParallelGroups, base_rule: MaskRule, backend="auto",
               doc=None, transport: str | None = None) -> "ShardedLayout":
         """The layout of one batch: ``config``'s (cached) plan, agreed on by the group (see
         :meth:`BlockParallelGroups.plan <.groups.BlockParallelGroups.plan>`)."""

@@ -54,7 +54,7 @@ class BlockDiffusionConfig(PreTrainedConfig):
             Range the per-block masking rate `t` is clipped to.
         loss_weighting (`str`, defaults to `"inverse_t"`):
             Weight of a masked token's cross-entropy: `"inverse_t"` (`1/t`, the ELBO) or `"unit"`.
-        attention_backend (`str`, defaults to `"blockwise"`):
+        attention_backend (`str`, defaults to `"auto"`):
             `"auto"` (`"flex"` on CUDA tensors, `"blockwise"` elsewhere), `"dense"`, `"blockwise"` or `"flex"` (see
             `hf_bdlm.attention.backends`).
     """
@@ -71,7 +71,7 @@ class BlockDiffusionConfig(PreTrainedConfig):
     noise_eps_min: float = 1e-3
     noise_eps_max: float = 1.0
     loss_weighting: str = "inverse_t"
-    attention_backend: str = "blockwise"
+    attention_backend: str = "auto"
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):

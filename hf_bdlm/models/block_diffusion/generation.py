@@ -393,7 +393,7 @@ def _run_rows(model, ids, q_rows, k_rows, settings, cache=None, padding: LeftPad
     else:
         positions = padding.position_ids(q_rows.pos)
     backend = settings.backend
-    if padding is not None and backend == "blockwise" and ids.shape[1] <= 2 * settings.block_size:
+    if padding is not None and backend in ("auto", "blockwise") and ids.shape[1] <= 2 * settings.block_size:
         # A ragged batch's block step (with a committed block at most): rows differ in padding, so the block-sparse
         # planner would plan (and run) every row apart; the rule's dense mask over a few rows serves the batch at once.
         backend = "dense"

@@ -31,7 +31,7 @@ VISION_PARAMETER_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed
 # BDLMSFTConfig fields that only this family's objective reads, with their defaults.
 OBJECTIVE_DEFAULTS = {"noise_eps_min": DEFAULT_NOISE_EPS, "noise_eps_max": 1.0 - DEFAULT_NOISE_EPS,
                       "self_conditioning_prob": 0.5, "ar_loss_weight": 1.0, "model_prediction_type": "mean",
-                      "attention_backend": "blockwise"}
+                      "attention_backend": "auto"}
 
 logger = logging.getLogger(__name__)
 

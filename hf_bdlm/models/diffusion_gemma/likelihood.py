@@ -100,7 +100,7 @@ class DiffusionGemmaLikelihoodScorer(LikelihoodScorer):
 
     bound = "uniform-state diffusion ELBO (score entropy over t in [t_min, 1], reconstruction at t_min)"
 
-    def __init__(self, model, tokenizer=None, t_min: float = DEFAULT_NOISE_EPS, attention_backend: str = "blockwise"):
+    def __init__(self, model, tokenizer=None, t_min: float = DEFAULT_NOISE_EPS, attention_backend: str = "auto"):
         if not 0.0 < t_min < 1.0:
             raise ValueError(f"t_min must lie in (0, 1), got {t_min!r}.")
         self.model = unwrap_diffusion_gemma(model).eval()

@@ -491,7 +491,7 @@ class DiffusionGemmaLayout:
     clean_rows: RowMeta
     canvas_rows: RowMeta
     base_rule: MaskRule
-    backend: str = "blockwise"
+    backend: str = "auto"
     encoder_cache: dict = field(default_factory=dict)
     decoder_cache: dict = field(default_factory=dict)
     # Rows this device runs (``None``: all of them, in frame order). A sharded layout sets: ``clean_index`` (frame
@@ -502,7 +502,7 @@ class DiffusionGemmaLayout:
     clean_loss_index = None
 
     @classmethod
-    def local(cls, frame: CanvasFrame, backend: str = "blockwise") -> "DiffusionGemmaLayout":
+    def local(cls, frame: CanvasFrame, backend: str = "auto") -> "DiffusionGemmaLayout":
         return cls(frame.clean_rows, frame.canvas_rows, diffusion_gemma_rule(frame.block_size), backend)
 
     def attend(self, module, query, key, value, rule: MaskRule, scale: float) -> torch.Tensor:

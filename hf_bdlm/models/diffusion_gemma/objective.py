@@ -117,7 +117,7 @@ class DiffusionGemmaObjective(Objective):
         self_conditioning_prob (`float`, defaults to 0.5): per-sample probability of the self-conditioning pass.
         ar_loss_weight (`float`, defaults to 1.0): weight of the encoder's next-token loss (0 skips it).
         model_prediction_type (`str`, defaults to `"mean"`): `"mean"` or `"mean_loo"`.
-        attention_backend (`str`, defaults to `"blockwise"`): see `hf_bdlm.attention.backends`.
+        attention_backend (`str`, defaults to `"auto"`: flex on CUDA, blockwise elsewhere): see `hf_bdlm.attention.backends`.
         loss_chunk_size (`int`, defaults to 8192): rows per LM-head call (chunks recomputed in backward).
         pad_to_multiple_of (`int`, *optional*): frame length multiple (parallel layouts).
         canvas_blocks_multiple_of (`int`, *optional*): canvas blocks padded to a multiple of this count (parallel
@@ -141,7 +141,7 @@ class DiffusionGemmaObjective(Objective):
         self_conditioning_prob: float = 0.5,
         ar_loss_weight: float = 1.0,
         model_prediction_type: str = "mean",
-        attention_backend: str = "blockwise",
+        attention_backend: str = "auto",
         loss_chunk_size: int = 8192,
         pad_to_multiple_of: int | None = None,
         canvas_blocks_multiple_of: int | None = None,

@@ -93,7 +93,7 @@ class ShardedDiffusionGemmaLayout:
     """
 
     def __init__(self, plan: GroupPlan, groups: BlockParallelGroups, frame: CanvasFrame, base_rule: MaskRule,
-                 backend: str = "blockwise", transport: str | None = None):
+                 backend: str = "auto", transport: str | None = None):
         self.plan, self.groups, self.base_rule, self.backend = plan, groups, base_rule, backend
         self.transport = transport or groups.dims.transport
         check_transport(self.transport, backend)
@@ -143,7 +143,7 @@ class ShardedDiffusionGemmaLayout:
         self.decoder = exchange("decoder", canvas_of[at], decoder_keys, slice(0, sent_keys), canvas_of, sent)
 
     @classmethod
-    def build(cls, frame: CanvasFrame, groups: BlockParallelGroups, base_rule: MaskRule, backend: str = "blockwise",
+    def build(cls, frame: CanvasFrame, groups: BlockParallelGroups, base_rule: MaskRule, backend: str = "auto",
               transport: str | None = None) -> "ShardedDiffusionGemmaLayout":
         """The layout of ``frame`` on this rank: the group's (cached, agreed) plan of its canvas blocks."""
         config = PlanConfig.from_dims(groups.dims, frame.frame_length, frame.block_size,
@@ -167,7 +167,7 @@ class ShardedDiffusionGemmaLayout:
         return self.encoder.attend(query, key, value, rule, scale)
 
 
-def diffusion_gemma_layout(frame: CanvasFrame, groups: BlockParallelGroups | None, backend: str = "blockwise",
+def diffusion_gemma_layout(frame: CanvasFrame, groups: BlockParallelGroups | None, backend: str = "auto",
                            transport: str | None = None):
     """The rows this rank runs for ``frame``: its :class:`ShardedDiffusionGemmaLayout`, or without a block-parallel
     group (``groups`` ``None`` or ``P = 1``) every row (:meth:`DiffusionGemmaLayout.local`)."""
