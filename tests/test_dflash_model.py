@@ -283,6 +283,33 @@ def _perturbed(features: torch.Tensor, rows, batch: int = 0) -> torch.Tensor:
     return out
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("case", sorted(ORACLE_CASES))
+def test_the_fused_path_drafts_what_the_explicit_softmax_drafts(case, monkeypatch):
+    """CUDA runs the drafter's attention as FlexAttention over interval block masks (no [queries x context] mask);
+    forced here on the CPU (eager FlexAttention, forward only), it drafts what the CPU path drafts, packed documents,
+    padding anchors, windows and decoding from the cache included."""
+    import hf_bdlm.models.dflash.modeling as modeling
+
+    target = qwen3_target().double()
+    config = drafter_config(**ORACLE_CASES[case])
+    model = drafter(config, target)
+    ids, docs, positions, objective = packed_batch()
+    features = features_for(config, *ids.shape)
+    cache = DFlashContextCache(model, 2)
+    cache.append(features[:, :13])
+    anchor_ids = ids[:, 13]
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(modeling, "fused_attention", lambda query, fused=fused: fused)
+        with torch.no_grad():
+            outs[fused] = (model(features, ids, objective.anchor_positions, anchor_valid=objective.anchor_valid,
+                                 position_ids=positions, document_ids=docs).hidden_states,
+                           model.draft_from_cache(cache, anchor_ids).hidden_states)
+    for explicit, fused in zip(outs[False], outs[True]):
+        assert (explicit - fused).abs().max() <= 1e-10
+
+
 def test_a_block_never_sees_context_at_or_after_its_anchor():
     target = qwen3_target()
     model = drafter(drafter_config(), target)

@@ -373,3 +373,64 @@ def transposed_tile_matrix(mask) -> torch.Tensor:
     t = SimpleNamespace(kv_num_blocks=mask.q_num_blocks, kv_indices=mask.q_indices,
                         full_kv_num_blocks=mask.full_q_num_blocks, full_kv_indices=mask.full_q_indices)
     return tile_matrix(t).transpose(1, 2)
+
+
+def interval_block_mask(lo: torch.Tensor, hi: torch.Tensor, key_pos: torch.Tensor, tile: int = TILE, device=None):
+    """The :class:`~torch.nn.attention.flex_attention.BlockMask` of queries that each see the keys whose position lies
+    in an interval: query ``i`` of item ``b`` sees key ``j`` iff ``lo[b, i] <= key_pos[b, j] <= hi[b, i]`` (empty when
+    ``lo > hi``). A drafter's context rule has this form (its queries are blocks after anchors, not rows of a
+    sequence). Tiles are classified from each query tile's hull and intersection of intervals and each key tile's
+    position range: ``[batch, q tiles, kv tiles]`` work, meant for a few thousand queries over a long context.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, _dense_to_ordered
+
+    b, nq = lo.shape
+    nk = key_pos.shape[1]
+    qt, kt = _tiles(nq, tile), _tiles(nk, tile)
+    big = _EMPTY_LO
+    lo_c, hi_c, kp = lo.detach().cpu().long(), hi.detach().cpu().long(), key_pos.detach().cpu().long()
+    empty = lo_c > hi_c
+    pad_q = qt * tile - nq
+
+    def per_tile(x, fill, how):
+        x = torch.nn.functional.pad(x, (0, pad_q), value=fill).view(b, qt, tile)
+        return x.amin(-1) if how == "min" else x.amax(-1)
+
+    hull_lo = per_tile(torch.where(empty, big, lo_c), big, "min")
+    hull_hi = per_tile(torch.where(empty, -big, hi_c), -big, "max")
+    all_lo = per_tile(torch.where(empty, big, lo_c), -big, "max")
+    all_hi = per_tile(torch.where(empty, -big, hi_c), big, "min")
+    pad_k = kt * tile - nk
+    k_min = torch.nn.functional.pad(kp, (0, pad_k), value=big).view(b, kt, tile).amin(-1)
+    k_max = torch.nn.functional.pad(kp, (0, pad_k), value=-big).view(b, kt, tile).amax(-1)
+    k_whole = torch.arange(kt) < nk // tile
+    anyv = (hull_lo[:, :, None] <= k_max[:, None]) & (k_min[:, None] <= hull_hi[:, :, None])
+    q_whole = torch.arange(qt) < nq // tile  # a tile holding padding is never full (as in build_block_mask)
+    full = ((all_lo[:, :, None] <= k_min[:, None]) & (k_max[:, None] <= all_hi[:, :, None])
+            & k_whole[None, None] & q_whole[None, :, None])
+    partial = anyv & ~full
+    arrays = []
+    for dense in (partial, full):
+        arrays += list(_dense_to_ordered(dense[:, None]))
+    for dense in (partial, full):
+        arrays += list(_dense_to_ordered(dense.transpose(1, 2)[:, None]))
+    arrays = [a.to(device) for a in arrays]
+    lo_p = _padded(lo.to(device).long(), qt * tile, 1)
+    hi_p = _padded(hi.to(device).long(), qt * tile, 0)
+    kp_p = _padded(key_pos.to(device).long(), kt * tile, _PAD_POS)
+
+    if b == 1:  # one mask for the whole batch (flex broadcasts it; the batch index still varies)
+        lo_p, hi_p, kp_p = lo_p[0], hi_p[0], kp_p[0]
+
+        def mask_mod(batch, h, q_idx, kv_idx):
+            p = kp_p[kv_idx]
+            return (p >= lo_p[q_idx]) & (p <= hi_p[q_idx])
+    else:
+        def mask_mod(batch, h, q_idx, kv_idx):
+            p = kp_p[batch, kv_idx]
+            return (p >= lo_p[batch, q_idx]) & (p <= hi_p[batch, q_idx])
+
+    return BlockMask(seq_lengths=(nq, nk), kv_num_blocks=arrays[0], kv_indices=arrays[1],
+                     full_kv_num_blocks=arrays[2], full_kv_indices=arrays[3], q_num_blocks=arrays[4],
+                     q_indices=arrays[5], full_q_num_blocks=arrays[6], full_q_indices=arrays[7],
+                     BLOCK_SIZE=(tile, tile), mask_mod=mask_mod)

@@ -49,6 +49,12 @@ def flex_call(q, k, v, block_mask, scale: float, with_lse: bool):
     from torch.nn.attention.flex_attention import AuxRequest
 
     gqa = k.shape[1] != q.shape[1]
+    if q.device.type != "cuda":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise BackendUnavailable(
+                "FlexAttention has no backward pass on CPU in PyTorch; train on CPU with attention_backend="
+                "'blockwise' (or 'auto', which picks it there); flex runs CPU inference only.")
+        q, k, v = q.detach(), k.detach(), v.detach()  # PyTorch's CPU check looks at requires_grad even under no_grad
     # torch's compiled CPU kernel returns no LSE and takes no float64: those CPU calls run eagerly (inference only).
     compiled = q.device.type == "cuda" or not (with_lse or q.dtype == torch.float64)
     fn = compiled_flex_attention() if compiled else _eager_flex_attention

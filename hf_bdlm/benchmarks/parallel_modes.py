@@ -199,10 +199,14 @@ def worker(args) -> None:
 
 def _single_steps(args, dev: _Device, model, objective, corrupted) -> list[float]:
     """Step times of the single process (plain ``objective.loss``), after one warm-up step."""
+    from hf_bdlm.attention.interface import _VECTORIZED as kept_layouts
+
     times: list[float] = []
     timed, step = args.steps, 0
     while step <= timed:
         model.zero_grad(set_to_none=True)
+        if args.replan_every_step:
+            kept_layouts.clear()  # the single-device layouts kept across steps, with their plans
         t0 = dev.now()
         with dev.autocast():
             loss, _ = objective.loss(model, corrupted)
@@ -219,6 +223,7 @@ def _single_steps(args, dev: _Device, model, objective, corrupted) -> list[float
 def _single_record(args, L: int, times: list[float], peak: int, peak_abs: int) -> dict:
     """The record of the single-process baseline: no communication."""
     return dict(mode="single", device=args.device, dtype=args.dtype, transport=None, schedule=None, P=1, C=1, L=L,
+                attention_backend=args.attention_backend, replan_every_step=bool(args.replan_every_step),
                 layers=args.layers, window=args.window, full_every=args.full_every, steps=len(times),
                 step_s=statistics.median(times), step_times=times, step_spread=Spread(times).as_record(),
                 tokens_per_s=L / statistics.median(times),
@@ -269,16 +274,18 @@ def _rank_steps(args, dev: _Device, model, objective, corrupted, meter, groups, 
     # ``cp`` talks on the group, ``csbp`` on the ring (same ranks when C = P, but distinct
     # CommContexts): sum both wait counters so the mode does not matter here.
     comms = (groups.group, groups.ring)
-    timed, step = args.steps, 0
+    timed, step, layout = args.steps, 0, None
     while step <= timed:
         meter.next_step()
         model.zero_grad(set_to_none=True)
         wait0 = sum(c.wait_seconds for c in comms)
         dist.barrier()  # start together, so the slowest rank's time is the group's step time
         t0 = dev.now()
-        # The layout is rebuilt every step as a trainer would (its plan depends on the batch).
-        layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), args.attention_backend,
-                                     corrupted.document_ids, transport=args.transport)
+        # Built once and kept, as the trainer keeps a layout for a batch of the same shape and documents (its plans
+        # and block masks are built by the first forward); --replan-every-step builds it anew every step.
+        if layout is None or args.replan_every_step:
+            layout = ShardedLayout.build(plan_cfg, groups, model.mask_rule(), args.attention_backend,
+                                         corrupted.document_ids, transport=args.transport)
         with dev.autocast():
             loss, _ = objective.loss(model, corrupted, layout)  # the trainer's step, on this rank's rows
         wait_fwd = sum(c.wait_seconds for c in comms) - wait0
@@ -296,7 +303,7 @@ def _rank_steps(args, dev: _Device, model, objective, corrupted, meter, groups, 
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             timed = timed_steps(args.steps, args.min_time, float(slowest))
         step += 1
-        del loss, layout
+        del loss
     return dict(times=times, bytes=bytes_steps, wire=wire_steps, waits=waits, fwd_waits=fwd_waits)
 
 
@@ -316,6 +323,7 @@ def _group_record(args, L: int, P: int, C: int, steps: int, everyone: list[dict]
     fwd = max(statistics.median(r["fwd_waits"]) for r in everyone)
     bwd = max(statistics.median([w - f for w, f in zip(r["waits"], r["fwd_waits"])]) for r in everyone)
     return dict(mode=args.mode, device=args.device, dtype=args.dtype, transport=args.transport,
+                attention_backend=args.attention_backend, replan_every_step=bool(args.replan_every_step),
                 schedule=args.schedule, P=P, C=C, L=L, layers=args.layers, cp_layout=args.cp_layout,
                 window=args.window, full_every=args.full_every, steps=steps, comm_wait_fwd_s=fwd, comm_wait_bwd_s=bwd,
                 step_s=step_s, step_times=step_times, step_spread=Spread(step_times).as_record(),
@@ -419,6 +427,8 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
               "--lengths", str(L), "--steps", str(args.steps), "--min-time", str(args.min_time),
               "--layers", str(args.layers), "--out", str(out),
               "--device", args.device, "--dtype", args.dtype, "--attention-backend", args.attention_backend]
+    if getattr(args, "replan_every_step", False):
+        common += ["--replan-every-step"]
     if args.window:
         common += ["--window", str(args.window)]
     if getattr(args, "full_every", None):
@@ -561,7 +571,10 @@ def main(argv=None) -> None:
                         help="cuda: one GPU per rank, NCCL, peaks from the CUDA allocator")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: the step under bf16 autocast over float32 weights")
-    parser.add_argument("--attention-backend", default="blockwise", choices=["blockwise", "flex", "dense"])
+    parser.add_argument("--attention-backend", default="blockwise", choices=["auto", "blockwise", "flex", "dense"])
+    parser.add_argument("--replan-every-step", action="store_true",
+                        help="build the layout (and its plans) anew every step, as the trainer did before it kept "
+                             "layouts across steps: the before of the plan cache")
     parser.add_argument("--link", default=None, choices=_link_names(), metavar="NAME",
                         help="emulated cluster link (h100-nvlink, h100-ib, h200-nvlink, h200-ib): every K/V transfer "
                              "is charged at the cluster's bf16 element size and takes latency + bytes / bandwidth of "

@@ -30,6 +30,7 @@ drafter's ``state_dict`` or ``save_pretrained`` folder, whose weight names are t
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -42,6 +43,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
+from ...attention.flex import flex_call
 from ...attention.kernels import merge_partial, new_accumulators, repeat_kv
 from ...attention.rows import document_starts
 from .configuration import DFlashConfig
@@ -64,7 +66,52 @@ class DFlashDraftOutput(ModelOutput):
 
 
 # --- the mask rule --------------------------------------------------------------------------------------------------
-def draft_context_mask(
+@dataclass(eq=False)
+class DraftContext:
+    """Which context rows each draft query may see: the sequence indices ``lo[b, i] .. hi[b, i]`` (inclusive; empty
+    when ``lo > hi``) of query row ``i`` (block ``a``, offset ``k`` at ``i = a * block_size + k``), over context rows
+    at sequence indices ``positions [b, T]``. An interval per query, so the CUDA path builds its FlexAttention block
+    mask from the intervals (:func:`hf_bdlm.attention.block_mask.interval_block_mask`) and never a ``[queries x T]``
+    tensor; :meth:`dense` is that tensor, for the CPU path and the tests."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    positions: torch.Tensor
+
+    def __post_init__(self):
+        self._block_masks: dict = {}
+
+    @property
+    def num_context_rows(self) -> int:
+        return int(self.positions.shape[-1])
+
+    def dense(self) -> torch.Tensor:
+        """`torch.BoolTensor` of shape `[b, queries, T]`."""
+        context = self.positions[:, None, :]
+        return (context >= self.lo[..., None]) & (context <= self.hi[..., None])
+
+    def sees_everything(self) -> bool:
+        """Whether every query sees every context row (a decoding step over an unwindowed context of equal lengths):
+        then attention needs no mask at all."""
+        if self.positions.numel() == 0:
+            return False
+        return bool((self.lo <= self.positions.min(-1, keepdim=True).values).all()
+                    and (self.hi >= self.positions.max(-1, keepdim=True).values).all())
+
+    def block_mask(self, device):
+        found = self._block_masks.get(device)
+        if found is None:
+            from ...attention.block_mask import interval_block_mask
+
+            found = self._block_masks[device] = interval_block_mask(self.lo, self.hi, self.positions, device=device)
+        return found
+
+    def select(self, positions: torch.Tensor) -> "DraftContext":
+        """The same queries over other context rows (a shard, the peers' rows)."""
+        return DraftContext(self.lo, self.hi, positions)
+
+
+def draft_context(
     anchor_positions: torch.Tensor,
     context_positions: torch.Tensor,
     block_size: int,
@@ -72,7 +119,7 @@ def draft_context_mask(
     anchor_document_starts: torch.Tensor | None = None,
     anchor_valid: torch.Tensor | None = None,
     sliding_window: int | None = None,
-) -> torch.Tensor:
+) -> DraftContext:
     """Which context features each draft token may attend to: the one statement of DFlash's context rule.
 
     The query at offset ``k`` of the block of anchor ``a`` (sequence index ``s_a``) may see the context token at
@@ -91,21 +138,28 @@ def draft_context_mask(
         sliding_window (`int`, *optional*): the layer's window; `None` on a full-attention layer.
 
     Returns:
-        `torch.BoolTensor` of shape `[batch, A, block_size, T]`.
+        [`DraftContext`] over `A * block_size` queries, block after block.
     """
-    anchor = anchor_positions[:, :, None, None]
-    context = context_positions[:, None, None, :]
-    allowed = context < anchor
+    anchor = anchor_positions[:, :, None]
+    offsets = torch.arange(block_size, device=anchor.device)[None, None, :]
+    lo = torch.zeros_like(anchor)
     if anchor_document_starts is not None:
-        allowed = allowed & (context >= anchor_document_starts[:, :, None, None])
+        lo = torch.maximum(lo, anchor_document_starts[:, :, None])
     if sliding_window is not None:
-        offsets = torch.arange(block_size, device=anchor.device)[None, None, :, None]
-        allowed = allowed & (context >= anchor + offsets - (sliding_window - 1))
-    else:
-        allowed = allowed.expand(-1, -1, block_size, -1)
+        lo = torch.maximum(lo, anchor + offsets - (sliding_window - 1))
+    lo = lo.expand(-1, -1, block_size)
+    hi = (anchor - 1).expand(-1, -1, block_size)
     if anchor_valid is not None:
-        allowed = allowed & anchor_valid[:, :, None, None]
-    return allowed
+        lo = torch.where(anchor_valid[:, :, None], lo, hi + 1)
+    return DraftContext(lo.flatten(1), hi.flatten(1), context_positions)
+
+
+def draft_context_mask(anchor_positions: torch.Tensor, context_positions: torch.Tensor, block_size: int,
+                       **kwargs) -> torch.Tensor:
+    """:func:`draft_context` as a `torch.BoolTensor` of shape `[batch, A, block_size, T]` (the CPU path, tests)."""
+    b, anchors = anchor_positions.shape
+    return draft_context(anchor_positions, context_positions, block_size, **kwargs).dense().view(
+        b, anchors, block_size, -1)
 
 
 def draft_block_mask(block_size: int, causal: bool, device=None) -> torch.Tensor | None:
@@ -114,6 +168,24 @@ def draft_block_mask(block_size: int, causal: bool, device=None) -> torch.Tensor
     if not causal:
         return None
     return torch.ones(block_size, block_size, dtype=torch.bool, device=device).tril()
+
+
+def fused_attention(query: torch.Tensor) -> bool:
+    """Whether the drafter's attention runs FlexAttention (CUDA: fused kernels, no dense mask) rather than the
+    explicit softmax of :func:`attend_with_lse` (CPU, where FlexAttention has no backward)."""
+    return query.device.type == "cuda"
+
+
+@functools.lru_cache(maxsize=16)
+def _draft_block_mask(n: int, block_size: int, causal: bool, device):
+    """FlexAttention block mask of ``n`` draft rows over themselves: each sees its own block (causally on a
+    block-causal layer), built once per shape."""
+    from ...attention.block_mask import interval_block_mask
+
+    rows = torch.arange(n)
+    lo = (rows // block_size * block_size)[None]
+    hi = rows[None] if causal else (lo + block_size - 1)
+    return interval_block_mask(lo, hi, rows[None], device=device)
 
 
 # --- attention over [context keys ; block keys], mergeable by log-sum-exp --------------------------------------------
@@ -242,11 +314,41 @@ class DFlashAttention(nn.Module):
         return key.transpose(1, 2), value.transpose(1, 2)
 
     def attend_context(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       context: "DraftContext | torch.Tensor") -> tuple[torch.Tensor, torch.Tensor]:
         """Partial attention of ``query [b, H, n, d]`` over context keys ``key`` / ``value`` (``[b, H_kv, m, d]``,
-        from :meth:`key_value`) where ``mask [b, n, m]`` allows; ``(output, lse)`` as :func:`attend_with_lse`."""
+        from :meth:`key_value`) where ``context`` (a :class:`DraftContext`, or a mask ``[b, n, m]``) allows;
+        ``(output, lse)`` as :func:`attend_with_lse`. On CUDA a :class:`DraftContext` runs one FlexAttention call over
+        its interval block mask (no mask at all when every query sees every row), GQA in the kernel."""
+        if isinstance(context, DraftContext):
+            if fused_attention(query):
+                mask = None if context.sees_everything() else context.block_mask(query.device)
+                return flex_call(query, key, value, mask, self.scaling, with_lse=True)
+            context = context.dense()
         groups = self.num_heads // self.num_kv_heads
-        return attend_with_lse(query, repeat_kv(key, groups), repeat_kv(value, groups), mask[:, None], self.scaling)
+        return attend_with_lse(query, repeat_kv(key, groups), repeat_kv(value, groups), context[:, None],
+                               self.scaling)
+
+    def attend_block(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+        """Partial attention of the draft queries ``[b, H, n, d]`` over their own block's keys (``[b, H_kv, n, d]``):
+        the whole block, or its causal part on a block-causal layer. On CUDA one FlexAttention call over the blocks'
+        diagonal (no mask when ``n`` is one block that sees itself whole), GQA in the kernel."""
+        b, _, n, _ = query.shape
+        blocks = n // self.block_size
+        if fused_attention(query):
+            mask = None
+            if blocks > 1 or self.block_causal:
+                mask = _draft_block_mask(n, self.block_size, self.block_causal, query.device)
+            return flex_call(query, key, value, mask, self.scaling, with_lse=True)
+        groups = self.num_heads // self.num_kv_heads
+
+        def per_block(x):
+            return x.reshape(b, x.shape[1], blocks, self.block_size, self.head_dim)
+
+        out, lse = attend_with_lse(per_block(query), per_block(repeat_kv(key, groups)),
+                                   per_block(repeat_kv(value, groups)),
+                                   draft_block_mask(self.block_size, self.block_causal, query.device), self.scaling)
+        return out.reshape(b, self.num_heads, n, self.head_dim), lse.reshape(b, self.num_heads, n)
 
     def forward(
         self,
@@ -258,18 +360,9 @@ class DFlashAttention(nn.Module):
         context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, n, _ = hidden_states.shape
-        blocks, groups = n // self.block_size, self.num_heads // self.num_kv_heads
         query = apply_rotary(self.q_norm(self._heads(self.q_proj(hidden_states), self.num_heads)), draft_rotary)
         query = query.transpose(1, 2)                                                    # [b, H, n, d]
-        block_key, block_value = (repeat_kv(x, groups) for x in self.key_value(hidden_states, draft_rotary))
-
-        def per_block(x):
-            return x.reshape(b, self.num_heads, blocks, self.block_size, self.head_dim)
-
-        block_mask = draft_block_mask(self.block_size, self.block_causal, hidden_states.device)
-        block_out, block_lse = attend_with_lse(per_block(query), per_block(block_key), per_block(block_value),
-                                               block_mask, self.scaling)
-        partials = [(block_out.reshape(b, self.num_heads, n, self.head_dim), block_lse.reshape(b, self.num_heads, n))]
+        partials = [self.attend_block(query, *self.key_value(hidden_states, draft_rotary))]
         if isinstance(context, torch.Tensor):
             partials.append(self.attend_context(query, *self.key_value(context, context_rotary), context_mask))
         else:
@@ -600,13 +693,13 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             "draft_rotary": draft_rotary,
             "context_rotary": self.rotary(position_ids.gather(1, context_positions)),
         }
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: dict[int | None, DraftContext] = {}
         for layer in self.layers:
             window = layer.self_attn.sliding_window
             if window not in masks:
-                masks[window] = draft_context_mask(anchor_positions, context_positions, block,
-                                                   anchor_document_starts=anchor_starts, anchor_valid=anchor_valid,
-                                                   sliding_window=window).flatten(1, 2)
+                masks[window] = draft_context(anchor_positions, context_positions, block,
+                                              anchor_document_starts=anchor_starts, anchor_valid=anchor_valid,
+                                              sliding_window=window)
             hidden_states = layer(hidden_states, context, context_mask=masks[window], **attention_kwargs)
         hidden_states = self.norm(hidden_states)
         logits = self.compute_logits(hidden_states) if return_logits else None
@@ -916,8 +1009,8 @@ class DFlashContextCache:
         masks = {}
         for window in self._windows:
             used = min(self._longest, self._slots[window])
-            masks[window] = draft_context_mask(anchors[:, None], self._positions[window][:, :used], self.block_size,
-                                               sliding_window=window).flatten(1, 2)
+            masks[window] = draft_context(anchors[:, None], self._positions[window][:, :used], self.block_size,
+                                          sliding_window=window)
         return _CachedContext(self, masks)
 
     def _grow(self, slots: int) -> None:
@@ -943,7 +1036,7 @@ class _CachedContext:
 
     def partials(self, attention: DFlashAttention, query: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mask = self.masks[attention.sliding_window]
-        used = mask.shape[-1]
+        used = mask.num_context_rows
         key = self.cache._keys[attention.layer_idx][:, :, :used]
         value = self.cache._values[attention.layer_idx][:, :, :used]
         return [attention.attend_context(query, key, value, mask)]

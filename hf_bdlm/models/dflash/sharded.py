@@ -94,7 +94,7 @@ import torch.distributed as dist
 
 from ...parallel.collectives import CommContext, ExchangedKV, GatheredKV
 from ...parallel.dims import Mode
-from .modeling import DFlashAttention, DFlashDraftModel, DFlashDraftOutput, draft_context_mask
+from .modeling import DFlashAttention, DFlashDraftModel, DFlashDraftOutput, DraftContext, draft_context
 from .objective import DFlashBatch, active_anchor_slots, anchor_costs, deal_anchors, select_anchors
 
 # Names of the collectives in the byte meter (the all-gather / reduce-scatter and the window's all-to-all).
@@ -479,12 +479,12 @@ class ShardedContext:
                                           received.to(device).expand(b, -1))
         self._masks: dict = {}
 
-    def _mask(self, window: int | None, positions: torch.Tensor, which: str) -> torch.Tensor:
+    def _mask(self, window: int | None, positions: torch.Tensor, which: str) -> DraftContext:
         key = (window, which)
         if key not in self._masks:
-            self._masks[key] = draft_context_mask(
+            self._masks[key] = draft_context(
                 self.anchors, positions, self.block_size, anchor_document_starts=self.document_starts,
-                anchor_valid=self.anchor_valid, sliding_window=window).flatten(1, 2)
+                anchor_valid=self.anchor_valid, sliding_window=window)
         return self._masks[key]
 
     def partials(self, attention: DFlashAttention, query: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
