@@ -157,7 +157,7 @@ def test_compiled_flex_forward_equals_dense_on_cpu_with_gqa_and_documents(rule):
     flex.compiled_flex_attention.cache_clear()
     try:
         with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-            mp.setattr(flex, "compiled_flex_attention", lambda: counting)
+            mp.setattr(flex, "compiled_flex_attention", lambda dynamic=False: counting)
             got = attend("flex", q, [(k, v)], rows, [rows], rule, 0.2, {})
     finally:
         flex.compiled_flex_attention.cache_clear()

@@ -31,11 +31,12 @@ from .kernels import BackendUnavailable
 
 
 @functools.cache
-def compiled_flex_attention():
-    """``torch.compile(flex_attention)``, built once per process (graphs are cached per shape and rule)."""
+def compiled_flex_attention(dynamic: bool = False):
+    """``torch.compile(flex_attention)``, built once per process: graphs are cached per shape and rule (a training
+    run has a few shapes); ``dynamic=True`` compiles one graph for every length (a decoding context that grows)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def _eager_flex_attention(*args, **kwargs):
@@ -44,8 +45,9 @@ def _eager_flex_attention(*args, **kwargs):
     return flex_attention(*args, **kwargs)
 
 
-def flex_call(q, k, v, block_mask, scale: float, with_lse: bool):
-    """One FlexAttention call: ``out [b, H, Tq, d]`` and, with ``with_lse``, the natural-log LSE ``[b, H, Tq]``."""
+def flex_call(q, k, v, block_mask, scale: float, with_lse: bool, dynamic: bool = False):
+    """One FlexAttention call: ``out [b, H, Tq, d]`` and, with ``with_lse``, the natural-log LSE ``[b, H, Tq]``
+    (``dynamic``: the key length changes from call to call, as a decoding context's does)."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     gqa = k.shape[1] != q.shape[1]
@@ -57,7 +59,7 @@ def flex_call(q, k, v, block_mask, scale: float, with_lse: bool):
         q, k, v = q.detach(), k.detach(), v.detach()  # PyTorch's CPU check looks at requires_grad even under no_grad
     # torch's compiled CPU kernel returns no LSE and takes no float64: those CPU calls run eagerly (inference only).
     compiled = q.device.type == "cuda" or not (with_lse or q.dtype == torch.float64)
-    fn = compiled_flex_attention() if compiled else _eager_flex_attention
+    fn = compiled_flex_attention(dynamic) if compiled else _eager_flex_attention
     if not with_lse:
         return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
     out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))

@@ -321,8 +321,9 @@ class DFlashAttention(nn.Module):
         its interval block mask (no mask at all when every query sees every row), GQA in the kernel."""
         if isinstance(context, DraftContext):
             if fused_attention(query):
-                mask = None if context.sees_everything() else context.block_mask(query.device)
-                return flex_call(query, key, value, mask, self.scaling, with_lse=True)
+                if context.sees_everything():  # a decoding step: no mask, one graph for every context length
+                    return flex_call(query, key, value, None, self.scaling, with_lse=True, dynamic=True)
+                return flex_call(query, key, value, context.block_mask(query.device), self.scaling, with_lse=True)
             context = context.dense()
         groups = self.num_heads // self.num_kv_heads
         return attend_with_lse(query, repeat_kv(key, groups), repeat_kv(value, groups), context[:, None],
