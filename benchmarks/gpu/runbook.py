@@ -1061,6 +1061,8 @@ def _setup(gpu: bool) -> None:
         import torch._dynamo
 
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    else:  # the dry-run: one thread (on 2 shared, loaded cores two OpenMP threads made it 1.7x slower)
+        torch.set_num_threads(1)
 
 
 def _profile_from(record: dict) -> Profile:
