@@ -144,9 +144,12 @@ def attend_flex(q, sources, q_rows, k_rows, rule, scale, cache):
         sources = [s if isinstance(s, tuple) else s.materialize() for s in sources]
         sources = [(k.detach(), v.detach()) for k, v in sources]
     with_lse = len(sources) > 1
+    # Inference (generation's committing steps, scoring) meets a new length at every block: one dynamic-shape graph.
+    dynamic = not torch.is_grad_enabled()
 
     def partial(i, q, k, v):
-        return flex_call(q, k, v, _block_mask(cache, i, q_rows, k_rows[i], rule, q.device), scale, with_lse)
+        mask = _block_mask(cache, i, q_rows, k_rows[i], rule, q.device)
+        return flex_call(q, k, v, mask, scale, with_lse, dynamic=dynamic)
 
     return attend_sources(q, sources, partial)
 

@@ -45,6 +45,11 @@ KEPT_LAYOUTS = 4
 _VECTORIZED: OrderedDict = OrderedDict()
 
 
+def forget_kept_layouts() -> None:
+    """Drop the single-device layouts kept across steps (and their plans): the next step plans anew."""
+    _VECTORIZED.clear()
+
+
 def documents_key(document_ids: torch.Tensor | None):
     """A hashable key of a batch's document ids (``None`` without packing): equal ids, equal key."""
     if document_ids is None:

@@ -199,14 +199,14 @@ def worker(args) -> None:
 
 def _single_steps(args, dev: _Device, model, objective, corrupted) -> list[float]:
     """Step times of the single process (plain ``objective.loss``), after one warm-up step."""
-    from hf_bdlm.attention.interface import _VECTORIZED as kept_layouts
+    from hf_bdlm.attention.interface import forget_kept_layouts
 
     times: list[float] = []
     timed, step = args.steps, 0
     while step <= timed:
         model.zero_grad(set_to_none=True)
         if args.replan_every_step:
-            kept_layouts.clear()  # the single-device layouts kept across steps, with their plans
+            forget_kept_layouts()  # the single-device layouts kept across steps, with their plans
         t0 = dev.now()
         with dev.autocast():
             loss, _ = objective.loss(model, corrupted)

@@ -159,7 +159,7 @@ def draft_context_mask(anchor_positions: torch.Tensor, context_positions: torch.
     """:func:`draft_context` as a `torch.BoolTensor` of shape `[batch, A, block_size, T]` (the CPU path, tests)."""
     b, anchors = anchor_positions.shape
     return draft_context(anchor_positions, context_positions, block_size, **kwargs).dense().view(
-        b, anchors, block_size, -1)
+        b, anchors, block_size, context_positions.shape[-1])
 
 
 def draft_block_mask(block_size: int, causal: bool, device=None) -> torch.Tensor | None:
