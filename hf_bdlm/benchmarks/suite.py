@@ -25,6 +25,9 @@ and ``plot(records, path)``. They follow the core studies:
 - ``decoding``: :mod:`.decoding`, every family's decoding variants against greedy AR at batch 1 and 8 (tokens per
   forward, tokens/s, CPU time per token, exact match, agreement, the forward cost by rows). ``decoding.json``,
   ``decoding.png``.
+- ``planning``: :mod:`.planning`, the host's plan of a fresh layout (block masks for one device and csbp at P = 8, the
+  CPU path's planner beside) against L: time of a first and a warm build, RSS, the masks' index arrays, and that a
+  cached step plans nothing. ``planning.json``, ``planning.png``.
 - the families' own studies (:data:`hf_bdlm.models.FAMILY_STUDIES`, a study name -> its module), in the registry's
   order.
 
@@ -57,8 +60,10 @@ from .spread import MIN_TIMED_STEPS, check_timed_steps
 
 CORE_STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
 # Studies run through a module of their own (the interface of the family studies below): this package's decoding
-# study (every family's decoding, each family reached through the registry), then the families' own.
-STUDY_MODULES = {"decoding": "hf_bdlm.benchmarks.decoding", **FAMILY_STUDIES}
+# study (every family's decoding, each family reached through the registry) and host planning study, then the
+# families' own.
+STUDY_MODULES = {"decoding": "hf_bdlm.benchmarks.decoding", "planning": "hf_bdlm.benchmarks.planning",
+                 **FAMILY_STUDIES}
 STUDIES = CORE_STUDIES + tuple(STUDY_MODULES)
 
 
