@@ -13,8 +13,9 @@ lengths the paper trains at. Here the index arrays come from the rule itself (:f
   ends, full inside;
 - the transposed arrays (key tile -> query tiles, which the backward reads) come the same way from the inverse
   ranges (:func:`_inverse_reach`), so a tile pair is full on both sides or on neither;
-- packed documents: a pair of tiles whose document ids cannot meet is dropped, one whose rows are not all of one
-  and the same document is partial.
+- packed documents (each id one run of positions, as packing lays them out) cut every row's ranges to its document;
+  were an id to label separate runs, a pair of tiles whose ids cannot meet is dropped and one whose rows are not all
+  of one document is partial.
 
 A tile is *full* only when every pair in it is allowed (exact: the query tile lies in one query run, the key tile in
 one key run, and the intervals contain them); anything else the hulls reach is *partial*, and ``mask_mod`` (the
@@ -30,9 +31,9 @@ r = vectorized_rows(1024); m = build_block_mask(r, r, MaskRule(32)); print(m.kv_
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
-import numpy
 import torch
 
 from .masks import CLEAN, NOISY, MaskRule, allowed, key_reach
@@ -168,10 +169,9 @@ def _ordered_arrays(t, lo, count, num_out: torch.Tensor, idx_out: torch.Tensor) 
     starts = count.cumsum(0) - count
     if count.numel() <= 4 * num_out.shape[0] + 64:
         offset = (starts - (num.cumsum(0) - num)[t]).tolist()
-        base = numpy.arange(idx_out.shape[1], dtype=numpy.int32)
-        out = idx_out.numpy()
+        base = torch.arange(idx_out.shape[1], dtype=torch.int32)
         for row, off, first, n in zip(t.tolist(), offset, lo.tolist(), count.tolist()):
-            out[row, off : off + n] = base[first : first + n]
+            idx_out[row, off : off + n] = base[first : first + n]
         return
     steps = torch.ones(int(count.sum()), dtype=torch.int32)
     steps[starts[0]] = lo[0]
@@ -266,6 +266,64 @@ def _inverse_reach(q_rows: RowMeta, rule: MaskRule, seq_len: int):
     return reach
 
 
+def _zeroed(shape: tuple[int, ...]) -> torch.Tensor:
+    """A zeroed int32 tensor on fresh anonymous pages: the slots past a row's count are never written, so a sparse
+    array's untouched pages cost neither time nor memory (no huge-page advice: one write would fault 2 MB in)."""
+    n = 1
+    for d in shape:
+        n *= d
+    if n * 4 < (1 << 20):
+        return torch.zeros(shape, dtype=torch.int32)
+    return torch.frombuffer(mmap.mmap(-1, n * 4), dtype=torch.int32).view(shape)
+
+
+def _document_ranges(q_rows: RowMeta, k_rows: RowMeta, item: int):
+    """Documents as ranges of positions, when each document id labels one run of positions (as packing lays them
+    out): per query row, the first and last key position of its document, and per key row, the first and last query
+    position of its. ``None`` when an id labels separate runs (the rule's same-id test then reaches across them):
+    tiles are filtered by their documents instead."""
+    qd, kd = q_rows.doc[item].cpu().long(), k_rows.doc[item].cpu().long()
+    qp, kp = q_rows.pos.cpu().long(), k_rows.pos.cpu().long()
+    missing = torch.iinfo(torch.int64).min
+    doc_at = torch.full((int(max(qp.max(), kp.max())) + 1,), missing, dtype=torch.long)
+    doc_at[qp] = qd
+    if bool((doc_at[qp] != qd).any()):
+        return None
+    seen = doc_at[kp]
+    if bool(((seen != missing) & (seen != kd)).any()):  # one position, two documents
+        return None
+    doc_at[kp] = kd
+    present = (doc_at != missing).nonzero().flatten()
+    ids = doc_at[present]
+    change = torch.ones(ids.shape, dtype=torch.bool)
+    change[1:] = ids[1:] != ids[:-1]
+    if int(change.sum()) != torch.unique(ids[change]).numel():
+        return None
+    run_at = torch.zeros(doc_at.shape, dtype=torch.long)
+    run_at[present] = change.cumsum(0) - 1  # the run (document) of every position that holds a row
+
+    def bounds(run, positions):
+        n = int(change.sum())
+        lo = torch.full((n,), _EMPTY_LO, dtype=torch.long).scatter_reduce_(0, run, positions, "amin")
+        hi = torch.full((n,), -_EMPTY_LO, dtype=torch.long).scatter_reduce_(0, run, positions, "amax")
+        return lo, hi
+
+    run_q, run_k = run_at[qp], run_at[kp]
+    (k_lo, k_hi), (q_lo, q_hi) = bounds(run_k, kp), bounds(run_q, qp)
+    return (k_lo[run_q], k_hi[run_q]), (q_lo[run_k], q_hi[run_k])
+
+
+def _clamped(reach, bounds):
+    """``reach`` cut to per-row bounds (a row's document)."""
+    lo_b, hi_b = bounds
+
+    def clamped(stream, pos, other):
+        lo, hi = reach(stream, pos, other)
+        return torch.maximum(lo, lo_b), torch.minimum(hi, hi_b)
+
+    return clamped
+
+
 def _doc_bounds(rows: RowMeta, item: int, tile: int):
     doc = rows.doc[item].cpu().long()
     return _tile_reduce(doc, tile, doc.max().item() + 1, "min"), _tile_reduce(doc, tile, doc.min().item() - 1, "max")
@@ -318,13 +376,15 @@ def build_block_mask(q_rows: RowMeta, k_rows: RowMeta, rule: MaskRule, tile: int
     same = not docs or (bool((q_rows.doc == q_rows.doc[:1]).all()) and bool((k_rows.doc == k_rows.doc[:1]).all()))
     n_items = 1 if same else q_rows.doc.shape[0]
     qt, kt = _tiles(q_rows.num_rows, tile), _tiles(k_rows.num_rows, tile)
-    # Zeroed by the allocator's fresh pages (numpy's calloc): the slots past a row's count are never written, and a
-    # sparse array's untouched pages cost nothing.
-    arrays = [torch.from_numpy(numpy.zeros((n_items, 1, *shape), dtype=numpy.int32))
+    arrays = [_zeroed((n_items, 1, *shape))
               for shape in ((qt,), (qt, kt), (qt,), (qt, kt), (kt,), (kt, qt), (kt,), (kt, qt))]
     for item in range(n_items):
         kv_pair = q_pair = None
-        if docs:
+        ranges = _document_ranges(q_rows, k_rows, item) if docs else None
+        kv_reach, q_reach = forward_reach, backward_reach
+        if ranges is not None:  # documents cut each row's ranges: nothing to filter afterwards
+            kv_reach, q_reach = _clamped(forward_reach, ranges[0]), _clamped(backward_reach, ranges[1])
+        elif docs:
             q_min, q_max = _doc_bounds(q_rows, item, tile)
             k_min, k_max = _doc_bounds(k_rows, item, tile)
 
@@ -335,8 +395,8 @@ def build_block_mask(q_rows: RowMeta, k_rows: RowMeta, rule: MaskRule, tile: int
             def q_pair(kt, qt):
                 return kv_pair(qt, kt)
 
-        _side_arrays(q_rows, k_rows, forward_reach, tile, [a[item, 0] for a in arrays[:4]], kv_pair)
-        _side_arrays(k_rows, q_rows, backward_reach, tile, [a[item, 0] for a in arrays[4:]], q_pair)
+        _side_arrays(q_rows, k_rows, kv_reach, tile, [a[item, 0] for a in arrays[:4]], kv_pair)
+        _side_arrays(k_rows, q_rows, q_reach, tile, [a[item, 0] for a in arrays[4:]], q_pair)
     stacked = [a.to(device) for a in arrays]
     return BlockMask(
         seq_lengths=(q_rows.num_rows, k_rows.num_rows),
