@@ -596,6 +596,13 @@ class BDLMSFTTrainer(SFTTrainer):
 
     # --- saving ----------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict=None):
+        # A config that records its training (BlockDiffusionConfig.bdlm_trained_steps: 0 when converted, so generate
+        # warns) is saved with this run's steps added.
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        if config is not None and hasattr(config, "bdlm_trained_steps"):
+            if not hasattr(self, "_bdlm_steps_before"):
+                self._bdlm_steps_before = int(config.bdlm_trained_steps or 0)
+            config.bdlm_trained_steps = self._bdlm_steps_before + int(self.state.global_step)
         super()._save(output_dir, state_dict)
         if self.args.should_save:
             self._write_model_card(output_dir or self.args.output_dir)

@@ -57,6 +57,10 @@ class BlockDiffusionConfig(PreTrainedConfig):
         attention_backend (`str`, defaults to `"auto"`):
             `"auto"` (`"flex"` on CUDA tensors, `"blockwise"` elsewhere), `"dense"`, `"blockwise"` or `"flex"` (see
             `hf_bdlm.attention.backends`).
+        bdlm_trained_steps (`int`, *optional*):
+            Optimizer steps the model has been trained as a block diffusion LM: `0` when written by
+            `convert_causal_lm` (the causal LM's weights, never trained to denoise: `generate` warns once), the
+            trainer's step count when the trainer saves it, `None` (unknown) in checkpoints written before the field.
     """
 
     model_type = "block_diffusion"
@@ -72,6 +76,7 @@ class BlockDiffusionConfig(PreTrainedConfig):
     noise_eps_max: float = 1.0
     loss_weighting: str = "inverse_t"
     attention_backend: str = "auto"
+    bdlm_trained_steps: int | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):

@@ -92,7 +92,7 @@ def convert_causal_lm(
         mask_token_id=min(mask_id, rows - 1),
         clean_attention=clean_attention,
         objective=objective,
-        **config_kwargs,
+        **{"bdlm_trained_steps": 0, **config_kwargs},  # never trained as a BDLM: generate warns (the trainer counts)
     )
     with no_init_weights():  # every weight is overwritten below; random init of a large model takes minutes
         model = BlockDiffusionForMaskedLM(config)

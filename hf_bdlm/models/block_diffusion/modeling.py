@@ -17,6 +17,7 @@ tells the attention function who may see whom. Tiny CPU example::
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -287,7 +288,20 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
         """Block-wise diffusion decoding; see :func:`hf_bdlm.models.block_diffusion.generation.generate`."""
         from .generation import generate
 
+        if getattr(self.config, "bdlm_trained_steps", None) == 0 and not getattr(self, "_warned_untrained", False):
+            self._warned_untrained = True
+            warnings.warn(UNTRAINED_WARNING, UntrainedModelWarning, stacklevel=2)
         return generate(self, input_ids, generation_config=generation_config, **kwargs)
+
+
+class UntrainedModelWarning(UserWarning):
+    """Generation from a model converted from a causal LM and never trained as a block diffusion LM."""
+
+
+UNTRAINED_WARNING = (
+    "this model has not been trained as a block diffusion LM (config.bdlm_trained_steps == 0: converted from a causal "
+    "LM by convert_causal_lm / hf-bdlm convert, never fine-tuned), so it does not denoise yet and generates blank or "
+    "meaningless text; fine-tune it first (hf-bdlm train, docs/usage.md).")
 
 
 def pad_to_block_multiple(ids: torch.Tensor, block_size: int, pad_token_id: int) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""A first hour without surprises (issue 43, items 7-8): clear first-contact errors and warnings, and accelerate's and
+vLLM's flag names accepted where ours differ.
+Run: python -m pytest tests/test_first_contact.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+from trainer_common import prompt_completion, tiny_causal_lm, tiny_tokenizer  # noqa: E402
+
+from hf_bdlm import BlockDiffusionForMaskedLM, convert_causal_lm  # noqa: E402
+from hf_bdlm.cli import build_parser, main  # noqa: E402
+from hf_bdlm.models.block_diffusion.modeling import UntrainedModelWarning  # noqa: E402
+
+
+# --- 7b: an untrained conversion says so --------------------------------------------------------------------------
+def _untrained_warnings(model) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+    return [w for w in caught if issubclass(w.category, UntrainedModelWarning)]
+
+
+def test_generating_from_a_fresh_conversion_warns_once_that_it_is_untrained(tmp_path):
+    model, tokenizer = convert_causal_lm(tiny_causal_lm(), tiny_tokenizer(), block_size=4)
+    model.save_pretrained(tmp_path)  # the marker round-trips through save / load
+    loaded = BlockDiffusionForMaskedLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.bdlm_trained_steps == 0
+    [warning] = _untrained_warnings(loaded)
+    assert "has not been trained as a block diffusion LM" in str(warning.message)
+
+
+def test_a_checkpoint_without_the_marker_generates_without_the_warning(tmp_path):
+    model, _ = convert_causal_lm(tiny_causal_lm(), tiny_tokenizer(), block_size=4)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["bdlm_trained_steps"]  # a checkpoint saved before the field existed
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = BlockDiffusionForMaskedLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.bdlm_trained_steps is None and _untrained_warnings(loaded) == []
+
+
+def test_the_trainer_saves_its_step_count_so_a_trained_model_does_not_warn(tmp_path):
+    from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
+
+    args = BDLMSFTConfig(output_dir=str(tmp_path / "run"), report_to="none", max_steps=2, save_strategy="no",
+                         disable_tqdm=True, max_length=64, per_device_train_batch_size=2, optim="adamw_torch",
+                         objective="fast_dllm_v2", block_size=4)
+    trainer = BDLMSFTTrainer(tiny_causal_lm(), args=args, train_dataset=prompt_completion(4),
+                             processing_class=tiny_tokenizer())
+    assert trainer.model.config.bdlm_trained_steps == 0  # converted by the trainer
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["bdlm_trained_steps"] == 2
+    loaded = BlockDiffusionForMaskedLM.from_pretrained(tmp_path / "out").eval()
+    assert _untrained_warnings(loaded) == []
