@@ -261,15 +261,18 @@ def add_convert_parser(subparsers) -> None:
         "convert", help="convert a causal LM folder into a block diffusion LM folder",
         description="Convert a local *ForCausalLM checkpoint (weights kept, a [MASK] token added) into a "
                     "BlockDiffusionForMaskedLM folder that AutoModel.from_pretrained loads (with hf_bdlm installed, or "
-                    "with trust_remote_code=True).")
+                    "with trust_remote_code=True). For a model to serve in SGLang or LMDeploy (hf-bdlm export "
+                    "--format sdar), convert a Qwen3 with --objective standard, then train it.",
+        epilog="for SDAR export: hf-bdlm convert QWEN3_DIR OUT --objective standard (then train)")
     p.add_argument("source", help="causal-LM folder (config.json + weights + tokenizer), or 'embedded:smollm2'")
     p.add_argument("output", help="folder to write the BDLM to")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--objective", default="fast_dllm_v2",
                    choices=["fast_dllm_v2", "fast_dllm_v2_causal_clean", "standard"],
-                   help="default training objective of the converted model; 'standard' (with the default "
-                        "block-causal clean stream) is the one SGLang and LMDeploy serve after training "
-                        "(hf-bdlm export --format sdar, docs/deploy.md)")
+                   help="default training objective of the converted model (default: fast_dllm_v2); use "
+                        "'--objective standard' for a model meant for SDAR export: with the default block-causal "
+                        "clean stream it is the one SGLang and LMDeploy serve after training (hf-bdlm export "
+                        "--format sdar, docs/deploy.md)")
     p.add_argument("--mask-token", default="<|mask|>", help="mask token text (added when the tokenizer lacks it)")
     p.add_argument("--mask-token-id", type=int, default=None, help="use this existing token id as [MASK] instead")
     p.set_defaults(func=run_convert)

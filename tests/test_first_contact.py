@@ -63,3 +63,31 @@ def test_the_trainer_saves_its_step_count_so_a_trained_model_does_not_warn(tmp_p
     assert json.loads((tmp_path / "out" / "config.json").read_text())["bdlm_trained_steps"] == 2
     loaded = BlockDiffusionForMaskedLM.from_pretrained(tmp_path / "out").eval()
     assert _untrained_warnings(loaded) == []
+
+
+# --- 7c: the SDAR export refuses from the config, before any weight is read -----------------------------------------
+def test_export_sdar_refuses_from_the_config_before_loading_weights_in_one_short_message(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from transformers import PreTrainedModel
+
+    model, tokenizer = convert_causal_lm(tiny_causal_lm(), tiny_tokenizer(), block_size=4)  # fast_dllm_v2, a Llama
+    model.save_pretrained(tmp_path / "bdlm")
+    tokenizer.save_pretrained(tmp_path / "bdlm")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the refusal")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    capsys.readouterr()  # the save's progress bars
+    assert main(["export", "--format", "sdar", str(tmp_path / "bdlm"), str(tmp_path / "sdar")]) == 2
+    err = capsys.readouterr().err
+    assert "objective='fast_dllm_v2'" in err and "the backbone is 'llama'" in err
+    assert "hf-bdlm convert QWEN3_DIR OUT --objective standard" in err and len(err) - len(str(tmp_path)) < 300
+    assert err.count("serves") == 1 and not (tmp_path / "sdar").exists()
+
+
+def test_convert_help_shows_objective_standard_for_sdar_export(capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "use '--objective standard' for a model meant for SDAR export" in help_text

@@ -380,7 +380,8 @@ def test_the_export_command_refuses_what_it_cannot_serve(tmp_path, capsys):
     tokenizer.save_pretrained(tmp_path / "bdlm")
     assert main(["export", "--format", "sdar", str(tmp_path / "bdlm"), str(tmp_path / "sdar")]) == 2
     err = capsys.readouterr().err
-    assert "objective='fast_dllm_v2'" in err and "hf-bdlm serve DIR" in err and not (tmp_path / "sdar").exists()
+    assert "objective='fast_dllm_v2'" in err and "hf-bdlm convert QWEN3_DIR OUT --objective standard" in err
+    assert not (tmp_path / "sdar").exists()
     tiny_qwen3().save_pretrained(tmp_path / "causal")  # not converted yet
     assert main(["export", "--format", "sdar", str(tmp_path / "causal"), str(tmp_path / "sdar")]) == 2
     assert "holds a 'qwen3' causal LM; the SDAR export takes a converted block-diffusion model" in \

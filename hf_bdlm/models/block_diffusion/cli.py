@@ -30,7 +30,8 @@ def run_export(args) -> int:
     import torch
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from .export_sdar import SDARExportError, check_sdar_folder, export_sdar, launch_commands, push_sdar_to_hub
+    from .export_sdar import (SDARExportError, check_sdar_folder, export_sdar, launch_commands, push_sdar_to_hub,
+                              sdar_problems)
 
     source = Path(args.source)
     if not (source / "config.json").is_file():
@@ -45,6 +46,12 @@ def run_export(args) -> int:
             f"{source} holds {kind}; the SDAR export takes a converted block-diffusion model (model_type "
             "'block_diffusion': a causal LM is converted first, hf-bdlm convert DIR OUT --objective standard, and "
             "trained). docs/deploy.md says which engine serves each family's models.")
+    problems = sdar_problems(config)  # from the config alone: refused before any weight is read
+    if problems:
+        reasons = "; ".join(problem.split(":")[0].split(";")[0].strip() for problem in problems)
+        raise SDARExportError(
+            f"{source} cannot be exported as SDAR ({reasons}); export a Qwen3 converted with `hf-bdlm convert "
+            "QWEN3_DIR OUT --objective standard`, then trained (docs/deploy.md). `hf-bdlm serve` serves this one.")
     model = AutoModel.from_pretrained(source).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     try:
