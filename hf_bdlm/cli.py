@@ -348,21 +348,43 @@ def add_generate_parser(subparsers) -> None:
                         "'sglang_low_confidence' or 'lmdeploy_low_confidence_dynamic', to see what SGLang / LMDeploy "
                         "serve of an exported model (docs/deploy.md)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="load the tokenizer from this folder (default: model_dir, where save_pretrained put it)")
     p.set_defaults(func=run_generate)
+
+
+# What a saved tokenizer leaves in its folder (fast, slow, SentencePiece or tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "merges.txt")
+
+
+def _load_tokenizer(path: str, model_dir: str):
+    """The tokenizer saved in ``path``; a folder without one is named as such (transformers would blame
+    sentencepiece / tiktoken for the missing files)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES) \
+            and not any(folder.glob("*.tiktoken")):
+        where = "the model folder" if path == model_dir else "the --tokenizer folder"
+        raise ValueError(f"{path!r} ({where}) has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...): "
+                         "save the tokenizer with the model (tokenizer.save_pretrained(DIR), as hf-bdlm convert and "
+                         "the trainer do), or pass --tokenizer PATH (the folder of the tokenizer it was trained with).")
+    return AutoTokenizer.from_pretrained(path)
 
 
 def run_generate(args) -> int:
     import torch
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
 
     from .models.block_diffusion.modeling import BlockDiffusionForMaskedLM
 
     path = _model_path(args.model_dir)
+    tokenizer = _load_tokenizer(_model_path(args.tokenizer) if args.tokenizer else path, path)  # before the weights
     model = AutoModel.from_pretrained(path)
     if not isinstance(model, BlockDiffusionForMaskedLM):
         raise ValueError(f"{path!r} holds a {type(model).__name__}, not a block diffusion LM; convert it first "
                          "(hf-bdlm convert).")
-    tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if tokenizer.chat_template and not args.raw:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

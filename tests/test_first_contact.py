@@ -91,3 +91,25 @@ def test_convert_help_shows_objective_standard_for_sdar_export(capsys):
         main(["convert", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "use '--objective standard' for a model meant for SDAR export" in help_text
+
+
+# --- 7a: a model folder without its tokenizer -----------------------------------------------------------------------
+def test_generate_on_a_folder_without_a_tokenizer_says_so_and_what_to_do(tmp_path, capsys):
+    from tiny_bdlm import tiny_bdlm
+
+    tiny_bdlm().save_pretrained(tmp_path / "bdlm")  # weights and config only
+    assert main(["generate", str(tmp_path / "bdlm"), "w7 w8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(tmp_path / 'bdlm')!r} (the model folder) has no tokenizer" in err
+    assert "tokenizer.save_pretrained(DIR)" in err and "--tokenizer PATH" in err
+    assert "sentencepiece" not in err and "tiktoken" not in err
+
+
+def test_generate_takes_the_tokenizer_from_the_tokenizer_option(tmp_path, capsys):
+    from tiny_bdlm import tiny_bdlm, tiny_tokenizer as word_tokenizer
+
+    tiny_bdlm().save_pretrained(tmp_path / "bdlm")
+    word_tokenizer().save_pretrained(tmp_path / "tok")
+    assert main(["generate", str(tmp_path / "bdlm"), "w7 w8", "--tokenizer", str(tmp_path / "tok"), "--raw",
+                 "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()  # four decoded words
