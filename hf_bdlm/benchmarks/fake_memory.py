@@ -633,7 +633,7 @@ def gemma3_two_layer_config(backend: str = "flex"):
     """The BDLM config of a 2-layer Gemma 3 of the 27B's width (one sliding, one full layer; full vocabulary)."""
     from transformers import Gemma3TextConfig
 
-    from ..models.block_diffusion.configuration import BlockDiffusionConfig
+    from ..protocols.registry import family_named
 
     b = GEMMA3_27B["backbone_config"]
     backbone = Gemma3TextConfig(
@@ -642,9 +642,9 @@ def gemma3_two_layer_config(backend: str = "flex"):
         intermediate_size=b["intermediate_size"], vocab_size=b["vocab_size"], sliding_window=b["sliding_window"],
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1 << 20,
         tie_word_embeddings=True, attn_logit_softcapping=None, final_logit_softcapping=None)
-    return BlockDiffusionConfig(backbone_config=backbone, block_size=GEMMA3_27B["block_size"],
-                                clean_attention=GEMMA3_27B["clean_attention"], mask_token_id=b["vocab_size"] - 1,
-                                attention_backend=backend)
+    return family_named("block_diffusion").new_config(
+        backbone_config=backbone, block_size=GEMMA3_27B["block_size"], clean_attention=GEMMA3_27B["clean_attention"],
+        mask_token_id=b["vocab_size"] - 1, attention_backend=backend)
 
 
 def measure_model_step(seq_len: int, backend: str = "flex") -> Record:
@@ -652,8 +652,7 @@ def measure_model_step(seq_len: int, backend: str = "flex") -> Record:
     rows), as :meth:`~hf_bdlm.objectives.base.Objective.loss` runs it (the backbone over the layout's rows, then the
     objective's chunked cross-entropy; every noisy row scored, the most the loss can hold). The parameters are built
     before recording (not counted), their gradients are counted."""
-    from ..models.block_diffusion.modeling import BlockDiffusionForMaskedLM
-    from ..protocols.registry import get_objective
+    from ..protocols.registry import family_named, get_objective
 
     config = gemma3_two_layer_config(backend)
     record = Record("model", "single", backend, seq_len, "2-layer step", 1, None, 2 * seq_len, threshold(seq_len))
@@ -675,7 +674,7 @@ def measure_model_step(seq_len: int, backend: str = "flex") -> Record:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be cast in place: build them in bf16
             try:
-                model = BlockDiffusionForMaskedLM(config).train()
+                model = family_named("block_diffusion").new_model(config).train()
             finally:
                 torch.set_default_dtype(default_dtype)
         with recording(backend, fake_mode) as recorder:
