@@ -274,7 +274,8 @@ def add_convert_parser(subparsers) -> None:
                         "clean stream it is the one SGLang and LMDeploy serve after training (hf-bdlm export "
                         "--format sdar, docs/deploy.md)")
     p.add_argument("--mask-token", default="<|mask|>", help="mask token text (added when the tokenizer lacks it)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="use this existing token id as [MASK] instead")
+    p.add_argument("--mask-token-id", type=int, default=None, help="use this existing token id as [MASK] instead (or the tokenizer's size, its next free id: "
+                   "the mask token is added there)")
     p.set_defaults(func=run_convert)
 
 

@@ -97,6 +97,20 @@ def test_reserved_mask_token_id_needs_no_tokenizer_and_no_resize():
     assert bdlm.get_input_embeddings().weight.shape[0] == len(WORDS)
 
 
+def test_mask_token_id_at_the_tokenizers_next_free_id_adds_the_mask_token_there():
+    lm, tok = tiny_llama(), tiny_tokenizer()  # no spare row: the embeddings gain one
+    bdlm, tok = convert_causal_lm(lm, tok, mask_token_id=len(WORDS), block_size=4)
+    assert bdlm.config.mask_token_id == len(WORDS) == tok.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
+    assert bdlm.get_input_embeddings().weight.shape[0] == len(WORDS) + 1
+
+
+def test_mask_token_id_beyond_the_tokenizer_is_refused_naming_it_and_the_tokenizer_size():
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(tiny_config(Qwen2Config, vocab_size=16)).double()  # rows 12..15 spare, not in the tokenizer
+    with pytest.raises(ValueError, match=rf"mask_token_id=14 is not in the tokenizer, which has {len(WORDS)} tokens"):
+        convert_causal_lm(lm, tiny_tokenizer(), mask_token_id=14, block_size=4)
+
+
 def test_padded_embedding_uses_a_spare_row_for_the_added_token():
     # Qwen-style: the embedding has more rows than the tokenizer has tokens.
     torch.manual_seed(0)

@@ -54,7 +54,9 @@ def convert_causal_lm(
         mask_token (`str`, defaults to `"<|mask|>"`):
             The mask token; used as is when the tokenizer has it, else added as a special token.
         mask_token_id (`int`, *optional*):
-            Use this existing id (e.g. a reserved token) as `[MASK]` instead; nothing is added or resized.
+            Use this existing id (e.g. a reserved token) as `[MASK]` instead; nothing is added or resized. The
+            tokenizer's length (its next free id) adds `mask_token` there; any other id the tokenizer lacks is
+            refused.
         clean_attention (`str`, *optional*):
             Clean-stream attention; defaults to the objective's (`"block_causal"` for `fast_dllm_v2`, `"causal"`,
             the causal LM's own, for `fast_dllm_v2_causal_clean`).
@@ -155,6 +157,22 @@ def _load_causal_lm(model_or_path, tokenizer):
 
 def _mask_token_id(tokenizer, rows: int, mask_token: str, mask_token_id: int | None) -> int:
     """The mask id to use; adds ``mask_token`` to the tokenizer when it lacks it."""
+    if mask_token_id is not None and tokenizer is not None and isinstance(mask_token_id, int) \
+            and mask_token_id >= len(tokenizer):
+        size = len(tokenizer)
+        if mask_token_id != size:
+            raise ValueError(
+                f"mask_token_id={mask_token_id} is not in the tokenizer, which has {size} tokens (ids 0..{size - 1}): "
+                f"pass an id it has (e.g. a reserved token), {size} (its next free id: {mask_token!r} is added "
+                "there), or leave it None to add the mask token at the first unused id.")
+        # The next free id: the mask token is added there (the embeddings gain a row if the model has none).
+        if mask_token in tokenizer.get_vocab():
+            raise ValueError(
+                f"mask_token_id={mask_token_id} is the tokenizer's next free id, but {mask_token!r} is already token "
+                f"{tokenizer.convert_tokens_to_ids(mask_token)}: pass mask_token_id="
+                f"{tokenizer.convert_tokens_to_ids(mask_token)}, or another mask_token to add.")
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+        return int(tokenizer.convert_tokens_to_ids(mask_token))
     if mask_token_id is not None:
         if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < rows:
             raise ValueError(
