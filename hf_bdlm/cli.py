@@ -37,7 +37,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the folder name)")
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-batch-size", "--max-num-seqs", type=int, default=8,
+                   help="requests decoded together (--max-num-seqs: vLLM's name)")
     p.add_argument("--max-queue", type=int, default=32, help="waiting requests before 429")
     p.add_argument("--batch-wait-ms", type=float, default=10.0)
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
@@ -56,10 +57,52 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
                    help="with --draft: proposals the model verifies per forward, 1 .. block size - 1 (default: "
                         "block size - 1); fewer can be faster where a forward's cost grows with its tokens (CPU)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form of --draft / --num-speculative-tokens: "
+                        "'{\"model\": DIR, \"num_speculative_tokens\": N}'")
     p.set_defaults(func=run_serve)
 
 
+SPECULATIVE_CONFIG_KEYS = {"model": "draft", "num_speculative_tokens": "num_speculative_tokens"}
+
+
+def apply_speculative_config(args) -> None:
+    """``--speculative-config JSON`` (vLLM's flag) -> ``args.draft`` and ``args.num_speculative_tokens``; unknown
+    keys, and values that contradict --draft / --num-speculative-tokens, are refused (ValueError)."""
+    import json
+
+    if args.speculative_config is None:
+        return
+    try:
+        spec = json.loads(args.speculative_config)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--speculative-config is not JSON ({err}); give '{{\"model\": DIR, "
+                         "\"num_speculative_tokens\": N}'.") from None
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object: '{\"model\": DIR, "
+                         "\"num_speculative_tokens\": N}'.")
+    unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config keys {unknown} are not supported; hf-bdlm serve takes "
+                         f"{sorted(SPECULATIVE_CONFIG_KEYS)} (the same as --draft DIR and --num-speculative-tokens N).")
+    if "model" not in spec:
+        raise ValueError("--speculative-config needs \"model\": the drafter folder (as --draft DIR).")
+    if "num_speculative_tokens" in spec and (isinstance(spec["num_speculative_tokens"], bool)
+                                             or not isinstance(spec["num_speculative_tokens"], int)):
+        raise ValueError(f"--speculative-config num_speculative_tokens must be an integer, got "
+                         f"{spec['num_speculative_tokens']!r}.")
+    for key, field in SPECULATIVE_CONFIG_KEYS.items():
+        if key not in spec:
+            continue
+        given = getattr(args, field)
+        if given is not None and given != spec[key]:
+            raise ValueError(f"--speculative-config {key}={spec[key]!r} contradicts --{field.replace('_', '-')} "
+                             f"{given!r}; give one of them.")
+        setattr(args, field, spec[key])
+
+
 def run_serve(args) -> int:
+    apply_speculative_config(args)
     import torch
 
     from .serving import Engine, ServerConfig, serve
@@ -223,8 +266,11 @@ def add_train_parser(subparsers) -> None:
                     "the recipe runs under `accelerate launch`.",
         epilog="example: hf-bdlm train --nproc 2 --config recipes/configs/smollm2_cpu_csbp.yaml --max_steps 20",
         allow_abbrev=False)  # recipe options must not be taken for abbreviations of these
-    p.add_argument("--nproc", type=int, default=1, help="processes to launch on this machine (default: 1, in-process)")
-    p.add_argument("--accelerate-config", default=None, help="an accelerate config file (overrides --nproc)")
+    p.add_argument("--nproc", "--num_processes", type=int, default=1,
+                   help="processes to launch on this machine (default: 1, in-process; --num_processes: accelerate's "
+                        "name)")
+    p.add_argument("--accelerate-config", "--config_file", default=None,
+                   help="an accelerate config file (overrides --nproc; --config_file: accelerate's name)")
     p.set_defaults(func=run_train, accepts_extra=True)
 
 

@@ -113,3 +113,36 @@ def test_generate_takes_the_tokenizer_from_the_tokenizer_option(tmp_path, capsys
     assert main(["generate", str(tmp_path / "bdlm"), "w7 w8", "--tokenizer", str(tmp_path / "tok"), "--raw",
                  "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()  # four decoded words
+
+
+# --- 8: accelerate's and vLLM's flag names ------------------------------------------------------------------------
+@pytest.mark.parametrize("ours, theirs", [
+    (["train", "--nproc", "3"], ["train", "--num_processes", "3"]),
+    (["train", "--accelerate-config", "a.yaml"], ["train", "--config_file", "a.yaml"]),
+    (["serve", "m", "--max-batch-size", "5"], ["serve", "m", "--max-num-seqs", "5"]),
+])
+def test_accelerate_and_vllm_flag_names_set_the_same_field(ours, theirs):
+    parser = build_parser()
+    assert vars(parser.parse_known_args(theirs)[0]) == vars(parser.parse_known_args(ours)[0])
+    assert parser.parse_known_args(theirs)[1] == []  # taken by us, not passed on to the recipe
+
+
+def test_speculative_config_maps_to_draft_and_num_speculative_tokens():
+    from hf_bdlm.cli import apply_speculative_config
+
+    parser = build_parser()
+    theirs = parser.parse_args(["serve", "m", "--speculative-config",
+                                '{"model": "drafter", "num_speculative_tokens": 3}'])
+    apply_speculative_config(theirs)
+    ours = parser.parse_args(["serve", "m", "--draft", "drafter", "--num-speculative-tokens", "3"])
+    assert (theirs.draft, theirs.num_speculative_tokens) == (ours.draft, ours.num_speculative_tokens) == ("drafter", 3)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ('{"model": "d", "method": "eagle"}', "--speculative-config keys ['method'] are not supported"),
+    ('{"num_speculative_tokens": 3}', 'needs "model"'),
+    ('{"model": d}', "is not JSON"),
+])
+def test_speculative_config_refuses_what_it_cannot_map(spec, message, tmp_path, capsys):
+    assert main(["serve", str(tmp_path), "--speculative-config", spec]) == 2  # before any model loads
+    assert message in capsys.readouterr().err
