@@ -169,9 +169,10 @@ def _ordered_arrays(t, lo, count, num_out: torch.Tensor, idx_out: torch.Tensor) 
     starts = count.cumsum(0) - count
     if count.numel() <= 4 * num_out.shape[0] + 64:
         offset = (starts - (num.cumsum(0) - num)[t]).tolist()
-        base = torch.arange(idx_out.shape[1], dtype=torch.int32)
+        # Slice copies through numpy views of the same memory: a microsecond each, against several for torch's.
+        base, out = torch.arange(idx_out.shape[1], dtype=torch.int32).numpy(), idx_out.numpy()
         for row, off, first, n in zip(t.tolist(), offset, lo.tolist(), count.tolist()):
-            idx_out[row, off : off + n] = base[first : first + n]
+            out[row, off : off + n] = base[first : first + n]
         return
     steps = torch.ones(int(count.sum()), dtype=torch.int32)
     steps[starts[0]] = lo[0]
