@@ -156,16 +156,18 @@ def test_compiled_flex_forward_equals_dense_on_cpu_with_gqa_and_documents(rule):
     rows = vectorized_rows(256, _docs([128, 128]))
     q, k, v = _qkv(256)
     calls = []
-    real = flex.compiled_flex_attention()
+    real = flex.compiled_flex_attention
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs["enable_gqa"])
-        return real(*args, **kwargs)
+    def compiled(dynamic=False):
+        def counting(*args, **kwargs):
+            calls.append(kwargs["enable_gqa"])
+            return real(dynamic)(*args, **kwargs)
+        return counting
 
     flex.compiled_flex_attention.cache_clear()
     try:
-        with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-            mp.setattr(flex, "compiled_flex_attention", lambda dynamic=False: counting)
+        with pytest.MonkeyPatch.context() as mp, torch.no_grad():  # inference: the graph flex uses for it
+            mp.setattr(flex, "compiled_flex_attention", compiled)
             got = attend("flex", q, [(k, v)], rows, [rows], rule, 0.2, {})
     finally:
         flex.compiled_flex_attention.cache_clear()

@@ -172,7 +172,7 @@ def llama_bdlm():
     (lambda: converted(objective="fast_dllm_v2_causal_clean")[0], "objective='fast_dllm_v2_causal_clean'"),
     (lambda: converted(clean_attention="causal")[0], "clean_attention='causal': the engines compute the clean "
                                                      "prefix block-causally"),
-    (lambda: converted(mask_token_id=151700)[0], "mask_token_id=151700: both engines hard-code [MASK] = 151669"),
+    (lambda: converted(mask_token_id=151668)[0], "mask_token_id=151668: both engines hard-code [MASK] = 151669"),
     (llama_bdlm, "the backbone is 'llama', and SDAR is a Qwen3 decoder: SGLang's --dllm-algorithm serves a fixed list"),
 ])
 def test_a_model_the_engines_cannot_serve_is_refused_naming_what_serves_it(make, message, tmp_path):

@@ -59,7 +59,8 @@ def flex_call(q, k, v, block_mask, scale: float, with_lse: bool, dynamic: bool =
         q, k, v = q.detach(), k.detach(), v.detach()  # PyTorch's CPU check looks at requires_grad even under no_grad
     # torch's compiled CPU kernel returns no LSE and takes no float64: those CPU calls run eagerly (inference only).
     compiled = q.device.type == "cuda" or not (with_lse or q.dtype == torch.float64)
-    fn = compiled_flex_attention(dynamic) if compiled else _eager_flex_attention
+    # Dynamic shapes on CUDA only: torch 2.13's CPU code generation for FlexAttention fails to compile them.
+    fn = compiled_flex_attention(dynamic and q.device.type == "cuda") if compiled else _eager_flex_attention
     if not with_lse:
         return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
     out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
