@@ -91,10 +91,10 @@ def encoder_next_token_ce(model, ids):
 
 
 @torch.no_grad()
-def one_pass_canvas_ce(model, batch, obj):
+def one_pass_canvas_ce(model, batch, obj, backend="auto"):
     corrupted = obj.corrupt(batch, seed=0, step=0)
     frame = corrupted.frame
-    layout = DiffusionGemmaLayout.local(frame)
+    layout = DiffusionGemmaLayout.local(frame, backend)
     _, cache = encode(model, frame, layout)
     hidden = decode(model, frame, layout, corrupted.noisy_ids, cache)
     ce = F.cross_entropy(softcapped_logits(model, hidden).transpose(1, 2), frame.canvas_target, reduction="none")
@@ -144,6 +144,24 @@ def test_all_blocks_in_one_pass_equal_transformers_per_block_inference():
         theirs = inference_block_ce(reference, ids, int(mask.argmax()))
         assert mine.shape == theirs.shape and ids.numel() > 2 * W  # blocks start past the window
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_canvases_through_flex_equal_the_block_sparse_kernels(monkeypatch):
+    # The CUDA path's block masks and log-sum-exp merge over the decoder's two sources (canvas, encoder's clean
+    # keys), run here by eager FlexAttention (forward only on CPU).
+    from hf_bdlm.attention import flex
+
+    monkeypatch.setattr(flex, "compiled_flex_attention", lambda dynamic=False: flex._eager_flex_attention)
+    calls, real = [], flex.flex_call
+    monkeypatch.setattr(flex, "flex_call", lambda *a, **k: calls.append(k.get("dynamic")) or real(*a, **k))
+    model = tiny_model()
+    batch = batch_of(sample(23, response_start=5, seed=0), sample(17, response_start=10, seed=1))
+    _, blockwise = one_pass_canvas_ce(model, batch, objective(), "blockwise")
+    assert not calls
+    _, through_flex = one_pass_canvas_ce(model, batch, objective(), "flex")
+    assert len(calls) >= 3  # the encoder's layers (one source), the decoder's (canvas and clean keys: two)
+    torch.testing.assert_close(through_flex, blockwise, rtol=1e-5, atol=1e-5)
 
 
 def test_encoder_next_token_loss_equals_the_encoder_over_the_sequence():
