@@ -233,7 +233,11 @@ def test_link_table_gives_the_rate_that_scaled_each_launch_and_the_bytes_charged
             "compute_rate": {"flops_per_s": 6.8e10, "processes_per_core": 2.0}}
     rec = _record("csbp", 4, 16384, link=link, bytes_per_step=4 * MiB, wire_bytes_per_step=2 * MiB, model="sliding")
     md = report.link_table([rec], markdown=True)
-    assert "| h200-ib (sliding) | csbp allgather | 4 | 16K | 68.0 | 2 | 8000 | 5.00 | 160.0 | 4.0 | 2.0 |" in md
+    # GPU-equivalent step: 1.0 s here over the scale 8000 = 0.125 ms; a record of before the row links: per launch
+    assert ("| h200-ib (sliding) | csbp allgather | 4 | 16K | 68.0 | 2 | 8000 | 5.00 | 160.0 | 4.0 | 2.0 | 0.12 | "
+            "per launch |") in md
+    rec["link"] = dict(link, measured="once per row")
+    assert "| 0.12 | once per row |" in report.link_table([rec], markdown=True)
 
 
 def test_report_only_needs_results_to_report(tmp_path, capsys):
@@ -309,6 +313,25 @@ def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path, capsys):
     assert csbp["bytes_per_step"] * 2 == cp["bytes_per_step"]
     assert paper["attention_imbalance"] == pytest.approx(1.2) and cp["attention_imbalance"] == 1.0  # 4 blocks
     assert "CSBP against both CP baselines" in (out / "summary.md").read_text()
+
+
+@pytest.mark.distributed
+def test_baselines_through_a_named_link_give_every_layout_of_a_row_the_same_link(tmp_path, capsys):
+    """The row's ranks measure the rate once, in a launch of their own; csbp and cp then go through that link."""
+    out = tmp_path / "bench"
+    code = cli.main(["bench", "--only", "baselines", "--baseline-lengths", "256", "--baseline-nprocs", "2",
+                     "--baseline-models", "dense", "--steps", "3", "--min-time", "0", "--no-calibrate", "--out",
+                     str(out), "--link", "h200-ib", "--baseline-layouts", "csbp", "cp"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    records = json.loads((out / "baselines_h200-ib.json").read_text())
+    assert sorted(r["mode"] for r in records) == ["cp", "csbp"]
+    links = [r["link"] for r in records]
+    assert links[0] == links[1] and links[0]["measured"] == "once per row"
+    rate = links[0]["compute_rate"]
+    assert rate["processes"] == 2 and rate["flops_per_s"] > 0
+    assert links[0]["bytes_per_s"] == pytest.approx(links[0]["cluster_bytes_per_s"] / links[0]["scale"])
+    assert "the row's link" in stderr + stdout
 
 
 @pytest.mark.parametrize("extra, measured", [([], [(6, [2, 4])]), (["--no-calibrate"], []), (["--quick"], [])])

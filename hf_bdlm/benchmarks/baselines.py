@@ -14,8 +14,11 @@ speed-up over each baseline (the ratio of medians; a tie where the two ranges ov
 exposed communication (time blocked in waits, slowest rank) and the per-rank attention work of each layout: allowed
 (query, key) pairs of the slowest rank over the mean, summed over the layers (:func:`hf_bdlm.planner.cost.rank_work`).
 With ``--link NAME`` every K/V transfer goes through the named emulated cluster link, stretched by the compute rate
-each launch's ranks measure at its start (in every record's ``link``); the records go to ``baselines_<link>.json``
-beside the plain ``baselines.json``.
+the row's ``P`` ranks measure together once, in a launch of their own before the row's first layout
+(:func:`.parallel_modes.measure_row_link`): every layout of a row goes through the same link (in every record's
+``link``, ``measured: "once per row"``; records made before this stretched each launch's link by its own start-up
+rate). The records go to ``baselines_<link>.json`` beside the plain ``baselines.json``. ``bp`` runs its dual-end
+schedule only (``hf-bdlm bench --only modes`` times both schedules).
 
 Caveat of this machine: with more ranks than cores (P = 4 on 2 cores) the ranks share the cores, so a rank with
 less work yields its core to a busier one and the step time follows the group's total work more than its slowest
@@ -72,10 +75,19 @@ def run_study(models, nprocs, lengths, steps: int, timeout: float, link=None, ou
     kept = [r for r in kept if (r.get("model"), r["P"], r["L"], parallel_modes.mode_name(r)) not in planned]
     records: list[dict] = []
     started = time.perf_counter()
+    row_links: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (model, P, L, layout) in enumerate(configs, 1):
             spec = MODELS[model]
-            args = parallel_modes.launch_args(spec["layers"], steps, timeout, window=spec["window"], link=link,
+            row_link = link
+            if isinstance(link, str):  # one rate per row: every layout of the row goes through the same link
+                if (model, P, L) not in row_links:
+                    row_links[(model, P, L)] = parallel_modes.measure_row_link(
+                        link, P, spec["layers"], pathlib.Path(tmp), timeout, spec["window"], spec["full_every"])
+                    log(f"  [baselines, {time.perf_counter() - started:5.0f} s] {model:7} P={P} L={L:>6}: the row's "
+                        f"link{_link_note(dict(link=row_links[(model, P, L)].as_record()))}")
+                row_link = row_links[(model, P, L)]
+            args = parallel_modes.launch_args(spec["layers"], steps, timeout, window=spec["window"], link=row_link,
                                               full_every=spec["full_every"])
             rec = parallel_modes.launch(layout, P, L, args, pathlib.Path(tmp), "allgather", "dual_end")
             rec.update(model=model, layers=spec["layers"], window=spec["window"], full_every=spec["full_every"])

@@ -371,13 +371,16 @@ def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dt
                               device=device, dtype=dtype,
                               attention_backend=attention_backend, min_time=min_time, link=named,
                               link_bytes_per_s=fixed and fixed.bytes_per_s, link_latency_s=fixed and fixed.latency_s,
-                              link_name=fixed and fixed.name, link_element_bytes=fixed and fixed.element_bytes)
+                              link_name=fixed and fixed.name, link_element_bytes=fixed and fixed.element_bytes,
+                              link_record=fixed.as_record() if fixed is not None and fixed.details else None)
 
 
 def _link(args) -> LinkModel | None:
     """The emulated link the ranks' collectives go through, or ``None``: a named link (``--link``) stretched by the
     compute rate the launch's ranks measure now, all at once (a collective call), or fixed figures
     (``--link-bytes-per-s``)."""
+    if getattr(args, "link_file", None):
+        return link_from_record(json.loads(pathlib.Path(args.link_file).read_text()))
     if getattr(args, "link", None):
         from ..planner.link import link_for_this_machine
         from ..planner.model import spec_from_config
@@ -390,6 +393,53 @@ def _link(args) -> LinkModel | None:
 
     return LinkModel(args.link_bytes_per_s, args.link_latency_s or 0.0, args.link_name or "custom",
                      getattr(args, "link_element_bytes", None) or None)
+
+
+def link_from_record(rec: dict) -> LinkModel:
+    """The :class:`~hf_bdlm.parallel.link.LinkModel` a record's ``link`` holds (:meth:`LinkModel.as_record`), with
+    how it was derived kept in its details."""
+    from ..parallel.link import LinkModel
+
+    known = ("name", "bytes_per_s", "latency_s", "element_bytes")
+    return LinkModel(rec["bytes_per_s"], rec["latency_s"], rec["name"], rec["element_bytes"],
+                     {k: v for k, v in rec.items() if k not in known})
+
+
+def measure_row_link(name: str, P: int, layers: int, tmp: pathlib.Path, timeout: float, window: int | None = None,
+                     full_every: int | None = None, dtype: str = "float32") -> LinkModel:
+    """The named link stretched by the compute rate ``P`` ranks measure together in a launch of their own (the rate
+    :func:`_link` measures at the start of every launch): measured once, it is the link of every layout of a row, so
+    the layouts compared in a row go through the same link."""
+    tmp = pathlib.Path(tmp).resolve()
+    out = tmp / f"link_{name}_P{P}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(P), "-m",
+           module_name("parallel_modes"), "--measure-link", "--link", name, "--layers", str(layers),
+           "--dtype", dtype, "--out", str(out)]
+    if window:
+        cmd += ["--window", str(window)]
+    if full_every:
+        cmd += ["--full-every", str(full_every)]
+    proc = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"), cwd=tmp,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode or not out.exists():
+        raise RuntimeError(f"measuring the {name} link's rate at P = {P} failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+    rec = json.loads(out.read_text())
+    rec["measured"] = "once per row"
+    return link_from_record(rec)
+
+
+def _measure_link_worker(args) -> None:
+    """``--measure-link``: one rank of the launch :func:`measure_row_link` starts; rank 0 writes the link."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    link = _link(args)
+    if dist.get_rank() == 0:
+        pathlib.Path(args.out).write_text(json.dumps(link.as_record()))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 SHORT_LAUNCHES = 3
@@ -433,7 +483,11 @@ def _launch_once(mode: str, P: int, L: int, args, tmp: pathlib.Path, transport: 
         common += ["--window", str(args.window)]
     if getattr(args, "full_every", None):
         common += ["--full-every", str(args.full_every)]
-    if getattr(args, "link", None) and mode != "single":
+    if getattr(args, "link_record", None) and mode != "single":
+        link_file = tmp / f"link_{mode}_{cp_layout}_P{P}_L{L}.json"
+        link_file.write_text(json.dumps(args.link_record))
+        common += ["--link-file", str(link_file)]
+    elif getattr(args, "link", None) and mode != "single":
         common += ["--link", args.link]
     elif getattr(args, "link_bytes_per_s", None) and mode != "single":
         common += ["--link-bytes-per-s", repr(args.link_bytes_per_s), "--link-latency-s",
@@ -588,12 +642,17 @@ def main(argv=None) -> None:
     parser.add_argument("--link-element-bytes", type=int, default=None,
                         help="emulated link of fixed figures: bytes it charges per element (2: a bf16 cluster); "
                              "default: the bytes moved here")
+    parser.add_argument("--link-file", default=None, help=argparse.SUPPRESS)  # a link record (measure_row_link)
+    parser.add_argument("--measure-link", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="allgather", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="dual_end", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="csbp", help=argparse.SUPPRESS)
     parser.add_argument("--cp-layout", default="balanced", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.measure_link:
+        _measure_link_worker(args)
+        return
     if args.worker:
         worker(args)
         return

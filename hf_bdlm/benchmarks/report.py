@@ -142,9 +142,10 @@ def modes_comparison_table(records: list[dict], markdown: bool = False) -> str:
 def link_table(records: list[dict], markdown: bool = False) -> str:
     """Every emulated-link record's link: the compute rate its launch measured (and under how many processes per
     core), the emulated bandwidth and latency that rate gave, and the bytes received per step as moved here and as the
-    link charged them (the cluster's element size)."""
+    link charged them (the cluster's element size), and the regime: the step's time on the cluster's GPU (the median
+    step here over the link's scale), to hold beside the seconds a step of the paper's takes."""
     head = ["link", "layout", "P", "L", "rate GFLOP/s/rank", "procs/core", "scale", "emulated MB/s", "latency ms",
-            "MiB/step here", "MiB/step charged"]
+            "MiB/step here", "MiB/step charged", "GPU-equivalent step ms", "rate measured"]
     rows = []
     for r in sorted((r for r in records if r.get("link") and "error" not in r),
                     key=lambda r: (r["link"]["name"], r.get("model", ""), r["P"], r["L"], variant(r))):
@@ -155,7 +156,9 @@ def link_table(records: list[dict], markdown: bool = False) -> str:
                      f"{rate['processes_per_core']:g}" if "processes_per_core" in rate else "-",
                      f"{link['scale']:.0f}" if "scale" in link else "-", f"{link['bytes_per_s'] / 1e6:.2f}",
                      f"{link['latency_s'] * 1e3:.1f}", _mib(r.get("bytes_per_step")),
-                     _mib(r.get("wire_bytes_per_step", r.get("bytes_per_step")))])
+                     _mib(r.get("wire_bytes_per_step", r.get("bytes_per_step"))),
+                     f"{r['step_s'] / link['scale'] * 1e3:.2f}" if link.get("scale") and "step_s" in r else "-",
+                     link.get("measured", "per launch")])
     return rows_table(head, rows, markdown)
 
 
