@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pathlib
 
+from .fast_apply import FAST_APPLY_DIR, load_fast_apply  # noqa: F401  (the fast-apply task; scorers: .fast_apply)
+
 DATA_DIR = pathlib.Path(__file__).resolve().parent
 SPLITS = ("train", "test")
 
