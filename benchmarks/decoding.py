@@ -3,7 +3,8 @@
 Same prompts (the shipped held-out tasks, chat template) and the same output length for every mode, EOS ignored so
 that every row produces exactly `--new-tokens` tokens; batch 1 (prompts one at a time) and batch 8 (left-padded;
 the BDLM decodes ragged prompts in one batch). Beside the speed, exact match on the held-out set (greedy, one
-block of new tokens, EOS honoured: the quickstart's metric). Every group of prompts (one batch) is a timed sample,
+block of new tokens, EOS honoured: the quickstart's metric), printed as hits / prompts with its 95 % Wilson interval
+(fewer than 100 prompts carry no quality claim). Every group of prompts (one batch) is a timed sample,
 at least 3 per mode and batch size (the prompts are passed over again when they make fewer groups); tables give the
 median and range of tokens per second across them, and a mode's speed over AR is the ratio of median CPU seconds per
 token, a tie where the two ranges overlap (`hf_bdlm.benchmarks.spread.compare`).
@@ -120,18 +121,30 @@ def exact_match(modes, models, tokenizer, examples, block: int, pad_id: int, eos
     return scores
 
 
-def table(rows: list[dict], quality: dict[str, float]) -> str:
+def _quality(share: float | None, n: int) -> str:
+    """``hits/n [95 % Wilson interval]`` of an exact-match share over ``n`` prompts."""
+    from hf_bdlm.benchmarks.decoding import wilson_interval
+
+    if share is None or n < 1:
+        return "-"
+    hits = round(share * n)
+    low, high = wilson_interval(hits, n)
+    return f"{hits}/{n} [{low:.0%}-{high:.0%}]"
+
+
+def table(rows: list[dict], quality: dict[str, float], quality_examples: int = 0) -> str:
     """Tokens per second (wall, CPU) as the median [range] over the timed groups; the speed over AR is the ratio of
     median CPU seconds per token, a tie where the ranges overlap."""
     ar = {r["batch"]: r for r in rows if r["mode"] == "ar"}
-    lines = ["| decoding | batch | tokens/s (wall) | tokens per CPU-s | vs AR (CPU) | exact match |",
+    lines = ["| decoding | batch | tokens/s (wall) | tokens per CPU-s | vs AR (CPU) | exact match [95 % interval] |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         base = ar.get(r["batch"])
         ratio = "-" if base is None or base is r else \
             compare(_seconds_per_token(base, cpu=True), _seconds_per_token(r, cpu=True)).describe()
         lines.append(f"| {r['mode']} | {r['batch']} | {_per_s(r).describe('.1f')} | "
-                     f"{_per_s(r, cpu=True).describe('.1f')} | {ratio} | {quality.get(r['mode'], float('nan')):.0%} |")
+                     f"{_per_s(r, cpu=True).describe('.1f')} | {ratio} | "
+                     f"{_quality(quality.get(r['mode']), quality_examples)} |")
     return "\n".join(lines)
 
 
@@ -191,7 +204,7 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         rows = measure(modes, models, prompts, args.batches, args.new_tokens, pad_id)
         quality = exact_match(modes, models, tokenizer, examples[:args.quality_examples], block, pad_id, eos)
-    print(table(rows, quality))
+    print(table(rows, quality, args.quality_examples))
     result = {"causal": causal_dir, "bdlm": args.bdlm, "block_size": block, "new_tokens": args.new_tokens,
               "prompts": len(prompts), "threads": args.threads, "rows": rows, "exact_match": quality,
               "quality_examples": args.quality_examples}

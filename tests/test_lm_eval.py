@@ -168,7 +168,10 @@ def test_cli_scores_diffusion_gemma_and_batch_1_answers_exactly_as_batch_8(dg_di
     # seeds 0-2, 7-8 of 8 (benchmarks/results/lm_eval_tasks/diffusion_gemma_seeds.json), so one miss more than the
     # worst seed still passes and float rounding on another CPU does not decide the test.
     assert results["results"]["bdlm_count_mc"]["acc,none"] >= 0.75
-    assert 0.0 <= results["results"]["bdlm_count_gen"]["exact_match,none"] <= 1.0
+    # Generation: the records span 0-3 of the 6 counts continued exactly (benchmarks/results/lm_eval_tasks: seeds 0,
+    # 1, 2 give 3, 2, 0 of 6; lm_eval_tasks_rerun, another host and later code: 2, 2, 2), so seed 0's score moves with
+    # the host or the code; docs/evaluation.md states that spread, and this checks the score stays within it.
+    assert results["results"]["bdlm_count_gen"]["exact_match,none"] in {k / 6 for k in range(4)}
     assert all(len(row["resps"][0][0].split()) <= 4 for row in samples["bdlm_count_gen"])  # max_gen_toks = 4
     alone = evaluate_in_process(HFBDLMEvalModel(pretrained=str(dg_dir), batch_size=1, mc_num=8, seed=0), tmp_path,
                                 monkeypatch)

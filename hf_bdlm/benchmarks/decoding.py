@@ -1,4 +1,4 @@
-"""The decoding study of ``hf-bdlm bench --only decoding``: every family's decoding against greedy AR, at equal quality.
+"""The decoding study of ``hf-bdlm bench --only decoding``: every family's decoding against greedy AR.
 
 Each model is loaded as ``hf-bdlm serve`` loads it (its family found from its config through ``hf_bdlm.models``) and
 decoded by its family's serving decoder in each of the family's named variants (``ModelFamily.decoding_variants``:
@@ -13,15 +13,34 @@ Per variant and batch size:
 - **tokens per forward**: delivered tokens over the forwards of the model (its ``counted_modules()["model"]``: the
   prompt's forward included; greedy AR makes exactly 1), the device-independent measure;
 - **tokens/s** (wall) and **CPU s per token** (this process, all threads), median and range over the timed groups
-  (every group of prompts a sample, at least 3; the variants of every model take turns group by group);
-- **quality**: exact match on the held-out answers; agreement (identical tokens) with the family's reference variant
-  (one token per step), or for a drafter with its target's greedy text; batch 8 against batch 1 (batch invariance);
+  (every group of prompts a sample, at least ``--decoding-timed-groups``, itself at least 3: the groups are passed
+  over again until there are that many; the variants of every model take turns group by group). A record with fewer
+  than 3 timed groups is refused (:func:`check_records`): no speed figure without its range;
+- **quality**: exact match on the held-out answers, with the prompt count and its 95 % Wilson interval (a quality
+  claim needs at least :data:`QUALITY_PROMPTS` prompts; the table says so below that); agreement (identical tokens)
+  with the family's reference variant (one token per step), or for a drafter with its target's greedy text; batch 8
+  against batch 1 (batch invariance);
 - **cost model**: the CPU time of every counted forward by its rows, fitted ``a + b * rows`` per model part, and the
-  time each variant's forwards would take on a GPU of the planner's table (``hf_bdlm.planner.hardware``: weights read
-  at the HBM rate or the matmuls at the achievable rate, whichever is slower; no kernel-launch floor).
+  time each variant's forwards would take on a GPU of the planner's table (``hf_bdlm.planner.hardware``), each
+  counted forward priced by :func:`gpu_seconds`, a roofline per forward of its part::
+
+      t(part, rows) = max((W + A * rows) / HBM, 2 * M * rows / F)
+
+  ``W``: the part's weight bytes (every parameter but embedding tables, 2 bytes each), read once per call, so a head
+  called by the verification and by a drafter's proposals is read twice; ``A``: bytes per row of every ``nn.Linear``
+  of the part (its input and output values, 2 bytes each: the hidden states and, for a head, the logits of the row);
+  ``M``: multiply-accumulates per row (the part's parameter count); ``HBM``: the GPU's memory bandwidth, ``F`` its
+  achievable matmul rate (planner's table: H100 3.35e12 B/s, 989e12 x 0.55 FLOP/s). A variant's GPU seconds per
+  token are the sum over its counted forwards over its tokens; its speed over AR the ratio of the two. The model
+  has no per-forward fixed cost (kernel launches, the decoder's host work between forwards), no attention FLOPs and
+  no KV-cache reads: it is a lower bound on every forward's time, and it favours whichever decoding makes fewer
+  forwards. A BDLM forward costs more than an AR forward through its rows (``A * rows`` and ``2 * M * rows``: a
+  block's rows, its head over every block position).
 
 Records: ``decoding.json`` (a list: one ``"decoding"`` record per model, variant and batch size, one ``"forward_cost"``
-record per model part), ``decoding.png``.
+record per model part), ``decoding.png``. Records written before the drafter's head was counted (no ``"counting"``
+field) are completed by ``benchmarks/decoding_reprice.py`` (the head and context-projection calls they lack,
+reconstructed from the calls they hold; ``A`` from the parts' architecture) before the report prices them.
 
     hf-bdlm bench --only decoding --quick --out /tmp/dec        # the embedded SmolLM2 converted untrained vs itself
     python -m hf_bdlm.benchmarks.decoding --models outputs/bdlm --causal outputs/ar --out /tmp/decoding.json
@@ -41,12 +60,14 @@ import time
 from dataclasses import dataclass, field
 
 from .processes import child_env, module_command
-from .spread import MIN_TIMED_STEPS, Spread, compare
+from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 QUICK = dict(prompts=8, batches=(1, 8), max_new_tokens=32)
 FULL = dict(prompts=24, batches=(1, 8), max_new_tokens=32)
 EMBEDDED = "embedded:smollm2"
 GPU = "h100"
+QUALITY_PROMPTS = 100  # fewer prompts than this: exact match is printed with its interval, and carries no quality claim
+COUNTING = 2  # records' "counting": 2 = every call of a head counted (a drafter's proposals too), the drafter's fc
 
 
 # --- options ----------------------------------------------------------------------------------------------------------
@@ -68,6 +89,9 @@ def add_arguments(group) -> None:
                        help=f"token budget per prompt (default: {FULL['max_new_tokens']})")
     group.add_argument("--decoding-threads", type=int, default=1, metavar="T",
                        help="torch threads of the measuring process (default: 1)")
+    group.add_argument("--decoding-timed-groups", type=int, default=MIN_TIMED_STEPS, metavar="N",
+                       help=f"timed groups of prompts per variant and batch size, at least {MIN_TIMED_STEPS} (the "
+                            f"groups are passed over again until there are N; default: {MIN_TIMED_STEPS})")
 
 
 @dataclass(frozen=True)
@@ -79,11 +103,12 @@ class DecodingStudy:
     batches: tuple[int, ...]
     max_new_tokens: int
     threads: int
+    timed_groups: int = MIN_TIMED_STEPS
 
     def command_args(self) -> list[str]:
         args = ["--models", *self.models, "--causal", self.causal, "--prompts", str(self.prompts),
                 "--batches", *map(str, self.batches), "--max-new-tokens", str(self.max_new_tokens),
-                "--threads", str(self.threads)]
+                "--threads", str(self.threads), "--timed-groups", str(self.timed_groups)]
         if self.speculative:
             args += ["--speculative", *(f"{t}:{d}" for t, d in self.speculative)]
         return args
@@ -112,9 +137,10 @@ def resolve(cfg, args: argparse.Namespace) -> DecodingStudy:
     if max(batches) > prompts:
         raise ValueError(f"--decoding-batches {max(batches)} is more than the {prompts} prompts; raise "
                          f"--decoding-prompts to at least {max(batches)}")
+    timed = check_timed_steps(getattr(args, "decoding_timed_groups", MIN_TIMED_STEPS), "--decoding-timed-groups")
     return DecodingStudy(tuple(args.decoding_models or [EMBEDDED]), args.decoding_causal or EMBEDDED,
                          tuple(_pair(p) for p in args.decoding_speculative or ()), prompts, batches, budget,
-                         args.decoding_threads)
+                         args.decoding_threads, timed)
 
 
 def check_arguments(cfg, args: argparse.Namespace) -> None:
@@ -339,17 +365,20 @@ def chat_ids(tokenizer, example) -> list[int]:
                                               return_dict=True)["input_ids"])
 
 
-def measure(entries: list[Entry], examples: list[dict], batches, max_new_tokens: int, log=print) -> list[dict]:
+def measure(entries: list[Entry], examples: list[dict], batches, max_new_tokens: int, log=print,
+            timed_groups: int = MIN_TIMED_STEPS) -> list[dict]:
     """Every variant at every batch size, the variants taking turns group by group (the order rotating), so that a
-    change of the machine's load hits all alike."""
+    change of the machine's load hits all alike; at least ``timed_groups`` (>= 3) timed groups each, the prompts'
+    groups passed over again until there are that many."""
     import torch
 
+    check_timed_steps(timed_groups, "--timed-groups")
     variants = [v for e in entries for v in e.variants]
     prompts = {e.label: [chat_ids(e.tokenizer, x) for x in examples] for e in entries}
     records = []
     for batch in batches:
         groups = [list(range(i, min(i + batch, len(examples)))) for i in range(0, len(examples), batch)]
-        groups *= math.ceil(MIN_TIMED_STEPS / len(groups))
+        groups *= math.ceil(timed_groups / len(groups))
         with torch.no_grad():
             for v in variants:  # warm-up
                 v.decode(prompts[v.entry][: min(batch, 2)], 4)
@@ -374,7 +403,7 @@ def measure(entries: list[Entry], examples: list[dict], batches, max_new_tokens:
             records.append(dict(kind="decoding", entry=v.entry, variant=v.name, family=v.family, batch=batch,
                                 ignore_eos=v.ignore_eos, reference=v.reference, baseline=v.baseline,
                                 description=v.description, ar=v.ar, samples=samples[v.key],
-                                outputs=outputs[v.key]))
+                                outputs=outputs[v.key], counting=COUNTING))
     return records
 
 
@@ -389,7 +418,9 @@ def score(records: list[dict], entries: list[Entry], examples: list[dict]) -> No
     for r in records:
         tokenizer = tokenizers[r["entry"]]
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in r["outputs"]]
-        r["exact_match"] = sum(exact_match(t, x["answer"]) for t, x in zip(texts, examples)) / len(examples)
+        hits = sum(exact_match(t, x["answer"]) for t, x in zip(texts, examples))
+        r["exact_match"], r["exact_match_hits"], r["prompts"] = hits / len(examples), hits, len(examples)
+        r["exact_match_interval"] = list(wilson_interval(hits, len(examples)))
         reference = next((o for o in records if o["entry"] == r["entry"] and o["reference"] and o["batch"] == first),
                          None)
         if reference is None and r["ar"]:
@@ -401,8 +432,38 @@ def score(records: list[dict], entries: list[Entry], examples: list[dict]) -> No
         r["same_as_batch_1"] = sum(a == b for a, b in zip(r["outputs"], alone["outputs"])) / len(examples)
 
 
+def wilson_interval(hits: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion ``hits / n`` (``z``: the normal quantile)."""
+    if n <= 0:
+        raise ValueError(f"an interval needs at least one trial, got n={n}")
+    if not 0 <= hits <= n:
+        raise ValueError(f"hits={hits} is not between 0 and n={n}")
+    p, z2 = hits / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def exact_match_of(record: dict) -> tuple[int, int, float, float]:
+    """``(hits, prompts, low, high)`` of a record's exact match (records written before the counts: from the share
+    and the outputs)."""
+    n = record.get("prompts", len(record["outputs"]))
+    hits = record.get("exact_match_hits", round(record["exact_match"] * n))
+    return (hits, n, *wilson_interval(hits, n))
+
+
+def check_records(records: list[dict]) -> None:
+    """Refuse decoding records whose speed rests on fewer than :data:`MIN_TIMED_STEPS` timed groups."""
+    for r in records:
+        if r["kind"] == "decoding" and len(r["samples"]) < MIN_TIMED_STEPS:
+            raise ValueError(f"{r['entry']} | {r['variant']} at batch {r['batch']}: {len(r['samples'])} timed "
+                             f"group(s); a speed figure needs at least {MIN_TIMED_STEPS} so that it carries its "
+                             f"range: measure again with --decoding-timed-groups {MIN_TIMED_STEPS} or more.")
+
+
 def summarize(records: list[dict]) -> None:
     """Tokens per forward, rows per forward and the speed over the AR baseline, written into each record."""
+    check_records(records)
     by = {(r["entry"], r["variant"], r["batch"]): r for r in records if r["kind"] == "decoding"}
     for r in by.values():
         tokens = sum(s["tokens"] for s in r["samples"])
@@ -444,9 +505,23 @@ def parameter_bytes(module, dtype_bytes: int = 2) -> tuple[int, int]:
     return count * dtype_bytes, count
 
 
+def part_cost(module, dtype_bytes: int = 2) -> dict:
+    """What one forward of a counted module costs the GPU model (:func:`gpu_seconds`): ``weight_bytes`` (``W``, read
+    once per call), ``macs_per_row`` (``M``) and ``activation_bytes_per_row`` (``A``: the input and output values of
+    every ``nn.Linear`` of the module for one row; a head reached as an ``nn.Embedding`` counts as the linear map it
+    is used as)."""
+    import torch
+
+    weight_bytes, macs = parameter_bytes(module, dtype_bytes)
+    values = sum(m.in_features + m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear))
+    if isinstance(module, torch.nn.Embedding):
+        values = module.embedding_dim + module.num_embeddings
+    return dict(weight_bytes=weight_bytes, macs_per_row=macs, activation_bytes_per_row=values * dtype_bytes)
+
+
 def forward_costs(records: list[dict], entries: list[Entry]) -> list[dict]:
     """Per model part: CPU seconds of one forward by its rows (median per distinct row count), the least-squares
-    line ``a + b * rows``, and the part's weight bytes and multiply-accumulates per row (for the GPU projection)."""
+    line ``a + b * rows``, and the part's :func:`part_cost` (for the GPU model)."""
     modules = {}
     for e in entries:
         for v in e.variants:
@@ -463,9 +538,9 @@ def forward_costs(records: list[dict], entries: list[Entry]) -> list[dict]:
         points = sorted((rows, statistics.median(cpus), len(cpus)) for rows, cpus in table.items())
         weight = [n for _, _, n in points]
         fit = _line([p[0] for p in points], [p[1] for p in points], weight)
-        nbytes, macs = parameter_bytes(modules[(entry, name)]) if (entry, name) in modules else (0, 0)
-        out.append(dict(kind="forward_cost", entry=entry, part=name, points=points, fit=fit, weight_bytes=nbytes,
-                        macs_per_row=macs))
+        cost = part_cost(modules[(entry, name)]) if (entry, name) in modules else \
+            dict(weight_bytes=0, macs_per_row=0, activation_bytes_per_row=0)
+        out.append(dict(kind="forward_cost", entry=entry, part=name, points=points, fit=fit, **cost))
     return out
 
 
@@ -481,38 +556,90 @@ def _line(x, y, w) -> dict:
 
 def gpu_seconds(cost: dict, rows: int, gpu: str = GPU) -> float:
     """One forward of ``rows`` rows of a model part on ``gpu`` (the planner's datasheet figures at its achievable
-    fractions): its weights read once at the HBM rate or its matmuls at the achievable rate, whichever is slower."""
+    fractions), a roofline: ``max((W + A * rows) / HBM, 2 * M * rows / F)`` with the part's weight bytes ``W``,
+    activation bytes per row ``A`` and multiply-accumulates per row ``M`` (:func:`part_cost`), the HBM bandwidth and
+    the achievable matmul rate ``F``. No fixed cost per forward (module docstring)."""
     from ..planner.hardware import device_spec
 
     spec = device_spec(gpu)
-    return max(cost["weight_bytes"] / spec.hbm_bytes_per_s, 2 * cost["macs_per_row"] * rows / spec.matmul_flops)
+    memory = (cost["weight_bytes"] + cost["activation_bytes_per_row"] * rows) / spec.hbm_bytes_per_s
+    return max(memory, 2 * cost["macs_per_row"] * rows / spec.matmul_flops)
+
+
+def _priced(cost: dict | None) -> bool:
+    return cost is not None and cost.get("activation_bytes_per_row") is not None and cost["weight_bytes"] > 0
 
 
 def project(records: list[dict], costs: list[dict], gpu: str = GPU) -> None:
     """Each decoding record's CPU time predicted from its forwards' rows by the fitted lines (against the measured
-    CPU time: how well the cost model explains it), and its time on ``gpu``; the speed over AR on both."""
+    CPU time: how well the cost model explains it), and its time on ``gpu`` (:func:`gpu_seconds` of every counted
+    forward, and of the calls a record written before they were counted holds as ``"reconstructed"``); the speed over
+    AR on both. A record one of whose parts has no GPU cost (an old record whose parts ``decoding_reprice`` could not
+    rebuild) gets none."""
     fits = {(c["entry"], c["part"]): c for c in costs}
     decoding = [r for r in records if r["kind"] == "decoding"]
     for r in decoding:
         cpu = gpu_t = 0.0
+        priced = True
         for s in r["samples"]:
             for name, forwards in s["forwards"].items():
                 c = fits.get((r["entry"], name))
                 if c is None:
                     continue
                 cpu += sum(c["fit"]["a"] + c["fit"]["b"] * rows for rows, _, _ in forwards)
-                gpu_t += sum(gpu_seconds(c, rows, gpu) for rows, _, _ in forwards)
+            for name, forwards in [*s["forwards"].items(), *s.get("reconstructed", {}).items()]:
+                c = fits.get((r["entry"], name))
+                if not _priced(c):
+                    priced = False
+                    continue
+                gpu_t += sum(gpu_seconds(c, f[0], gpu) for f in forwards)
         tokens = max(r["tokens"], 1)
         r["model_cpu_s_per_token"] = cpu / tokens
-        r["measured_forward_cpu_s_per_token"] = sum(f[1] for s in r["samples"] for fs in s["forwards"].values()
-                                                    for f in fs) / tokens
-        r[f"{gpu}_s_per_token"] = gpu_t / tokens
+        r.setdefault("measured_forward_cpu_s_per_token", sum(f[1] for s in r["samples"] for fs in s["forwards"].values()
+                                                             for f in fs) / tokens)  # at measuring (unrounded)
+        r[f"{gpu}_s_per_token"] = gpu_t / tokens if priced else None
+        r.pop(f"vs_ar_{gpu}", None)
     by = {(r["entry"], r["variant"], r["batch"]): r for r in decoding}
     for r in decoding:
         base = by.get((r["ar"], "greedy", r["batch"]))
         if base is not None and base is not r:
-            r["vs_ar_model_cpu"] = base["model_cpu_s_per_token"] / r["model_cpu_s_per_token"]
-            r[f"vs_ar_{gpu}"] = base[f"{gpu}_s_per_token"] / r[f"{gpu}_s_per_token"]
+            if r["model_cpu_s_per_token"]:
+                r["vs_ar_model_cpu"] = base["model_cpu_s_per_token"] / r["model_cpu_s_per_token"]
+            if base[f"{gpu}_s_per_token"] and r[f"{gpu}_s_per_token"]:
+                r[f"vs_ar_{gpu}"] = base[f"{gpu}_s_per_token"] / r[f"{gpu}_s_per_token"]
+
+
+def reconstruct_drafter_calls(record: dict, costs: list[dict]) -> bool:
+    """The calls a speculative record written before :data:`COUNTING` 2 lacks, added to each sample as
+    ``"reconstructed"`` (priced, never timed), by the rule the counting hooks follow
+    (``tests/test_decoding_benchmark.py`` checks it against them): a step drafts (one drafter call of ``b x block`` rows, ``block`` read from the variant's
+    description), then verifies (one target forward of ``b x (1 + proposals)`` rows), so drafter call ``i`` is
+    followed by target forward ``i + 1`` (forward 0: the prefill) and its proposals' head call has that forward's rows
+    less ``b``; and every target forward appends its rows' features to the drafter's context (one ``fc`` call of its
+    rows). Returns whether anything was added; a ``"drafter context"`` cost record is added when missing (its costs
+    unknown until ``benchmarks/decoding_reprice.py`` fills them)."""
+    import re
+
+    if record["kind"] != "decoding" or record.get("counting", 1) >= COUNTING or record["family"] != "dflash":
+        return False
+    found = re.search(r"block (\d+)", record["description"])
+    if found is None:
+        raise ValueError(f"{record['entry']} | {record['variant']}: no 'block B' in its description "
+                         f"{record['description']!r}")
+    block = int(found.group(1))
+    for s in record["samples"]:
+        drafter, model = s["forwards"].get("drafter", []), s["forwards"].get("model", [])
+        if len(model) < len(drafter) + 1:
+            raise ValueError(f"{record['entry']} | {record['variant']}: {len(drafter)} drafter calls but "
+                             f"{len(model)} target forwards; each draft is followed by a verification")
+        s["reconstructed"] = {
+            "head": [[model[i + 1][0] - d[0] // block] for i, d in enumerate(drafter)],
+            "drafter context": [[f[0]] for f in model],
+        }
+    if not any(c["entry"] == record["entry"] and c["part"] == "drafter context" for c in costs):
+        costs.append(dict(kind="forward_cost", entry=record["entry"], part="drafter context", points=[],
+                          fit=dict(a=0.0, b=0.0), weight_bytes=0, macs_per_row=0, activation_bytes_per_row=None))
+    return True
 
 
 # --- the report -------------------------------------------------------------------------------------------------------
@@ -530,61 +657,93 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def _quality(record: dict) -> str:
+    """Exact match as ``hits/n, share [95 % interval]``."""
+    hits, n, low, high = exact_match_of(record)
+    return f"{hits}/{n}, {hits / n:.0%} [{low:.0%}-{high:.0%}]"
+
+
+def _gpu_ratio(record: dict) -> str:
+    value = record.get(f"vs_ar_{GPU}")
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def table(records: list[dict]) -> str:
     decoding = [r for r in records if r["kind"] == "decoding"]
     lines = ["| model | decoding | batch | tokens / forward | rows / forward | tokens/s (wall) | CPU ms / token | "
-             f"vs AR (CPU) | vs AR, {GPU.upper()} model | exact match | agreement | = batch 1 |",
+             f"vs AR (CPU) | vs AR, {GPU.upper()} roofline | exact match (95 % interval) | agreement | = batch 1 |",
              "|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
     for r in decoding:
         ms = dict(r["cpu_s_per_token"], values=[1000 * v for v in r["cpu_s_per_token"]["values"]])
         lines.append(f"| {r['entry']} | {r['variant']} | {r['batch']} | {r['tokens_per_forward']:.2f} | "
                      f"{r['rows_per_forward']:.1f} | {_describe(r['tokens_per_s'])} | {_describe(ms, '.0f')} | "
-                     f"{_ratio(r.get('vs_ar_cpu'))} | "
-                     + (f"{r[f'vs_ar_{GPU}']:.2f}x" if f"vs_ar_{GPU}" in r else "-")
-                     + f" | {_pct(r['exact_match'])} | {_pct(r.get('agreement'))} | {_pct(r['same_as_batch_1'])} |")
+                     f"{_ratio(r.get('vs_ar_cpu'))} | {_gpu_ratio(r)} | {_quality(r)} | {_pct(r.get('agreement'))} | "
+                     f"{_pct(r['same_as_batch_1'])} |")
     return "\n".join(lines)
 
 
 def technique_table(records: list[dict]) -> str:
-    """Each variant against the one it adds a technique to: forwards saved, CPU time per token, quality change."""
+    """Each variant against the one it adds a technique to: forwards saved, CPU time per token, exact match of both."""
     decoding = [r for r in records if r["kind"] == "decoding"]
     by = {(r["entry"], r["variant"], r["batch"]): r for r in decoding}
     lines = ["| model | technique | over | batch | forwards, over / this | CPU s per token, over / this | "
-             "exact match (this, over) | what it does |", "|---|---|---|---:|---:|---|---|---|"]
+             "exact match, this; over | what it does |", "|---|---|---|---:|---:|---|---|---|"]
     for r in decoding:
         own = by.get((r["entry"], r["baseline"], r["batch"])) if r["baseline"] else None
         if own is None:
             continue
         lines.append(f"| {r['entry']} | {r['variant']} | {r['baseline']} | {r['batch']} | "
                      f"{own['forwards'] / max(r['forwards'], 1):.2f}x | {_ratio(r.get('vs_baseline_cpu'))} | "
-                     f"{_pct(r['exact_match'])}, {_pct(own['exact_match'])} | {r['description']} |")
+                     f"{_quality(r)}; {_quality(own)} | {r['description']} |")
     return "\n".join(lines)
 
 
 def cost_table(records: list[dict]) -> str:
     costs = [r for r in records if r["kind"] == "forward_cost"]
     lines = ["| model | part | forwards timed | CPU ms = a + b x rows | at 1 / 8 / 16 / 32 / 64 rows (x one row) | "
-             f"{GPU.upper()} us at 1 / 64 rows |", "|---|---|---:|---|---|---|"]
+             f"W MB, A KB per row, M M per row | {GPU.upper()} roofline us at 1 / 64 rows |",
+             "|---|---|---:|---|---|---|---|"]
     for c in costs:
         a, b = c["fit"]["a"], c["fit"]["b"]
         one = a + b
         rel = " / ".join(f"{(a + b * n) / one:.2f}" for n in (1, 8, 16, 32, 64)) if one > 0 else "-"
-        gpu = " / ".join(f"{1e6 * gpu_seconds(c, n):.0f}" for n in (1, 64)) if c["weight_bytes"] else "-"
-        lines.append(f"| {c['entry']} | {c['part']} | {sum(p[2] for p in c['points'])} | "
-                     f"{1000 * a:.1f} + {1000 * b:.2f} x rows | {rel} | {gpu} |")
+        priced = _priced(c)
+        gpu = " / ".join(f"{1e6 * gpu_seconds(c, n):.1f}" for n in (1, 64)) if priced else "-"
+        sizes = (f"{c['weight_bytes'] / 1e6:.2f}, {c['activation_bytes_per_row'] / 1e3:.1f}, "
+                 f"{c['macs_per_row'] / 1e6:.2f}") if priced else "-"
+        timed = sum(p[2] for p in c["points"])
+        fit = f"{1000 * a:.1f} + {1000 * b:.2f} x rows" if timed else "- (calls reconstructed, not timed)"
+        lines.append(f"| {c['entry']} | {c['part']} | {timed} | {fit} | {rel} | {sizes} | {gpu} |")
     return "\n".join(lines)
 
 
+def reprice(records: list[dict]) -> None:
+    """The GPU column of every record from its counted (and, for an old record, reconstructed) forwards, by the
+    current cost model (:func:`project`); the report and ``--report-only`` draw it so."""
+    check_records(records)
+    costs = [r for r in records if r["kind"] == "forward_cost"]
+    known = len(costs)
+    for r in records:
+        reconstruct_drafter_calls(r, costs)
+    records.extend(costs[known:])
+    project(records, costs)
+
+
 def report(records: list[dict]) -> str:
-    """The study's section of ``summary.md``."""
+    """The study's section of ``summary.md`` (the GPU column priced again by :func:`reprice`)."""
+    reprice(records)
     decoding = [r for r in records if r["kind"] == "decoding"]
-    first = decoding[0] if decoding else {}
+    prompts = sorted({exact_match_of(r)[1] for r in decoding})
     groups = sorted({(r["batch"], len(r["samples"])) for r in decoding})
-    title = ("**Decoding: every family's variants against greedy AR, at equal quality** (held-out prompts, chat "
-             f"template, {len(first.get('outputs', []))} prompts, EOS honoured; timed groups per batch size "
+    few = min(prompts, default=0) < QUALITY_PROMPTS
+    title = ("**Decoding: every family's variants against greedy AR** (held-out prompts, chat template, "
+             f"{', '.join(map(str, prompts))} prompts, EOS honoured; timed groups per batch size "
              f"{', '.join(f'{b}: {n}' for b, n in groups)}; median [range]; speed over AR = ratio of median CPU "
-             "seconds per token, a tie where the ranges overlap; the GPU column prices every counted forward by "
-             "its rows on the planner's table)")
+             "seconds per token, a tie where the ranges overlap; the GPU column: every counted forward priced by "
+             f"the roofline max((W + A x rows) / HBM, 2 M x rows / F) on the planner's {GPU.upper()}, no fixed cost "
+             "per forward; exact match: hits / prompts, share [95 % Wilson interval]"
+             + (f". Fewer than {QUALITY_PROMPTS} prompts: the exact-match columns carry no quality claim" if few
+                else "") + ")")
     return "\n\n".join([title, table(records), "**Each technique against the variant it adds to**",
                         technique_table(records), "**Forward cost by rows (the cost model)**", cost_table(records)])
 
@@ -625,6 +784,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, nargs="+", default=list(FULL["batches"]))
     p.add_argument("--max-new-tokens", type=int, default=FULL["max_new_tokens"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timed-groups", type=int, default=MIN_TIMED_STEPS)
     p.add_argument("--out", required=True)
     return p
 
@@ -635,13 +795,15 @@ def main(argv=None) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     study = DecodingStudy(tuple(args.models), args.causal, tuple(_pair(p) for p in args.speculative), args.prompts,
-                          tuple(args.batches), args.max_new_tokens, args.threads)
+                          tuple(args.batches), args.max_new_tokens, args.threads,
+                          check_timed_steps(args.timed_groups, "--timed-groups"))
     entries = load_entries(study)
     examples = held_out(study.prompts)
     print(f"{sum(len(e.variants) for e in entries)} variants of {len(entries)} models; {len(examples)} held-out "
           f"prompts, batches {study.batches}, {study.max_new_tokens} new tokens at most, {study.threads} thread(s), "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    records = measure(entries, examples, study.batches, study.max_new_tokens, log=lambda s: print(s, flush=True))
+    records = measure(entries, examples, study.batches, study.max_new_tokens, log=lambda s: print(s, flush=True),
+                      timed_groups=study.timed_groups)
     score(records, entries, examples)
     summarize(records)
     costs = forward_costs(records, entries)

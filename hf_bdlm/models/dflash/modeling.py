@@ -605,7 +605,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """The target head's logits of drafter states ``[..., hidden]``, times ``output_multiplier`` and soft-capped
         by ``final_logit_softcapping`` when the config sets them."""
         head = self._require_target()[1]
-        logits = F.linear(hidden_states.to(head.weight.dtype), head.weight, head.bias)
+        # The head is called as the module it is, not through F.linear on its weight: its hooks fire, so whatever
+        # counts the target head's forwards (the decoding study's cost model) counts the drafter's proposals too.
+        logits = head(hidden_states.to(head.weight.dtype))
         multiplier, softcap = self.config.output_multiplier, self.config.final_logit_softcapping
         if multiplier != 1.0 or softcap is not None:
             logits = logits.float() * multiplier

@@ -63,10 +63,15 @@ class SpeculativeServingDecoder(ServingDecoder):
         return other
 
     def counted_modules(self):
-        # The target's body (one forward per verification, and the prefill), its head (verifications and the
-        # drafter's proposals alike), and the drafter's first layer (one call per drafted block).
-        return {"model": self.model.get_decoder(), "head": self.model.get_output_embeddings(),
-                "drafter": self.drafter.layers[0]}
+        # The target's body (one forward per verification, and the prefill); its head, called as a module by the
+        # verifications and by the drafter's proposals alike (DFlashDraftModel.compute_logits), so each call counts;
+        # the drafter's layers (its first: one call per drafted block, the others each a part of their own) and its
+        # context projection `fc` (one call per append of the target's features to its context cache).
+        parts = {"model": self.model.get_decoder(), "head": self.model.get_output_embeddings()}
+        for i, layer in enumerate(self.drafter.layers):
+            parts["drafter" if i == 0 else f"drafter layer {i}"] = layer
+        parts["drafter context"] = self.drafter.fc
+        return parts
 
     def settings(self, request, prompt_len: int, max_tokens: int) -> SpeculativeSettings:
         if request.temperature is not None and request.temperature > 0:
