@@ -22,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 from trl.data_utils import get_dataset_column_names, is_conversational
 
+from ..embedded import resolve_model_path
 from ..protocols.family import ModelFamily
 from ..protocols.registry import converting_family, family_for_config, family_for_model, family_for_objective, family_names
 from ..protocols.step import unwrap_model
@@ -37,14 +38,15 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
         `(model, processing_class, base_model_name, family)`.
     """
     if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
+        name = os.fspath(model)
+        path = resolve_model_path(name)  # embedded:smollm2 -> its exported folder (exported on first use)
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         family = family_for_config(config)
         _check_objective_fits(args, family, config.model_type)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         loaded, processing_class = family.load(path, config, args, processing_class, _model_init_kwargs(args))
-        return loaded, processing_class, path, family
+        return loaded, processing_class, name, family
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model must be a path or a model object, got {type(model).__name__}; pass a model of a family hf_bdlm "

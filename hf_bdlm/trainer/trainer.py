@@ -91,8 +91,9 @@ class BDLMSFTTrainer(SFTTrainer):
 
     Args:
         model (`str`, `os.PathLike`, [`~transformers.PreTrainedModel`] or [`~peft.PeftModel`]):
-            A [`BlockDiffusionForMaskedLM`] (object or local checkpoint folder), or a causal LM (object or local
-            folder) that is converted with [`convert_causal_lm`] (a `[MASK]` token is added to the tokenizer).
+            A [`BlockDiffusionForMaskedLM`] (object or local checkpoint folder), or a causal LM (object, local
+            folder or `"embedded:smollm2"`) that is converted with [`convert_causal_lm`] (a `[MASK]` token is added
+            to the tokenizer).
             `args.model_init_kwargs` go to `from_pretrained` (dtype defaults to float32, as in TRL).
         args ([`BDLMSFTConfig`], *optional*):
             The configuration; a plain `SFTConfig` / `TrainingArguments` is converted.
@@ -690,7 +691,9 @@ def _as_bdlm_config(args, model) -> BDLMSFTConfig:
     if isinstance(args, BDLMSFTConfig):
         return args
     if args is None:
-        name = os.path.basename(os.fspath(model).rstrip("/")) if isinstance(model, (str, os.PathLike)) else "model"
+        # A folder's name, or an embedded model's ("embedded:smollm2" -> "smollm2").
+        name = os.path.basename(os.fspath(model).rstrip("/")).removeprefix("embedded:") \
+            if isinstance(model, (str, os.PathLike)) else "model"
         return BDLMSFTConfig(f"{name}-BDLM-SFT")
     if isinstance(args, TrainingArguments):
         values = args.to_dict()
