@@ -12,7 +12,9 @@
     hf-bdlm bench --quick --out bench_quick                                    # benchmarks: JSON, plots, tables
 
 Adding a command: write `add_<name>_parser(subparsers)` that registers its arguments and sets `func` (called with
-the parsed namespace, returns the exit code), and call it in `build_parser`.
+the parsed namespace, returns the exit code), and call it in `build_parser`. The parsers import light modules only:
+torch, transformers, TRL, datasets, accelerate and PEFT are imported by the `func` that runs a command, so that
+`hf-bdlm --help` and every command's help answer at once (tests/test_cli_help.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 from .benchmarks.cli import add_bench_parser
+from .train_help import RecipeHelp
 
 
 def add_serve_parser(subparsers) -> None:
@@ -260,16 +263,19 @@ def _report(run) -> int:
 def add_train_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="fine-tune with the SFT recipe (hf_bdlm.train)",
-        description="Run the SFT recipe (hf_bdlm.train: BDLMSFTTrainer with block parallelism). Every argument not "
-                    "listed here goes to the recipe (its YAML --config and any field of ScriptArguments, "
-                    "BDLMSFTConfig or ModelConfig, e.g. --max_steps 20). With --nproc > 1 or --accelerate-config "
-                    "the recipe runs under `accelerate launch`.",
+        description="Run the SFT recipe (hf_bdlm.train: BDLMSFTTrainer with block parallelism). Every option but "
+                    "--nproc and --accelerate-config goes to the recipe: its YAML --config and the fields listed "
+                    "below, by group (e.g. --max_steps 20). With --nproc > 1 or --accelerate-config the recipe runs "
+                    "under `accelerate launch`.",
         epilog="example: hf-bdlm train --nproc 2 --config recipes/configs/smollm2_cpu_csbp.yaml --max_steps 20",
-        allow_abbrev=False)  # recipe options must not be taken for abbreviations of these
+        usage="%(prog)s [-h] [--nproc NPROC] [--accelerate-config FILE] [--config YAML] [--FIELD VALUE ...]",
+        add_help=False, allow_abbrev=False)  # recipe options must not be taken for abbreviations of these
+    p.add_argument("-h", "--help", action=RecipeHelp,
+                   help="show this help message, the recipe's fields too, and exit")
     p.add_argument("--nproc", "--num_processes", type=int, default=1,
                    help="processes to launch on this machine (default: 1, in-process; --num_processes: accelerate's "
                         "name)")
-    p.add_argument("--accelerate-config", "--config_file", default=None,
+    p.add_argument("--accelerate-config", "--config_file", default=None, metavar="FILE",
                    help="an accelerate config file (overrides --nproc; --config_file: accelerate's name)")
     p.set_defaults(func=run_train, accepts_extra=True)
 
@@ -424,7 +430,9 @@ def run_generate(args) -> int:
     import torch
     from transformers import AutoModel
 
+    from .models.block_diffusion.generation import as_block_diffusion_config, resolve_settings
     from .models.block_diffusion.modeling import BlockDiffusionForMaskedLM
+    from .progress import ProgressStreamer, progress_bar
 
     path = _model_path(args.model_dir)
     tokenizer = _load_tokenizer(_model_path(args.tokenizer) if args.tokenizer else path, path)  # before the weights
@@ -447,8 +455,12 @@ def run_generate(args) -> int:
     if args.temperature:
         knobs.update(do_sample=True, temperature=args.temperature)
     model.eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(ids)]), **knobs)
+    config = as_block_diffusion_config(model.generation_config)
+    config.update(**knobs)
+    budget = resolve_settings(model, config, len(ids)).max_new_tokens  # the bar's total: EOS may end it sooner
+    # Standard error, block by block; standard output holds the text alone.
+    with torch.no_grad(), progress_bar(total=budget, desc="generating", unit="token") as bar:
+        out = model.generate(torch.tensor([list(ids)]), streamer=ProgressStreamer(bar), **knobs)
     print(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
     return 0
 
@@ -469,8 +481,11 @@ def add_lm_eval_parser(subparsers) -> None:
 def run_lm_eval(args, extra: list[str]) -> int:
     import logging
 
-    import hf_bdlm.evaluation.lm_eval_model  # noqa: F401  (registers --model bdlm)
     from lm_eval.__main__ import cli_evaluate
+
+    asks_help = not extra or extra[0] in ("-h", "--help")
+    if not asks_help:  # lm-eval's help needs no model (registering `bdlm` imports torch)
+        import hf_bdlm.evaluation.lm_eval_model  # noqa: F401  (registers --model bdlm)
 
     # lm-eval logs through its own logger only; the likelihood's standard errors are logged beside its lines.
     ours = logging.getLogger("hf_bdlm")
@@ -481,7 +496,7 @@ def run_lm_eval(args, extra: list[str]) -> int:
         ours.addHandler(handler)
         ours.setLevel(logging.INFO)
 
-    if not extra or extra[0] in ("-h", "--help"):
+    if asks_help:
         print(f"usage: hf-bdlm lm-eval [lm-eval arguments ...]\n\n{LM_EVAL_DESCRIPTION}\n\nlm-eval's own help "
               "(hf-bdlm lm-eval takes the same arguments):\n", flush=True)
         extra = ["run", "--help"]
@@ -491,9 +506,49 @@ def run_lm_eval(args, extra: list[str]) -> int:
         cli_evaluate()
     except SystemExit as done:  # argparse's --help and usage errors
         return int(done.code or 0) if not isinstance(done.code, str) else 2
+    except ConnectionError as err:  # datasets' error for a hub dataset it can neither download nor find cached
+        task = _lm_eval_task_of(err)
+        if task is None:
+            raise
+        raise TaskDataUnavailable(_task_data_message(*task, err)) from err
     finally:
         sys.argv = saved
     return 0
+
+
+class TaskDataUnavailable(ConnectionError):
+    """An lm-eval task's dataset could not be downloaded (no network, and not in the datasets cache); the error
+    ``datasets`` raised is its ``__cause__``."""
+
+
+# The lm-eval tasks a checkout keeps over local data, which need no download (their data paths are relative to
+# their folder, so lm-eval runs from there).
+LOCAL_LM_EVAL_TASKS = "tests/data/lm_eval_tasks"
+
+
+def _lm_eval_task_of(err: BaseException) -> tuple[str, str] | None:
+    """``(task name, dataset path)`` of the lm-eval task whose dataset load raised ``err``, else ``None``: lm-eval
+    loads a task's dataset while it builds the task (``ConfigurableTask.download``), so the task object, with its
+    config, is on the traceback's frames."""
+    import traceback
+
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        config = getattr(frame.f_locals.get("self"), "config", None)
+        name, path = getattr(config, "task", None), getattr(config, "dataset_path", None)
+        if isinstance(name, str) and isinstance(path, str):
+            return name, path
+    return None
+
+
+def _task_data_message(task: str, dataset: str, err: BaseException) -> str:
+    cache = getattr(sys.modules.get("datasets.config"), "HF_DATASETS_CACHE", "the datasets cache")
+    return (f"lm-eval task {task!r} needs the dataset {dataset!r}, which could not be downloaded: there is no network "
+            f"access (or the Hub is offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and it is not in the datasets cache "
+            f"({cache}). Run the task once with network access to cache it (offline runs then read the cache), point "
+            f"the task at a local copy (a task YAML whose dataset_path is a local folder, or json with data_files, "
+            f"passed with --include_path DIR), or run the local tasks a checkout keeps, from their folder: cd "
+            f"{LOCAL_LM_EVAL_TASKS} && hf-bdlm lm-eval ... --tasks bdlm_count_mc,bdlm_count_gen --include_path . "
+            f"({type(err).__name__}: {err})")
 
 
 def run_plan_command(args) -> int:
@@ -539,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"serve": "serve", "eval": "eval", "lm-eval": "lmeval"}[args.command]
         print(f"error: {err} (install the extra: pip install \"hf-bdlm[{extra}]\")", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, TaskDataUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

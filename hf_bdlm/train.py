@@ -55,6 +55,74 @@ def make_parser(subparsers=None) -> TrlParser:
     return TrlParser(dataclass_types)
 
 
+# What `hf-bdlm train --help` says of each dataclass declaring fields of the recipe (hf_bdlm/train_help.py).
+HELP_GROUPS = {
+    "SFTScriptArguments": "the recipe's own script arguments",
+    "ScriptArguments": "TRL's script arguments: the dataset",
+    "BDLMSFTConfig": "block diffusion: block size, objective, noise; block parallelism; data length policy",
+    "SFTConfig": "TRL's supervised fine-tuning: sequence length, packing, loss",
+    "_BaseConfig": "the defaults TRL's trainers set apart from transformers'",
+    "TrainingArguments": "transformers' training loop: optimizer, schedule, batch, logging, saving, precision",
+    "ModelConfig": "TRL's model arguments: the model to load, its dtype, LoRA",
+}
+
+
+def recipe_help_records() -> list[dict]:
+    """The records of `hf-bdlm train --help` (:mod:`hf_bdlm.train_help`): every option :func:`make_parser` adds, in
+    its order, in the group of the dataclass that declares the option's field (a field a subclass declares again is
+    the subclass's), with the argument names and help text that parser prints; first the TRL and transformers
+    versions. The groups follow the parsed dataclasses, each before the classes it extends."""
+    import dataclasses
+    import inspect
+
+    import transformers
+    import trl
+
+    parser = make_parser()
+    formatter = parser._get_formatter()  # argparse renders one option's parts only through its formatter's methods
+    by_field: dict[str, list] = {}
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            by_field.setdefault(action.dest, []).append(action)
+    groups: dict[str, dict] = {}
+    options: dict[str, list[dict]] = {}
+    for dataclass_type in parser.dataclass_types:
+        owners = [c for c in dataclass_type.__mro__ if dataclasses.is_dataclass(c)]
+        for owner in owners:  # the most derived first
+            name = f"{owner.__module__}.{owner.__qualname__}"
+            if name not in groups:
+                groups[name] = {"kind": "group", "name": name, "title": f"{owner.__qualname__} ({owner.__module__})",
+                                "description": HELP_GROUPS.get(owner.__name__, "")}
+                options[name] = []
+        for field in dataclasses.fields(dataclass_type):
+            if not field.init:
+                continue
+            owner = next(c for c in owners if field.name in inspect.get_annotations(c))
+            name = f"{owner.__module__}.{owner.__qualname__}"
+            for action in by_field[field.name]:
+                args = "" if action.nargs == 0 else formatter._format_args(
+                    action, formatter._get_default_metavar_for_optional(action))
+                options[name].append({"kind": "option", "group": name, "field": field.name,
+                                      "options": list(action.option_strings), "args": args,
+                                      "help": formatter._expand_help(action) if action.help is not None else ""})
+    records = [{"kind": "versions", "transformers": transformers.__version__, "trl": trl.__version__}]
+    for name, group in groups.items():
+        if options[name]:
+            records += [group] + options[name]
+    return records
+
+
+def write_recipe_help(path: str | Path | None = None) -> Path:
+    """Write :func:`recipe_help_records` to the file `hf-bdlm train --help` reads (``path``: another file); run it
+    after a change of the recipe's dataclasses or of the TRL / transformers versions (tests/test_cli_help.py says
+    when)."""
+    from .train_help import RECORDS
+
+    path = Path(path) if path is not None else RECORDS
+    path.write_text("".join(json.dumps(record) + "\n" for record in recipe_help_records()), encoding="utf-8")
+    return path
+
+
 def load_datasets(script_args: SFTScriptArguments):
     """(train, held-out or None) datasets of the script arguments (:func:`hf_bdlm.data.load_splits`)."""
     return load_splits(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split,

@@ -138,7 +138,7 @@ def test_the_circle_check_finds_a_circle(tmp_path):
 # count); rooms on one line do not import each other (the families: a host reaches a family only through the registry
 # in protocols/, by name). A new folder or top-level module must be placed here.
 LAYERS = (
-    ("version", "cache", "checkpoint_files"),  # import nothing of the package
+    ("version", "cache", "checkpoint_files", "progress", "train_help"),  # import nothing of the package
     ("embedded", "data"),  # the shipped model and dataset
     ("protocols",),  # ModelFamily, TrainingStep, the card parts, the diffusion fields, the registry
     ("attention",),

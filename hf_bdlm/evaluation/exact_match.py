@@ -13,7 +13,7 @@ import torch
 
 @torch.no_grad()
 def held_out_exact_match(model, tokenizer, examples, *, max_new_tokens: int | None = None,
-                         seed: int | None = None) -> tuple[float, list[str]]:
+                         seed: int | None = None, progress: bool = True) -> tuple[float, list[str]]:
     """Fraction of ``examples`` (conversational ``prompt``, ``answer``) whose greedy answer matches exactly, and the
     answers.
 
@@ -26,10 +26,13 @@ def held_out_exact_match(model, tokenizer, examples, *, max_new_tokens: int | No
         seed (`int`, *optional*): Decode each prompt after ``torch.manual_seed(seed)`` inside a forked random stream,
             so that a family whose sampler starts from a random canvas scores the weights, not the stream; the
             caller's generators are left as they were. Without it the model's decoding uses the global stream.
+        progress (`bool`, defaults to `True`): A bar over the prompts on standard error (:mod:`hf_bdlm.progress`:
+            on a terminal, on rank 0).
 
     The model's train/eval mode is restored.
     """
     from ..data import exact_match
+    from ..progress import progress_bar
     from ..protocols.registry import family_for_model
 
     if max_new_tokens is None:
@@ -38,7 +41,7 @@ def held_out_exact_match(model, tokenizer, examples, *, max_new_tokens: int | No
     model.eval()
     hits, answers = 0, []
     try:
-        for example in examples:
+        for example in progress_bar(examples, desc="held-out exact match", unit="prompt", enabled=progress):
             prompt = tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True,
                                                    return_dict=True)["input_ids"]
             prompt = torch.tensor([list(prompt)], device=model.device)

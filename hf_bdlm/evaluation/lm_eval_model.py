@@ -25,6 +25,9 @@ trains is scored the way it decodes:
 share a forward pass only with requests of the same block geometry, so no row is padded: scores and generations are
 the same at every ``batch_size`` (exactly, where the hardware computes a row independently of its batch's size, as
 the CPU kernels do; ``tests/test_lm_eval.py`` checks 1 against 8).
+
+**Progress.** Each request type shows a bar over its requests, moved once per forward batch (:mod:`hf_bdlm.progress`:
+standard error, rank 0, a terminal; lm-eval's ``disable_tqdm`` turns it off).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from ..protocols.family import DecodingRequest, ScoreRequest
 from ..objectives.likelihood import request_key
+from ..progress import progress_bar
+from ..protocols.family import DecodingRequest, ScoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +165,7 @@ class HFBDLMEvalModel(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         scores = self._score([ScoreRequest(tuple(context), tuple(continuation))
-                              for _, context, continuation in requests])
+                              for _, context, continuation in requests], "loglikelihood", disable_tqdm)
         results = []
         for (cache_key, _, _), estimate in zip(requests, scores):
             answer = (estimate.log_likelihood, estimate.greedy)
@@ -180,7 +184,7 @@ class HFBDLMEvalModel(TemplateLM):
                 context, continuation = make_disjoint_window(window)
                 windows.append(ScoreRequest(tuple(context), tuple(continuation)))
                 owner.append(i)
-        scores = self._score(windows)
+        scores = self._score(windows, "loglikelihood_rolling (windows)", disable_tqdm)
         totals, variances = [0.0] * len(requests), [0.0] * len(requests)
         for i, estimate in zip(owner, scores):
             totals[i] += estimate.log_likelihood
@@ -190,7 +194,7 @@ class HFBDLMEvalModel(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
-    def _score(self, requests: list[ScoreRequest]):
+    def _score(self, requests: list[ScoreRequest], desc: str = "loglikelihood", disable_tqdm: bool = False):
         for r in requests:
             if not r.context:
                 raise ValueError("a likelihood request has no context token; the tokenizer has no BOS or EOS to put "
@@ -199,7 +203,9 @@ class HFBDLMEvalModel(TemplateLM):
                 raise ValueError(f"a likelihood request of {len(r.context) + len(r.continuation)} tokens exceeds "
                                  f"max_length={self.max_length}; shorten the task's contexts (fewer few-shot "
                                  "examples) or raise max_length up to the model's context.")
-        scores = self.scorer.score(requests, mc_num=self.mc_num, seed=self.seed, batch_size=self.batch_size)
+        with self._bar(len(requests), desc, disable_tqdm) as bar:
+            scores = self.scorer.score(requests, mc_num=self.mc_num, seed=self.seed, batch_size=self.batch_size,
+                                       on_batch=bar.update)
         self.last_stderrs = [s.stderr for s in scores]
         finite = [s for s in self.last_stderrs if not math.isnan(s)]
         if finite:
@@ -230,9 +236,12 @@ class HFBDLMEvalModel(TemplateLM):
         groups: dict[Any, list[int]] = {}
         for i, job in enumerate(jobs):
             groups.setdefault(job[0], []).append(i)
-        for members in groups.values():
-            for start in range(0, len(members), self.batch_size):
-                self._decode([jobs[i] for i in members[start : start + self.batch_size]])
+        with self._bar(len(jobs), "generate_until", disable_tqdm) as bar:
+            for members in groups.values():
+                for start in range(0, len(members), self.batch_size):
+                    batch = members[start : start + self.batch_size]
+                    self._decode([jobs[i] for i in batch])
+                    bar.update(len(batch))
         texts = []
         for request, job in zip(requests, jobs):
             text = job[4].text
@@ -255,6 +264,11 @@ class HFBDLMEvalModel(TemplateLM):
         with torch.no_grad():
             self.decoder.decode([job[1] for job in jobs], [job[2] for job in jobs], [job[3] for job in jobs],
                                 on_block)
+
+    def _bar(self, total: int, desc: str, disable_tqdm: bool):
+        """A bar over ``total`` requests (off with lm-eval's ``disable_tqdm``, and off rank 0 of lm-eval's world)."""
+        return progress_bar(total=total, desc=f"bdlm {desc}", unit="request",
+                            enabled=not disable_tqdm and self.rank == 0)
 
     def _generation_settings(self, gen_kwargs: dict) -> tuple[DecodingRequest, list[str], int]:
         kwargs = dict(gen_kwargs or {})

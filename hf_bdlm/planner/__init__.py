@@ -18,10 +18,17 @@ CPU rates measured on this machine and the predictions of benchmark records (``-
     hf-bdlm plan --model gemma3-27b --context 262144 --gpus 16 --gpus-per-node 8 --gpu h200
 """
 
-from .cost import BackboneStep, Prediction, plan_all, predict
-from .hardware import DeviceSpec, device_spec
-from .model import ModelSpec, model_spec
-from .workload import Cluster, LayoutPrediction, Recipe, Workload, price_step, recommend
+import importlib
 
-__all__ = ["Cluster", "Prediction", "Recipe", "plan_all", "predict", "recommend", "DeviceSpec", "device_spec",
-           "ModelSpec", "model_spec", "BackboneStep", "LayoutPrediction", "Workload", "price_step"]
+# Names and the module defining each, imported on first use (the `hf-bdlm plan` parser loads no torch).
+_EXPORTS = {"BackboneStep": "cost", "Prediction": "cost", "plan_all": "cost", "predict": "cost",
+            "DeviceSpec": "hardware", "device_spec": "hardware", "ModelSpec": "model", "model_spec": "model",
+            "Cluster": "workload", "LayoutPrediction": "workload", "Recipe": "workload", "Workload": "workload",
+            "price_step": "workload", "recommend": "workload"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -6,17 +6,22 @@
     hf-bdlm plan --validate /tmp/pm.json         # predict hf_bdlm.benchmarks.parallel_modes records on this CPU
 
 ``--validate`` runs :func:`hf_bdlm.benchmarks.calibrate.run_validate` (the benchmarks import the planner, never the
-reverse).
+reverse). The parser needs only the light modules (:mod:`.hardware`, :mod:`.model`); the pricing (:mod:`.cost`,
+:mod:`.workload`: torch and the parallel plan) is imported by the functions that run it.
 """
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-from .cost import Prediction, plan_all
+from ..progress import write
 from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec
-from .model import model_spec, presets
-from .workload import Cluster, Recipe, recommend
+from .model import model_spec, preset_names
+
+if TYPE_CHECKING:
+    from .cost import Prediction
+    from .workload import Recipe
 
 GIB = 2 ** 30
 
@@ -51,7 +56,7 @@ def add_plan_parser(subparsers):
                     "FSDP2 over the world, with and without activation checkpointing) predict per-rank peak memory "
                     "and step time from counted FLOPs, the K/V byte formulas and the device's rates; mark what does "
                     "not fit and recommend the fastest layout that does. The model is in docs/design.md §6.")
-    p.add_argument("--model", help=f"a preset ({', '.join(presets())}), a config.json, or a folder holding one")
+    p.add_argument("--model", help=f"a preset ({', '.join(preset_names())}), a config.json, or a folder holding one")
     p.add_argument("--context", type=int, help="sequence length L (tokens)")
     p.add_argument("--gpus", type=int, default=16)
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -93,6 +98,8 @@ def _device(args):
 
 
 def _recipe(args) -> Recipe:
+    from .workload import Recipe
+
     if not args.activation_overhead >= 1:
         raise ValueError(f"--activation-overhead must be at least 1 (a measured ratio of real to estimated "
                          f"activation memory), got {args.activation_overhead}.")
@@ -158,6 +165,7 @@ def paper_topology(model, L: int, device, recipe: Recipe, checkpointing: bool = 
     GPUs, and the breakdown of the paper-CP / CSBP difference, by pricing the layouts between them (the balanced cp
     with the paper's blocking transfers and whole-sequence sliding gathers, then overlapped, then with halos)."""
     from .cost import CommStyle, predict
+    from .workload import Cluster
     from ..parallel.dims import ParallelDims, divisors
 
     cluster = Cluster(PAPER_GROUP, PAPER_GROUP // 2)  # 4 ranks (pairs) per node
@@ -184,12 +192,14 @@ def paper_topology(model, L: int, device, recipe: Recipe, checkpointing: bool = 
 
 
 def _heading(intro: str, head: str) -> None:
-    print(intro + "\n")
-    print(head)
-    print("-" * len(head))
+    write(intro + "\n")
+    write(head)
+    write("-" * len(head))
 
 
-def run_paper_topology(args, device) -> None:
+def run_paper_topology(args, device, bar=None) -> None:
+    """The section of the paper's topology; ``bar`` (a progress bar) moves by one per configuration priced (each
+    setting, then each setting at each bandwidth of :data:`SENSITIVITY`)."""
     from dataclasses import replace
 
     _heading(f"The paper's topology: 16 {device.name.upper()} in 2 nodes of 8; tensor parallelism 2 (27B conversion) "
@@ -202,65 +212,79 @@ def run_paper_topology(args, device) -> None:
         model = model_spec(preset, args.block_size)
         recipe = replace(_recipe(args), model_parallel=PAPER_PAIR, model_parallel_kind=model_parallel)
         r = paper_topology(model, L, device, recipe)
+        if bar is not None:
+            bar.update(1)
         results.append((setting, preset, L, model, recipe, r))
         cs = r["csbp"]
-        print(f"{setting:20} {L // 1024:>6}K {cs.label.split(' D=')[0]:24} {cs.step_s:7.2f} {r['paper'].step_s:10.2f} "
+        write(f"{setting:20} {L // 1024:>6}K {cs.label.split(' D=')[0]:24} {cs.step_s:7.2f} {r['paper'].step_s:10.2f} "
               f"{r['cp'].step_s:6.2f} {r['bp'].step_s:6.2f} {r['paper'].step_s / cs.step_s:10.2f}x "
               f"{r['cp'].step_s / cs.step_s:5.2f}x {r['bp'].step_s / cs.step_s:5.2f}x  {published}")
-    print("\nWhere the paper-CP / CSBP difference comes from (seconds per step; each line is the step-time difference "
+    write("\nWhere the paper-CP / CSBP difference comes from (seconds per step; each line is the step-time difference "
           "between two neighbouring layouts, so the lines add up to cp-paper - CSBP):")
     for setting, preset, L, _, _, r in results:
         total = r["paper"].step_s - r["csbp"].step_s
         parts = "; ".join(f"{k} {v:+.2f} s ({v / total:.0%})" for k, v in r["breakdown"].items())
-        print(f"  {setting} {L // 1024}K: {total:.2f} s = {parts}")
-    print("\nSensitivity to the inter-node bandwidth (CSBP's speed-up over cp-paper / over this project's cp):")
-    print(f"  {'setting':20} {'context':>7} " + " ".join(f"{f'IB x{f:g}':>13}" for f in SENSITIVITY))
+        write(f"  {setting} {L // 1024}K: {total:.2f} s = {parts}")
+    write("\nSensitivity to the inter-node bandwidth (CSBP's speed-up over cp-paper / over this project's cp):")
+    write(f"  {'setting':20} {'context':>7} " + " ".join(f"{f'IB x{f:g}':>13}" for f in SENSITIVITY))
     for setting, preset, L, model, recipe, _ in results:
         cells = []
         for f in SENSITIVITY:
             scaled = replace(device, inter_node_bytes_per_s=device.inter_node_bytes_per_s * f)
             r = paper_topology(model, L, scaled, recipe)
+            if bar is not None:
+                bar.update(1)
             cells.append(f"{r['paper'].step_s / r['csbp'].step_s:.2f}/{r['cp'].step_s / r['csbp'].step_s:.2f}")
-        print(f"  {setting:20} {L // 1024:>6}K " + " ".join(f"{c:>13}" for c in cells))
-    print()
+        write(f"  {setting:20} {L // 1024:>6}K " + " ".join(f"{c:>13}" for c in cells))
+    write()
 
 
 def run_paper(args) -> int:
-    device = _device(args)
-    run_paper_topology(args, device)
-    cluster = Cluster(16, 8)
-    _heading(f"Every layout of the paper's 16 {device.name.upper()} (2 nodes of 8), FSDP2 over the world; device "
-             f"{device.matmul_flops / 1e12:.0f} TFLOP/s matmul, {device.attention_flops / 1e12:.0f} TFLOP/s attention, "
-             f"{device.memory_bytes / GIB:.0f} GiB usable; baselines cp (balanced) and bp. A comparison, not a fit: "
-             "nothing here is tuned to the published figures.",
-             f"{'setting':20} {'context':>7} {'groups':6} {'CSBP (fastest fitting)':36} "
-             f"{'best baseline (fastest fitting)':36} {'tok/s':>6} {'mem':>5}  published")
-    for setting, preset, L, published, _ in paper_settings():
-        model = model_spec(preset, args.block_size)
-        preds = plan_all(model, L, device, cluster, _recipe(args), ring_transport=not args.no_ring)
-        for group in (None, cluster.gpus):
-            c = compare_modes(preds, group)
-            cs, base = c["csbp"], c["baseline"]
-
-            def name(p):
-                return "none fits" if p is None else p.name
-
-            ratio = f"{cs.tokens_per_s / base.tokens_per_s:.2f}x" if cs and base else "n/a"
-            mem = f"{cs.memory.total / base.memory.total:.2f}" if cs and base else "n/a"
-            print(f"{setting:20} {L // 1024:>6}K {'any' if group is None else f'P={group}':6} {name(cs):36} "
-                  f"{name(base):36} {ratio:>6} {mem:>5}  {published if group is None else ''}")
-    print("\n(tok/s = CSBP / baseline throughput; mem = CSBP peak / baseline peak per device; baselines are cp and bp "
-          "with either transport or schedule, with or without activation checkpointing; groups: any group size, or "
-          "one group over the whole cluster)")
-    # Settings a family prices itself (the drafters' training on 8 H100).
+    """``hf-bdlm plan --paper``, with a progress bar over the configurations it prices (standard error, on a
+    terminal: :mod:`hf_bdlm.progress`; the tables go to standard output through the bar)."""
     from ..protocols.registry import REGISTRY, family_named
+    from ..progress import progress_bar
+    from .cost import plan_all
+    from .workload import Cluster
 
-    efficiency = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
-                  if getattr(args, f"{k}_efficiency") is not None}
-    for entry in REGISTRY:
-        section = family_named(entry.name).paper_projection(efficiency)
-        if section:
-            print("\n" + section + "\n")
+    device = _device(args)
+    settings = paper_settings()
+    with progress_bar(total=len(settings) * (2 + len(SENSITIVITY)) + len(REGISTRY), desc="plan --paper",
+                      unit="configuration") as bar:
+        run_paper_topology(args, device, bar)
+        cluster = Cluster(16, 8)
+        _heading(f"Every layout of the paper's 16 {device.name.upper()} (2 nodes of 8), FSDP2 over the world; device "
+                 f"{device.matmul_flops / 1e12:.0f} TFLOP/s matmul, {device.attention_flops / 1e12:.0f} TFLOP/s "
+                 f"attention, {device.memory_bytes / GIB:.0f} GiB usable; baselines cp (balanced) and bp. A "
+                 "comparison, not a fit: nothing here is tuned to the published figures.",
+                 f"{'setting':20} {'context':>7} {'groups':6} {'CSBP (fastest fitting)':36} "
+                 f"{'best baseline (fastest fitting)':36} {'tok/s':>6} {'mem':>5}  published")
+        for setting, preset, L, published, _ in settings:
+            model = model_spec(preset, args.block_size)
+            preds = plan_all(model, L, device, cluster, _recipe(args), ring_transport=not args.no_ring)
+            bar.update(1)
+            for group in (None, cluster.gpus):
+                c = compare_modes(preds, group)
+                cs, base = c["csbp"], c["baseline"]
+
+                def name(p):
+                    return "none fits" if p is None else p.name
+
+                ratio = f"{cs.tokens_per_s / base.tokens_per_s:.2f}x" if cs and base else "n/a"
+                mem = f"{cs.memory.total / base.memory.total:.2f}" if cs and base else "n/a"
+                write(f"{setting:20} {L // 1024:>6}K {'any' if group is None else f'P={group}':6} {name(cs):36} "
+                      f"{name(base):36} {ratio:>6} {mem:>5}  {published if group is None else ''}")
+        write("\n(tok/s = CSBP / baseline throughput; mem = CSBP peak / baseline peak per device; baselines are cp and "
+              "bp with either transport or schedule, with or without activation checkpointing; groups: any group size, "
+              "or one group over the whole cluster)")
+        # Settings a family prices itself (the drafters' training on 8 H100).
+        efficiency = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
+                      if getattr(args, f"{k}_efficiency") is not None}
+        for entry in REGISTRY:
+            section = family_named(entry.name).paper_projection(efficiency)
+            bar.update(1)
+            if section:
+                write("\n" + section + "\n")
     return 0
 
 
@@ -274,6 +298,9 @@ def run_plan(args) -> int:
         raise ValueError("hf-bdlm plan needs --model and --context (or --paper, or --validate RECORDS_JSON).")
     if args.context <= 0:
         raise ValueError(f"--context must be a positive number of tokens, got {args.context}.")
+    from .cost import plan_all
+    from .workload import Cluster, recommend
+
     cluster = Cluster(args.gpus, args.gpus_per_node)
     device = _device(args)
     model = model_spec(args.model, args.block_size)

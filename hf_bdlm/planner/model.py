@@ -244,6 +244,12 @@ def presets() -> dict[str, dict]:
     return found
 
 
+def preset_names() -> tuple[str, ...]:
+    """The names of :func:`presets`, read from the registry: no family module is imported (the ``hf-bdlm plan``
+    parser lists them)."""
+    return ("gemma3-27b",) + tuple(name for entry in REGISTRY for name in entry.planner_presets)
+
+
 def model_spec(source, block_size: int | None = None) -> ModelSpec:
     """A preset name (:func:`presets`), a config dict / ``PreTrainedConfig``, or a ``config.json`` path / folder."""
     if isinstance(source, str) and source in presets():

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 
 class ModelFamily:
@@ -338,7 +338,8 @@ class LikelihoodScorer:
 
     bound: str = ""
 
-    def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int
-              ) -> list[BoundEstimate]:
-        """One estimate per request, ``mc_num`` samples each, ``batch_size`` requests per forward pass."""
+    def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int,
+              on_batch: Callable[[int], None] | None = None) -> list[BoundEstimate]:
+        """One estimate per request, ``mc_num`` samples each, ``batch_size`` requests per forward pass; ``on_batch``
+        is called after each forward pass with the number of requests it scored (a progress bar)."""
         raise NotImplementedError

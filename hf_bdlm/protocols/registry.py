@@ -31,6 +31,9 @@ class FamilyEntry:
     ``architectures``: ``config.architectures`` values that make a checkpoint this family's whatever its model type
     (a DFlash drafter's ``config.json`` says ``model_type: "qwen3"``, the serving engines' contract, and
     ``architectures: ["DFlash2DraftModel"]``); they are looked at before the model type.
+
+    ``planner_presets``: the names of the presets the family's ``planner_presets()`` returns, so that ``hf-bdlm plan
+    --help`` lists them without importing the family's module (tests/test_cli_help.py checks they agree).
     """
 
     name: str
@@ -39,13 +42,15 @@ class FamilyEntry:
     module: str
     class_name: str
     architectures: tuple[str, ...] = ()
+    planner_presets: tuple[str, ...] = ()
 
 
 REGISTRY: tuple[FamilyEntry, ...] = (
     FamilyEntry("block_diffusion", ("block_diffusion",), ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean"),
                 "hf_bdlm.models.block_diffusion.family", "BlockDiffusionFamily"),
     FamilyEntry("diffusion_gemma", ("diffusion_gemma",), ("diffusion_gemma",),
-                "hf_bdlm.models.diffusion_gemma.family", "DiffusionGemmaFamily"),
+                "hf_bdlm.models.diffusion_gemma.family", "DiffusionGemmaFamily",
+                planner_presets=("diffusiongemma-26b-a4b",)),
     FamilyEntry("dflash", (), ("dflash",), "hf_bdlm.models.dflash.family", "DFlashFamily",
                 architectures=("DFlashDraftModel", "DFlash2DraftModel")),
 )

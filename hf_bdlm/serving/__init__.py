@@ -8,10 +8,15 @@ worker), `engine` (tokenization, decoding settings, one batch), `app` (routes), 
 Needs the `serve` extra: pip install "hf-bdlm[serve]".
 """
 
-from .app import create_app
-from .config import ServerConfig
-from .engine import Engine
-from .server import ServerThread, free_port, serve
+import importlib
+
+# Names and the module defining each, imported on first use (the `hf-bdlm serve` parser loads no model code).
+_EXPORTS = {"create_app": "app", "ServerConfig": "config", "Engine": "engine", "ServerThread": "server",
+            "free_port": "server", "serve": "server"}
+__all__ = sorted(_EXPORTS)
 
 
-__all__ = ["Engine", "ServerConfig", "ServerThread", "create_app", "free_port", "serve"]
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -802,8 +802,10 @@ def generate(
         use_cache (`bool`, defaults to `True`):
             Keep the clean prefix as a KV cache. `False` recomputes the prefix at every step (same tokens; slower).
         kwargs:
-            `attention_mask` (left padding), `generator` (a `torch.Generator` for sampling), and any field of
-            [`BlockDiffusionGenerationConfig`] (e.g. `max_new_tokens=64, confidence_threshold=0.9`).
+            `attention_mask` (left padding), `generator` (a `torch.Generator` for sampling), `streamer` (as in
+            transformers: `put` gets the prompt, then each decoded block's new tokens, `end` follows the last; one
+            prompt only, e.g. a `TextStreamer`), and any field of [`BlockDiffusionGenerationConfig`] (e.g.
+            `max_new_tokens=64, confidence_threshold=0.9`).
 
     Returns:
         `torch.LongTensor` of shape `[batch, prompt_len + n]`, `n <= max_new_tokens`: the prompts followed by the
@@ -811,6 +813,7 @@ def generate(
     """
     attention_mask = kwargs.pop("attention_mask", None)
     generator = kwargs.pop("generator", None)
+    streamer = kwargs.pop("streamer", None)
     if generation_config is None:
         generation_config = getattr(model, "generation_config", None)
         if generation_config is None:
@@ -819,22 +822,36 @@ def generate(
     unused = config.update(**kwargs)
     if unused:
         raise TypeError(
-            f"generate() got unexpected arguments {sorted(unused)}: pass attention_mask, generator or fields of "
-            f"BlockDiffusionGenerationConfig ({', '.join(BLOCK_DIFFUSION_FIELDS)}, max_new_tokens, do_sample, ...)."
+            f"generate() got unexpected arguments {sorted(unused)}: pass attention_mask, generator, streamer or "
+            f"fields of BlockDiffusionGenerationConfig ({', '.join(BLOCK_DIFFUSION_FIELDS)}, max_new_tokens, "
+            "do_sample, ...)."
         )
     config.validate()
     _check_inputs(model, input_ids, attention_mask)
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError(f"a streamer streams one prompt (as transformers' streamers do), got a batch of "
+                         f"{input_ids.shape[0]}; generate the prompts one at a time to stream them.")
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    return _decode_left_padded(model, input_ids, mask, config, use_cache, generator)
+    return _decode_left_padded(model, input_ids, mask, config, use_cache, generator, streamer)
 
 
-def _decode_left_padded(model, input_ids, mask, config, use_cache, generator) -> torch.Tensor:
+def _decode_left_padded(model, input_ids, mask, config, use_cache, generator, streamer=None) -> torch.Tensor:
     """Decode the rows together (each row's blocks start at its first real token), re-assemble HF-style."""
     width = input_ids.shape[1]
     # max_length counts the padded width, as in transformers, so every row gets the same budget.
     settings = resolve_settings(model, config, width)
     prompts = [input_ids[i][mask[i]] for i in range(input_ids.shape[0])]
-    rows = decode_ragged(model, prompts, settings, use_cache, generator)
+    on_block = None
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # the prompt first, as transformers' generate does
+
+        def on_block(new: dict[int, torch.Tensor]) -> None:
+            for tokens in new.values():
+                streamer.put(tokens.cpu())
+
+    rows = decode_ragged(model, prompts, settings, use_cache, generator, on_block=on_block)
+    if streamer is not None:
+        streamer.end()
     longest = max(r.shape[0] for r in rows)
     # Rows only differ in length when EOS ended some, and then pad_token_id is set (it defaults to EOS).
     out = input_ids.new_full((input_ids.shape[0], width + longest), settings.pad_token_id or 0)

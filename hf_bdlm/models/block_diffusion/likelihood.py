@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -65,8 +65,8 @@ class BlockDiffusionLikelihoodScorer(LikelihoodScorer):
         self.device = next(model.parameters()).device
         self.context_length = int(getattr(model.config.backbone_config, "max_position_embeddings", 0) or 1 << 30)
 
-    def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int
-              ) -> list[BoundEstimate]:
+    def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int,
+              on_batch: Callable[[int], None] | None = None) -> list[BoundEstimate]:
         if mc_num < 1 or batch_size < 1:
             raise ValueError(f"mc_num and batch_size must be positive integers, got {mc_num} and {batch_size}.")
         groups: dict[_Geometry, list[int]] = defaultdict(list)
@@ -80,6 +80,8 @@ class BlockDiffusionLikelihoodScorer(LikelihoodScorer):
                     estimates = self._score_batch(geometry, [requests[i] for i in chunk], mc_num, seed)
                 for i, estimate in zip(chunk, estimates):
                     results[i] = estimate
+                if on_batch is not None:
+                    on_batch(len(chunk))
         return results
 
     def _geometry(self, request: ScoreRequest) -> _Geometry:

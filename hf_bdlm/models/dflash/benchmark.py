@@ -75,9 +75,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
 from ...benchmarks.cli import positive_int
 from ...benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
@@ -166,36 +163,36 @@ def benchmark_config(layers: int = 1, window: int | None = WINDOW):
                         is_causal=False)
 
 
-class BenchmarkTargetEnds(nn.Module):
+def benchmark_target_ends(vocab_size: int, hidden_size: int):
     """The parts of a target a drafter's training step uses: its input embedding and LM head (random; the features
     stand in for the rest)."""
+    from torch import nn
 
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-        nn.init.normal_(self.embed_tokens.weight, std=0.02)
+    from .target import TargetHeads
 
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
+    embed_tokens = nn.Embedding(vocab_size, hidden_size)
+    lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+    nn.init.normal_(embed_tokens.weight, std=0.02)
+    return TargetHeads(embed_tokens, lm_head, None, None, source="random (the drafter study)")
 
 
 def benchmark_drafter(layers: int = 1, window: int | None = WINDOW):
-    """The benchmark drafter (random, the same in every process), bound to a :class:`BenchmarkTargetEnds`."""
+    """The benchmark drafter (random, the same in every process), bound to :func:`benchmark_target_ends`."""
+    import torch
+
     from .modeling import DFlash2DraftModel
 
     config = benchmark_config(layers, window)
     torch.manual_seed(0)
     drafter = DFlash2DraftModel(config).float()
-    return drafter.bind_target(BenchmarkTargetEnds(config.vocab_size, config.hidden_size)).train()
+    return drafter.bind_target(benchmark_target_ends(config.vocab_size, config.hidden_size)).train()
 
 
 def benchmark_tokens(length: int, vocab_size: int = DRAFTER["vocab_size"], sequence: int = 0):
     """``(input_ids, loss_mask)`` of benchmark sequence ``sequence`` ``[1, L]``: random tokens, every one supervised
     (sequence 0: the one every layout but ``dp``'s other ranks trains)."""
+    import torch
+
     ids = torch.randint(1, vocab_size - 1, (1, length), generator=torch.Generator().manual_seed(1 + sequence))
     return ids, torch.ones_like(ids)
 
@@ -213,6 +210,8 @@ def benchmark_features(runs, width: int, sequence: int = 0):
     """Feature rows ``runs`` (ascending ``[start, stop)``) of benchmark sequence ``sequence``, ``[1, rows, width]``:
     standard normal, drawn chunk by chunk into one buffer, so a rank makes (and holds) only the rows it projects, as
     the trainer reads them (every row the same on every rank)."""
+    import torch
+
     out = torch.empty(1, sum(stop - start for start, stop in runs), width)
     at = 0
     for start, stop in runs:
@@ -230,6 +229,8 @@ def compute_rate(rows: int = RATE_ROWS, repeats: int = RATE_REPEATS) -> float:
     """This process's matrix-product rate now, GFLOP/s: ``repeats`` products of ``[rows, hidden]`` by the drafter's
     ``[intermediate, hidden]`` MLP weight (one thread, float32). Ranks sharing a core measure about half of a rank
     alone."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, DRAFTER["hidden_size"], generator=g)
     w = torch.randn(DRAFTER["intermediate_size"], DRAFTER["hidden_size"], generator=g)
@@ -248,6 +249,7 @@ def _worker(args: argparse.Namespace) -> None:
     """One measurement: the single process (``--layout single``), or one rank of a ``torchrun`` group whose rank 0
     writes the group's record. ``dp`` ranks train a sequence each, alone; the group only starts their steps together
     and gathers the record."""
+    import torch
     import torch.distributed as dist
 
     from ...parallel.collectives import ByteMeter

@@ -169,7 +169,7 @@ def capture_features(
             Keep the records of an earlier run of the same capture whose sha256 still matches; `False` recomputes
             every record.
         progress (`bool`, defaults to `True`):
-            Show a tqdm progress bar.
+            Show a tqdm progress bar (:mod:`hf_bdlm.progress`: on standard error when it is a terminal, on rank 0).
 
     Returns:
         `dict`: the manifest written to ``out_dir/manifest.json``.
@@ -207,10 +207,11 @@ def capture_features(
     _write_lines(root / PROGRESS, [json.dumps(entry, sort_keys=True) for entry in done.values()])
     pending = [i for i in range(len(records)) if i not in done]
 
-    from tqdm.auto import tqdm
+    from ...progress import progress_bar
 
-    bar = tqdm(total=len(records), initial=len(done), desc="capturing target features", unit="record",
-               disable=not progress)
+    # Moved once per batch (a forward of batch_size records); standard error, rank 0, a terminal (hf_bdlm.progress).
+    bar = progress_bar(total=len(records), initial=len(done), desc="capturing target features", unit="record",
+                       enabled=progress)
     device = decoder.get_input_embeddings().weight.device
     with open(root / PROGRESS, "a", encoding="utf-8") as log:
         for start in range(0, len(pending), batch_size):
@@ -323,11 +324,11 @@ def _resumable_records(root: Path, settings: dict, records, progress: bool) -> d
     logged = {}
     for entry in [*manifest.get("records", []), *_read_log(root / PROGRESS)]:
         logged[int(entry["index"])] = entry  # the log is newer than a finished manifest
-    from tqdm.auto import tqdm
+    from ...progress import progress_bar
 
     kept = {}
-    for index, entry in tqdm(sorted(logged.items()), desc="checking captured records", unit="record",
-                             disable=not progress or not logged):
+    for index, entry in progress_bar(sorted(logged.items()), desc="checking captured records", unit="record",
+                                     enabled=progress and bool(logged)):
         path = root / entry["file"]
         if not 0 <= index < len(records) or not path.is_file() or file_sha256(path) != entry["sha256"]:
             continue
@@ -453,10 +454,10 @@ class FeatureStore:
     def verify(self, progress: bool = False, sha256: bool = True) -> None:
         """Check every record file against the manifest: present, of its size, and (``sha256``, reading every byte)
         of its sha256; raises naming the files that differ or are missing, and the fix."""
-        from tqdm.auto import tqdm
+        from ...progress import progress_bar
 
         bad = []
-        for entry in tqdm(self.manifest["records"], desc="verifying", unit="record", disable=not progress):
+        for entry in progress_bar(self.manifest["records"], desc="verifying", unit="record", enabled=progress):
             path = self.root / entry["file"]
             if not path.is_file():
                 bad.append(f"{entry['file']} (missing)")

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -113,14 +113,19 @@ class DiffusionGemmaLikelihoodScorer(LikelihoodScorer):
         self.device = next(self.model.parameters()).device
         self.context_length = int(getattr(text, "max_position_embeddings", 0) or 1 << 30)
 
-    def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int
-              ) -> list[BoundEstimate]:
+    def score(self, requests: Sequence[ScoreRequest], *, mc_num: int, seed: int, batch_size: int,
+              on_batch: Callable[[int], None] | None = None) -> list[BoundEstimate]:
         """One forward per request, its ``2 mc_num + 1`` canvases together; ``batch_size`` is not used (module
         docstring: the MoE layers would round a request's rows differently in a batch of other requests)."""
         if mc_num < 1 or batch_size < 1:
             raise ValueError(f"mc_num and batch_size must be positive integers, got {mc_num} and {batch_size}.")
+        estimates = []
         with torch.no_grad():
-            return [self._score_batch([request], mc_num, seed)[0] for request in requests]
+            for request in requests:
+                estimates += self._score_batch([request], mc_num, seed)
+                if on_batch is not None:
+                    on_batch(1)
+        return estimates
 
     def _frame(self, requests: list[ScoreRequest]) -> CanvasFrame:
         for r in requests:
