@@ -11,10 +11,12 @@ runnable:
 
 (clauses after the colon, separated by ``;``). A chain is one test, named by its file and its blocks' fence lines. A
 shell block runs with ``bash -e`` (each line must succeed), a Python block in a fresh interpreter; both in the chain's
-folder, with the venv's bin first on PATH, the usual caches (``HF_BDLM_HOME``, ``HF_HOME``) and ``HF_HUB_OFFLINE=1``:
-nothing else is changed. Every ``bash`` / ``python`` block of the two files is either marked or named in ``SKIPPED``
-below with the reason it cannot run here, so a new block cannot escape unnoticed; a marked block must need no GPU, no
-Hub and no server, and take seconds to a minute or two on 2 CPU cores (the whole file: about 3 minutes).
+folder, with the venv's bin first on PATH, the usual caches (``HF_BDLM_HOME``, ``HF_HOME``), ``HF_HUB_OFFLINE=1`` and
+``OMP_NUM_THREADS=1`` (as conftest.py: on a busy 2-core machine a second intra-op thread saves little wall time and
+doubles the CPU time); nothing else is changed. Every ``bash`` / ``python`` block of the two files is either marked or
+named in ``SKIPPED`` below with the reason it cannot run here, so a new block cannot escape unnoticed; a marked block
+must need no GPU, no Hub and no server, and take seconds to a minute or two on 2 CPU cores (the whole file: about 2
+minutes on a quiet machine).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def _env() -> dict[str, str]:
     env["HF_BDLM_HOME"] = str(cache_home())
     env["HF_HOME"] = env.get("HF_HOME") or str(Path("~/.cache/huggingface").expanduser())
     env["HF_HUB_OFFLINE"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
     return env
 
 
