@@ -315,23 +315,51 @@ def test_baselines_study_runs_the_papers_cp_beside_csbp(tmp_path, capsys):
     assert "CSBP against both CP baselines" in (out / "summary.md").read_text()
 
 
+def test_baselines_through_a_named_link_measure_once_per_row_and_give_every_layout_that_link(monkeypatch, tmp_path):
+    """Each (model, P, L) row measures its link once, before its first layout, and every layout of the row is
+    launched with that link (launches replaced by a stub that records what each was given)."""
+    from hf_bdlm.benchmarks import baselines, parallel_modes
+    from hf_bdlm.parallel.link import LinkModel
+
+    measured, launched = [], []
+
+    def measure(name, P, layers, tmp, timeout, window=None, full_every=None):
+        measured.append((name, P, layers, window))
+        return LinkModel(1e6 * len(measured), 0.1, name, 2, dict(scale=1000.0, measured="once per row"))
+
+    def launch(layout, P, L, args, tmp, transport, schedule):
+        launched.append((layout, P, L, args.link, args.link_record))
+        return dict(mode=layout, P=P, L=L, step_s=1.0, step_times=[1.0] * 3, comm_wait_s=0.0,
+                    link=args.link_record)
+
+    monkeypatch.setattr(parallel_modes, "measure_row_link", measure)
+    monkeypatch.setattr(parallel_modes, "launch", launch)
+    monkeypatch.setattr(baselines, "attention_imbalance", lambda *a: 1.0)
+    baselines.run_study(["dense", "sliding"], [2, 4], [256], 3, 60, link="h200-ib", out=tmp_path / "b.json",
+                        log=lambda *a: None, layouts=("csbp", "cp"))
+    assert measured == [("h200-ib", 2, 2, None), ("h200-ib", 4, 2, None), ("h200-ib", 2, 6, 1024),
+                        ("h200-ib", 4, 6, 1024)]
+    assert len(launched) == 8
+    for row in range(4):  # both layouts of a row: no named link to re-measure, the row's link record
+        (_, *_, n1, r1), (_, *_, n2, r2) = launched[2 * row:2 * row + 2]
+        assert n1 is None and n2 is None and r1 == r2 and r1["bytes_per_s"] == 1e6 * (row + 1)
+
+
 @pytest.mark.distributed
-def test_baselines_through_a_named_link_give_every_layout_of_a_row_the_same_link(tmp_path, capsys):
-    """The row's ranks measure the rate once, in a launch of their own; csbp and cp then go through that link."""
-    out = tmp_path / "bench"
-    code = cli.main(["bench", "--only", "baselines", "--baseline-lengths", "256", "--baseline-nprocs", "2",
-                     "--baseline-models", "dense", "--steps", "3", "--min-time", "0", "--no-calibrate", "--out",
-                     str(out), "--link", "h200-ib", "--baseline-layouts", "csbp", "cp"])
-    stdout, stderr = capsys.readouterr()
-    assert code == 0, stdout[-2000:] + stderr[-2000:]
-    records = json.loads((out / "baselines_h200-ib.json").read_text())
-    assert sorted(r["mode"] for r in records) == ["cp", "csbp"]
-    links = [r["link"] for r in records]
-    assert links[0] == links[1] and links[0]["measured"] == "once per row"
-    rate = links[0]["compute_rate"]
-    assert rate["processes"] == 2 and rate["flops_per_s"] > 0
-    assert links[0]["bytes_per_s"] == pytest.approx(links[0]["cluster_bytes_per_s"] / links[0]["scale"])
-    assert "the row's link" in stderr + stdout
+def test_a_rows_link_is_measured_by_its_ranks_together_and_read_back_by_a_launch(tmp_path):
+    """The real measurement: P = 2 ranks measure the rate together; a launch's ``--link-file`` gives it back."""
+    import argparse
+
+    from hf_bdlm.benchmarks import parallel_modes
+
+    link = parallel_modes.measure_row_link("h200-ib", 2, 2, tmp_path, timeout=300)
+    rec = link.as_record()
+    assert rec["measured"] == "once per row" and rec["compute_rate"]["processes"] == 2
+    assert rec["bytes_per_s"] == pytest.approx(rec["cluster_bytes_per_s"] / rec["scale"])
+    assert rec["latency_s"] == pytest.approx(rec["cluster_latency_s"] * rec["scale"])
+    (tmp_path / "link.json").write_text(json.dumps(rec))
+    again = parallel_modes._link(argparse.Namespace(link_file=str(tmp_path / "link.json"), link="h200-ib"))
+    assert again.as_record() == rec
 
 
 @pytest.mark.parametrize("extra, measured", [([], [(6, [2, 4])]), (["--no-calibrate"], []), (["--quick"], [])])

@@ -620,7 +620,9 @@ def reconstruct_drafter_calls(record: dict, costs: list[dict]) -> bool:
     unknown until ``benchmarks/decoding_reprice.py`` fills them)."""
     import re
 
-    if record["kind"] != "decoding" or record.get("counting", 1) >= COUNTING or record["family"] != "dflash":
+    if record["kind"] != "decoding" or record.get("counting", 1) >= COUNTING:
+        return False
+    if not any(s["forwards"].get("drafter") for s in record["samples"]):  # no speculative decoding in it
         return False
     found = re.search(r"block (\d+)", record["description"])
     if found is None:
