@@ -19,7 +19,7 @@ fresh process). One thread per process. Ratios are of median seconds per supervi
 ranges overlap (``hf_bdlm.benchmarks.spread.compare``).
 
 ``--parallel P``: the same step on a block-parallel group of ``P`` ranks (``torchrun``, gloo) in each layout of
-``hf_bdlm.models.diffusion_gemma.sharded`` (``--layouts``: ``csbp``, ``cp``, ``cp-paper`` the paper's CP baseline,
+``hf_bdlm.models.diffusion_gemma.training.sharded`` (``--layouts``: ``csbp``, ``cp``, ``cp-paper`` the paper's CP baseline,
 ``block_parallel_cp_layout="paper"``, and ``bp``; all-gather transport), beside TRL's one-block step and ``ours`` at
 P = 1. Per rank: its rows of the frame, the loss of its targets, backward (the gradient all-reduce every data-parallel
 run adds is left out, the same in every mode). Reported: the group's step time (per step the slowest rank's) and the
@@ -177,7 +177,7 @@ def parallel_worker(layout_name: str, length: int, steps: int, out: str) -> None
     torch.set_num_threads(1)
     from hf_bdlm.objectives import get_objective
     from hf_bdlm.parallel import BlockParallelGroups, ParallelDims
-    from hf_bdlm.models.diffusion_gemma.sharded import diffusion_gemma_layout, frame_padding
+    from hf_bdlm.models.diffusion_gemma.training.sharded import diffusion_gemma_layout, frame_padding
 
     dist.init_process_group("gloo")
     P = dist.get_world_size()

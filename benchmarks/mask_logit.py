@@ -169,7 +169,7 @@ def logit_statistics(logits: torch.Tensor, mask_id: int) -> dict:
 @torch.no_grad()
 def decoding(model, tokenizer, examples, new_tokens: int, threshold: float) -> dict:
     from hf_bdlm.data import exact_match
-    from hf_bdlm.models.block_diffusion.export_sdar import zero_mask_logit
+    from hf_bdlm.models.block_diffusion.inference.export_sdar import zero_mask_logit
 
     mask = model.config.mask_token_id
     corrected = zero_mask_logit(copy.deepcopy(model))

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from tiny_qwen3 import qwen3_layout_tokenizer, sharpen_head, tiny_qwen3
 
     from hf_bdlm import convert_causal_lm
-    from hf_bdlm.models.block_diffusion.export_sdar import export_sdar, zero_mask_logit
+    from hf_bdlm.models.block_diffusion.inference.export_sdar import export_sdar, zero_mask_logit
 
     try:
         module = lmdeploy_unmasking_module()

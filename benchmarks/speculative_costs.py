@@ -182,7 +182,7 @@ def prompt_tensors(tokenizer, count: int) -> list[torch.Tensor]:
 @torch.inference_mode()
 def decode_costs(target, drafter, prompts, new_tokens: int) -> dict:
     """Target alone, the batched loop and the assisted loop, prompt by prompt, with per-step costs."""
-    from hf_bdlm.models.dflash.speculative import dflash_assisted_decoding, speculative_generate
+    from hf_bdlm.models.dflash.inference.speculative import dflash_assisted_decoding, speculative_generate
 
     # EOS disabled and the mask explicit: without EOS, generate would take the prompt's pad-id tokens (SmolLM2's pad
     # is its EOS, <|im_end|>) for padding.

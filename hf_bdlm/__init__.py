@@ -31,7 +31,7 @@ _LAZY = {
     "convert_causal_lm": ".models.block_diffusion.conversion",
     "BDLMSFTConfig": ".trainer",  # imports TRL
     "BDLMSFTTrainer": ".trainer",
-    "export_sdar": ".models.block_diffusion.export_sdar",  # the SDAR folder SGLang and LMDeploy serve (docs/deploy.md)
+    "export_sdar": ".models.block_diffusion.inference.export_sdar",  # the SDAR folder SGLang and LMDeploy serve (docs/deploy.md)
     "BlockParallelPlugin": ".parallel.plugin",
 }
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -114,3 +115,12 @@ def load_pretrained(load: Callable, path: str | os.PathLike, **kwargs):
             "folder's own config.json (the one save_pretrained wrote), or load the folder these weights came from."
         )
     return model
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -20,7 +20,7 @@ Stages (the data stages run once, cached in ``data_dir``; a rerun reuses what is
 3. **training**: a new drafter (``drafter_layers`` layers, initialised from the target's last layers) trained by
    `DFlashTrainer` on every process (each reads only its context rows of the features), saved to ``output_dir``;
    then its acceptance on the held-out capture as the trainer's eval counts it
-   (:meth:`~hf_bdlm.models.dflash.trainer.DFlashTrainer.served_acceptance`, at the headline proposal count);
+   (:meth:`~hf_bdlm.models.dflash.training.trainer.DFlashTrainer.served_acceptance`, at the headline proposal count);
 4. **measurement** (main process): ``eval_prompts`` held-out prompts decoded greedily by the target alone
    (``generate``) and with the drafter (``speculative_generate``) at each of ``eval_speculative_tokens`` proposals
    per target forward, ``eval_max_new_tokens`` each; the outputs must be identical.
@@ -29,7 +29,7 @@ Stages (the data stages run once, cached in ``data_dir``; a rerun reuses what is
    (``acceptance``: equal where the features the decoding loop computes step by step choose the same proposals as
    the captured ones), and the time of every stage.
 
-Arguments: :class:`DFlashRecipeArguments` below and :class:`~hf_bdlm.models.dflash.trainer_config.DFlashTrainingConfig`
+Arguments: :class:`DFlashRecipeArguments` below and :class:`~hf_bdlm.models.dflash.training.config.DFlashTrainingConfig`
 (`target_model`, the objective's options, TRL's training fields, block parallelism), from the YAML and the command
 line.
 """
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from trl import TrlParser
 
-from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig
+from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig
 
 RESPONSES = "responses.jsonl"
 EVAL_RESPONSES = "eval_responses.jsonl"
@@ -213,7 +213,7 @@ def measure(target, drafter, tokenizer, prompts, *, max_new_tokens: int, specula
     proposals per target forward (default: ``B - 1``): per count, the acceptance length, tokens/s of each and their
     ratio, measured prompt by prompt side by side; raises when an output differs (speculative decoding is
     lossless)."""
-    from hf_bdlm.models.dflash.speculative import speculative_generate, speculative_token_count
+    from hf_bdlm.models.dflash.inference.speculative import speculative_generate, speculative_token_count
 
     block = int(drafter.config.block_size)
     counts = [speculative_token_count(k, block) for k in (speculative_tokens or [None])]
@@ -258,11 +258,11 @@ def main(recipe: DFlashRecipeArguments, args: DFlashTrainingConfig) -> dict:
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_bdlm.models.dflash.capture import capture_features
+    from hf_bdlm.models.dflash.training.capture import capture_features
     from hf_bdlm.models.dflash.configuration import default_target_layer_ids
     from hf_bdlm.models.dflash.target import resolve_target_path
     from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
-    from hf_bdlm.models.dflash.trainer import DFlashTrainer
+    from hf_bdlm.models.dflash.training.trainer import DFlashTrainer
 
     if not args.target_model:
         raise ValueError("target_model is required (a folder, a Hub id or 'embedded:smollm2').")

@@ -138,7 +138,7 @@ def _train_drafter(features: Path, tmp_path: Path, **overrides):
     from dflash_trainer_worker import config, tiny_drafter, tiny_target
     from trainer_common import tiny_tokenizer
 
-    from hf_bdlm.models.dflash.trainer import DFlashTrainer
+    from hf_bdlm.models.dflash.training.trainer import DFlashTrainer
 
     target = tiny_target()
     return DFlashTrainer(tiny_drafter(target), config(tmp_path / "out", **overrides), train_dataset=str(features),

@@ -104,7 +104,7 @@ def _converted(out: Path):
 def _drafter(out: Path):
     from dflash_trainer_worker import capture, config, tiny_drafter, tiny_target
 
-    from hf_bdlm.models.dflash.trainer import DFlashTrainer
+    from hf_bdlm.models.dflash.training.trainer import DFlashTrainer
 
     target = tiny_target()
     features = out.parent / "features"

@@ -36,13 +36,13 @@ pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicor
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from hf_bdlm.models.dflash.acceptance import replay_acceptance, served_requests  # noqa: E402
-from hf_bdlm.models.dflash.capture import FeatureStore, capture_features  # noqa: E402
+from hf_bdlm.models.dflash.training.acceptance import replay_acceptance, served_requests  # noqa: E402
+from hf_bdlm.models.dflash.training.capture import FeatureStore, capture_features  # noqa: E402
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
-from hf_bdlm.models.dflash.objective import DFlashObjective, DFlashObjectiveConfig  # noqa: E402
-from hf_bdlm.models.dflash.speculative import draft_block  # noqa: E402
-from hf_bdlm.models.dflash.trainer import DFlashTrainer  # noqa: E402
-from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig  # noqa: E402
+from hf_bdlm.models.dflash.training.objective import DFlashObjective, DFlashObjectiveConfig  # noqa: E402
+from hf_bdlm.models.dflash.inference.speculative import draft_block  # noqa: E402
+from hf_bdlm.models.dflash.training.trainer import DFlashTrainer  # noqa: E402
+from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig  # noqa: E402
 from hf_bdlm.protocols.card_parts import format_value  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The drafter study of `hf-bdlm bench` (hf_bdlm/models/dflash/benchmark.py): the benchmark drafter and its inputs, the
+"""The drafter study of `hf-bdlm bench` (hf_bdlm/models/dflash/studies/benchmark.py): the benchmark drafter and its inputs, the
 launches a run makes, option errors before anything runs, the report on synthetic records, and the quick study end to
 end (every layout at P = 2 beside one process: equal losses; every rank's received K/V bytes, projected context rows
 and held feature rows equal to what the mask rule and the layout say)."""
@@ -13,7 +13,7 @@ import torch
 
 from hf_bdlm import cli
 from hf_bdlm.models.dflash import benchmark
-from hf_bdlm.models.dflash.benchmark import DrafterStudy
+from hf_bdlm.models.dflash.studies.benchmark import DrafterStudy
 
 MiB = 2**20
 
@@ -210,7 +210,7 @@ def _needed_bytes(batch, plan_of, world: int, layer_windows, kv_width: int) -> l
 def _one_process_loss(sequence: int, step: int, length: int = 2048, anchors: int = 4) -> float:
     """The loss of one step of benchmark sequence ``sequence`` on one process, from the public pieces the study's
     worker uses (a one-rank plan of the sharded forward, fed only the rows it projects)."""
-    from hf_bdlm.models.dflash.sharded import DFlashShardPlan, sharded_draft_forward
+    from hf_bdlm.models.dflash.training.sharded import DFlashShardPlan, sharded_draft_forward
 
     drafter = benchmark.benchmark_drafter()
     ids, loss_mask = benchmark.benchmark_tokens(length, sequence=sequence)
@@ -230,7 +230,7 @@ def test_the_quick_study_measures_every_layout_with_the_single_process_loss_and_
     import statistics
 
     from hf_bdlm.models.dflash.modeling import draft_context_mask
-    from hf_bdlm.models.dflash.sharded import DFlashShardPlan
+    from hf_bdlm.models.dflash.training.sharded import DFlashShardPlan
 
     out = tmp_path / "bench"
     assert cli.main(["bench", "--only", "drafter", "--quick", "--out", str(out)]) == 0

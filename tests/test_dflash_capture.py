@@ -14,8 +14,8 @@ import torch
 from tiny_bdlm import tiny_bdlm, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import hf_bdlm.models.dflash.capture as capture_module
-from hf_bdlm.models.dflash.capture import FeatureStore, capture_features, tokenize_records
+import hf_bdlm.models.dflash.training.capture as capture_module
+from hf_bdlm.models.dflash.training.capture import FeatureStore, capture_features, tokenize_records
 
 LAYERS = (0, 1, 3)  # embeddings, a middle layer, the final norm's output (3 layers)
 TOKENS = [[2, 4, 7, 8, 9, 3, 2, 5, 10, 11, 3], [2, 4, 12, 13, 3], [2, 4, 7, 8, 9, 14, 15, 16, 3, 2, 5, 17, 3],

@@ -21,12 +21,12 @@ from safetensors.torch import load_file, save_file
 from tiny_bdlm import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import hf_bdlm.models.dflash.export as export_module
+import hf_bdlm.models.dflash.inference.export as export_module
 from hf_bdlm.cli import main
 from hf_bdlm.hub.checkpoint import folder_files
-from hf_bdlm.models.dflash.capture import FeatureStore
+from hf_bdlm.models.dflash.training.capture import FeatureStore
 from hf_bdlm.models.dflash.configuration import DFlashConfig
-from hf_bdlm.models.dflash.export import (
+from hf_bdlm.models.dflash.inference.export import (
     PROVENANCE_FORMAT,
     ServingContractError,
     check_serving_inventory,

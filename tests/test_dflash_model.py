@@ -29,7 +29,7 @@ from transformers import (
 
 from hf_bdlm.attention.rows import document_starts
 from hf_bdlm.models.dflash.configuration import DFlashConfig, default_target_layer_ids
-from hf_bdlm.models.dflash.projection import PUBLISHED_DFLASH2
+from hf_bdlm.models.dflash.studies.projection import PUBLISHED_DFLASH2
 from hf_bdlm.models.dflash.modeling import (
     CandidateSelector,
     DFlash2DraftModel,

@@ -1,4 +1,4 @@
-"""The DFlash drafter under block parallelism (hf_bdlm/models/dflash/sharded.py): the plan (who holds which context
+"""The DFlash drafter under block parallelism (hf_bdlm/models/dflash/training/sharded.py): the plan (who holds which context
 rows, projects which of them, and drafts which anchors), the sharded forward in one process (P = 1 and bp need no
 peers), and the training steps of every mode on 2 and 4 gloo processes against one process: losses, weights, the
 bytes each rank receives and the context rows it projects (an all-sliding drafter projects only the rows in reach).
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from dflash_worker import BLOCK, DRAFTERS, LENGTH, MATRIX, WINDOW, objective_of, tiny_data, tiny_drafter, tiny_target
 
 from hf_bdlm.models.dflash.modeling import draft_context_mask
-from hf_bdlm.models.dflash.objective import DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
-from hf_bdlm.models.dflash.sharded import DFlashShardPlan, balanced_bounds, context_bytes, sharded_draft_forward
+from hf_bdlm.models.dflash.training.objective import DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
+from hf_bdlm.models.dflash.training.sharded import DFlashShardPlan, balanced_bounds, context_bytes, sharded_draft_forward
 from torchrun import SharedJob  # noqa: E402
 
 MODES = ("cp", "bp", "csbp")

@@ -1,4 +1,4 @@
-"""The drafter training projection (``hf_bdlm.models.dflash.planning``: the drafter's workload of the planner;
+"""The drafter training projection (``hf_bdlm.models.dflash.studies.planning``: the drafter's workload of the planner;
 ``.projection``: the paper's setting): its FLOPs equal a brute-force count of a tiny drafter's matmuls and the paper's
 own FLOP counter (``dllm_parallel``, the oracle); its attention pairs and projected context rows equal the mask rule;
 its K/V bytes and feature memory equal their formulas; CP-only replicates the draft work P times and csbp shares it;
@@ -14,8 +14,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_bdlm.models.dflash.configuration import DFlashConfig
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, draft_context_mask
-from hf_bdlm.models.dflash.objective import DFlashObjective, anchor_costs
-from hf_bdlm.models.dflash.planning import (
+from hf_bdlm.models.dflash.training.objective import DFlashObjective, anchor_costs
+from hf_bdlm.models.dflash.studies.planning import (
     RING_TILE_ROWS,
     DrafterSetting,
     DrafterSpec,
@@ -31,7 +31,7 @@ from hf_bdlm.models.dflash.planning import (
     reachable_rows,
     step_flops,
 )
-from hf_bdlm.models.dflash.projection import (
+from hf_bdlm.models.dflash.studies.projection import (
     PUBLISHED_DFLASH2,
     REFERENCE_STEPS,
     format_projection,

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from hf_bdlm.models.dflash import speculative
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashContextCache, DFlashDraftModel
-from hf_bdlm.models.dflash.speculative import (
+from hf_bdlm.models.dflash.inference.speculative import (
     DFlashCandidateGenerator,
     SpeculativeSession,
     dflash_assisted_decoding,

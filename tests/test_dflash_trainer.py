@@ -23,11 +23,11 @@ import dflash_trainer_worker as fixtures  # noqa: E402
 from torchrun import SharedJob  # noqa: E402
 from trainer_common import tiny_tokenizer  # noqa: E402
 
-from hf_bdlm.models.dflash.capture import FeatureStore  # noqa: E402
+from hf_bdlm.models.dflash.training.capture import FeatureStore  # noqa: E402
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
-from hf_bdlm.models.dflash.objective import DFlashObjective  # noqa: E402
-from hf_bdlm.models.dflash.trainer import DFlashTrainer, sample_seed  # noqa: E402
-from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig  # noqa: E402
+from hf_bdlm.models.dflash.training.objective import DFlashObjective  # noqa: E402
+from hf_bdlm.models.dflash.training.trainer import DFlashTrainer, sample_seed  # noqa: E402
+from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig  # noqa: E402
 
 TOL = 1e-5
 
@@ -45,7 +45,7 @@ def features(tmp_path_factory, target):
 
 @pytest.fixture(scope="module")
 def teacher_features(tmp_path_factory, target):
-    from hf_bdlm.models.dflash.capture import capture_features
+    from hf_bdlm.models.dflash.training.capture import capture_features
 
     out = tmp_path_factory.mktemp("dflash_teacher") / "features"
     capture_features(target, fixtures.progression_records(), layer_ids=fixtures.LAYER_IDS, out_dir=out,
@@ -73,7 +73,7 @@ def test_training_lowers_the_loss_and_saves_a_drafter_that_reloads_and_serves(tm
     from transformers import AutoConfig
 
     from hf_bdlm.protocols.registry import family_for_config
-    from hf_bdlm.models.dflash.export import check_serving_inventory, export_drafter
+    from hf_bdlm.models.dflash.inference.export import check_serving_inventory, export_drafter
 
     trainer = DFlashTrainer(fixtures.tiny_drafter(target), fixtures.config(
         tmp_path / "run", optim="adamw_torch", learning_rate=1e-2, max_steps=40, dflash_loss="ce"),
@@ -108,7 +108,7 @@ def _first_batch(trainer):
 def test_the_first_loss_is_the_objectives_loss_of_the_whole_batch(tmp_path, features, teacher_features, target, loss):
     """Recomputed without the trainer: each sequence's anchors from its own seed, the drafter's logits over the whole
     batch, `DFlashObjective.loss` (the logits path, not the trainer's hidden-state path)."""
-    from hf_bdlm.models.dflash.objective import gather_positions, select_anchors
+    from hf_bdlm.models.dflash.training.objective import gather_positions, select_anchors
 
     data = teacher_features if loss == "kl" else features
     drafter = fixtures.tiny_drafter(target)
@@ -206,7 +206,7 @@ def test_a_target_folder_gives_only_its_embedding_and_head_and_the_same_training
 
 
 def test_deferred_features_read_exactly_the_rows_asked_and_zero_past_a_records_end(features, target):
-    from hf_bdlm.models.dflash.trainer import DeferredFeatures, DFlashFeatureCollator
+    from hf_bdlm.models.dflash.training.trainer import DeferredFeatures, DFlashFeatureCollator
 
     store = FeatureStore(features)
     rows = [dict(input_ids=store.record(i)[0].tolist(), completion_mask=store.record(i)[1].long().tolist(),
@@ -249,7 +249,7 @@ PARALLEL = [f"{name}/{layout}" for name, (_, _, layouts) in fixtures.RUNS.items(
 def test_two_processes_train_like_one_on_the_same_global_batch(parallel_runs, run):
     reference, (rank0, rank1) = parallel_runs
     if not fixtures.sharded_forward_exists() and not run.endswith("/dp"):
-        pytest.skip("the sharded forward (hf_bdlm.models.dflash.sharded) is not built")
+        pytest.skip("the sharded forward (hf_bdlm.models.dflash.training.sharded) is not built")
     want, got = reference[run.split("/")[0] + "/p1"], rank0[run]
     assert got["steps"] == want["steps"] == [1, 2, 3]
     assert rel(got["losses"], want["losses"]) <= TOL, (got["losses"], want["losses"])
@@ -334,7 +334,7 @@ def test_the_recipe_config_names_real_fields_and_asks_for_csbp_on_two_processes(
 
 
 def test_the_recipe_answers_captures_trains_measures_and_saves_for_a_tiny_target(tmp_path):
-    from hf_bdlm.models.dflash.export import check_serving_inventory
+    from hf_bdlm.models.dflash.inference.export import check_serving_inventory
 
     folder = tmp_path / "target"
     tiny = fixtures.tiny_target(layers=6)  # 6 layers: the default rule spreads 2 feature layers over them

@@ -28,7 +28,7 @@ from hf_bdlm.models.diffusion_gemma.modeling import (
     softcapped_logits,
 )
 from hf_bdlm.objectives import get_objective
-from hf_bdlm.models.diffusion_gemma.objective import DiffusionGemmaObjective
+from hf_bdlm.models.diffusion_gemma.training.objective import DiffusionGemmaObjective
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_diffusion_gemma import B, EOS, PAD, TURN_END, VOCAB, W, conversations, tiny_tokenizer  # noqa: E402
@@ -440,7 +440,7 @@ def test_packaged_card_template_is_the_model_cards_copy():
 
 # --- what vLLM and SGLang read ----------------------------------------------------------------------------------------
 # Every field vLLM 0.34.0's and SGLang 0.5.23's DiffusionGemma paths read, and where (read in their released wheels;
-# hf_bdlm.models.diffusion_gemma.engines keeps the same list with the same references):
+# hf_bdlm.models.diffusion_gemma.inference.engines keeps the same list with the same references):
 ENGINE_CONFIG_FIELDS = {
     # vllm/model_executor/models/registry.py:429; sglang/srt/dllm/config.py:56,63-66 (the path is chosen by name)
     "architectures": ["DiffusionGemmaForBlockDiffusion"],
@@ -475,7 +475,7 @@ ENGINE_GENERATION_FIELDS = {
 def test_a_checkpoint_the_trainer_saves_carries_every_field_vllm_and_sglang_read(tmp_path):
     from transformers import AutoConfig, GenerationConfig
 
-    from hf_bdlm.models.diffusion_gemma.engines import engine_field_problems
+    from hf_bdlm.models.diffusion_gemma.inference.engines import engine_field_problems
 
     model = tiny_model()  # built from a config: its generation config leaves the decoding settings unset (null)
     unset = copy.deepcopy(model.generation_config)

@@ -1,4 +1,4 @@
-"""DiffusionGemma under block parallelism (hf_bdlm/models/diffusion_gemma/sharded.py): the plan of a frame's canvas blocks,
+"""DiffusionGemma under block parallelism (hf_bdlm/models/diffusion_gemma/training/sharded.py): the plan of a frame's canvas blocks,
 the whole-model exactness of every layout, the bytes each rank receives, and the 26B recipe's CSBP + FSDP2 training
 run under `accelerate launch` (scaled down) that follows the single process step by step.
 
@@ -24,7 +24,7 @@ from hf_bdlm.attention.masks import CLEAN, NOISY, MaskRule, count_allowed_pairs,
 from hf_bdlm.attention.rows import RowMeta
 from hf_bdlm.models.diffusion_gemma.modeling import diffusion_gemma_rule
 from hf_bdlm.objectives import get_objective
-from hf_bdlm.models.diffusion_gemma.sharded import frame_padding
+from hf_bdlm.models.diffusion_gemma.training.sharded import frame_padding
 from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.parallel.plan import PlanConfig, make_plan, noisy_subset_multiple, subset_sequence_multiple
 from torchrun import ROOT, SharedJob  # noqa: E402

@@ -209,6 +209,76 @@ def private_imports(root: Path, package: str = PACKAGE) -> list[str]:
     return found
 
 
+# --- the rooms inside a model family ------------------------------------------------------------------------------
+# A family folder opens with its model (configuration.py, modeling.py, family.py at its top); the rest sits in
+# subfolders by role. Bottom to top: the model (the top-level modules but the entry's), inference (decoding, serving,
+# likelihood, exports), training (trainer, objectives, sharded forward, capture: a trainer may replay decoding to
+# evaluate), studies (benchmarks, planner workloads, projections), and the entry (family.py, the card, the command
+# table, the package face) that hands the rest out. A module imports its own room and the rooms below it.
+FAMILY_ROOMS = ("model", "inference", "training", "studies", "entry")
+ENTRY_MODULES = ("family", "card", "commands", "cli")  # cli: until the command tables replace it
+
+
+def family_room(module: str) -> tuple[str, str] | None:
+    """``(family, room inside it)`` of a module in a family's folder, or ``None`` outside the families."""
+    parts = module.split(".")[1:]
+    if len(parts) < 2 or parts[0] != "models":
+        return None
+    rest = parts[2:]
+    if not rest or rest[0] in ENTRY_MODULES:
+        return parts[1], "entry"
+    if rest[0] in FAMILY_ROOMS[1:4]:
+        return parts[1], rest[0]
+    return parts[1], "model"
+
+
+def family_upward_imports(graph: dict[str, dict[str, int]], files: dict[str, Path]) -> list[str]:
+    """``file:line`` of every import, inside one family, of a room of that family above the importer's."""
+    order = {room: i for i, room in enumerate(FAMILY_ROOMS)}
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = family_room(module)
+        for target, line in sorted(targets.items(), key=lambda item: item[1]):
+            there = family_room(target)
+            if here and there and here[0] == there[0] and order[there[1]] > order[here[1]]:
+                found.append(f"{files[module]}:{line}: {module} (room {here[1]!r}) imports {target} (room "
+                             f"{there[1]!r}, above it)")
+    return found
+
+
+def test_each_family_folder_opens_with_its_model_and_its_rooms_point_down():
+    families = ROOT / PACKAGE / "models"
+    folders = sorted(p for p in families.iterdir() if (p / "__init__.py").is_file())
+    assert [p.name for p in folders] == ["block_diffusion", "dflash", "diffusion_gemma"]
+    for folder in folders:
+        top = {p.name for p in folder.glob("*.py")}
+        assert {"configuration.py", "modeling.py", "family.py"} <= top, f"{folder}: {sorted(top)}"
+        subfolders = {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
+        assert subfolders <= {"generation", *FAMILY_ROOMS[1:4]}, f"{folder}: {sorted(subfolders)}"
+    graph = import_graph(ROOT)
+    upward = family_upward_imports(graph, package_files(ROOT))
+    assert not upward, "imports that point up a family's rooms (tests/test_layering.py FAMILY_ROOMS):\n" + \
+        "\n".join(upward)
+
+
+def test_the_family_room_check_finds_an_upward_import(tmp_path):
+    pkg = tmp_path / PACKAGE / "models" / "toy"
+    for folder in ("training", "studies"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    for init in (tmp_path / PACKAGE / "__init__.py", tmp_path / PACKAGE / "models" / "__init__.py", pkg / "__init__.py"):
+        init.write_text("")
+    (pkg / "modeling.py").write_text("def f():\n    from .training import trainer\n")  # model -> training: up
+    (pkg / "training" / "trainer.py").write_text("from ..studies import bench\nfrom .. import modeling\n")
+    (pkg / "studies" / "bench.py").write_text("from ..training import trainer\n")  # studies -> training: down
+    found = family_upward_imports(import_graph(tmp_path), package_files(tmp_path))
+    assert found == [
+        f"{Path('hf_bdlm/models/toy/modeling.py')}:2: hf_bdlm.models.toy.modeling (room 'model') imports "
+        "hf_bdlm.models.toy.training.trainer (room 'training', above it)",
+        f"{Path('hf_bdlm/models/toy/training/trainer.py')}:1: hf_bdlm.models.toy.training.trainer (room 'training') "
+        "imports hf_bdlm.models.toy.studies.bench (room 'studies', above it)"]
+
+
 def package_files(root: Path) -> dict[str, Path]:
     return {name: path.relative_to(root) for name, (path, _) in module_files(root).items()}
 

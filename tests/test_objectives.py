@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.attention.masks import CLEAN, NOISY
 from hf_bdlm.attention.rows import vectorized_rows
-from hf_bdlm.models.block_diffusion.objectives import (
+from hf_bdlm.models.block_diffusion.training.objectives import (
     FastDLLMv2CausalCleanObjective,
     FastDLLMv2Objective,
     StandardObjective,

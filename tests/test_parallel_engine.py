@@ -161,7 +161,7 @@ def test_diffusion_gemma_passes_send_their_head_with_named_collectives(seen, mod
     from tiny_diffusion_gemma import make_batch
 
     from hf_bdlm.models.diffusion_gemma.modeling import diffusion_gemma_rule
-    from hf_bdlm.models.diffusion_gemma.sharded import ShardedDiffusionGemmaLayout, frame_padding
+    from hf_bdlm.models.diffusion_gemma.training.sharded import ShardedDiffusionGemmaLayout, frame_padding
     from hf_bdlm.objectives import get_objective
 
     dims = ParallelDims(2, mode=mode)

@@ -157,7 +157,7 @@ def _score_requests(n: int):
 def test_a_capture_counts_its_records_once_per_batch(tmp_path, bars):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_bdlm.models.dflash.capture import capture_features
+    from hf_bdlm.models.dflash.training.capture import capture_features
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

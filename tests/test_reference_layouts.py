@@ -22,7 +22,7 @@ from dllm_parallel.core.attention.layout import (
 )
 from dllm_parallel.core.schedules.block import build_block_schedule
 
-from hf_bdlm.models.diffusion_gemma.sharded import canvas_slots
+from hf_bdlm.models.diffusion_gemma.training.sharded import canvas_slots
 from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.parallel.plan import PlanConfig, make_plan
 

@@ -33,7 +33,7 @@ from hf_bdlm.attention import MaskRule, dense_mask, vectorized_rows
 from hf_bdlm.attention.masks import CLEAN, NOISY, TILE_FULL, TILE_NONE, TILE_PARTIAL, tile_classes
 from hf_bdlm.attention.rows import RowMeta, stream_rows
 from hf_bdlm.attention.tiles import plan_attention, split_chunks
-from hf_bdlm.models.block_diffusion.objectives import StandardObjective
+from hf_bdlm.models.block_diffusion.training.objectives import StandardObjective
 from hf_bdlm.objectives import get_objective, hash_uniform
 from hf_bdlm.objectives.noise import SALT_BLOCK_T, SALT_TOKEN_MASK, stratified_block_t, token_uniform
 

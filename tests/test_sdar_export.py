@@ -32,7 +32,7 @@ from benchmarks.sdar_engines import (
 from hf_bdlm import convert_causal_lm
 from hf_bdlm.cli import main
 from hf_bdlm.models.block_diffusion.generation import BlockDiffusionGenerationConfig, resolve_settings
-from hf_bdlm.models.block_diffusion.export_sdar import (
+from hf_bdlm.models.block_diffusion.inference.export_sdar import (
     SDAR_MASK_TOKEN_ID,
     SDARExportError,
     check_sdar_folder,

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai", reason="the serving tests need the openai
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
 
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
-from hf_bdlm.models.dflash.serving import SpeculativeServingDecoder  # noqa: E402
+from hf_bdlm.models.dflash.inference.serving import SpeculativeServingDecoder  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, parse_request  # noqa: E402
 
@@ -146,7 +146,7 @@ def test_served_acceptance_equals_the_recipes_measurement(engine):
     """`hf-bdlm serve --draft` accepts as many tokens per target forward as `speculative_generate` (what the DFlash
     recipe measures after training) on the same prompts: the same target forwards for the same tokens."""
     from hf_bdlm.benchmarks.decoding import ForwardMeter, serve_decode
-    from hf_bdlm.models.dflash.speculative import speculative_generate
+    from hf_bdlm.models.dflash.inference.speculative import speculative_generate
 
     decoder = engine.decoder
     acceptance = []

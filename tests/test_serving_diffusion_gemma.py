@@ -26,7 +26,7 @@ pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicor
 
 from transformers import BertConfig  # noqa: E402
 
-from hf_bdlm.models.diffusion_gemma.serving import DiffusionGemmaServingDecoder  # noqa: E402
+from hf_bdlm.models.diffusion_gemma.inference.serving import DiffusionGemmaServingDecoder  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))

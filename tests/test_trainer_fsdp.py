@@ -381,7 +381,7 @@ def test_diffusion_gemma_fsdp2_units_are_the_layer_pairs(tmp_path):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from tiny_diffusion_gemma import tiny_model
 
-    from hf_bdlm.models.diffusion_gemma.fsdp import shard_diffusion_gemma
+    from hf_bdlm.models.diffusion_gemma.training.fsdp import shard_diffusion_gemma
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, transformer_cls_names_to_wrap=["Gemma4VisionEncoderLayer"])
     with pytest.raises(ValueError, match="DiffusionGemma's FSDP2 units are its encoder/decoder layer pairs"):

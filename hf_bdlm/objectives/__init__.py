@@ -2,7 +2,7 @@
 
 What every objective shares: the contract (``base``, which each model family's objectives subclass in its folder
 under ``hf_bdlm/models/``: the block-diffusion family's ``standard`` and ``fast_dllm_v2`` in
-``models/block_diffusion/objectives/``), layout-invariant noise (``noise``) and the seeded draws of likelihood bounds
+``models/block_diffusion/training/objectives/``), layout-invariant noise (``noise``) and the seeded draws of likelihood bounds
 (``likelihood``). Build any family's objective by name (the registry finds its family)::
 
     from hf_bdlm.objectives import get_objective

@@ -61,7 +61,7 @@ FAMILY_COMMANDS = ("hf_bdlm.models.dflash.cli",)
 # `hf-bdlm bench` studies a family owns: study name -> module with ``add_arguments(group)``, optionally
 # ``check_arguments(cfg, args)`` (refuses bad options before anything runs), ``run(cfg, args, out)`` (returns the
 # records) and ``report(records) -> str`` (the summary section).
-FAMILY_STUDIES = {"drafter": "hf_bdlm.models.dflash.benchmark"}
+FAMILY_STUDIES = {"drafter": "hf_bdlm.models.dflash.studies.benchmark"}
 # `hf-bdlm export --format NAME` formats a family writes for serving engines: name -> module with
 # ``add_arguments(group)`` (argparse only at import) and ``run_export(args)`` (``args.source``, ``args.output``,
 # ``args.push_to_hub``, ``args.private``, ``args.overwrite`` and its own options; returns the exit code).

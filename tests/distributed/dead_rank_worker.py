@@ -116,7 +116,7 @@ def build_trainer(family: str, out: Path, mode: str, P: int, wrapper: str, featu
         from dflash_trainer_worker import config, tiny_drafter, tiny_target
         from trainer_common import tiny_tokenizer
 
-        from hf_bdlm.models.dflash.trainer import DFlashTrainer
+        from hf_bdlm.models.dflash.training.trainer import DFlashTrainer
 
         target = tiny_target()
         args = config(out, **{k: v for k, v in common.items() if k != "output_dir"})

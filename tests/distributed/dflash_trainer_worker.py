@@ -62,7 +62,7 @@ def progression_records(count: int = 16, seed: int = 0) -> list[dict]:
 
 
 def capture(out: Path, target=None, layer_ids=LAYER_IDS, records=None) -> Path:
-    from hf_bdlm.models.dflash.capture import capture_features
+    from hf_bdlm.models.dflash.training.capture import capture_features
 
     folder = out / "features"
     capture_features(target if target is not None else tiny_target(), records or progression_records(),
@@ -83,7 +83,7 @@ def tiny_drafter(target, dflash2: bool = True, seed: int = 1, **overrides):
 
 
 def config(out: Path, **overrides):
-    from hf_bdlm.models.dflash.trainer_config import DFlashTrainingConfig
+    from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig
 
     values = dict(output_dir=str(out), report_to="none", max_steps=STEPS, logging_steps=1,
                   per_device_train_batch_size=4, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
@@ -93,7 +93,7 @@ def config(out: Path, **overrides):
 
 
 def train(out: Path, features: Path, target, dflash2: bool | str = True, **overrides) -> dict:
-    from hf_bdlm.models.dflash.trainer import DFlashTrainer
+    from hf_bdlm.models.dflash.training.trainer import DFlashTrainer
 
     drafter = tiny_drafter(target, dflash2 is not False, **DRAFTERS.get(dflash2, {}))
     trainer = DFlashTrainer(drafter, config(out, **overrides), train_dataset=str(features), target=target,
@@ -126,7 +126,7 @@ RUNS = {
 def sharded_forward_exists() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("hf_bdlm.models.dflash.sharded") is not None
+    return importlib.util.find_spec("hf_bdlm.models.dflash.training.sharded") is not None
 
 
 def scenario_reference(out: Path, features: Path, target) -> dict:

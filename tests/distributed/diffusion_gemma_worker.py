@@ -6,7 +6,7 @@ For each case (P, mode, clean ring C, transport, self-conditioning, batch kind, 
 DiffusionGemma and batch, computes the single-process loss and gradients (`DiffusionGemmaObjective.loss` with the
 default frame) and then its own rows of the sharded layout (the frame padded as the layout needs); the group's summed
 losses and the data-parallel mean of the gradients must equal the reference. K/V bytes received are recorded with
-the formulas of hf_bdlm/models/diffusion_gemma/sharded.py: all-gathers of the full layer and the W - 1 halos of the
+the formulas of hf_bdlm/models/diffusion_gemma/training/sharded.py: all-gathers of the full layer and the W - 1 halos of the
 sliding layer.
 """
 
@@ -26,7 +26,7 @@ from tiny_diffusion_gemma import B, EOS, HEAD_DIM, HKV, TURN_END, VOCAB, W, floa
 from hf_bdlm.models.diffusion_gemma.modeling import diffusion_gemma_rule
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.parallel.collectives import ByteMeter
-from hf_bdlm.models.diffusion_gemma.sharded import ShardedDiffusionGemmaLayout, frame_padding
+from hf_bdlm.models.diffusion_gemma.training.sharded import ShardedDiffusionGemmaLayout, frame_padding
 from hf_bdlm.parallel.dims import ParallelDims
 from hf_bdlm.parallel.groups import BlockParallelGroups
 from hf_bdlm.parallel.plan import PlanConfig
@@ -58,7 +58,7 @@ def halo_rows(ranges, starts, held) -> int:
 
 
 def expected_bytes(case, layout, corrupted, dtype) -> dict:
-    """K/V bytes this rank receives per the table of hf_bdlm/models/diffusion_gemma/sharded.py."""
+    """K/V bytes this rank receives per the table of hf_bdlm/models/diffusion_gemma/training/sharded.py."""
     frame = corrupted.frame
     s = torch.finfo(dtype).bits // 8
     b, F, Nc = frame.clean_ids.shape[0], frame.frame_length, frame.num_canvas_rows

@@ -139,7 +139,7 @@ def run_diffusion_gemma_case(case: dict, groups: BlockParallelGroups) -> tuple[d
     from tiny_diffusion_gemma import B as DG_B, make_batch as dg_batch
 
     from hf_bdlm.models.diffusion_gemma.modeling import diffusion_gemma_rule
-    from hf_bdlm.models.diffusion_gemma.sharded import ShardedDiffusionGemmaLayout
+    from hf_bdlm.models.diffusion_gemma.training.sharded import ShardedDiffusionGemmaLayout
 
     P, D = case["P"], groups.num_groups
     model = dg_build(case)

@@ -95,7 +95,7 @@ def _backbone_text(backbone: dict) -> str:
 
 
 def _objective_text(objective: str, weighting: str | None) -> str:
-    text = f"`{objective}` — " + OBJECTIVE_TEXT.get(objective, "see hf_bdlm.models.block_diffusion.objectives")
+    text = f"`{objective}` — " + OBJECTIVE_TEXT.get(objective, "see hf_bdlm.models.block_diffusion.training.objectives")
     if objective == "standard" and weighting in _WEIGHTINGS:
         text += ", " + _WEIGHTINGS[weighting]
     return text

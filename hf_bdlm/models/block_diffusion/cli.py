@@ -30,7 +30,7 @@ def run_export(args) -> int:
     import torch
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from .export_sdar import (SDARExportError, check_sdar_folder, export_sdar, launch_commands, push_sdar_to_hub,
+    from .inference.export_sdar import (SDARExportError, check_sdar_folder, export_sdar, launch_commands, push_sdar_to_hub,
                               sdar_problems)
 
     source = Path(args.source)

@@ -64,7 +64,7 @@ def convert_causal_lm(
             the causal LM's own, for `fast_dllm_v2_causal_clean`).
         objective (`str`, defaults to `"fast_dllm_v2"`):
             Default training objective: `"fast_dllm_v2"` or `"fast_dllm_v2_causal_clean"` (token shift keeps the LM
-            head's meaning; see `hf_bdlm.models.block_diffusion.objectives.fast_dllm_v2`), or `"standard"` (no shift: the model SGLang and
+            head's meaning; see `hf_bdlm.models.block_diffusion.training.objectives.fast_dllm_v2`), or `"standard"` (no shift: the model SGLang and
             LMDeploy serve once trained, `docs/deploy.md`).
         seed (`int`, defaults to 0):
             Seed of the draw of the added mask token's embedding row (around the mean of the others). Drawn from

@@ -18,7 +18,7 @@ from ...protocols.family import ModelFamily
 from ...protocols.step import unwrap_model
 from .configuration import BlockDiffusionConfig
 from .modeling import BlockDiffusionForMaskedLM
-from .objectives import OBJECTIVE_CLASSES
+from .training.objectives import OBJECTIVE_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class BlockDiffusionFamily(ModelFamily):
         return model, tokenizer
 
     def serving_decoder(self, model, tokenizer):
-        from .serving import BlockDiffusionServingDecoder
+        from .inference.serving import BlockDiffusionServingDecoder
 
         return BlockDiffusionServingDecoder(model, tokenizer)
 
@@ -108,7 +108,7 @@ class BlockDiffusionFamily(ModelFamily):
         return variants
 
     def likelihood_scorer(self, model, tokenizer):
-        from .likelihood import BlockDiffusionLikelihoodScorer
+        from .inference.likelihood import BlockDiffusionLikelihoodScorer
 
         return BlockDiffusionLikelihoodScorer(model, tokenizer)
 

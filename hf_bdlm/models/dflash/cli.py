@@ -94,7 +94,7 @@ def add_parsers(subparsers) -> None:
 def run_init(args) -> int:
     import torch
 
-    from .export import export_drafter
+    from .inference.export import export_drafter
 
     torch.manual_seed(args.seed)
     target = _load_target(args.target, args.target_revision)
@@ -115,7 +115,7 @@ def run_capture(args) -> int:
     from transformers import AutoTokenizer
 
     from ...data import load_splits
-    from .capture import capture_features, tokenize_records
+    from .training.capture import capture_features, tokenize_records
 
     path = _target_path(args.target)
     target = _load_target(args.target, args.target_revision, dtype=args.dtype, device=args.device)
@@ -148,7 +148,7 @@ def run_capture(args) -> int:
 def run_export(args) -> int:
     import torch
 
-    from .export import export_drafter, push_drafter_to_hub
+    from .inference.export import export_drafter, push_drafter_to_hub
 
     checkpoint = Path(args.checkpoint)
     config_path = checkpoint / "config.json"
@@ -167,7 +167,7 @@ def run_export(args) -> int:
 
 
 def run_check(args) -> int:
-    from .export import check_serving_inventory
+    from .inference.export import check_serving_inventory
 
     print(json.dumps(check_serving_inventory(args.folder), indent=2))
     return 0
@@ -231,7 +231,7 @@ def _training_facts(checkpoint: Path) -> dict:
 
 
 def _print_served(folder: Path) -> None:
-    from .export import check_serving_inventory
+    from .inference.export import check_serving_inventory
 
     report = check_serving_inventory(folder)
     provenance = json.loads((folder / "training_export.json").read_text())

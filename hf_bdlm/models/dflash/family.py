@@ -2,11 +2,11 @@
 
 A drafter folder says ``model_type: "qwen3"`` (the serving engines' contract) and ``architectures:
 ["DFlash2DraftModel"]``: the registry finds this family by the architecture. What the family brings to the trainer
-(:class:`~hf_bdlm.models.dflash.trainer.DFlashTrainer`, `BDLMSFTTrainer` with the capture's data and collator):
+(:class:`~hf_bdlm.models.dflash.training.trainer.DFlashTrainer`, `BDLMSFTTrainer` with the capture's data and collator):
 
 - loading: the drafter (object or folder) bound to its target's frozen input embedding and LM head, read alone from
   the target's weights files (:func:`load_target_heads`: the whole target is never loaded to train from features);
-- the `dflash` objective (:class:`~hf_bdlm.models.dflash.trainer.DFlashTrainingObjective`) from the run's fields;
+- the `dflash` objective (:class:`~hf_bdlm.models.dflash.training.trainer.DFlashTrainingObjective`) from the run's fields;
 - the step: the drafter's forward over this rank's context rows and anchors, and the loss of its share of the batch
   (the objective drives the drafter's parts, so the step runs as a :class:`~hf_bdlm.protocols.step.TrainingStep`);
 - the model card (the exported drafter's, :mod:`.export`), and ``hf-bdlm serve TARGET --draft DIR``.
@@ -86,7 +86,7 @@ class DFlashFamily(ModelFamily):
 
     def load_speculative_for_serving(self, target_path, draft_path, init_kwargs, device=None,
                                      num_speculative_tokens=None):
-        from .serving import load_speculative
+        from .inference.serving import load_speculative
 
         return load_speculative(target_path, draft_path, init_kwargs, device, num_speculative_tokens)
 
@@ -101,7 +101,7 @@ class DFlashFamily(ModelFamily):
                                                   f"verifies {n} proposals per forward") for n in counts}
 
     def objective_class(self, name: str):
-        from .trainer import DFlashTrainingObjective
+        from .training.trainer import DFlashTrainingObjective
 
         return DFlashTrainingObjective
 
@@ -109,8 +109,8 @@ class DFlashFamily(ModelFamily):
         """The objective's options (built once into a `DFlashObjectiveConfig`, which names a bad value), and the
         distribution a drafter trains with (DDP and block parallelism; not FSDP2, DeepSpeed, tensor parallelism or
         packing)."""
-        from .objective import DFlashObjectiveConfig
-        from .trainer_config import OBJECTIVE_FIELDS
+        from .training.objective import DFlashObjectiveConfig
+        from .training.config import OBJECTIVE_FIELDS
 
         if args.objective not in self.objectives:
             return
@@ -142,9 +142,9 @@ class DFlashFamily(ModelFamily):
     def configure(self, model, args, tokenizer):
         """The `dflash` objective for the drafter: its block size and mask id, the run's options and seed. The
         candidate selector is frozen unless the D-PACE loss trains it (an untouched parameter would stall DDP)."""
-        from .objective import DFlashObjectiveConfig
-        from .trainer import DFlashTrainingObjective
-        from .trainer_config import OBJECTIVE_FIELDS
+        from .training.objective import DFlashObjectiveConfig
+        from .training.trainer import DFlashTrainingObjective
+        from .training.config import OBJECTIVE_FIELDS
 
         drafter = unwrap_model(model)
         block = drafter.config.block_size
@@ -165,7 +165,7 @@ class DFlashFamily(ModelFamily):
 
     def layout(self, plugin, model, objective, corrupted):
         """Which context rows and anchors this rank runs for one batch (:func:`draft_layout`)."""
-        from .trainer import draft_layout
+        from .training.trainer import draft_layout
 
         return draft_layout(plugin, model, corrupted)
 
@@ -181,7 +181,7 @@ class DFlashFamily(ModelFamily):
         the trainer on save, or by ``export_drafter``)."""
         from pathlib import Path
 
-        from .export import PROVENANCE, render_card
+        from .inference.export import PROVENANCE, render_card
 
         if not (Path(directory) / PROVENANCE).is_file():
             raise FileNotFoundError(f"{directory} has no {PROVENANCE}: save the drafter with DFlashTrainer or export "
@@ -194,7 +194,7 @@ class DFlashFamily(ModelFamily):
         """Drafter training on 8 H100 at 512K and 1M beside the published 2.48x / 7.59x (:mod:`.projection`), then the
         reference recipe's constants switched in one after another."""
         from ...planner.hardware import device_spec
-        from .projection import (format_projection, format_reference_readings, project_drafter_training,
+        from .studies.projection import (format_projection, format_reference_readings, project_drafter_training,
                                  reference_readings)
 
         device = device_spec("h100", None, efficiency)
@@ -205,7 +205,7 @@ class DFlashFamily(ModelFamily):
 
 def _field_of(message: str) -> str:
     """The config field a `DFlashObjectiveConfig` message is about (its first word after the colon)."""
-    from .trainer_config import OBJECTIVE_FIELDS
+    from .training.config import OBJECTIVE_FIELDS
 
     word = message.split(":", 1)[-1].split()[0] if ":" in message else ""
     return OBJECTIVE_FIELDS.get(word, word) or "?"

@@ -249,7 +249,7 @@ def apply_rotary(states: torch.Tensor, rotary: Rotary) -> torch.Tensor:
 
 class ContextAttention(Protocol):
     """Where a layer's draft queries find their context when it is not one local tensor of projected features: the
-    sharded training forward (``hf_bdlm.models.dflash.sharded``, whose context rows live on several ranks) and
+    sharded training forward (``hf_bdlm.models.dflash.training.sharded``, whose context rows live on several ranks) and
     decoding from a :class:`DFlashContextCache` (whose keys and values were projected when their rows were committed).
 
     A layer's attention passes itself and its queries; the provider returns partial attention results over disjoint

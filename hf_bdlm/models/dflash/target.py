@@ -76,7 +76,6 @@ def load_target_heads(name_or_path: str, *, revision: str | None = None, dtype: 
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .capture import decoder_of
 
     path = resolve_target_path(name_or_path)
     config = AutoConfig.from_pretrained(path, revision=revision)
@@ -156,3 +155,13 @@ def drafter_class(config):
         raise ValueError(f"config.architectures names {name!r}; a DFlash drafter is a 'DFlash2DraftModel' or a "
                          "'DFlashDraftModel'.")
     return getattr(modeling, name)
+
+
+def decoder_of(target):
+    """The decoder stack to run (a causal LM's base model: no LM head, no logits) and the text config."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
+    if decoder is None or not hasattr(decoder, "get_input_embeddings"):
+        raise TypeError(f"the target must be a transformers causal LM (or its decoder), got {type(target).__name__}.")
+    config = getattr(decoder, "config", None) or target.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return decoder, config

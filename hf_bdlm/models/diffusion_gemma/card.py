@@ -20,7 +20,7 @@ from ...protocols.card_parts import (
     render_card_template,
     trained_card_values,
 )
-from .engines import decoding_settings, launch_commands
+from .inference.engines import decoding_settings, launch_commands
 
 OBJECTIVE_TEXT = "DiffusionGemma, uniform-state noise with self-conditioning, plus the encoder's next-token loss"
 

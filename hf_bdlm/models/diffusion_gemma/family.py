@@ -24,7 +24,8 @@ from .modeling import (
     unwrap_diffusion_gemma,
     use_block_diffusion_attention,
 )
-from .objective import DEFAULT_NOISE_EPS, MODEL_PREDICTION_TYPES, DiffusionGemmaObjective
+from .configuration import DEFAULT_NOISE_EPS, MODEL_PREDICTION_TYPES
+from .training.objective import DiffusionGemmaObjective
 
 # The objective feeds text only: the vision tower never gets a gradient (frozen, so that DDP expects none).
 VISION_PARAMETER_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
@@ -63,7 +64,7 @@ class DiffusionGemmaFamily(ModelFamily):
         return model, tokenizer
 
     def serving_decoder(self, model, tokenizer):
-        from .serving import DiffusionGemmaServingDecoder
+        from .inference.serving import DiffusionGemmaServingDecoder
 
         return DiffusionGemmaServingDecoder(unwrap_diffusion_gemma(model), tokenizer)
 
@@ -81,7 +82,7 @@ class DiffusionGemmaFamily(ModelFamily):
                     description="as many denoising steps as the canvas has tokens, no adaptive stop")}
 
     def likelihood_scorer(self, model, tokenizer):
-        from .likelihood import DiffusionGemmaLikelihoodScorer
+        from .inference.likelihood import DiffusionGemmaLikelihoodScorer
 
         return DiffusionGemmaLikelihoodScorer(model, tokenizer)
 
@@ -118,7 +119,7 @@ class DiffusionGemmaFamily(ModelFamily):
         as truncated (its fill is not supervised). With `freeze_router` (default) the MoE routers stop training. The
         model's attention is routed through hf_bdlm when a layout is passed (``generate`` is unchanged).
         """
-        from .sharded import frame_padding
+        from .training.sharded import frame_padding
 
         dg = unwrap_diffusion_gemma(model)
         canvas = dg.config.canvas_length
@@ -153,7 +154,7 @@ class DiffusionGemmaFamily(ModelFamily):
                 param.requires_grad_(False)
         use_block_diffusion_attention(dg)
         if getattr(dg, "generation_config", None) is not None:
-            from .engines import fill_decoding_settings
+            from .inference.engines import fill_decoding_settings
 
             # The decoding settings generate would fill in at each call, written down: the checkpoints this run saves
             # carry them, so vLLM (which reads them from generation_config.json) decodes as generate does.
@@ -169,7 +170,7 @@ class DiffusionGemmaFamily(ModelFamily):
 
     def layout(self, plugin, model, objective, corrupted):
         """This rank's rows of the batch's canvas frame (:func:`.sharded.diffusion_gemma_layout`)."""
-        from .sharded import diffusion_gemma_layout
+        from .training.sharded import diffusion_gemma_layout
 
         return diffusion_gemma_layout(corrupted.frame, plugin.sharding_groups(), objective.attention_backend)
 
@@ -180,7 +181,7 @@ class DiffusionGemmaFamily(ModelFamily):
         return run_step(runner, objective.zero_loss, inputs, self_conditioning_pass=bool(optional_pass))
 
     def shard_fsdp(self, model, fully_shard_kwargs, fsdp_plugin):
-        from .fsdp import shard_diffusion_gemma
+        from .training.fsdp import shard_diffusion_gemma
 
         return shard_diffusion_gemma(model, fully_shard_kwargs, fsdp_plugin)
 

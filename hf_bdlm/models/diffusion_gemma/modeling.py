@@ -85,10 +85,6 @@ def is_diffusion_gemma(model) -> bool:
     return unwrap_diffusion_gemma(model) is not None
 
 
-def is_diffusion_gemma_config(config) -> bool:
-    return getattr(config, "model_type", None) == "diffusion_gemma"
-
-
 def canvas_length(model) -> int:
     return int(unwrap_diffusion_gemma(model).config.canvas_length)
 
@@ -482,7 +478,7 @@ class DiffusionGemmaLayout:
     ``attend`` is called by every attention module of the model (through the registered attention function): an
     encoder module attends its clean queries over the clean keys; a decoder module receives ``[clean ; canvas]`` keys
     (the cache, then its own) and attends its canvas queries over both sources. A block-parallel rank's layout
-    (:class:`hf_bdlm.models.diffusion_gemma.sharded.ShardedDiffusionGemmaLayout`) keeps this interface with only its rows:
+    (:class:`hf_bdlm.models.diffusion_gemma.training.sharded.ShardedDiffusionGemmaLayout`) keeps this interface with only its rows:
     the encoder runs over its clean rows (the cache holds their K/V, which its layout gathers over the clean ring),
     the decoder over its canvas blocks, and ``DiffusionGemmaObjective.loss`` scores what it counts
     (``clean_index`` / ``canvas_index`` / ``clean_loss_index``).

@@ -1,0 +1,1 @@
+"""The block_diffusion family's inference: decoding, serving, likelihood and exports for engines."""

@@ -1,0 +1,1 @@
+"""The dflash family's inference: decoding, serving, likelihood and exports for engines."""

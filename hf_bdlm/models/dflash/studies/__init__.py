@@ -1,0 +1,1 @@
+"""The dflash family's studies: benchmarks, planner workloads and projections."""

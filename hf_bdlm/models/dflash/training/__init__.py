@@ -1,0 +1,1 @@
+"""The dflash family's training: its trainer, objectives, sharded forward and what feeds them."""

@@ -1,0 +1,1 @@
+"""The diffusion_gemma family's training: its trainer, objectives, sharded forward and what feeds them."""
