@@ -216,7 +216,9 @@ def test_remote_code_holds_the_whole_model_and_none_of_the_hub_hooks():
     modeling = bundle_remote_code()["modeling_block_diffusion.py"]
     for source in ("attention/masks.py", "attention/rows.py", "attention/tiles.py", "attention/kernels.py",
                    "attention/backends.py", "attention/interface.py", "attention/block_mask.py", "attention/flex.py",
-                   "models/block_diffusion/generation.py",
+                   "models/block_diffusion/generation/config.py", "models/block_diffusion/generation/settings.py",
+                   "models/block_diffusion/generation/cache.py", "models/block_diffusion/generation/context.py",
+                   "models/block_diffusion/generation/loop.py",
                    "models/block_diffusion/modeling.py"):
         assert f"hf_bdlm/{source}" in modeling
     for definition in ("def allowed(", "def plan_attention(", "def bdlm_attention_forward(", "def generate(",
