@@ -18,6 +18,7 @@ import importlib.abc
 import sys
 import threading
 
+from . import moved
 from .version import __version__
 
 # name -> module that defines it, imported on first use.
@@ -138,6 +139,7 @@ if "transformers" in sys.modules:
 else:
     _remove_finder()  # a re-import (importlib.reload) installs one finder, not two
     sys.meta_path.insert(0, _RegisterWithTransformers())
+moved.install()  # old module paths (hf_bdlm/moved.py) still import, with a DeprecationWarning, for one release
 
 
 __all__ = [

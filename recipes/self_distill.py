@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from hf_bdlm.benchmarks.decoding import chat_ids, serve_decode
     from hf_bdlm.data import exact_match, load_arith
-    from hf_bdlm.protocols.family import DecodingRequest
+    from hf_bdlm.protocols.decoding import DecodingRequest
     from hf_bdlm.protocols.registry import family_for_config
     from hf_bdlm.serving.engine import Engine
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--prompts {args.prompts}: the shipped training split has {len(train)} prompts")
     engine = Engine.from_pretrained(args.model, dtype=torch.float32)
     family = family_for_config(engine.model.config)
-    variants = family.decoding_variants(engine.decoder)
+    variants = family.role("serving", args.model).decoding_variants(engine.decoder)
     if "exact techniques" not in variants:
         raise SystemExit(f"{args.model} is a {family.name} model; self-distillation data is written for block-diffusion "
                          f"models (their decoding variants: {sorted(variants)})")

@@ -1,7 +1,7 @@
 """The decoding study of ``hf-bdlm bench --only decoding``: every family's decoding against greedy AR.
 
 Each model is loaded as ``hf-bdlm serve`` loads it (its family found from its config through ``hf_bdlm.models``) and
-decoded by its family's serving decoder in each of the family's named variants (``ModelFamily.decoding_variants``:
+decoded by its family's serving decoder in each of the family's named variants (``ServingSpec.decoding_variants``:
 a block-diffusion model's techniques one by one, a drafter's proposal counts, an encoder-decoder's canvas settings). A
 model's speed is compared with greedy ``generate`` of an AR model: ``--decoding-causal`` (the parent fine-tuned like
 for like) for the diffusion models, the target itself for a drafter. Same held-out prompts (the shipped arithmetic /
@@ -249,7 +249,7 @@ def serve_decode(decoder, prompts: list[list[int]], max_new_tokens: int, ignore_
                  eos: set[int]) -> list[list[int]]:
     """Decode through a family's serving decoder (what ``hf-bdlm serve`` runs); a decoder told to ignore EOS decodes
     the whole budget and its text is cut at the first EOS after."""
-    from ..protocols.family import DecodingRequest
+    from ..protocols.decoding import DecodingRequest
 
     request = DecodingRequest(ignore_eos=ignore_eos, seed=0)
     settings = [decoder.settings(request, len(p), max_new_tokens) for p in prompts]
@@ -327,7 +327,8 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
 
     def family_entry(label: str, engine, family, ar: str) -> None:
         entry = entries[label] = Entry(label, engine.tokenizer)
-        for name, v in family.decoding_variants(engine.decoder).items():
+        role = family.role("drafting" if engine.decoder.speculative else "serving")
+        for name, v in role.decoding_variants(engine.decoder).items():
             eos = v.decoder.eos_token_ids(v.decoder.settings(_request(), 1, 1))
             entry.variants.append(Variant(label, name, family.name, v.decoder, eos, v.ignore_eos, v.reference,
                                           v.baseline, v.description, ar=ar))
@@ -347,7 +348,7 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
 
 
 def _request():
-    from ..protocols.family import DecodingRequest
+    from ..protocols.decoding import DecodingRequest
 
     return DecodingRequest()
 

@@ -18,7 +18,7 @@ trains is scored the way it decodes:
   (``block_size``, ``confidence_threshold``, ``steps_per_block``, ``seed``) or per task in ``gen_kwargs``; it stops
   at ``until`` (the text is cut before the first one) and after ``max_gen_toks`` tokens.
 - ``loglikelihood`` / ``loglikelihood_rolling``: the family's likelihood bound, a Monte-Carlo estimate with
-  ``mc_num`` samples (``ModelFamily.likelihood_scorer``); the standard errors are logged, and kept per request in
+  ``mc_num`` samples (the family's evaluation role, ``EvaluationSpec.likelihood_scorer``); the standard errors are logged, and kept per request in
   ``last_stderrs``. ``is_greedy``: one parallel denoising step from the prior predicts the whole continuation.
 
 **Batch invariance.** Every random draw is a function of ``(seed, request tokens, sample, position)``, and requests
@@ -45,7 +45,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..objectives.likelihood import request_key
 from ..progress import progress_bar
-from ..protocols.family import DecodingRequest, ScoreRequest
+from ..protocols.decoding import DecodingRequest
+
+from ..protocols.likelihood import ScoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ class HFBDLMEvalModel(TemplateLM):
             raise TypeError(f"{type(model).__name__} is not a model of a family hf_bdlm trains "
                             "(hf_bdlm.models.family_names()).")
         self.family, self.tokenizer = family, tokenizer
-        self.decoder = family.serving_decoder(model, tokenizer)
+        self.decoder = family.role("serving").decoder(model, tokenizer)
         self.model = self.decoder.model
         self._scorer = None
         self.batch_size = _positive_int("batch_size", 1 if batch_size is None else batch_size)
@@ -160,7 +162,7 @@ class HFBDLMEvalModel(TemplateLM):
     def scorer(self):
         """The family's likelihood scorer (built on first use: a family without a likelihood raises then)."""
         if self._scorer is None:
-            self._scorer = self.family.likelihood_scorer(self.model, self.tokenizer)
+            self._scorer = self.family.role("evaluation").likelihood_scorer(self.model, self.tokenizer)
         return self._scorer
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -299,7 +301,7 @@ class HFBDLMEvalModel(TemplateLM):
 
 
 def load_for_evaluation(path: str, dtype: str | None, device: str | None, conversion_block_size: int):
-    """``(model, tokenizer)`` of a checkpoint folder, loaded by its family (``ModelFamily.load_for_evaluation``)."""
+    """``(model, tokenizer)`` of a checkpoint folder, loaded by its family's evaluation role (``EvaluationSpec.load``)."""
     from pathlib import Path
 
     from transformers import AutoConfig
@@ -322,7 +324,8 @@ def load_for_evaluation(path: str, dtype: str | None, device: str | None, conver
         logger.warning("device %s is not available here (lm-eval's default); evaluating on the CPU", device)
         device = "cpu"
     config = AutoConfig.from_pretrained(path)
-    model, tokenizer = family_for_config(config).load_for_evaluation(path, config, kwargs, conversion_block_size)
+    model, tokenizer = family_for_config(config).role("evaluation", path).load(path, config, kwargs,
+                                                                             conversion_block_size)
     if device:
         model = model.to(device)
     return model.eval(), tokenizer

@@ -12,7 +12,7 @@ Presets stand for the paper's settings (:func:`presets`): ``gemma3-27b`` here (A
 27B's published sizes, the ``config.json`` of ``google/gemma-3-27b-pt``: hidden 5376, 62 layers, 32 heads, 16 K/V
 heads, head dim 128, MLP 21504, vocabulary 262208, window 1024 on five of every six layers; block size 32, Fast-dLLM
 v2's, token shift and a block-causal clean stream), and those each model family declares
-(:meth:`hf_bdlm.models.ModelFamily.planner_presets`).
+(a family's planning role, ``PlanningSpec.presets``).
 
 The training step modelled is the vectorized BDLM step (docs/design.md §1): ``2L`` rows, noisy rows
 on every block (SFT whose completion spans the sequence); the loss runs the LM head on the noisy
@@ -60,7 +60,7 @@ class ModelSpec:
         window_convention (`str`): ``"per_query"`` or ``"block_start"`` (docs/design.md §1).
         head_on_clean (`bool`): the loss also runs the LM head on the clean rows (an AR loss).
         extra_params (`int`): parameters outside the decoder layers and embeddings (a family's own blocks,
-            e.g. a self-conditioning MLP: ``ModelFamily.cost_traits``); stored and sharded, their FLOPs neglected.
+            e.g. a self-conditioning MLP: ``PlanningSpec.cost_traits``); stored and sharded, their FLOPs neglected.
     """
 
     name: str
@@ -184,9 +184,9 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
     overrides = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
     global_dim = _get(cfg, "global_head_dim", default=head_dim)
     global_kv = _get(cfg, "num_global_key_value_heads", default=kv)
-    # What the model's family adds to the decoder config (hf_bdlm.models: ModelFamily.cost_traits). Global layers
+    # What the model's family adds to the decoder config (its planning role: PlanningSpec.cost_traits). Global layers
     # share K and V when the config says so (Gemma 4's attention_k_eq_v), else as the family's models do.
-    traits = family_for_model_type(outer.get("model_type")).cost_traits(cfg)
+    traits = family_for_model_type(outer.get("model_type")).role("planning").cost_traits(cfg)
     k_eq_v = bool(cfg.get("attention_k_eq_v", traits["k_eq_v"]))
     layers = []
     for i, t in enumerate(types):
@@ -237,10 +237,12 @@ GEMMA3_27B = dict(
 
 def presets() -> dict[str, dict]:
     """The named configs ``--model`` accepts: ``gemma3-27b`` and every model family's
-    (:meth:`~hf_bdlm.models.ModelFamily.planner_presets`)."""
+    (each family's planning role, ``PlanningSpec.presets``)."""
     found = {"gemma3-27b": GEMMA3_27B}
     for entry in REGISTRY:
-        found.update(family_named(entry.name).planner_presets())
+        family = family_named(entry.name)
+        if family.has_role("planning"):
+            found.update(family.role("planning").presets())
     return found
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from .family import ModelFamily
+from .commands import Command, ExportFormat, Study
+from .entry import ModelFamily, RoleUnavailable
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class FamilyEntry:
 
     ``planner_presets``: the names of the presets the family's ``planner_presets()`` returns, so that ``hf-bdlm plan
     --help`` lists them without importing the family's module (tests/test_cli_help.py checks they agree).
+
+    ``commands``: the module of the family's command-line tables (``COMMANDS``, ``EXPORT_FORMATS``, ``STUDIES``:
+    :mod:`hf_bdlm.protocols.commands`), data only, read without importing torch; ``None``: the family has none.
     """
 
     name: str
@@ -43,29 +47,22 @@ class FamilyEntry:
     class_name: str
     architectures: tuple[str, ...] = ()
     planner_presets: tuple[str, ...] = ()
+    commands: str | None = None
 
 
-REGISTRY: tuple[FamilyEntry, ...] = (
+# The families, in the order hosts try them; `register_family` appends one (a family outside this package).
+REGISTRY: list[FamilyEntry] = [
     FamilyEntry("block_diffusion", ("block_diffusion",), ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean"),
-                "hf_bdlm.models.block_diffusion.family", "BlockDiffusionFamily"),
+                "hf_bdlm.models.block_diffusion.family", "BlockDiffusionFamily",
+                commands="hf_bdlm.models.block_diffusion.commands"),
     FamilyEntry("diffusion_gemma", ("diffusion_gemma",), ("diffusion_gemma",),
                 "hf_bdlm.models.diffusion_gemma.family", "DiffusionGemmaFamily",
                 planner_presets=("diffusiongemma-26b-a4b",)),
     FamilyEntry("dflash", (), ("dflash",), "hf_bdlm.models.dflash.family", "DFlashFamily",
-                architectures=("DFlashDraftModel", "DFlash2DraftModel")),
-)
+                architectures=("DFlashDraftModel", "DFlash2DraftModel"), commands="hf_bdlm.models.dflash.commands"),
+]
 # Objectives announced but not built yet (a clear NotImplementedError instead of "unknown").
 PLANNED_OBJECTIVES: tuple[str, ...] = ()
-# Modules of `hf-bdlm` subcommands a family owns, each with ``add_parsers(subparsers)`` (argparse only at import).
-FAMILY_COMMANDS = ("hf_bdlm.models.dflash.cli",)
-# `hf-bdlm bench` studies a family owns: study name -> module with ``add_arguments(group)``, optionally
-# ``check_arguments(cfg, args)`` (refuses bad options before anything runs), ``run(cfg, args, out)`` (returns the
-# records) and ``report(records) -> str`` (the summary section).
-FAMILY_STUDIES = {"drafter": "hf_bdlm.models.dflash.studies.benchmark"}
-# `hf-bdlm export --format NAME` formats a family writes for serving engines: name -> module with
-# ``add_arguments(group)`` (argparse only at import) and ``run_export(args)`` (``args.source``, ``args.output``,
-# ``args.push_to_hub``, ``args.private``, ``args.overwrite`` and its own options; returns the exit code).
-EXPORT_FORMATS = {"sdar": "hf_bdlm.models.block_diffusion.cli"}
 _LOADED: dict[str, ModelFamily] = {}
 
 
@@ -74,12 +71,34 @@ def family_named(name: str) -> ModelFamily:
     found = _LOADED.get(name)
     if found is not None:
         return found
-    entry = next((e for e in REGISTRY if e.name == name), None)
-    if entry is None:
-        raise ValueError(f"no model family named {name!r}; the registered ones are {family_names()}.")
+    entry = entry_named(name)
     family = getattr(importlib.import_module(entry.module), entry.class_name)()
     _LOADED[name] = family
     return family
+
+
+def register_family(entry: FamilyEntry) -> None:
+    """Add a family from outside this package (its folder anywhere importable): one registry line, as the built-in
+    families' above. A name, model type, architecture or objective another family owns is refused."""
+    taken = {
+        "name": {e.name for e in REGISTRY} & {entry.name},
+        "model type": {t for e in REGISTRY for t in e.model_types} & set(entry.model_types),
+        "architecture": {a for e in REGISTRY for a in e.architectures} & set(entry.architectures),
+        "objective": set(all_objectives()) & set(entry.objectives),
+    }
+    clashes = [f"{what} {sorted(values)}" for what, values in taken.items() if values]
+    if clashes:
+        raise ValueError(f"cannot register the {entry.name!r} family: {', '.join(clashes)} already registered "
+                         f"({family_names()}); choose other names.")
+    REGISTRY.append(entry)
+
+
+def entry_named(name: str) -> FamilyEntry:
+    """The registry line of the family ``name``."""
+    entry = next((e for e in REGISTRY if e.name == name), None)
+    if entry is None:
+        raise ValueError(f"no model family named {name!r}; the registered ones are {family_names()}.")
+    return entry
 
 
 def family_names() -> list[str]:
@@ -125,7 +144,8 @@ def get_objective(name: str, config_or_kwargs):
     if not any(name in e.objectives for e in REGISTRY):
         valid = sorted(all_objectives()) + list(PLANNED_OBJECTIVES)
         raise ValueError(f"unknown objective {name!r}; valid names: {valid}.")
-    return family_named(family_for_objective(name).name).objective_class(name).build(config_or_kwargs)
+    family = family_named(family_for_objective(name).name)
+    return family.role("training").objective_class(name).build(config_or_kwargs)
 
 
 def family_for_config(config) -> ModelFamily:
@@ -152,23 +172,33 @@ def converting_family() -> ModelFamily:
     raise RuntimeError("no registered model family converts causal LMs.")
 
 
-def add_family_commands(subparsers) -> None:
-    """Register the `hf-bdlm` subcommands of every family (:data:`FAMILY_COMMANDS`)."""
-    for module in FAMILY_COMMANDS:
-        importlib.import_module(module).add_parsers(subparsers)
+def _family_tables(name: str) -> tuple:
+    """The table ``name`` (``COMMANDS``, ``EXPORT_FORMATS`` or ``STUDIES``) of every family's commands module, joined in
+    registry order."""
+    return tuple(row for e in REGISTRY if e.commands for row in getattr(importlib.import_module(e.commands), name, ()))
 
 
-def add_export_formats(parser) -> None:
-    """Add every export format's options (:data:`EXPORT_FORMATS`) to ``hf-bdlm export``, one argument group each."""
-    for name, module in EXPORT_FORMATS.items():
-        importlib.import_module(module).add_arguments(parser.add_argument_group(f"--format {name}"))
+def family_commands() -> tuple[Command, ...]:
+    """The `hf-bdlm` commands the families own (``hf-bdlm dflash ...``), as tables: no model code imported."""
+    return _family_tables("COMMANDS")
 
 
-def run_export_format(name: str, args) -> int:
-    """Run ``hf-bdlm export --format name``."""
-    if name not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {name!r}; the formats are {sorted(EXPORT_FORMATS)}.")
-    return importlib.import_module(EXPORT_FORMATS[name]).run_export(args)
+def export_formats() -> dict[str, ExportFormat]:
+    """``hf-bdlm export --format NAME``: name -> the format's table, for every format a family writes."""
+    return {f.name: f for f in _family_tables("EXPORT_FORMATS")}
+
+
+def export_format(name: str) -> ExportFormat:
+    """The export format ``name``; an unknown one is refused naming the known ones."""
+    formats = export_formats()
+    if name not in formats:
+        raise ValueError(f"unknown export format {name!r}; the formats are {sorted(formats)}.")
+    return formats[name]
+
+
+def family_studies() -> dict[str, Study]:
+    """``hf-bdlm bench --only NAME``: name -> the study's table, for every study a family owns."""
+    return {s.name: s for s in _family_tables("STUDIES")}
 
 
 def family_for_model(model) -> ModelFamily | None:
@@ -180,7 +210,6 @@ def family_for_model(model) -> ModelFamily | None:
     return None
 
 
-__all__ = ["EXPORT_FORMATS", "FAMILY_COMMANDS", "FAMILY_STUDIES", "PLANNED_OBJECTIVES", "add_export_formats",
-           "add_family_commands", "run_export_format", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
+__all__ = ["PLANNED_OBJECTIVES", "export_format", "export_formats", "family_commands", "family_studies", "REGISTRY", "FamilyEntry", "ModelFamily", "RoleUnavailable", "entry_named", "register_family", "all_objectives", "converting_family",
            "entry_for_model_type", "family_for_config", "family_for_model", "family_for_model_type",
            "family_for_objective", "family_named", "family_names", "get_objective"]

@@ -1,9 +1,8 @@
 """`TrainingStep`: a training step that is not the model's forward, as a module forward DDP and Accelerate see.
 
-A family that ``owns_step`` (`hf_bdlm.protocols.family`) trains with an objective that calls the model's parts itself
-(an encoder-decoder's: its encoder, its decoder once or twice, its LM head on the scored rows only) and never the
-model's top-level forward. A
-`DistributedDataParallel` wrapper synchronizes gradients only for a forward that went through it (its reducer
+A family whose training role ``owns_step`` (`hf_bdlm.protocols.roles.TrainingSpec`) trains with an objective that
+calls the model's parts itself (an encoder-decoder's: its encoder, its decoder once or twice, its LM head on the scored
+rows only) and never the model's top-level forward. A `DistributedDataParallel` wrapper synchronizes gradients only for a forward that went through it (its reducer
 expects the parameters' gradient hooks after its own forward), and Accelerate's mixed precision is an autocast
 around the model's forward, so both would miss such a step: silently unsynchronized gradients, silently float32.
 

@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..protocols.family import AcceptanceCounts
+from ..protocols.decoding import AcceptanceCounts
 from . import protocol, tools
 from .config import ServerConfig
 from .engine import Engine

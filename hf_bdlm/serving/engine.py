@@ -5,7 +5,7 @@
     ids = engine.chat_prompt([{"role": "user", "content": "Compute 2 + 2."}])
 
 The checkpoint's family (found from its config's ``model_type``, ``hf_bdlm.models``) loads it and gives the
-decoder (:class:`hf_bdlm.protocols.family.ServingDecoder`) that turns a request into settings and decodes batches;
+decoder (:class:`hf_bdlm.protocols.decoding.ServingDecoder`) that turns a request into settings and decodes batches;
 `Engine.run_batch`, what the scheduler's worker thread calls, streams each job's text back block by block.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..protocols.family import AcceptanceCounts
+from ..protocols.decoding import AcceptanceCounts
 from .protocol import APIError
 from .scheduler import Job, TextStream
 
@@ -47,7 +47,7 @@ class Engine:
             if family is None:
                 raise TypeError(f"{type(model).__name__} is not a model of a family hf_bdlm serves; pass a model "
                                 "of a registered family (hf_bdlm.models.family_names()).")
-            decoder = family.serving_decoder(model, tokenizer)
+            decoder = family.role("serving").decoder(model, tokenizer)
         self.decoder = decoder
         self.model = decoder.model
         self.tokenizer = tokenizer
@@ -62,7 +62,7 @@ class Engine:
         """Load a checkpoint folder through the family its config names (``hf_bdlm.models``); a causal-LM folder (or
         `embedded:smollm2`) is converted on the fly (``block_size``: the conversion's). With ``draft`` (a drafter
         folder), the folder is a causal LM served as it is, decoded greedily with the drafter's proposals (the
-        drafter's family decides how: ``ModelFamily.load_speculative_for_serving``), verifying
+        drafter's family decides how: its drafting role, ``DraftingSpec.load_pair``), verifying
         ``num_speculative_tokens`` proposals per target forward (`None`: the drafter's default)."""
         from transformers import AutoConfig
 
@@ -92,14 +92,14 @@ class Engine:
             if not (Path(draft) / "config.json").is_file():
                 raise FileNotFoundError(f"draft folder {draft!r} holds no config.json (pass a saved drafter folder).")
             family = family_for_config(AutoConfig.from_pretrained(draft))
-            model, tokenizer, decoder = family.load_speculative_for_serving(path, draft, kwargs, device,
-                                                                            num_speculative_tokens)
+            model, tokenizer, decoder = family.role("drafting", draft).load_pair(path, draft, kwargs, device,
+                                                                                 num_speculative_tokens)
             return cls(model, tokenizer, name or Path(path).name, decoder=decoder)
-        family = family_for_config(config)
-        model, tokenizer = family.load_for_serving(path, config, kwargs, block_size)
+        serving = family_for_config(config).role("serving", path)
+        model, tokenizer = serving.load(path, config, kwargs, block_size)
         if device:
             model = model.to(device)
-        return cls(model, tokenizer, name or Path(path).name, decoder=family.serving_decoder(model, tokenizer))
+        return cls(model, tokenizer, name or Path(path).name, decoder=serving.decoder(model, tokenizer))
 
     # --- prompts ----------------------------------------------------------------------------
 

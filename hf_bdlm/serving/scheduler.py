@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocols.family import AcceptanceCounts
+from ..protocols.decoding import AcceptanceCounts
 
 logger = logging.getLogger(__name__)
 

@@ -66,7 +66,7 @@ class BDLMSFTConfig(SFTConfig):
             in one decoding step (measured: docs/evaluation.md). Evaluation scores the cross-entropy alone. Read by the objectives that denoise by
             confidence; a family whose model is not decoded that way refuses it. Defaults to off (`0`).
 
-        > Parameters of a self-conditioning encoder-decoder family's objective (its `ModelFamily.config_fields`;
+        > Parameters of a self-conditioning encoder-decoder family's objective (its training role's `config_fields`;
         > rejected with any other objective; documented with that family in `docs/`)
 
         self_conditioning_prob (`float`, *optional*):
@@ -244,7 +244,7 @@ class BDLMSFTConfig(SFTConfig):
                 f"{sorted(all_objectives())}."
             )
         zero_noise_ok = self.objective in all_objectives() and family_named(
-            family_for_objective(self.objective).name).objective_class(self.objective).allows_zero_noise
+            family_for_objective(self.objective).name).role("training").objective_class(self.objective).allows_zero_noise
         check_diffusion_fields(block_size=self.block_size, objective=self.objective,
                                objectives=tuple(sorted(all_objectives())), noise_eps_min=self.noise_eps_min,
                                noise_eps_max=self.noise_eps_max, loss_weighting=self.loss_weighting,
@@ -255,15 +255,18 @@ class BDLMSFTConfig(SFTConfig):
 
     def _check_family_fields(self) -> None:
         """Fields that only one model family's objectives read are rejected with another objective; the family checks
-        their values (``ModelFamily.check_args``)."""
+        their values (``TrainingSpec.check_args``)."""
         for entry in REGISTRY:
             family = family_named(entry.name)
-            given = sorted(name for name in family.config_fields if getattr(self, name) is not None)
-            if given and self.objective is not None and self.objective not in family.objectives:
-                names = " or ".join(f"objective={o!r}" for o in family.objectives)
+            if not family.has_role("training"):
+                continue
+            training = family.role("training")
+            given = sorted(name for name in training.config_fields if getattr(self, name) is not None)
+            if given and self.objective is not None and self.objective not in entry.objectives:
+                names = " or ".join(f"objective={o!r}" for o in entry.objectives)
                 raise ValueError(f"{given} apply to {names} only, got objective={self.objective!r}.")
-            if given or self.objective in family.objectives:
-                family.check_args(self)
+            if given or self.objective in entry.objectives:
+                training.check_args(self)
 
     def _check_data_fields(self) -> None:
         if self.overlong_samples not in OVERLONG_POLICIES:

@@ -20,7 +20,7 @@ processes, every model family: ``tests/test_trainer_fsdp.py``; not yet run on GP
   is not resharded after forward: the loss applies the LM head outside the model's forward.
   ``auto_wrap_policy: NO_WRAP`` shards the root only.
 - A family whose weights need another grouping shards itself with the same arguments
-  (:meth:`ModelFamily.shard_fsdp <hf_bdlm.models.ModelFamily.shard_fsdp>`, e.g. an encoder-decoder's tied
+  (its training role's ``TrainingSpec.shard_fsdp``, e.g. an encoder-decoder's tied
   encoder/decoder layer pairs, with a :class:`~hf_bdlm.protocols.step.TrainingStep` as the root).
 - ``reshard_after_forward``, ``cpu_offload`` (accelerators only) and a ``mixed_precision_policy`` are
   passed to ``fully_shard``; ``activation_checkpointing`` checkpoints each decoder layer (the model's

@@ -23,8 +23,9 @@ from transformers import AutoConfig, AutoTokenizer
 from trl.data_utils import get_dataset_column_names, is_conversational
 
 from ..embedded import resolve_model_path
-from ..protocols.family import ModelFamily
-from ..protocols.registry import converting_family, family_for_config, family_for_model, family_for_objective, family_names
+from ..protocols.entry import ModelFamily
+from ..protocols.registry import (converting_family, entry_named, family_for_config, family_for_model,
+                                  family_for_objective, family_names)
 from ..protocols.step import unwrap_model
 from .collator import SAMPLE_ID_COLUMN
 from .config import BDLMSFTConfig
@@ -45,7 +46,8 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
         _check_objective_fits(args, family, config.model_type)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        loaded, processing_class = family.load(path, config, args, processing_class, _model_init_kwargs(args))
+        training = family.role("training", path)
+        loaded, processing_class = training.load(path, config, args, processing_class, _model_init_kwargs(args))
         return loaded, processing_class, name, family
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -61,18 +63,19 @@ def load_diffusion_model(model, processing_class, args: BDLMSFTConfig):
     _check_objective_fits(args, family, model_type)
     if processing_class is None:
         processing_class = _tokenizer_near(model)
-    model, processing_class = family.adopt(model, processing_class, args)
+    model, processing_class = family.role("training", base_name).adopt(model, processing_class, args)
     return model, processing_class, base_name, family
 
 
 def _check_objective_fits(args: BDLMSFTConfig, family: ModelFamily, model_type: str) -> None:
     """The objective asked for must be one the model's family trains."""
-    if args.objective is None or args.objective in family.objectives:
+    trains = entry_named(family.name).objectives
+    if args.objective is None or args.objective in trains:
         return
     owner = family_for_objective(args.objective)
     raise ValueError(
         f"objective={args.objective!r} trains the {owner.name!r} family ({', '.join(owner.model_types)} models); got "
-        f"a {model_type!r} model of the {family.name!r} family, which trains {list(family.objectives)}. Pass a model "
+        f"a {model_type!r} model of the {family.name!r} family, which trains {list(trains)}. Pass a model "
         f"of the {owner.name!r} family, or leave objective unset (the model's own)."
     )
 
@@ -164,11 +167,11 @@ def check_peft_config(peft_config):
 def check_lora_targets(peft_config, model: torch.nn.Module) -> None:
     """Raise when LoRA targets nothing (PEFT cannot infer targets for this model type).
 
-    A family with reference targets (:meth:`ModelFamily.default_lora_targets`) gets them when `target_modules` is
+    A family with reference targets (``TrainingSpec.default_lora_targets``) gets them when `target_modules` is
     unset (set on `peft_config`).
     """
     family = family_for_model(model)
-    defaults = family.default_lora_targets(model) if family is not None else None
+    defaults = family.role("training").default_lora_targets(model) if family is not None else None
     if defaults is not None and getattr(peft_config, "target_modules", None) is None:
         if not getattr(peft_config, "target_parameters", None):
             logger.info("LoRA target_modules unset: using the %s family's reference targets %s", family.name, defaults)

@@ -9,12 +9,13 @@ transformers' own. One optimizer step:
    depend on how the step's global batch is split over block-parallel ranks, data-parallel replicas or
    accumulation micro-batches. The supervised-token count of the whole optimizer step becomes the loss
    normalizer (as TRL does with ``num_items_in_batch``): the step's gradient is that of one big batch.
-2. ``compute_loss``: the model's family (``hf_bdlm.models``) gives the rows this rank runs for the batch (its
-   layout, sharded by the block-parallel plugin) and the loss of the targets it owns; the loss is scaled by the world
-   size so that DDP's / FSDP2's mean over ranks is the single-device gradient. A family whose objective drives the
-   model's parts itself (``owns_step``) runs as the forward of a :class:`~hf_bdlm.protocols.step.TrainingStep`, which is
-   what Accelerate prepares (DDP, autocast) in its place, and under FSDP2 the root unit (the family's own units
-   below it: :meth:`~hf_bdlm.models.ModelFamily.shard_fsdp`).
+2. ``compute_loss``: the run's step, built once by the model's family (``step = family.role("training").step(model,
+   args, tokenizer, plugin)``, :class:`~hf_bdlm.protocols.roles.LossStep`), is called with the corrupted batch: it
+   lays out the rows this rank runs (sharded by the block-parallel plugin) and returns the loss of the targets it owns;
+   the loss is scaled by the world size so that DDP's / FSDP2's mean over ranks is the single-device gradient. A family
+   whose objective drives the model's parts itself (``TrainingSpec.owns_step``) runs as the forward of a
+   :class:`~hf_bdlm.protocols.step.TrainingStep`, which is what Accelerate prepares (DDP, autocast) in its place, and
+   under FSDP2 the root unit (the family's own units below it: ``TrainingSpec.shard_fsdp``).
 3. Logged ``loss`` and ``mean_token_accuracy`` are those of the whole global batch: the same numbers
    whatever the parallel layout.
 
@@ -32,6 +33,7 @@ import contextlib
 import copy
 import logging
 import os
+from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -45,14 +47,15 @@ from transformers.trainer_utils import has_length, rotate_checkpoints
 from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
-from ..checkpoint_files import check_weight_files
-from ..protocols.registry import ModelFamily
+from ..checkpoints.files import check_weight_files
+from ..protocols.entry import ModelFamily
+from ..protocols.roles import LossStep, TrainingSpec
 from ..protocols.step import TrainingStep
 from ..objectives import Objective, supervised_mask
 from ..parallel.plugin import BlockParallelPlugin
 from ..parallel.tensor import apply_tensor_parallel
 from .collator import SAMPLE_ID_COLUMN, BlockAlignedCollator, apply_length_policy, pack_block_aligned
-from .checkpoints import TRAINER_STATE_NAME, CheckpointCommit, check_resumable, last_complete_checkpoint
+from ..checkpoints.atomic import TRAINER_STATE_NAME, CheckpointCommit, check_resumable, last_complete_checkpoint
 from .config import ACCELERATE_PARALLELISM_ENV, BDLMSFTConfig
 from .fsdp import (
     fsdp_request,
@@ -81,8 +84,6 @@ from .inputs import (
 
 logger = logging.getLogger(__name__)
 
-CORRUPTED_KEY = "bdlm_corrupted"
-_MISSING = object()
 
 
 class BDLMSFTTrainer(SFTTrainer):
@@ -144,10 +145,15 @@ class BDLMSFTTrainer(SFTTrainer):
 
         model, processing_class, self._base_model_name, family = load_diffusion_model(model, processing_class, args)
         self.family: ModelFamily = family
+        self.training_role: TrainingSpec = family.role("training")
         if peft_config is not None:
             check_lora_targets(peft_config, model)
-        self.objective: Objective = family.configure(model, args, getattr(processing_class, "tokenizer",
-                                                                          processing_class))
+        self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args, _emulated_link(args, model))
+        self.plugin.setup(args.device.type)
+        # The run's loss, built once: the objective from the arguments, the model's settings applied.
+        self.step: LossStep = self.training_role.step(model, args, getattr(processing_class, "tokenizer",
+                                                                           processing_class), self.plugin)
+        self.objective: Objective = self.step.objective
         self.block_size = family.block_size(model)
         if (args.packing or args.eval_packing) and args.max_length % self.block_size:
             raise ValueError(
@@ -162,8 +168,6 @@ class BDLMSFTTrainer(SFTTrainer):
             tokenizer.pad_token = tokenizer.eos_token
         self._pad_token_id = tokenizer.pad_token_id
 
-        self.plugin = block_parallel_plugin or BlockParallelPlugin.from_config(args, _emulated_link(args, model))
-        self.plugin.setup(args.device.type)
         if self.plugin.dims.is_tensor_parallel:
             self._split_tensor_parallel(model, args, peft_config)
         if data_collator is None:
@@ -177,6 +181,7 @@ class BDLMSFTTrainer(SFTTrainer):
             eval_dataset = add_sample_ids(eval_dataset, "eval")
 
         self._fsdp_step: TrainingStep | None = None  # a family owning its step, under FSDP2: the root unit
+        self._corrupted = PendingBatches(())
         self.data_report: dict[str, dict] = {}
         self.model_card_info: dict[str, Any] = {"dataset": dataset_name(train_dataset)}
         if self.objective.card_settings():  # settings the saved config does not record
@@ -253,7 +258,7 @@ class BDLMSFTTrainer(SFTTrainer):
                 "launch at least 2 processes with torchrun or accelerate launch, or remove the FSDP setting."
             )
         kwargs = fully_shard_kwargs(self.model, plugin.groups.world_mesh, self.fsdp2)
-        own = self.family.shard_fsdp(self.model, kwargs, self.fsdp2)
+        own = self.training_role.shard_fsdp(self.model, kwargs, self.fsdp2)
         if own is not None:
             # The family's own units; the FSDP2 root is the TrainingStep its objective runs through.
             self._fsdp_step, units = own
@@ -297,7 +302,7 @@ class BDLMSFTTrainer(SFTTrainer):
             self._fsdp_step.reshard()
         return super().create_optimizer(model)
 
-    # --- checkpoints: atomic saves (hf_bdlm/trainer/checkpoints.py) ---------------------------------------------
+    # --- checkpoints: atomic saves (hf_bdlm/checkpoints/atomic.py) ---------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         # True: the last *complete* checkpoint; unfinished saves are reported and skipped. A path: refused if unfinished.
         # A recipe's `--resume_from_checkpoint True` arrives as a string (TrainingArguments types it `str`).
@@ -484,21 +489,25 @@ class BDLMSFTTrainer(SFTTrainer):
 
     # --- the loss --------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches, each corrupted here, once: the supervised-token count of the whole step
+        (summed over data-parallel replicas) is every batch's loss normalizer. The corrupted batches wait in
+        ``self._corrupted``, in the order the training loop hands their batches to ``compute_loss``."""
         self.plugin.begin_step(self.state.global_step + 1)
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        normalizer = 0.0
+        corrupted = []
         for batch in batches:
             batch.update(self._prepare_input({k: v for k, v in batch.items() if torch.is_tensor(v)}))
-            corrupted = self._corrupt(batch, step=self.state.global_step)
-            batch[CORRUPTED_KEY] = corrupted
-            normalizer += 0.0 if corrupted is None else corrupted.normalizer
-        total = torch.tensor(normalizer, dtype=torch.float64, device=self.args.device)
+            corrupted.append(self._corrupt(batch, step=self.state.global_step))
+        held = [c for c in corrupted if c is not None]
+        local = torch.tensor(sum(c.normalizer for c in held), dtype=torch.float64, device=self.args.device)
+        normalizer = self.plugin.sum_over_replicas(local).item()
         # Objectives with a second loss term normalized over the step (an encoder's next-token loss) sum it too.
-        self.objective.set_step_normalizers([b[CORRUPTED_KEY] for b in batches if b[CORRUPTED_KEY] is not None],
-                                            lambda value: self.plugin.sum_over_replicas(
-                                                torch.tensor(value, dtype=torch.float64, device=self.args.device)
-                                            ).item())
-        return batches, self.plugin.sum_over_replicas(total).item()
+        self.objective.set_step_normalizers(held, lambda value: self.plugin.sum_over_replicas(
+            torch.tensor(value, dtype=torch.float64, device=self.args.device)).item())
+        self._corrupted = PendingBatches(
+            (batch["input_ids"], None if c is None else replace(c, normalizer=max(normalizer, 1.0)))
+            for batch, c in zip(batches, corrupted))
+        return batches, normalizer
 
     def _corrupt(self, batch, step: int):
         """The corrupted batch, or ``None`` when it supervises nothing (e.g. a replica's empty share)."""
@@ -507,30 +516,29 @@ class BDLMSFTTrainer(SFTTrainer):
         return self.objective.corrupt(batch, seed=self.args.seed, step=step)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mode = "train" if self.model.training else "eval"
-        corrupted = inputs.pop(CORRUPTED_KEY, _MISSING)
-        if corrupted is _MISSING:
-            corrupted = self._corrupt(inputs, step=self.state.global_step if mode == "train" else 0)
+        """A training batch's loss, with the batch corrupted (and normalized over the whole step) by
+        ``get_batch_samples``; an evaluation batch is corrupted here (step 0), normalized by its own count."""
+        if self.model.training:
+            loss = self._loss(model, inputs, self._corrupted.take(inputs["input_ids"]), "train")
+        else:
+            loss = self._loss(model, inputs, self._corrupt(inputs, step=0), "eval")
+        return (loss, None) if return_outputs else loss
+
+    def _loss(self, model, inputs, corrupted, mode: str):
+        """This rank's loss of one batch: the run's step on this rank's rows (the same step on every rank, P = 1
+        included), or a zero reaching every trained parameter when the batch supervises nothing here."""
+        runner = self._step_runner(model)
         optional_pass = self._agreed_optional_pass(corrupted)
         if corrupted is None:
-            loss = self.family.zero_loss(self._step_runner(model), self.model, self.objective, inputs,
-                                         optional_pass=optional_pass)
             self._record(mode, None, inputs)
-            return (loss, None) if return_outputs else loss
-        if mode == "train" and num_items_in_batch is not None:
-            corrupted = replace(corrupted, normalizer=max(float(num_items_in_batch), 1.0))
-        # The same step on every rank, P = 1 included: the rows of this rank's layout, the targets it owns.
-        layout = self.family.layout(self.plugin, self.model, self.objective, corrupted)
-        loss, metrics = self.family.loss(self._step_runner(model), self.model, self.objective, corrupted, layout,
-                                         optional_pass=optional_pass)
+            return self.step.zero(runner, inputs, optional_pass=optional_pass)
+        loss, metrics = self.step(runner, corrupted, optional_pass=optional_pass)
         self._record(mode, metrics, inputs)
         if mode == "train":
             # Each rank holds the loss of its own rows of the global batch; DDP / FSDP2 average over the ranks of the
             # data world (every rank, or the D x P of one tensor-parallel rank: tensor-parallel peers share rows).
-            loss = loss * self.plugin.data_world_size
-        else:
-            loss = self.plugin.sum_over_group(loss.detach().clone())
-        return (loss, None) if return_outputs else loss
+            return loss * self.plugin.data_world_size
+        return self.plugin.sum_over_group(loss.detach().clone())
 
     def _step_runner(self, model):
         """What the step runs through: under FSDP2 with a family's own root, always that TrainingStep (its forward
@@ -544,7 +552,7 @@ class BDLMSFTTrainer(SFTTrainer):
         if training and self._fsdp_step is not None:
             return self._fsdp_step
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        if training and self.family.owns_step and unwrapped is model:
+        if training and self.training_role.owns_step and unwrapped is model:
             if not isinstance(model, TrainingStep):
                 return self.accelerator.prepare_model(TrainingStep(model))
         return super()._wrap_model(model, training, dataloader)
@@ -705,6 +713,25 @@ def _as_bdlm_config(args, model) -> BDLMSFTConfig:
 def _torch_optimizer(optimizer):
     """The ``torch.optim`` optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+class PendingBatches:
+    """The corrupted batches of one optimizer step, taken in the order their batches reach ``compute_loss``: each
+    ``take`` checks that it is handed the batch whose corruption comes next (its ``input_ids`` tensor)."""
+
+    def __init__(self, pairs):
+        self._pairs = deque(pairs)
+
+    def take(self, input_ids: torch.Tensor):
+        if not self._pairs:
+            raise RuntimeError("compute_loss was called in training mode on a batch get_batch_samples did not prepare: "
+                               "train through trainer.train() (it corrupts each optimizer step's batches once, to "
+                               "normalize the loss over the whole step), or call it with the model in eval mode.")
+        ids, corrupted = self._pairs.popleft()
+        if ids is not input_ids and not (ids.shape == input_ids.shape and torch.equal(ids, input_ids)):
+            raise RuntimeError("compute_loss got the training batches in another order than get_batch_samples "
+                               "prepared them; their corruption would not match.")
+        return corrupted
 
 
 def _emulated_link(args, model):

@@ -203,8 +203,8 @@ def run_diffusion_gemma(setup: str, out: Path, P: int, mode: str, resume: str | 
     trainer = BDLMSFTTrainer(tiny_model(**(model_kw or {})), args=args, train_dataset=data,
                              processing_class=tiny_tokenizer(), peft_config=peft_config)
     zero_losses = []
-    zero_loss = trainer.family.zero_loss  # (this process's family object: counting its zero losses)
-    trainer.family.zero_loss = lambda *a, **k: zero_losses.append(1) or zero_loss(*a, **k)
+    zero_loss = trainer.step.zero  # (this run's step: counting its zero losses)
+    trainer.step.zero = lambda *a, **k: zero_losses.append(1) or zero_loss(*a, **k)
     model = trainer.model
     params = list(model.parameters())
     result = {"dtensors": sum(hasattr(p, "full_tensor") for p in params), "parameters": len(params),

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from paths import LM_EVAL_TASKS
 
 pytest.importorskip("lm_eval", reason="the lm-eval tests need lm-eval (dev / lmeval extra)")
 
@@ -32,16 +33,15 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from hf_bdlm.evaluation.lm_eval_model import HFBDLMEvalModel, load_for_evaluation  # noqa: E402
 from hf_bdlm.protocols.registry import family_named  # noqa: E402
-from hf_bdlm.models.diffusion_gemma import likelihood as dg_likelihood  # noqa: E402
-from hf_bdlm.protocols.family import ScoreRequest  # noqa: E402
+from hf_bdlm.models.diffusion_gemma.inference import likelihood as dg_likelihood  # noqa: E402
+from hf_bdlm.protocols.likelihood import ScoreRequest  # noqa: E402
 from hf_bdlm.objectives import get_objective  # noqa: E402
 from hf_bdlm.objectives.likelihood import absorbing_draws, request_key, sample_uniform, stratified_levels  # noqa: E402,E501
 from tiny_bdlm import BLOCK, MASK, tiny_bdlm, tiny_tokenizer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_diffusion_gemma import B as CANVAS, EOS, TURN_END, float64_faithful, save_checkpoint, tiny_model  # noqa: E402
 
-TASKS = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
+TASKS = LM_EVAL_TASKS
 TASK_NAMES = ["bdlm_count_mc", "bdlm_count_gen"]
 FIRST_WORD, LAST_WORD = 7, 54  # words both tiny vocabularies hold
 BD_WORD_ID, DG_WORD_ID = 0, 9  # token id of word w{i}: i + offset

@@ -149,7 +149,7 @@ def test_lm_evals_bdlm_model_counts_its_requests_once_per_batch(bars):
 
 
 def _score_requests(n: int):
-    from hf_bdlm.protocols.family import ScoreRequest
+    from hf_bdlm.protocols.likelihood import ScoreRequest
 
     return [ScoreRequest((2, 7 + i), (8 + i, 9 + i)) for i in range(n)]
 
@@ -171,7 +171,7 @@ def test_a_capture_counts_its_records_once_per_batch(tmp_path, bars):
 
 
 def test_plan_paper_counts_every_configuration_and_prints_the_same_tables(bars, monkeypatch, capsys):
-    import hf_bdlm.planner.cli as plan_cli
+    import hf_bdlm.planner.plan_command as plan_cli
     import hf_bdlm.protocols.registry as registry
 
     # One short setting and a family section that prices nothing: the code path of the paper's settings, in seconds.

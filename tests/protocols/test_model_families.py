@@ -3,8 +3,6 @@ built by name whatever their family, a clear error for an objective of another f
 naming no family (each is named only in its own folder under hf_bdlm/models/)."""
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +17,11 @@ from hf_bdlm.protocols.registry import (
     get_objective,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_bdlm import tiny_bdlm  # noqa: E402
 from tiny_diffusion_gemma import tiny_model as tiny_diffusion_gemma  # noqa: E402
 from tiny_diffusion_gemma import tiny_tokenizer as tiny_dg_tokenizer  # noqa: E402
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_each_family_is_found_from_its_model_type_and_other_causal_lms_are_converted():
@@ -60,7 +57,7 @@ def test_each_family_claims_its_models_and_only_them_also_inside_peft():
     assert family_for_model(bdlm).name == "block_diffusion"
     assert family_for_model(dg).name == "diffusion_gemma"
     assert family_for_model(torch.nn.Linear(2, 2)) is None
-    wrapped = get_peft_model(dg, LoraConfig(target_modules=family_named("diffusion_gemma").default_lora_targets(dg)))
+    wrapped = get_peft_model(dg, LoraConfig(target_modules=family_named("diffusion_gemma").role("training").default_lora_targets(dg)))
     assert family_for_model(wrapped).name == "diffusion_gemma"
     assert family_named("block_diffusion").block_size(bdlm) == bdlm.config.block_size
     assert family_named("diffusion_gemma").block_size(wrapped) == dg.config.canvas_length
@@ -107,7 +104,7 @@ def test_the_server_decodes_each_family_with_that_familys_decoder(tmp_path):
     tiny_dg_tokenizer().save_pretrained(tmp_path)
     engine = Engine.from_pretrained(tmp_path)
     family = family_for_config(engine.model.config)
-    assert type(engine.decoder) is type(family.serving_decoder(engine.model, engine.tokenizer))
+    assert type(engine.decoder) is type(family.role("serving").decoder(engine.model, engine.tokenizer))
     assert type(engine.decoder).__module__.startswith(f"hf_bdlm.models.{family.name}")
 
 
@@ -125,7 +122,7 @@ def test_no_shared_module_names_a_model_family_outside_the_allowed_places():
         # a family's own folder
         and not p.relative_to(ROOT).as_posix().startswith(("hf_bdlm/models/diffusion_gemma/", "hf_bdlm/models/dflash/"))
         # the registry (its line per family), the interface's description of the families and the families' index
-        and p.relative_to(ROOT).as_posix() not in ("hf_bdlm/protocols/registry.py", "hf_bdlm/protocols/family.py",
+        and p.relative_to(ROOT).as_posix() not in ("hf_bdlm/protocols/registry.py",
                                                    "hf_bdlm/models/__init__.py")
     )
     assert set(naming) <= ALLOWED, sorted(set(naming) - ALLOWED)

@@ -3,8 +3,10 @@
 A checkpoint of this family has ``model_type: block_diffusion``; any other causal LM (object or folder) is converted
 on load (:func:`hf_bdlm.models.block_diffusion.conversion.convert_causal_lm`). The run's diffusion fields (block size, objective, noise,
 attention backend) are written into the model's config, so the saved checkpoint records what it was trained with.
-Each batch is the vectorized ``[noisy ; clean]`` sequence, sharded by the block-parallel plugin
-(:class:`hf_bdlm.parallel.ShardedLayout`); the objective calls the model's forward.
+Its roles: training (each batch is the vectorized ``[noisy ; clean]`` sequence, sharded by the block-parallel plugin,
+:class:`hf_bdlm.parallel.ShardedLayout`; the objective calls the model's forward), serving (the ragged block decoder,
+:mod:`.inference.serving`), evaluation (the absorbing-noise bound, :mod:`.inference.likelihood`) and planning (the
+planner's defaults).
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ from __future__ import annotations
 import logging
 import os
 
-from ...checkpoint_files import BadCheckpointFile, load_pretrained
+from ...checkpoints.files import BadCheckpointFile, load_pretrained
 from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
-from ...protocols.family import ModelFamily
+from ...protocols.decoding import DecodingVariant
+from ...protocols.entry import ModelFamily
+from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, ServingSpec, TrainingSpec
 from ...protocols.step import unwrap_model
+from .card import render_block_diffusion_card
 from .configuration import BlockDiffusionConfig
+from .conversion import convert_causal_lm
 from .modeling import BlockDiffusionForMaskedLM
 from .training.objectives import OBJECTIVE_CLASSES
 
@@ -25,16 +31,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONVERSION_BLOCK_SIZE = 32
 
 
-class BlockDiffusionFamily(ModelFamily):
-    name = "block_diffusion"
-    model_types = (BlockDiffusionConfig.model_type,)
-    objectives = ("standard", "fast_dllm_v2", "fast_dllm_v2_causal_clean")
-    converts_causal_lms = True
-
-    # --- recognising and loading -------------------------------------------------------------------------------
-    def claims_model(self, model) -> bool:
-        inner = unwrap_model(model)
-        return isinstance(inner, BlockDiffusionForMaskedLM)
+class BlockDiffusionTraining(TrainingSpec):
+    """Trains a converted causal LM (or a block-diffusion checkpoint) with the ``standard`` or ``fast_dllm_v2``
+    objectives; the objective calls the model's forward on the vectorized ``[noisy ; clean]`` rows."""
 
     def load(self, path, config, args, processing_class, init_kwargs):
         from transformers import AutoModel, AutoModelForCausalLM
@@ -43,19 +42,87 @@ class BlockDiffusionFamily(ModelFamily):
             check_mask_token(getattr(processing_class, "tokenizer", processing_class), config, path)
             return load_pretrained(AutoModel.from_pretrained, path, **init_kwargs), processing_class
         causal = load_pretrained(AutoModelForCausalLM.from_pretrained, path, **init_kwargs)
-        return self._convert(causal, processing_class, args, path)
+        return self.convert(causal, processing_class, args, path)
 
-    def load_for_serving(self, path, config, init_kwargs, block_size):
+    def adopt(self, model, processing_class, args):
+        from transformers import PreTrainedModel
+
+        if self.family.claims_model(model):
+            return model, processing_class
+        if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None:
+            return self.convert(model, processing_class, args, type(model).__name__)
+        raise TypeError(
+            f"{type(model).__name__} is neither a model of a family hf_bdlm trains nor a causal LM with an LM head; "
+            "pass a model of a registered family (hf_bdlm.models.family_names()), a *ForCausalLM model to convert, "
+            "or a local checkpoint folder."
+        )
+
+    def convert(self, causal, processing_class, args, source):
+        """``causal`` converted with the run's block size, objective and backend (``source`` names it in the log)."""
+        kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE, "seed": args.seed}
+        if args.objective is not None:
+            kwargs["objective"] = args.objective
+        if args.attention_backend is not None:
+            kwargs["attention_backend"] = args.attention_backend
+        model, processing_class = convert_causal_lm(causal, processing_class, **kwargs)
+        logger.info("converted causal LM %s into a block diffusion model (block size %d, mask token id %d)",
+                    source, model.config.block_size, model.config.mask_token_id)
+        return model, processing_class
+
+    def objective_class(self, name: str):
+        return OBJECTIVE_CLASSES[name]
+
+    def step(self, model, args, tokenizer, plugin):
+        """The config's diffusion fields written into the model's config, the objective built from it."""
+        cfg = unwrap_model(model).config
+        updates = {
+            "block_size": args.block_size,
+            "objective": args.objective,
+            "noise_eps_min": args.noise_eps_min,
+            "noise_eps_max": args.noise_eps_max,
+            "attention_backend": args.attention_backend,
+        }
+        if args.loss_weighting is not None and (args.objective or cfg.objective) not in TOKEN_SHIFT_OBJECTIVES:
+            updates["loss_weighting"] = args.loss_weighting
+        for name, value in updates.items():
+            if value is not None and getattr(cfg, name) != value:
+                logger.info("model config: %s %r -> %r (from BDLMSFTConfig)", name, getattr(cfg, name), value)
+                setattr(cfg, name, value)
+        cfg.validate_diffusion_fields()
+        objective = self.objective_class(cfg.objective).build(cfg, certainty_weight=args.certainty_weight or 0.0)
+        return BlockDiffusionLossStep(model, objective, plugin)
+
+
+class BlockDiffusionLossStep(LossStep):
+    """This rank's rows of the vectorized batch (:meth:`BlockParallelPlugin.layout`), scored by the model's forward."""
+
+    def __init__(self, model, objective, plugin):
+        self.model, self.objective, self.plugin = model, objective, plugin
+
+    def __call__(self, runner, corrupted, optional_pass=None):
+        inner = unwrap_model(self.model)
+        layout = self.plugin.layout(corrupted.seq_len, int(inner.config.block_size), inner.mask_rule(),
+                                    inner.config.attention_backend, corrupted.document_ids)
+        return self.objective.loss(runner, corrupted, layout, scorer=inner)
+
+    def zero(self, runner, inputs, optional_pass=None):
+        ids = inputs["input_ids"]
+        hidden = runner(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
+        return (hidden.sum() + unwrap_model(self.model).lm_logits(hidden[:, :1]).sum()) * 0.0
+
+
+class BlockDiffusionServing(ServingSpec):
+    """Serves a block-diffusion checkpoint, or a causal LM converted on load (untrained: a warning says so)."""
+
+    def load(self, path, config, init_kwargs, block_size):
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
         if config.model_type != BlockDiffusionConfig.model_type:
-            _check_causal_lm_config(config, path)
+            check_causal_lm_config(config, path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if config.model_type == BlockDiffusionConfig.model_type:
             check_mask_token(tokenizer, config, path)
             return load_pretrained(AutoModel.from_pretrained, path, **init_kwargs), tokenizer
-        from .conversion import convert_causal_lm
-
         logger.warning("%s is a causal LM: converting it to a block diffusion LM (block size %d, no training)", path,
                        block_size)
         causal = load_pretrained(AutoModelForCausalLM.from_pretrained, path, **init_kwargs)
@@ -63,7 +130,7 @@ class BlockDiffusionFamily(ModelFamily):
         model.generation_config.eos_token_id = causal.generation_config.eos_token_id
         return model, tokenizer
 
-    def serving_decoder(self, model, tokenizer):
+    def decoder(self, model, tokenizer):
         from .inference.serving import BlockDiffusionServingDecoder
 
         return BlockDiffusionServingDecoder(model, tokenizer)
@@ -72,8 +139,6 @@ class BlockDiffusionFamily(ModelFamily):
         """The decoding techniques, each on its own over one baseline (threshold 0.9, EOS honoured at the block's
         end, every technique off), all of them together, and the references: one token per step, and no stop at
         EOS (the whole budget)."""
-        from ...protocols.family import DecodingVariant
-
         none = dict(fuse_block_commit=False, eos_early_exit=False, compact_batch=False)
         sub = max(1, decoder.model.config.block_size // 4)
         plain = dict(confidence_threshold=0.9, steps_per_block=None, **none)
@@ -107,36 +172,28 @@ class BlockDiffusionFamily(ModelFamily):
             description="the exact techniques + sub-blocks and their cache")
         return variants
 
+
+class BlockDiffusionEvaluation(EvaluationSpec):
+    """lm-eval scores what ``hf-bdlm serve`` loads, its likelihood by the absorbing-noise bound."""
+
     def likelihood_scorer(self, model, tokenizer):
         from .inference.likelihood import BlockDiffusionLikelihoodScorer
 
         return BlockDiffusionLikelihoodScorer(model, tokenizer)
 
-    def adopt(self, model, processing_class, args):
-        from transformers import PreTrainedModel
 
-        if self.claims_model(model):
-            return model, processing_class
-        if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None:
-            return self._convert(model, processing_class, args, type(model).__name__)
-        raise TypeError(
-            f"{type(model).__name__} is neither a model of a family hf_bdlm trains nor a causal LM with an LM head; "
-            "pass a model of a registered family (hf_bdlm.models.family_names()), a *ForCausalLM model to convert, "
-            "or a local checkpoint folder."
-        )
+class BlockDiffusionFamily(ModelFamily):
+    name = "block_diffusion"
+    converts_causal_lms = True
+    roles = {"training": BlockDiffusionTraining, "serving": BlockDiffusionServing,
+             "evaluation": BlockDiffusionEvaluation, "planning": PlanningSpec}
+    refusals = {"drafting": "--draft takes a drafter folder; pass a drafter folder, or serve it without --draft."}
 
-    def _convert(self, causal, processing_class, args, source):
-        from .conversion import convert_causal_lm
+    def claims_model(self, model) -> bool:
+        return isinstance(unwrap_model(model), BlockDiffusionForMaskedLM)
 
-        kwargs = {"block_size": args.block_size or DEFAULT_CONVERSION_BLOCK_SIZE, "seed": args.seed}
-        if args.objective is not None:
-            kwargs["objective"] = args.objective
-        if args.attention_backend is not None:
-            kwargs["attention_backend"] = args.attention_backend
-        model, processing_class = convert_causal_lm(causal, processing_class, **kwargs)
-        logger.info("converted causal LM %s into a block diffusion model (block size %d, mask token id %d)",
-                    source, model.config.block_size, model.config.mask_token_id)
-        return model, processing_class
+    def block_size(self, model) -> int:
+        return int(unwrap_model(model).config.block_size)
 
     def new_config(self, **fields):
         return BlockDiffusionConfig(**fields)
@@ -144,54 +201,11 @@ class BlockDiffusionFamily(ModelFamily):
     def new_model(self, config):
         return BlockDiffusionForMaskedLM(config)
 
-    def objective_class(self, name: str):
-        return OBJECTIVE_CLASSES[name]
-
-    # --- training ---------------------------------------------------------------------------------------------
-    def block_size(self, model) -> int:
-        return int(unwrap_model(model).config.block_size)
-
-    def configure(self, model, args, tokenizer):
-        """Apply the config's diffusion fields to the model's config and build the objective from it."""
-        cfg = unwrap_model(model).config
-        updates = {
-            "block_size": args.block_size,
-            "objective": args.objective,
-            "noise_eps_min": args.noise_eps_min,
-            "noise_eps_max": args.noise_eps_max,
-            "attention_backend": args.attention_backend,
-        }
-        if args.loss_weighting is not None and (args.objective or cfg.objective) not in TOKEN_SHIFT_OBJECTIVES:
-            updates["loss_weighting"] = args.loss_weighting
-        for name, value in updates.items():
-            if value is not None and getattr(cfg, name) != value:
-                logger.info("model config: %s %r -> %r (from BDLMSFTConfig)", name, getattr(cfg, name), value)
-                setattr(cfg, name, value)
-        cfg.validate_diffusion_fields()
-        return self.objective_class(cfg.objective).build(cfg, certainty_weight=args.certainty_weight or 0.0)
-
-    def layout(self, plugin, model, objective, corrupted):
-        """This rank's rows of the vectorized batch (:meth:`BlockParallelPlugin.layout`)."""
-        inner = unwrap_model(model)
-        return plugin.layout(corrupted.seq_len, self.block_size(inner), inner.mask_rule(),
-                             inner.config.attention_backend, corrupted.document_ids)
-
-    def loss(self, runner, model, objective, corrupted, layout, optional_pass=None):
-        return objective.loss(runner, corrupted, layout, scorer=unwrap_model(model))
-
-    def zero_loss(self, runner, model, objective, inputs, optional_pass=None):
-        ids = inputs["input_ids"]
-        hidden = runner(input_ids=ids, clean_input_ids=ids, return_logits=False).hidden_states
-        return (hidden.sum() + unwrap_model(model).lm_logits(hidden[:, :1]).sum()) * 0.0
-
-    # --- the hub ----------------------------------------------------------------------------------------------
     def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
-        from .card import render_block_diffusion_card
-
         return render_block_diffusion_card(directory, config, info)
 
 
-def _check_causal_lm_config(config, path) -> None:
+def check_causal_lm_config(config, path) -> None:
     """Refuse, from the config alone, a checkpoint that is neither a registered family's nor a decoder-only causal LM
     (an encoder such as BERT has a causal-LM class in transformers, but nothing to convert)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL

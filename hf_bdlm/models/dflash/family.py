@@ -1,7 +1,9 @@
 """The DFlash family: speculative drafters (`DFlashDraftModel`, `DFlash2DraftModel`) trained on a frozen target.
 
 A drafter folder says ``model_type: "qwen3"`` (the serving engines' contract) and ``architectures:
-["DFlash2DraftModel"]``: the registry finds this family by the architecture. What the family brings to the trainer
+["DFlash2DraftModel"]``: the registry finds this family by the architecture. Its roles are training, drafting
+(``hf-bdlm serve TARGET --draft DIR``) and planning (the paper's drafter setting); it has no serving or evaluation role
+of its own (a drafter does not generate alone: the refusals say what to do). Its training role
 (:class:`~hf_bdlm.models.dflash.training.trainer.DFlashTrainer`, `BDLMSFTTrainer` with the capture's data and collator):
 
 - loading: the drafter (object or folder) bound to its target's frozen input embedding and LM head, read alone from
@@ -9,7 +11,7 @@ A drafter folder says ``model_type: "qwen3"`` (the serving engines' contract) an
 - the `dflash` objective (:class:`~hf_bdlm.models.dflash.training.trainer.DFlashTrainingObjective`) from the run's fields;
 - the step: the drafter's forward over this rank's context rows and anchors, and the loss of its share of the batch
   (the objective drives the drafter's parts, so the step runs as a :class:`~hf_bdlm.protocols.step.TrainingStep`);
-- the model card (the exported drafter's, :mod:`.export`), and ``hf-bdlm serve TARGET --draft DIR``.
+The entry renders the model card (the exported drafter's, :mod:`.inference.export`).
 
     from transformers import AutoConfig
     from hf_bdlm.models import family_for_config
@@ -24,12 +26,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import ClassVar
+from pathlib import Path
 
-from ...checkpoint_files import load_pretrained
-from ...protocols.family import ModelFamily
+from ...checkpoints.files import load_pretrained
+from ...planner.hardware import device_spec
+from ...protocols.decoding import DecodingVariant
+from ...protocols.entry import ModelFamily
+from ...protocols.roles import DraftingSpec, LossStep, PlanningSpec, TrainingSpec
 from ...protocols.step import run_step, unwrap_model
+from .inference.export import PROVENANCE, render_card
+from .inference.serving import load_speculative
+from .modeling import DFlashDraftModel
+from .studies.projection import (format_projection, format_reference_readings, project_drafter_training,
+                                 reference_readings)
 from .target import TargetHeads, drafter_class, load_target_heads, resolve_target_path
+from .training.config import OBJECTIVE_FIELDS
+from .training.objective import DFlashObjectiveConfig
+from .training.trainer import DFlashTrainingObjective, draft_layout
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +50,12 @@ logger = logging.getLogger(__name__)
 _DIFFUSION_FIELDS = ("loss_weighting", "noise_eps_min", "noise_eps_max", "attention_backend", "certainty_weight")
 
 
-class DFlashFamily(ModelFamily):
-    name = "dflash"
-    model_types = ()
-    objectives = ("dflash",)
+class DFlashTraining(TrainingSpec):
+    """Trains a drafter on its frozen target's captured features (:class:`~.training.trainer.DFlashTrainer`), the
+    step driving the drafter's parts itself; DDP and block parallelism (not FSDP2, DeepSpeed, tensor parallelism or
+    packing)."""
+
     owns_step = True
-    config_fields: ClassVar[tuple[str, ...]] = ()
-
-    # --- recognising and loading -------------------------------------------------------------------------------
-
-    def claims_model(self, model) -> bool:
-        from .modeling import DFlashDraftModel
-
-        return isinstance(unwrap_model(model), DFlashDraftModel)
 
     def load(self, path, config, args, processing_class, init_kwargs):
         """The drafter saved at ``path``, bound to the heads of ``args.target_model``."""
@@ -73,45 +79,13 @@ class DFlashFamily(ModelFamily):
             drafter.bind_target(heads)
         return model, processing_class
 
-    def load_for_serving(self, path, config, init_kwargs, block_size):
-        raise ValueError(f"{path} is a DFlash drafter, which drafts for a target model and does not generate on its "
-                         f"own: serve the target with it, `hf-bdlm serve TARGET --draft {path}`.")
-
-    def load_for_evaluation(self, path, config, init_kwargs, block_size):
-        raise ValueError(f"{path} is a DFlash drafter: it proposes tokens for a target model and is no language model "
-                         "of its own, so lm-eval has nothing to score. Evaluate the target instead (its speculative "
-                         "decoding gives exactly the target's greedy output): lm-eval --model hf --model_args "
-                         "pretrained=TARGET, or serve the pair with `hf-bdlm serve TARGET --draft "
-                         f"{path}` and run lm-eval's local-completions against it.")
-
-    def load_speculative_for_serving(self, target_path, draft_path, init_kwargs, device=None,
-                                     num_speculative_tokens=None):
-        from .inference.serving import load_speculative
-
-        return load_speculative(target_path, draft_path, init_kwargs, device, num_speculative_tokens)
-
-    def decoding_variants(self, decoder):
-        """Greedy speculative decoding verifying the drafter's whole block (``B - 1`` proposals) and 3 of them; the
-        output is the target's own greedy text either way (its agreement is measured against the target's)."""
-        from ...protocols.family import DecodingVariant
-
-        block = int(decoder.drafter.config.block_size)
-        counts = [block - 1] + [n for n in (3,) if n < block - 1]
-        return {f"{n} proposals": DecodingVariant(decoder.with_proposals(n), description=f"block {block}, the target "
-                                                  f"verifies {n} proposals per forward") for n in counts}
-
     def objective_class(self, name: str):
-        from .training.trainer import DFlashTrainingObjective
-
         return DFlashTrainingObjective
 
     def check_args(self, args) -> None:
         """The objective's options (built once into a `DFlashObjectiveConfig`, which names a bad value), and the
         distribution a drafter trains with (DDP and block parallelism; not FSDP2, DeepSpeed, tensor parallelism or
         packing)."""
-        from .training.objective import DFlashObjectiveConfig
-        from .training.config import OBJECTIVE_FIELDS
-
         if args.objective not in self.objectives:
             return
         given = [name for name in _DIFFUSION_FIELDS if getattr(args, name, None) is not None]
@@ -135,17 +109,9 @@ class DFlashFamily(ModelFamily):
                 "its parameters. Launch without the FSDP / DeepSpeed setting."
             )
 
-    # --- training ---------------------------------------------------------------------------------------------
-    def block_size(self, model) -> int:
-        return int(unwrap_model(model).config.block_size)
-
-    def configure(self, model, args, tokenizer):
+    def step(self, model, args, tokenizer, plugin):
         """The `dflash` objective for the drafter: its block size and mask id, the run's options and seed. The
         candidate selector is frozen unless the D-PACE loss trains it (an untouched parameter would stall DDP)."""
-        from .training.objective import DFlashObjectiveConfig
-        from .training.trainer import DFlashTrainingObjective
-        from .training.config import OBJECTIVE_FIELDS
-
         drafter = unwrap_model(model)
         block = drafter.config.block_size
         if args.block_size is not None and args.block_size != block:
@@ -161,28 +127,75 @@ class DFlashFamily(ModelFamily):
         if dims is not None and dims.is_tensor_parallel:
             raise NotImplementedError("objective='dflash' does not support tensor parallelism (parallelism_config."
                                       "tp_size > 1): shard the context with block parallelism instead.")
-        return DFlashTrainingObjective(config, token_accuracy=getattr(args, "draft_token_accuracy", True))
+        objective = DFlashTrainingObjective(config, token_accuracy=getattr(args, "draft_token_accuracy", True))
+        return DFlashLossStep(model, objective, plugin)
 
-    def layout(self, plugin, model, objective, corrupted):
-        """Which context rows and anchors this rank runs for one batch (:func:`draft_layout`)."""
-        from .training.trainer import draft_layout
 
-        return draft_layout(plugin, model, corrupted)
+class DFlashLossStep(LossStep):
+    """Which context rows and anchors this rank runs for one batch (:func:`.training.trainer.draft_layout`), and the
+    drafter's loss on them through the step."""
 
-    def loss(self, runner, model, objective, corrupted, layout, optional_pass=None):
-        return run_step(runner, objective.loss, corrupted, layout)
+    def __init__(self, model, objective, plugin):
+        self.model, self.objective, self.plugin = model, objective, plugin
 
-    def zero_loss(self, runner, model, objective, inputs, optional_pass=None):
-        return run_step(runner, objective.zero_loss)
+    def __call__(self, runner, corrupted, optional_pass=None):
+        return run_step(runner, self.objective.loss, corrupted, draft_layout(self.plugin, self.model, corrupted))
 
-    # --- the hub ----------------------------------------------------------------------------------------------
+    def zero(self, runner, inputs, optional_pass=None):
+        return run_step(runner, self.objective.zero_loss)
+
+
+class DFlashDrafting(DraftingSpec):
+    """A causal target decoded greedily, sped up by the drafter (``hf-bdlm serve TARGET --draft DIR``)."""
+
+    def load_pair(self, target_path, draft_path, init_kwargs, device=None, num_speculative_tokens=None):
+        return load_speculative(target_path, draft_path, init_kwargs, device, num_speculative_tokens)
+
+    def decoding_variants(self, decoder):
+        """Greedy speculative decoding verifying the drafter's whole block (``B - 1`` proposals) and 3 of them; the
+        output is the target's own greedy text either way (its agreement is measured against the target's)."""
+        block = int(decoder.drafter.config.block_size)
+        counts = [block - 1] + [n for n in (3,) if n < block - 1]
+        return {f"{n} proposals": DecodingVariant(decoder.with_proposals(n), description=f"block {block}, the target "
+                                                  f"verifies {n} proposals per forward") for n in counts}
+
+
+class DFlashPlanning(PlanningSpec):
+    """The paper's drafter setting, priced by :mod:`.studies.projection`."""
+
+    def paper_projection(self, efficiency):
+        """Drafter training on 8 H100 at 512K and 1M beside the published 2.48x / 7.59x (:mod:`.projection`), then the
+        reference recipe's constants switched in one after another."""
+        device = device_spec("h100", None, efficiency)
+        rows = project_drafter_training(device=device)
+        return (format_projection(rows) + "\n\n"
+                + format_reference_readings(reference_readings(rows, device=device), rows))
+
+
+
+
+class DFlashFamily(ModelFamily):
+    name = "dflash"
+    roles = {"training": DFlashTraining, "drafting": DFlashDrafting, "planning": DFlashPlanning}
+    refusals = {
+        "serving": "A DFlash drafter drafts for a target model and does not generate on its own: serve the target "
+                   "with it, `hf-bdlm serve TARGET --draft {subject}`.",
+        "evaluation": "A DFlash drafter proposes tokens for a target model and is no language model of its own, so "
+                      "lm-eval has nothing to score. Evaluate the target instead (its speculative decoding gives "
+                      "exactly the target's greedy output): lm-eval --model hf --model_args pretrained=TARGET, or "
+                      "serve the pair with `hf-bdlm serve TARGET --draft {subject}` and run lm-eval's "
+                      "local-completions against it.",
+    }
+
+    def claims_model(self, model) -> bool:
+        return isinstance(unwrap_model(model), DFlashDraftModel)
+
+    def block_size(self, model) -> int:
+        return int(unwrap_model(model).config.block_size)
+
     def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
         """The drafter's card (:func:`.export.render_card`): the folder needs its ``training_export.json`` (written by
         the trainer on save, or by ``export_drafter``)."""
-        from pathlib import Path
-
-        from .inference.export import PROVENANCE, render_card
-
         if not (Path(directory) / PROVENANCE).is_file():
             raise FileNotFoundError(f"{directory} has no {PROVENANCE}: save the drafter with DFlashTrainer or export "
                                     "it with export_drafter (`hf-bdlm dflash export`), which write it with the card.")
@@ -190,23 +203,9 @@ class DFlashFamily(ModelFamily):
         return render_card(directory, model_name=info.get("model_name"), model_ref=info.get("repo_id"),
                            description=info.get("description"), license=info.get("license") or "unknown")
 
-    def paper_projection(self, efficiency):
-        """Drafter training on 8 H100 at 512K and 1M beside the published 2.48x / 7.59x (:mod:`.projection`), then the
-        reference recipe's constants switched in one after another."""
-        from ...planner.hardware import device_spec
-        from .studies.projection import (format_projection, format_reference_readings, project_drafter_training,
-                                 reference_readings)
-
-        device = device_spec("h100", None, efficiency)
-        rows = project_drafter_training(device=device)
-        return (format_projection(rows) + "\n\n"
-                + format_reference_readings(reference_readings(rows, device=device), rows))
-
 
 def _field_of(message: str) -> str:
     """The config field a `DFlashObjectiveConfig` message is about (its first word after the colon)."""
-    from .training.config import OBJECTIVE_FIELDS
-
     word = message.split(":", 1)[-1].split()[0] if ":" in message else ""
     return OBJECTIVE_FIELDS.get(word, word) or "?"
 

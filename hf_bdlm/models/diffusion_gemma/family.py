@@ -1,23 +1,26 @@
 """The DiffusionGemma family: transformers' `DiffusionGemmaForBlockDiffusion`, fine-tuned as it is.
 
 The checkpoint stays a plain transformers DiffusionGemma one (the objective's settings go to the model card, not to
-its config). What this family brings to the trainer: the `diffusion_gemma` objective built from the model, its
-tokenizer and the run's arguments (:meth:`DiffusionGemmaFamily.configure`); the canvas-frame layout of each batch,
-sharded by the block-parallel plugin (:mod:`.sharded`); a step that drives the encoder and decoder itself (through a
-:class:`~hf_bdlm.protocols.step.TrainingStep`); FSDP2 units that keep the tied encoder/decoder layers together
-(:mod:`.fsdp`); LoRA's reference targets; its model card (:mod:`.card`); and how `hf-bdlm serve` decodes it
-(:mod:`.serving`: transformers' `generate`, one random stream per request).
+its config). Its roles: training
+(`DiffusionGemmaTraining`: the `diffusion_gemma` objective built from the model, its tokenizer and the run's arguments;
+the canvas-frame layout of each batch, sharded by the block-parallel plugin (:mod:`.training.sharded`); a step that
+drives the encoder and decoder itself, through a :class:`~hf_bdlm.protocols.step.TrainingStep`; FSDP2 units that keep
+the tied encoder/decoder layers together (:mod:`.training.fsdp`); LoRA's reference targets), serving
+(transformers' `generate`, one random stream per request: :mod:`.inference.serving`), evaluation (its uniform-state
+bound: :mod:`.inference.likelihood`) and planning (its cost traits and the paper's 26B-A4B preset). The entry renders
+its model card (:mod:`.card`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import ClassVar
-
-from ...checkpoint_files import load_pretrained
-from ...protocols.family import ModelFamily
+from ...checkpoints.files import load_pretrained
+from ...protocols.decoding import DecodingVariant
+from ...protocols.entry import ModelFamily
+from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, ServingSpec, TrainingSpec
 from ...protocols.step import run_step
+from .card import render_diffusion_gemma_card
 from .modeling import (
     DIFFUSION_GEMMA_LORA_TARGETS,
     diffusion_gemma_class,
@@ -25,7 +28,10 @@ from .modeling import (
     use_block_diffusion_attention,
 )
 from .configuration import DEFAULT_NOISE_EPS, MODEL_PREDICTION_TYPES
+from .inference.engines import fill_decoding_settings
+from .training.fsdp import shard_diffusion_gemma
 from .training.objective import DiffusionGemmaObjective
+from .training.sharded import diffusion_gemma_layout, frame_padding
 
 # The objective feeds text only: the vision tower never gets a gradient (frozen, so that DDP expects none).
 VISION_PARAMETER_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
@@ -37,54 +43,15 @@ OBJECTIVE_DEFAULTS = {"noise_eps_min": DEFAULT_NOISE_EPS, "noise_eps_max": 1.0 -
 logger = logging.getLogger(__name__)
 
 
-class DiffusionGemmaFamily(ModelFamily):
-    name = "diffusion_gemma"
-    model_types = ("diffusion_gemma",)
-    objectives = ("diffusion_gemma",)
-    owns_step = True
-    config_fields: ClassVar[tuple[str, ...]] = ("self_conditioning_prob", "ar_loss_weight", "model_prediction_type",
-                                                "freeze_router")
+class DiffusionGemmaTraining(TrainingSpec):
+    """Fine-tunes DiffusionGemma as it is: every response block of a sample in one encoder + decoder pass, the step
+    driving the model's parts itself (DDP, FSDP2 and block parallelism; not DeepSpeed)."""
 
-    # --- recognising and loading -------------------------------------------------------------------------------
-    def claims_model(self, model) -> bool:
-        return unwrap_diffusion_gemma(model) is not None
+    owns_step = True
+    config_fields = ("self_conditioning_prob", "ar_loss_weight", "model_prediction_type", "freeze_router")
 
     def load(self, path, config, args, processing_class, init_kwargs):
         return load_pretrained(diffusion_gemma_class().from_pretrained, path, **init_kwargs), processing_class
-
-    def load_for_serving(self, path, config, init_kwargs, block_size):
-        """The model and its tokenizer (a processor's tokenizer, with the processor's chat template when the
-        tokenizer has none); ``block_size`` is unused (the canvas length is the model's)."""
-        from transformers import AutoTokenizer
-
-        model = load_pretrained(diffusion_gemma_class().from_pretrained, path, **init_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if not getattr(tokenizer, "chat_template", None):
-            tokenizer.chat_template = _processor_chat_template(path)
-        return model, tokenizer
-
-    def serving_decoder(self, model, tokenizer):
-        from .inference.serving import DiffusionGemmaServingDecoder
-
-        return DiffusionGemmaServingDecoder(unwrap_diffusion_gemma(model), tokenizer)
-
-    def decoding_variants(self, decoder):
-        """Its own settings (the generation config: denoising steps and adaptive stop per canvas) and as many
-        denoising steps as the canvas has tokens, without the adaptive stop (the careful reference)."""
-        from ...protocols.family import DecodingVariant
-
-        canvas = int(decoder.model.config.canvas_length)
-        config = decoder.model.generation_config
-        own = f"own settings ({getattr(config, 'max_denoising_steps', None)} steps max, adaptive stop)"
-        return {own: DecodingVariant(decoder, description="the checkpoint's generation config"),
-                f"{canvas} steps per canvas": DecodingVariant(
-                    decoder.with_overrides(max_denoising_steps=canvas, confidence_threshold=1e-9), reference=True,
-                    description="as many denoising steps as the canvas has tokens, no adaptive stop")}
-
-    def likelihood_scorer(self, model, tokenizer):
-        from .inference.likelihood import DiffusionGemmaLikelihoodScorer
-
-        return DiffusionGemmaLikelihoodScorer(model, tokenizer)
 
     def objective_class(self, name: str):
         return DiffusionGemmaObjective
@@ -108,19 +75,15 @@ class DiffusionGemmaFamily(ModelFamily):
             )
 
     # --- training ---------------------------------------------------------------------------------------------
-    def block_size(self, model) -> int:
-        return int(unwrap_diffusion_gemma(model).config.canvas_length)
-
-    def configure(self, model, args, tokenizer):
-        """The `diffusion_gemma` objective for the model, from the config's fields.
+    def step(self, model, args, tokenizer, plugin):
+        """The `diffusion_gemma` objective for the model, from the config's fields, in a step over ``plugin``'s
+        layout.
 
         The canvas length is the model's; the fill token is the tokenizer's EOS (else the model's first EOS id); a
         response that does not end with an EOS id of the tokenizer, the text config or the generation config counts
         as truncated (its fill is not supervised). With `freeze_router` (default) the MoE routers stop training. The
         model's attention is routed through hf_bdlm when a layout is passed (``generate`` is unchanged).
         """
-        from .training.sharded import frame_padding
-
         dg = unwrap_diffusion_gemma(model)
         canvas = dg.config.canvas_length
         if args.block_size is not None and args.block_size != canvas:
@@ -154,38 +117,80 @@ class DiffusionGemmaFamily(ModelFamily):
                 param.requires_grad_(False)
         use_block_diffusion_attention(dg)
         if getattr(dg, "generation_config", None) is not None:
-            from .inference.engines import fill_decoding_settings
-
             # The decoding settings generate would fill in at each call, written down: the checkpoints this run saves
             # carry them, so vLLM (which reads them from generation_config.json) decodes as generate does.
             filled = fill_decoding_settings(dg.generation_config)
             if filled:
                 logger.info("generation config: %s set to the values generate uses", ", ".join(filled))
-        return objective
+        return DiffusionGemmaLossStep(objective, plugin)
 
     def default_lora_targets(self, model):
         """The reference fine-tune's: the attention and dense-MLP linears of the encoder and decoder layers (router,
         experts, self-conditioning and vision frozen)."""
         return DIFFUSION_GEMMA_LORA_TARGETS
 
-    def layout(self, plugin, model, objective, corrupted):
-        """This rank's rows of the batch's canvas frame (:func:`.sharded.diffusion_gemma_layout`)."""
-        from .training.sharded import diffusion_gemma_layout
-
-        return diffusion_gemma_layout(corrupted.frame, plugin.sharding_groups(), objective.attention_backend)
-
-    def loss(self, runner, model, objective, corrupted, layout, optional_pass=None):
-        return run_step(runner, objective.loss, corrupted, layout, self_conditioning_pass=optional_pass)
-
-    def zero_loss(self, runner, model, objective, inputs, optional_pass=None):
-        return run_step(runner, objective.zero_loss, inputs, self_conditioning_pass=bool(optional_pass))
-
     def shard_fsdp(self, model, fully_shard_kwargs, fsdp_plugin):
-        from .training.fsdp import shard_diffusion_gemma
-
         return shard_diffusion_gemma(model, fully_shard_kwargs, fsdp_plugin)
 
-    # --- the planner -------------------------------------------------------------------------------------------
+
+class DiffusionGemmaLossStep(LossStep):
+    """This rank's rows of the batch's canvas frame (:func:`.training.sharded.diffusion_gemma_layout`), through the
+    step's encoder and decoder passes."""
+
+    def __init__(self, objective, plugin):
+        self.objective, self.plugin = objective, plugin
+
+    def __call__(self, runner, corrupted, optional_pass=None):
+        layout = diffusion_gemma_layout(corrupted.frame, self.plugin.sharding_groups(), self.objective.attention_backend)
+        return run_step(runner, self.objective.loss, corrupted, layout, self_conditioning_pass=optional_pass)
+
+    def zero(self, runner, inputs, optional_pass=None):
+        return run_step(runner, self.objective.zero_loss, inputs, self_conditioning_pass=bool(optional_pass))
+
+
+class DiffusionGemmaServing(ServingSpec):
+    """transformers' own ``generate``, one canvas at a time per request."""
+
+    def load(self, path, config, init_kwargs, block_size):
+        """The model and its tokenizer (a processor's tokenizer, with the processor's chat template when the
+        tokenizer has none); ``block_size`` is unused (the canvas length is the model's)."""
+        from transformers import AutoTokenizer
+
+        model = load_pretrained(diffusion_gemma_class().from_pretrained, path, **init_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = _processor_chat_template(path)
+        return model, tokenizer
+
+    def decoder(self, model, tokenizer):
+        from .inference.serving import DiffusionGemmaServingDecoder
+
+        return DiffusionGemmaServingDecoder(unwrap_diffusion_gemma(model), tokenizer)
+
+    def decoding_variants(self, decoder):
+        """Its own settings (the generation config: denoising steps and adaptive stop per canvas) and as many
+        denoising steps as the canvas has tokens, without the adaptive stop (the careful reference)."""
+        canvas = int(decoder.model.config.canvas_length)
+        config = decoder.model.generation_config
+        own = f"own settings ({getattr(config, 'max_denoising_steps', None)} steps max, adaptive stop)"
+        return {own: DecodingVariant(decoder, description="the checkpoint's generation config"),
+                f"{canvas} steps per canvas": DecodingVariant(
+                    decoder.with_overrides(max_denoising_steps=canvas, confidence_threshold=1e-9), reference=True,
+                    description="as many denoising steps as the canvas has tokens, no adaptive stop")}
+
+
+class DiffusionGemmaEvaluation(EvaluationSpec):
+    """lm-eval scores what ``hf-bdlm serve`` loads, its likelihood by the uniform-state diffusion bound."""
+
+    def likelihood_scorer(self, model, tokenizer):
+        from .inference.likelihood import DiffusionGemmaLikelihoodScorer
+
+        return DiffusionGemmaLikelihoodScorer(model, tokenizer)
+
+
+class DiffusionGemmaPlanning(PlanningSpec):
+    """The MoE encoder-decoder's traits, the paper's 26B-A4B preset and its settings."""
+
     def cost_traits(self, text_config: dict) -> dict:
         """The text config has no ``attention_k_eq_v`` and its global layers no ``v_proj`` (K = V); the encoder is
         causal and its loss scores the clean rows; a canvas block's window is ``block_start``; the self-conditioning
@@ -200,7 +205,7 @@ class DiffusionGemmaFamily(ModelFamily):
                  "CSBP / best baseline throughput 1.18-1.45x, equal or lower memory", "ep"),
                 ("MoE SFT", "diffusiongemma-26b-a4b", 524288, "1.61x full-model speedup at 512K", "ep"))
 
-    def planner_presets(self) -> dict[str, dict]:
+    def presets(self) -> dict[str, dict]:
         """``diffusiongemma-26b-a4b``, the paper's MoE SFT setting. **Assumed sizes**, chosen to be consistent with
         the name (about 25-26B parameters, about 4B active per token) and the Gemma 4 config fields; they are not a
         published config: hidden 2816, 30 layers, 16 heads, 8 K/V heads of dim 256 on sliding layers (window 1024,
@@ -215,10 +220,20 @@ class DiffusionGemmaFamily(ModelFamily):
                              vocab_size=262144, sliding_window=1024, layer_types=layer_types,
                              attention_k_eq_v=True, tie_word_embeddings=True))}
 
-    # --- the hub ----------------------------------------------------------------------------------------------
-    def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
-        from .card import render_diffusion_gemma_card
 
+class DiffusionGemmaFamily(ModelFamily):
+    name = "diffusion_gemma"
+    roles = {"training": DiffusionGemmaTraining, "serving": DiffusionGemmaServing,
+             "evaluation": DiffusionGemmaEvaluation, "planning": DiffusionGemmaPlanning}
+    refusals = {"drafting": "--draft takes a drafter folder; pass a drafter folder, or serve it without --draft."}
+
+    def claims_model(self, model) -> bool:
+        return unwrap_diffusion_gemma(model) is not None
+
+    def block_size(self, model) -> int:
+        return int(unwrap_diffusion_gemma(model).config.canvas_length)
+
+    def render_card(self, directory: os.PathLike, config: dict, info: dict | None) -> str:
         return render_diffusion_gemma_card(directory, config, info)
 
 

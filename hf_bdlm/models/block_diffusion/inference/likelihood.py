@@ -15,7 +15,7 @@ argmax decides ``greedy``. Requests are batched only with requests of the same b
 block of the continuation), so no row is ever padded and a request's numbers do not depend on its batch.
 
     from hf_bdlm.models import family_named
-    scorer = family_named("block_diffusion").likelihood_scorer(model, tokenizer)
+    scorer = family_named("block_diffusion").role("evaluation").likelihood_scorer(model, tokenizer)
     [estimate] = scorer.score([ScoreRequest((1, 2, 3), (4, 5))], mc_num=32, seed=0, batch_size=8)
 """
 
@@ -33,7 +33,7 @@ from ....attention import CLEAN, NOISY, LocalLayout, RowMeta
 from ....attention.rows import stream_rows
 from ..generation import as_block_diffusion_config, resolve_settings
 from ....objectives.likelihood import absorbing_draws, request_key, summarize
-from ....protocols.family import BoundEstimate, LikelihoodScorer, ScoreRequest
+from ....protocols.likelihood import BoundEstimate, LikelihoodScorer, ScoreRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """How `hf-bdlm serve` decodes a block-diffusion model: this project's ragged block decoder (`decode_ragged`).
 
-    decoder = BlockDiffusionFamily().serving_decoder(model, tokenizer)
+    decoder = BlockDiffusionFamily().role("serving").decoder(model, tokenizer)
     settings = decoder.settings(request, prompt_len=12, max_tokens=64)   # checkpoint defaults + request fields
     decoder.decode([prompt_ids], [settings], [None], on_block)           # on_block({row: ids}) after every block
 
@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from ..generation import BlockDiffusionGenerationConfig, as_block_diffusion_config, decode_ragged, resolve_settings
-from ....protocols.family import ServingDecoder
+from ....protocols.decoding import ServingDecoder
 
 
 class BlockDiffusionServingDecoder(ServingDecoder):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ....protocols.family import ServingDecoder
+from ....protocols.decoding import ServingDecoder
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def load_speculative(target_path: str, draft_path: str, init_kwargs: dict, devic
     ``num_speculative_tokens`` proposals per step (`None`: the drafter's ``B - 1``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ....checkpoint_files import load_pretrained
+    from ....checkpoints.files import load_pretrained
     from ..configuration import DFlashConfig
     from .speculative import speculative_token_count
     from ..target import drafter_class

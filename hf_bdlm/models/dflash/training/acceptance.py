@@ -8,7 +8,7 @@ data), the record *is* that greedy continuation and the captured features *are* 
 the steps serving would run can be replayed without the target: the same anchors (each right after the last
 committed token, from the first answer token on), the same proposals (the decoding loops' own
 :class:`~.modeling.DFlashContextCache` and :func:`~.speculative.draft_from_cache`), the same cut at the request's end,
-counted by the server's rule (:class:`~hf_bdlm.protocols.family.AcceptanceCounts`). Training's anchors (drawn at
+counted by the server's rule (:class:`~hf_bdlm.protocols.decoding.AcceptanceCounts`). Training's anchors (drawn at
 random positions, each scored with the true context before it) measure something else: how often a block's tokens
 are right, not how far a decoding chain of blocks gets.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ....protocols.family import AcceptanceCounts
+from ....protocols.decoding import AcceptanceCounts
 from ..modeling import DFlashContextCache
 from ..inference.speculative import draft_from_cache, speculative_token_count
 

@@ -52,7 +52,7 @@ from transformers import TrainingArguments
 
 from ....objectives.base import supervised_mask
 from ....objectives.noise import hash_uniform
-from ....protocols.family import AcceptanceCounts
+from ....protocols.decoding import AcceptanceCounts
 from ....protocols.step import unwrap_model
 from ....trainer.collator import SAMPLE_ID_COLUMN, round_up
 from ....trainer.trainer import BDLMSFTTrainer
@@ -666,7 +666,7 @@ class DFlashTrainer(BDLMSFTTrainer):
 
     # --- checkpoints -----------------------------------------------------------------------------------------------
     def _save_extra_state(self, checkpoint_dir: str) -> None:
-        # Inside the checkpoint's atomic save (hf_bdlm/trainer/checkpoints.py): committed with the rest, or not at all.
+        # Inside the checkpoint's atomic save (hf_bdlm/checkpoints/atomic.py): committed with the rest, or not at all.
         if self.args.should_save:
             folder = Path(checkpoint_dir)
             folder.mkdir(parents=True, exist_ok=True)
@@ -685,7 +685,7 @@ class DFlashTrainer(BDLMSFTTrainer):
     def _write_model_card(self, output_dir: str) -> None:
         """``training_export.json`` (the provenance a served drafter carries) and ``README.md`` of a saved drafter."""
         from ....version import __version__
-        from ....checkpoint_files import file_sha256
+        from ....checkpoints.files import file_sha256
         from ....hub.exports import serving_model_id
         from ..inference.export import PROVENANCE, PROVENANCE_FORMAT, WEIGHTS
 

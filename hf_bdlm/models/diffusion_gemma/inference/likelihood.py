@@ -31,7 +31,7 @@ every continuation token uniform noise, decides ``greedy`` by argmax. Each reque
 ``2 mc_num + 1`` canvases): the MoE layers group a batch's tokens by expert, and a row's numbers would then depend on
 the other requests of its batch (measured: 5e-8 on the CPU kernels), so a score would change with the batch size.
 
-    scorer = family_named("diffusion_gemma").likelihood_scorer(model, tokenizer)
+    scorer = family_named("diffusion_gemma").role("evaluation").likelihood_scorer(model, tokenizer)
     [estimate] = scorer.score([ScoreRequest((2, 9, 10), (11, 12))], mc_num=32, seed=0, batch_size=8)
 """
 
@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import torch
 
 from ....objectives.likelihood import request_key, sample_uniform, stratified_levels, summarize
-from ....protocols.family import BoundEstimate, LikelihoodScorer, ScoreRequest
+from ....protocols.likelihood import BoundEstimate, LikelihoodScorer, ScoreRequest
 from ..modeling import (
     CanvasFrame,
     DiffusionGemmaLayout,

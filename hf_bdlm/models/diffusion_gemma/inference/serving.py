@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ....protocols.family import ServingDecoder
+from ....protocols.decoding import ServingDecoder
 
 logger = logging.getLogger(__name__)
 
