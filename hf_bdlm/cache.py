@@ -1,7 +1,7 @@
 """The project's first-use cache: one root folder, an inter-process lock per entry, atomic installs.
 
 The atomic install (build in a temporary sibling, then one ``rename``) is also how the trainer commits a checkpoint
-(``hf_bdlm/trainer/checkpoints.py``): :func:`temporary_sibling`, :func:`leftovers`, :func:`sync_tree` and
+(``hf_bdlm/checkpoints/atomic.py``): :func:`temporary_sibling`, :func:`leftovers`, :func:`sync_tree` and
 :func:`replace_dir` are shared.
 
 Everything hf_bdlm writes once and reuses (the exported embedded model, the planner's CPU rates) lives under

@@ -442,7 +442,7 @@ def save_with_remote_code(model, save, save_directory, *args, **kwargs):
     if should_save(is_main) if should_save is not None else is_main:
         write_remote_code(save_directory)
         if push:
-            from .checkpoint import push_folder_to_hub
+            from .upload import push_folder_to_hub
 
             repo_id = hub_kwargs.pop("repo_id", os.fspath(save_directory).rstrip(os.sep).split(os.sep)[-1])
             push_folder_to_hub(save_directory, repo_id, token=token, **hub_kwargs)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_bdlm import save_tiny_bdlm  # noqa: E402
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer  # noqa: E402
-from hf_bdlm.checkpoint_files import BadCheckpointFile  # noqa: E402
+from hf_bdlm.checkpoints.files import BadCheckpointFile  # noqa: E402
 from hf_bdlm.serving import Engine  # noqa: E402
 
 FIX = r"Download or save it again \(a checkpoint of a training run: resume from an earlier checkpoint"

@@ -122,7 +122,8 @@ def test_the_circle_check_finds_a_circle(tmp_path):
 # count); rooms on one line do not import each other (the families: a host reaches a family only through the registry
 # in protocols/, by name). A new folder or top-level module must be placed here.
 LAYERS = (
-    ("version", "cache", "checkpoint_files", "progress", "train_help"),  # import nothing of the package
+    ("version", "cache", "progress", "train_help", "moved"),  # import nothing of the package
+    ("checkpoints",),  # a model folder's files checked before they load; atomic saves of a run and its resume
     ("embedded", "data"),  # the shipped model and dataset
     ("protocols",),  # ModelFamily, TrainingStep, the card parts, the diffusion fields, the registry
     ("attention",),

@@ -6,7 +6,7 @@ objective's state (a DFlash drafter's ``dflash_objective.json``), or with the ch
 into place. Then: no ``checkpoint-4`` exists (transformers' own ``get_last_checkpoint`` returns ``checkpoint-2``), and
 ``train(resume_from_checkpoint=True)`` reports the unfinished save by name, resumes from ``checkpoint-2`` and ends with
 the weights of the uninterrupted run, bit for bit. The trainer's saves are atomic by construction
-(hf_bdlm/trainer/checkpoints.py): the checkpoint is written into a staging folder and renamed once complete.
+(hf_bdlm/checkpoints/atomic.py): the checkpoint is written into a staging folder and renamed once complete.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import prompt_completion, tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer  # noqa: E402
-from hf_bdlm.trainer.checkpoints import check_resumable  # noqa: E402
+from hf_bdlm.checkpoints.atomic import check_resumable  # noqa: E402
 
 SAVING = f"checkpoint-4{os.sep}"  # the save the kills interrupt
 
@@ -79,7 +79,7 @@ def _arm(point: str, trainer) -> None:
                 _die_after_half(os.path.join(folder, "dflash_objective.json"))
         trainer._save_extra_state = save_then_die
     elif point == "commit":
-        import hf_bdlm.trainer.checkpoints as checkpoints
+        import hf_bdlm.checkpoints.atomic as checkpoints
 
         replace = checkpoints.replace_dir
 
@@ -157,10 +157,10 @@ def test_a_save_killed_half_way_leaves_no_checkpoint_and_resume_takes_the_last_c
     with pytest.raises(ValueError, match=r"checkpoint-4 is not a finished checkpoint .* Resume from .*checkpoint-2"):
         check_resumable(staging / "checkpoint-4")
 
-    with caplog.at_level(logging.WARNING, logger="hf_bdlm.trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="hf_bdlm.checkpoints.atomic"):
         # As the Python API passes it, and (one case) as a recipe's --resume_from_checkpoint True does.
         resumed = _train(family, out, resume="True" if point == "commit" else True)
-    reported = [r.getMessage() for r in caplog.records if r.name == "hf_bdlm.trainer.checkpoints"]
+    reported = [r.getMessage() for r in caplog.records if r.name == "hf_bdlm.checkpoints.atomic"]
     assert any(str(staging) in m and "unfinished checkpoint save" in m and "checkpoint-2" in m for m in reported), \
         reported
     assert (out / "checkpoint-4" / "trainer_state.json").is_file() and not staging.exists()

@@ -35,7 +35,7 @@ from ...attention import (
     vectorized_rows,
 )
 from ...attention.rows import document_positions
-from ...checkpoint_files import check_weight_files
+from ...checkpoints.files import check_weight_files
 from .configuration import BlockDiffusionConfig
 from .generation import BlockDiffusionGenerationMixin
 

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import hf_bdlm.models.dflash.inference.export as export_module
 from hf_bdlm.cli import main
-from hf_bdlm.hub.checkpoint import folder_files
+from hf_bdlm.hub.upload import folder_files
 from hf_bdlm.models.dflash.training.capture import FeatureStore
 from hf_bdlm.models.dflash.configuration import DFlashConfig
 from hf_bdlm.models.dflash.inference.export import (

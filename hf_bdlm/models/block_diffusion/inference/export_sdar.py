@@ -494,7 +494,7 @@ def push_sdar_to_hub(folder: str | os.PathLike, repo_id: str, *, commit_message:
                      create_pr: bool = False):
     """Upload an exported SDAR folder to the Hub repo ``repo_id`` (created if needed) in one commit, after checking it
     with :func:`check_sdar_folder`. Arguments as in transformers' ``push_to_hub``."""
-    from ....hub.checkpoint import push_folder_to_hub
+    from ....hub.upload import push_folder_to_hub
 
     check_sdar_folder(folder)
     return push_folder_to_hub(folder, repo_id, commit_message=commit_message or "Upload SDAR export (hf_bdlm)",

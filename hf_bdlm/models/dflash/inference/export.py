@@ -34,7 +34,7 @@ import torch
 
 from ....protocols.card_parts import format_value, hub_repo_id, parameters_text, render_card_template, unique
 from ....hub.exports import qwen3_layer_shapes, revision_flag, serving_model_id, write_folder
-from ....checkpoint_files import file_sha256
+from ....checkpoints.files import file_sha256
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -411,7 +411,7 @@ def push_drafter_to_hub(
     Returns:
         The `huggingface_hub.CommitInfo` of the commit.
     """
-    from ....hub.checkpoint import push_folder_to_hub
+    from ....hub.upload import push_folder_to_hub
 
     check_serving_inventory(folder)
     return push_folder_to_hub(folder, repo_id, commit_message=commit_message or "Upload DFlash drafter (hf_bdlm)",

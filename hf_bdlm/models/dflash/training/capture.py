@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ....checkpoint_files import file_sha256
+from ....checkpoints.files import file_sha256
 from ..target import decoder_of
 
 FEATURES_FORMAT = "hf_bdlm.dflash.features"

@@ -1,4 +1,4 @@
-"""Atomic checkpoints: ``checkpoint-N`` appears whole, or not at all.
+"""Atomic checkpoints: ``checkpoint-N`` appears whole, or not at all; a resume takes the last whole one.
 
 transformers' Trainer writes ``checkpoint-N`` file by file (weights, model card, optimizer, scheduler, RNG states,
 ``trainer_state.json``; a family adds its objective's state), and ``resume_from_checkpoint=True`` takes the folder
@@ -16,7 +16,7 @@ rotation of old checkpoints (``save_total_limit``) and resume never see a checkp
 ``trainer_state.json`` (transformers writes it last: a folder written without staging, by an older version or another
 trainer, is complete only with it); the unfinished folders it passes over are reported by name.
 
-    from hf_bdlm.trainer.checkpoints import last_complete_checkpoint
+    from hf_bdlm.checkpoints.atomic import last_complete_checkpoint
     path = last_complete_checkpoint("outputs/run")     # None when there is none
 """
 

@@ -8,7 +8,7 @@
   ``output_loading_info=True`` and refuses a model that misses weights, naming the config and the weights it read.
 
     from transformers import AutoModel
-    from hf_bdlm.checkpoint_files import load_pretrained
+    from hf_bdlm.checkpoints.files import load_pretrained
     model = load_pretrained(AutoModel.from_pretrained, "path/to/folder", dtype="auto")
 """
 

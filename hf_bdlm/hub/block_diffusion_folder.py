@@ -1,4 +1,8 @@
-"""Hub-ready checkpoints: one folder with everything a user needs, and its upload.
+"""The Hub folder of a block-diffusion model (`BlockDiffusionForMaskedLM`): everything a user needs, and its upload.
+
+For block-diffusion models only (`config.model_type == "block_diffusion"`): the remote code comes from their
+`save_pretrained`; a model of another family is refused (its family publishes through its own export,
+`hf-bdlm export --format ...`, and `hf_bdlm.hub.upload.push_folder_to_hub`).
 
 `save_for_hub(model, tokenizer, output_dir, info)` writes
 
@@ -9,7 +13,8 @@
 - `README.md`, the model card (base model, objective, block size, layout, dataset, metrics, how to load).
 
 `push_to_hub(model, repo_id, ...)` uploads exactly that folder (written to a temporary directory) in one commit;
-`push_folder_to_hub(folder, repo_id)` uploads a folder already saved (e.g. a trainer's `output_dir`)::
+`push_folder_to_hub(folder, repo_id)` (:mod:`.upload`, any saved folder) uploads a folder already saved (e.g. a
+trainer's `output_dir`)::
 
     from hf_bdlm.hub import save_for_hub, push_folder_to_hub
     save_for_hub(model, tokenizer, "out", {"dataset": "me/my-data", "metrics": {"loss": 0.4}})
@@ -24,11 +29,12 @@ from pathlib import Path
 
 from .card import write_model_card
 from ..protocols.card_parts import as_list
+from .upload import commit_folder, hub_api
 
 
 def save_for_hub(model, tokenizer, output_dir: str | os.PathLike, info: dict | None = None, **save_kwargs) -> Path:
     r"""
-    Write a complete, Hub-ready checkpoint of a block-diffusion model into `output_dir`.
+    Write a complete, Hub-ready folder of a block-diffusion model into `output_dir`.
 
     Args:
         model ([`BlockDiffusionForMaskedLM`]):
@@ -91,7 +97,7 @@ def push_to_hub(
     Returns:
         The `huggingface_hub.CommitInfo` of the commit.
     """
-    api = _api()
+    api = hub_api()
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     info = dict(info or {})
     info.setdefault("repo_id", repo_id)
@@ -100,66 +106,8 @@ def push_to_hub(
         info["tags"] = as_list(info.get("tags")) + list(tags)
     with tempfile.TemporaryDirectory() as folder:
         save_for_hub(model, tokenizer, folder, info, max_shard_size=max_shard_size)
-        return _commit_folder(api, folder, repo_id, commit_message, commit_description, token, revision, create_pr)
-
-
-def push_folder_to_hub(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    commit_message: str | None = None,
-    commit_description: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
-    revision: str | None = None,
-    create_pr: bool = False,
-):
-    """Upload every file of a saved folder (hidden files and `__pycache__` excepted) to `repo_id` in one commit."""
-    api = _api()
-    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-    return _commit_folder(api, folder, repo_id, commit_message, commit_description, token, revision, create_pr)
-
-
-def folder_files(folder: str | os.PathLike) -> list[str]:
-    """Paths (relative, POSIX) of the files an upload of ``folder`` sends."""
-    root = Path(folder)
-    files = []
-    for path in sorted(root.rglob("*")):
-        parts = path.relative_to(root).parts
-        if path.is_file() and not any(p.startswith(".") or p == "__pycache__" for p in parts):
-            files.append(Path(*parts).as_posix())
-    return files
-
-
-def _commit_folder(api, folder, repo_id, commit_message, commit_description, token, revision, create_pr):
-    from huggingface_hub import CommitOperationAdd
-
-    files = folder_files(folder)
-    if "config.json" not in files:
-        raise FileNotFoundError(
-            f"{folder} holds no config.json: it is not a saved model folder (write one with "
-            "hf_bdlm.hub.save_for_hub first)."
-        )
-    operations = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(Path(folder) / f)) for f in files]
-    if revision is not None and not create_pr:
-        api.create_branch(repo_id=repo_id, branch=revision, token=token, exist_ok=True)
-    return api.create_commit(
-        repo_id=repo_id,
-        operations=operations,
-        commit_message=commit_message or "Upload block diffusion model (hf_bdlm)",
-        commit_description=commit_description,
-        token=token,
-        revision=revision,
-        create_pr=create_pr,
-    )
-
-
-def _api():
-    from huggingface_hub import HfApi
-
-    from ..version import __version__
-
-    return HfApi(library_name="hf-bdlm", library_version=__version__)
+        return commit_folder(api, folder, repo_id, commit_message or "Upload block diffusion model (hf_bdlm)",
+                             commit_description, token, revision, create_pr)
 
 
 def _check_model(model) -> None:
