@@ -161,6 +161,9 @@ def _load_config(source) -> tuple[dict, str]:
 def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = None) -> ModelSpec:
     """A :class:`ModelSpec` from a transformers config dict (see the module docstring for what is read)."""
     outer = cfg
+    # What the model's family adds to the decoder config (its planning role: PlanningSpec.cost_traits); a family
+    # without one is refused before its config is read.
+    planning = family_for_model_type(outer.get("model_type")).role("planning", name)
     if isinstance(cfg.get("backbone_config"), dict):  # a BlockDiffusionConfig
         cfg = cfg["backbone_config"]
     if isinstance(cfg.get("text_config"), dict):  # Gemma 3/4 and the multimodal or encoder-decoder configs
@@ -184,9 +187,8 @@ def spec_from_config(cfg: dict, name: str = "model", block_size: int | None = No
     overrides = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
     global_dim = _get(cfg, "global_head_dim", default=head_dim)
     global_kv = _get(cfg, "num_global_key_value_heads", default=kv)
-    # What the model's family adds to the decoder config (its planning role: PlanningSpec.cost_traits). Global layers
-    # share K and V when the config says so (Gemma 4's attention_k_eq_v), else as the family's models do.
-    traits = family_for_model_type(outer.get("model_type")).role("planning").cost_traits(cfg)
+    # Global layers share K and V when the config says so (Gemma 4's attention_k_eq_v), else as the family's models do.
+    traits = planning.cost_traits(cfg)
     k_eq_v = bool(cfg.get("attention_k_eq_v", traits["k_eq_v"]))
     layers = []
     for i, t in enumerate(types):

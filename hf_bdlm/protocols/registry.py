@@ -93,6 +93,12 @@ def register_family(entry: FamilyEntry) -> None:
     REGISTRY.append(entry)
 
 
+def unregister_family(name: str) -> None:
+    """Remove a family :func:`register_family` added (a plugin's tests clean up with it)."""
+    REGISTRY.remove(entry_named(name))
+    _LOADED.pop(name, None)
+
+
 def entry_named(name: str) -> FamilyEntry:
     """The registry line of the family ``name``."""
     entry = next((e for e in REGISTRY if e.name == name), None)
@@ -210,6 +216,6 @@ def family_for_model(model) -> ModelFamily | None:
     return None
 
 
-__all__ = ["PLANNED_OBJECTIVES", "export_format", "export_formats", "family_commands", "family_studies", "REGISTRY", "FamilyEntry", "ModelFamily", "RoleUnavailable", "entry_named", "register_family", "all_objectives", "converting_family",
+__all__ = ["PLANNED_OBJECTIVES", "export_format", "export_formats", "family_commands", "family_studies", "REGISTRY", "FamilyEntry", "ModelFamily", "RoleUnavailable", "entry_named", "register_family", "unregister_family", "all_objectives", "converting_family",
            "entry_for_model_type", "family_for_config", "family_for_model", "family_for_model_type",
            "family_for_objective", "family_named", "family_names", "get_objective"]

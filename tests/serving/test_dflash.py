@@ -13,8 +13,6 @@ Run: python -m pytest tests/test_serving_dflash.py -q
 from __future__ import annotations
 
 import concurrent.futures
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +25,6 @@ from hf_bdlm.models.dflash.inference.serving import SpeculativeServingDecoder  #
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, parse_request  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_bdlm import MASK, save_tiny_bdlm, save_tiny_target  # noqa: E402
 
 KEY = "test-key"
@@ -113,7 +110,8 @@ def test_served_over_http_equals_generate_alone_and_under_concurrency(engine):
 
 
 def test_a_folder_that_is_not_a_drafter_is_a_clear_error(folders):
-    with pytest.raises(ValueError, match=r"--draft takes a drafter folder.*'block_diffusion'"):
+    with pytest.raises(ValueError, match=r"holds a 'block_diffusion' checkpoint: this family has no drafting role. --draft "
+                                         r"takes a drafter folder"):
         Engine.from_pretrained(folders / "target", draft=folders / "bdlm")
     with pytest.raises(FileNotFoundError, match="holds no config.json"):
         Engine.from_pretrained(folders / "target", draft=folders / "missing")
@@ -145,7 +143,7 @@ def test_a_bad_number_of_speculative_tokens_is_a_clear_error(folders):
 def test_served_acceptance_equals_the_recipes_measurement(engine):
     """`hf-bdlm serve --draft` accepts as many tokens per target forward as `speculative_generate` (what the DFlash
     recipe measures after training) on the same prompts: the same target forwards for the same tokens."""
-    from hf_bdlm.benchmarks.decoding import ForwardMeter, serve_decode
+    from hf_bdlm.benchmarks.decoding_study import ForwardMeter, serve_decode
     from hf_bdlm.models.dflash.inference.speculative import speculative_generate
 
     decoder = engine.decoder
