@@ -4,8 +4,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# Helpers such as tests/torchrun.py import as top-level modules.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Helpers such as tests/torchrun.py, tests/paths.py and tests/fixtures.py import as top-level modules, and so do the
+# workers' helpers of tests/distributed/ (trainer_common.py, ...). The test files themselves import by path
+# (pyproject.toml: --import-mode=importlib), so files of the same name in two folders stay apart.
+_TESTS = Path(__file__).resolve().parent
+for _folder in (_TESTS / "distributed", _TESTS):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 # Tiny models and masks: intra-op threads only add overhead (10x on a loaded 2-core machine).
 torch.set_num_threads(1)
 

@@ -19,8 +19,6 @@ Run: python -m pytest tests/test_decoding_benchmark.py -q
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +26,6 @@ import torch
 from hf_bdlm.benchmarks import decoding
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_bdlm import MASK, VOCAB, save_tiny_bdlm, save_tiny_target  # noqa: E402
 from tiny_diffusion_gemma import save_checkpoint  # noqa: E402
 

@@ -11,15 +11,14 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.gpu import runbook
 from hf_bdlm.attention import BACKENDS
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _number(x) -> bool:

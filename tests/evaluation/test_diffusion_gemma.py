@@ -12,7 +12,6 @@ Run: python -m pytest tests/test_evaluation_diffusion_gemma.py -q
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ from torchrun import SharedJob  # noqa: E402
 from hf_bdlm.cli import main  # noqa: E402
 from hf_bdlm.evaluation.tasksets import load_swebench_instances  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from eval_callback_worker import servable_tiny_model, training_config  # noqa: E402
 from tiny_diffusion_gemma import conversations, tiny_tokenizer  # noqa: E402
 

@@ -3,13 +3,9 @@ score counts exact answers, a seed makes a random-canvas family reproducible wit
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 
 from hf_bdlm.evaluation.exact_match import held_out_exact_match  # noqa: E402
 from tiny_bdlm import BLOCK, tiny_bdlm  # noqa: E402

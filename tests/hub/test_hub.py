@@ -15,7 +15,6 @@ import sys
 import sysconfig
 import textwrap
 import tomllib
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,8 +33,9 @@ import hf_bdlm
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.hub import AUTO_MAP, bundle_remote_code, push_to_hub, render_model_card, save_for_hub, write_model_card
 from hf_bdlm.hub.remote_code import BundleError, _check_bundle
+from paths import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = ROOT
 VOCAB, MASK, BLOCK = 64, 63, 4
 WORDS = ["[UNK]", "[PAD]", "<s>", "</s>"] + [f"w{i}" for i in range(4, MASK)] + ["<|mask|>"]
 _COMMON = dict(

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_bdlm import save_tiny_bdlm  # noqa: E402
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer  # noqa: E402

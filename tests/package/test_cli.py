@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 BIN = Path(sys.executable).parent / "hf-bdlm"

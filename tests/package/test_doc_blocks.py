@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 
 from hf_bdlm.cache import cache_home
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 FILES = ("README.md", "docs/usage.md")
 LANGUAGES = ("bash", "python")
 CHAIN_TIMEOUT_S = 900

@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path, PurePosixPath
 
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

@@ -8,13 +8,11 @@ Python block) and tests/test_dflash_capture.py.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_bdlm import save_tiny_target  # noqa: E402
 
 import hf_bdlm  # noqa: E402

@@ -6,14 +6,11 @@ Run: python -m pytest tests/test_first_contact.py -q
 from __future__ import annotations
 
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import prompt_completion, tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 from hf_bdlm import BlockDiffusionForMaskedLM, convert_causal_lm  # noqa: E402

@@ -20,8 +20,8 @@ from embedded_model import needs_embedded_model
 import pytest
 
 from hf_bdlm.cache import _umask, install_dir, leftovers, update_json
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Each process: the default model's folder (exporting it if needed), loaded, and a digest of all its weights.
 LOAD_AND_DIGEST = """

@@ -1,4 +1,4 @@
-"""The installed wheel is self-contained (the rooms and imports of the source: tests/test_layering.py).
+"""The installed wheel is self-contained (the rooms and imports of the source: tests/package/test_layering.py).
 
 The wheel is built from a copy of this checkout and installed (not editable) into a folder of its own; every command
 then runs with this interpreter (which has the dependencies), that folder on ``PYTHONPATH`` and a temporary working
@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_layering import module_files
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "hf_bdlm"
-RECORDS = ROOT / "tests" / "data" / "parallel_modes_cpu_2k4k.json"
+from package_source import PACKAGE, module_files
+from paths import DATA, ROOT
+
+RECORDS = DATA / "parallel_modes_cpu_2k4k.json"
 
 
 # --- the wheel --------------------------------------------------------------------------------------------------------

@@ -4,23 +4,11 @@ imports another module's private name. Read from the source as text (``ast``), n
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "hf_bdlm"
+from package_source import PACKAGE, module_files
+from paths import ROOT
 
 
 # --- the package's modules and their imports -------------------------------------------------------------------------
-def module_files(root: Path, package: str = PACKAGE) -> dict[str, tuple[Path, bool]]:
-    """``{dotted name: (file, is_package)}`` of every module under ``root / package`` (folders with ``__init__.py``)."""
-    modules = {}
-    for path in sorted((root / package).rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        if any(not (root.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))):
-            continue  # a file in package data, not a module
-        is_package = parts[-1] == "__init__"
-        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
-    return modules
-
-
 def import_graph(root: Path) -> dict[str, dict[str, int]]:
     """``{module: {imported module: line}}`` for every import of a package module, at module level or inside a
     function. ``from X import Y`` counts as an import of ``X.Y`` when that is a module, else of ``X``. Importing
@@ -217,7 +205,7 @@ def private_imports(root: Path, package: str = PACKAGE) -> list[str]:
 # evaluate), studies (benchmarks, planner workloads, projections), and the entry (family.py, the card, the command
 # table, the package face) that hands the rest out. A module imports its own room and the rooms below it.
 FAMILY_ROOMS = ("model", "inference", "training", "studies", "entry")
-ENTRY_MODULES = ("family", "card", "commands")  # commands: the family's command-line tables
+ENTRY_MODULES = ("family", "card", "commands", "cli")  # cli: until the command tables replace it
 
 
 def family_room(module: str) -> tuple[str, str] | None:

@@ -6,8 +6,6 @@ rows and names a layer hands to the kernels. The distributed exactness tests run
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +20,6 @@ from hf_bdlm.parallel.engine import ExchangePass
 from hf_bdlm.parallel.plan import PlanConfig, make_plan, window_exchange
 from hf_bdlm.parallel.sharded import ShardedLayout
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 
 L, B = 64, 4
 

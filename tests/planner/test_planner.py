@@ -6,7 +6,6 @@ No processes are launched: the measured bytes come from a committed ``hf_bdlm.be
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,10 @@ from hf_bdlm.planner.cost import (TIE, Cluster, Recipe, allowed_key_counts, kv_b
                                   predict, rank_work, recommend)
 from hf_bdlm.planner.hardware import DeviceSpec, device_spec
 from hf_bdlm.planner.model import AttentionShape, ModelSpec, model_spec, spec_from_config
+from paths import DATA
 
 # A 2-rank gloo run, L = 2K, 4K, measured on a loaded machine: its bytes are exact, its times are not for validating.
-RECORDS = Path(__file__).resolve().parent / "data" / "parallel_modes_cpu_2k4k.json"
+RECORDS = DATA / "parallel_modes_cpu_2k4k.json"
 
 RULES = [MaskRule(4, clean, window, convention)
          for clean in ("block_causal", "causal")

@@ -17,11 +17,10 @@ Run: python -m pytest tests/test_serving_clients.py -q
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
+from paths import LM_EVAL_TASKS
 
 openai = pytest.importorskip("openai", reason="the serving tests need the openai client (dev extra)")
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
@@ -29,11 +28,10 @@ pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicor
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from tiny_bdlm import CONTEXT, save_tiny_bdlm  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_diffusion_gemma import save_checkpoint  # noqa: E402
 
 KEY = "test-key"
-TASKS = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
+TASKS = LM_EVAL_TASKS
 
 
 def serve(engine, **overrides):

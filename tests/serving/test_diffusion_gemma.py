@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -29,7 +27,6 @@ from transformers import BertConfig  # noqa: E402
 from hf_bdlm.models.diffusion_gemma.inference.serving import DiffusionGemmaServingDecoder  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_diffusion_gemma import B, EOS, TURN_END, save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
 
 KEY = "test-key"

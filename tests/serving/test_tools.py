@@ -12,8 +12,6 @@ Run: python -m pytest tests/test_serving_tools.py -q
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -35,7 +33,6 @@ from hf_bdlm.serving.tools import (  # noqa: E402
 )
 from tiny_bdlm import save_tiny_bdlm  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 import tiny_diffusion_gemma  # noqa: E402
 
 KEY = "test-key"

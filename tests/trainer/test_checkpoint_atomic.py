@@ -15,14 +15,12 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers.trainer_utils import get_last_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import prompt_completion, tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer  # noqa: E402

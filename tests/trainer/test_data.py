@@ -2,14 +2,11 @@
 block-aligned packing, the length policy, the group-shared sampler, and bad input caught early.
 """
 
-import sys
-from pathlib import Path
 
 import datasets
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import (  # noqa: E402
     PAD,
     language_modeling,

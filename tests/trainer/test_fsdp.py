@@ -27,8 +27,8 @@ import torch
 
 from torchrun import ROOT, SharedJob
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import prompt_completion, tiny_bdlm, tiny_tokenizer  # noqa: E402
+from paths import DISTRIBUTED, TESTS
 
 # Measured (float32, 4 steps): FSDP2 vs DDP losses 0 to 6.5e-8 relative, final weights 0 to 1.2e-7 (the reduce-scatter
 # sums in another order than DDP's all-reduce); resumes 0 to 1.7e-7 (P = 1 after P = 2).
@@ -159,9 +159,9 @@ def test_tensor_parallel_from_an_accelerate_config_file(tensor_parallel, tmp_pat
     """``accelerate launch --config_file recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml``: its parallelism_config section
     reaches the trainer through the launcher's environment; the run is the torchrun one with ParallelismConfig."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml"), str(ROOT / "tests/distributed/fsdp_worker.py"),
+           str(ROOT / "recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml"), str(DISTRIBUTED / "fsdp_worker.py"),
            "--scenario", "tensor_parallel_launch", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

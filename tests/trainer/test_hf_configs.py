@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from torchrun import ROOT, SharedJob, run_in_process
+from paths import DISTRIBUTED
 
 FAMILIES = ["converted_qwen3", "diffusion_gemma"]
 # Measured: float32 P = 2 against P = 1, 0 to 1.2e-7 relative (DiffusionGemma under FSDP2: its reduce-scatter sums in
@@ -47,7 +48,7 @@ def runs(shared_launch):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "recipes" / "accelerate" / "cpu_2proc_fsdp2.yaml"),
-           str(ROOT / "tests" / "distributed" / "hf_configs_worker.py"), "--out", str(out), "--only", "plain"]
+           str(DISTRIBUTED / "hf_configs_worker.py"), "--out", str(out), "--only", "plain"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {"p1": _load(out, "world1"), "p2": _load(out, "world2"), "accelerate_fsdp": _load(out, "accelerate_fsdp")}

@@ -7,15 +7,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from embedded_model import needs_embedded_model
 import pytest
 import yaml
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
-sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 import sft  # noqa: E402
 from trainer_common import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
@@ -177,7 +175,6 @@ def test_the_ar_baseline_sees_the_bdlm_recipes_sequences():
 
 def _self_distill_model(tmp_path, eos):
     """The tiny random block-diffusion checkpoint; ``eos`` its generation config's EOS ids (``None``: it never ends)."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from tiny_bdlm import MASK, save_tiny_bdlm
 
     folder = save_tiny_bdlm(tmp_path / "bdlm")

@@ -4,14 +4,11 @@ Multi-process layouts (P = 2 CSBP vs P = 1, resume, data sharding) are in test_t
 """
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from trainer_common import language_modeling, prompt_completion, tiny_bdlm, tiny_causal_lm, tiny_tokenizer  # noqa
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer, BlockDiffusionForMaskedLM  # noqa: E402

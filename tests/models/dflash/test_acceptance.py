@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +44,6 @@ from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig  # noqa: 
 from hf_bdlm.protocols.card_parts import format_value  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_bdlm import MASK, VOCAB, tiny_tokenizer  # noqa: E402
 
 KEY = "test-key"

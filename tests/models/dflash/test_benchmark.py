@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_bdlm import cli
-from hf_bdlm.models.dflash import benchmark
+from hf_bdlm.models.dflash.studies import benchmark
 from hf_bdlm.models.dflash.studies.benchmark import DrafterStudy
 
 MiB = 2**20

@@ -10,13 +10,10 @@ launches of 2 and 4 processes (every case in each).
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from dflash_worker import BLOCK, DRAFTERS, LENGTH, MATRIX, WINDOW, objective_of, tiny_data, tiny_drafter, tiny_target
 
 from hf_bdlm.models.dflash.modeling import draft_context_mask

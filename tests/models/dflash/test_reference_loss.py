@@ -9,7 +9,7 @@ selector). The oracle: its training task ``DFlashTrainingTask`` (``prepare`` wit
 ``(seed, step)`` gives: it draws the anchors, keeps the slots valid in some sample and passes the whole batch's
 supervised counts as the normaliser; ``forward``; ``loss``, i.e. the model's ``distributed_dflash_loss``) on the oracle
 model loaded with our weights. The oracle's attention kernel needs CUDA: it runs with the dense CPU attention of
-``test_dflash_model.py`` (the oracle's own mask predicate); all the rest is the oracle's code.
+tests/dflash_oracle.py (the oracle's own mask predicate); all the rest is the oracle's code.
 
 Precision. Everything is float64, but the oracle's loss kernels compute the vocabulary softmax and accumulate the loss
 in float32 whatever the input dtype, so it is compared twice:
@@ -29,7 +29,7 @@ dflash2_ce        0 / 8.7e-15                 1.1e-07 / 2.4e-07
 dflash_ce         0 / 3.0e-15                 1.3e-07 / 3.4e-07
 ================  ==========================  ============================
 
-Run: ``python -m pytest tests/test_dflash_reference_loss.py -q`` (a few seconds on CPU).
+Run: ``python -m pytest tests/models/dflash/test_reference_loss.py -q`` (a few seconds on CPU).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from hf_bdlm.models.dflash.training.objective import (
 
 pytest.importorskip("dllm_parallel.core.models.backbones.dflash.training", reason="the oracle dllm_parallel is absent")
 from dllm_parallel.core.models.backbones.dflash.training import DFlashTrainingTask  # noqa: E402
-from test_dflash_model import (  # noqa: E402
+from dflash_oracle import (  # noqa: E402
     BLOCK,
     VOCAB,
     drafter,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from hf_bdlm.models.dflash import speculative
+from hf_bdlm.models.dflash.inference import speculative
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashContextCache, DFlashDraftModel
 from hf_bdlm.models.dflash.inference.speculative import (
     DFlashCandidateGenerator,

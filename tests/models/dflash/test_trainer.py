@@ -13,12 +13,10 @@
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 import dflash_trainer_worker as fixtures  # noqa: E402
 from torchrun import SharedJob  # noqa: E402
 from trainer_common import tiny_tokenizer  # noqa: E402
@@ -28,6 +26,7 @@ from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
 from hf_bdlm.models.dflash.training.objective import DFlashObjective  # noqa: E402
 from hf_bdlm.models.dflash.training.trainer import DFlashTrainer, sample_seed  # noqa: E402
 from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig  # noqa: E402
+from paths import ROOT
 
 TOL = 1e-5
 
@@ -302,7 +301,6 @@ def test_a_block_size_other_than_the_drafters_or_missing_inputs_are_refused(tmp_
 
 
 # --- the recipe -------------------------------------------------------------------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "dflash_smollm2_cpu.yaml"
 
 

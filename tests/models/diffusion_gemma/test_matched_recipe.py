@@ -14,16 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 from torchrun import SharedJob
+from paths import ROOT
 
 pytest.importorskip("minisweagent", reason="the per-checkpoint evaluation needs mini-swe-agent (eval/dev extra)")
 pytest.importorskip("fastapi", reason="the per-checkpoint evaluation serves the model (serve extra)")
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "dg_matched_cpu.yaml"
 # Float32 layouts of one loss: measured here within 8.9e-8 relative (cp-paper and bp against csbp, 4 steps; not
 # bitwise, as their arithmetic differs, where csbp and balanced cp were bitwise equal); the bound leaves room for

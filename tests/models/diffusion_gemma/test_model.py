@@ -9,8 +9,6 @@ shorter than the sequences, 2 layers (sliding, full), 4 experts top-2; the Diffu
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import datasets
 import pytest
@@ -30,9 +28,9 @@ from hf_bdlm.models.diffusion_gemma.modeling import (
 from hf_bdlm.objectives import get_objective
 from hf_bdlm.models.diffusion_gemma.training.objective import DiffusionGemmaObjective
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_diffusion_gemma import B, EOS, PAD, TURN_END, VOCAB, W, conversations, tiny_tokenizer  # noqa: E402
 from tiny_diffusion_gemma import tiny_model as _tiny_model  # noqa: E402
+from paths import ROOT
 
 
 def tiny_model(seed: int = 0) -> DiffusionGemmaForBlockDiffusion:
@@ -398,7 +396,7 @@ def test_the_26b_recipe_scaled_down_to_a_tiny_model_trains_and_saves_a_diffusion
 
     from trl import ModelConfig, ScriptArguments, TrlParser
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"
+    recipe = ROOT / "recipes" / "configs" / "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"
     tiny_model().save_pretrained(tmp_path / "model")
     tiny_tokenizer().save_pretrained(tmp_path / "model")
     conversations(6).to_json(tmp_path / "data" / "train.jsonl")
@@ -431,9 +429,7 @@ def test_config_accepts_zero_noise_only_for_diffusion_gemma_and_rejects_its_knob
 
 
 def test_packaged_card_template_is_the_model_cards_copy():
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     packaged = (root / "hf_bdlm" / "models" / "diffusion_gemma" / "model_card.md").read_text()
     assert (root / "model_cards" / "diffusion_gemma_model_card.md").read_text() == packaged
 

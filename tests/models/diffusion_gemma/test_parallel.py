@@ -12,12 +12,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
 from tiny_diffusion_gemma import B, EOS, TURN_END, VOCAB, W, conversations, make_batch, tiny_model, tiny_tokenizer
 
 from hf_bdlm.attention.masks import CLEAN, NOISY, MaskRule, count_allowed_pairs, dense_mask, keys_in_window
