@@ -12,9 +12,12 @@
     hf-bdlm bench --quick --out bench_quick                                    # benchmarks: JSON, plots, tables
 
 Adding a command: write `add_<name>_parser(subparsers)` that registers its arguments and sets `func` (called with
-the parsed namespace, returns the exit code), and call it in `build_parser`. The parsers import light modules only:
-torch, transformers, TRL, datasets, accelerate and PEFT are imported by the `func` that runs a command, so that
-`hf-bdlm --help` and every command's help answer at once (tests/test_cli_help.py).
+the parsed namespace, returns the exit code), and call it in `build_parser`. A model family's commands, export formats
+and bench studies are tables in its folder's ``commands.py`` (:mod:`hf_bdlm.protocols.commands`, found through the
+registry): :func:`add_table_command` and :func:`add_table_arguments` build their parsers, and what runs them is
+imported when they run. The parsers import light modules only: torch, transformers, TRL, datasets, accelerate and PEFT
+are imported by the `func` that runs a command, so that `hf-bdlm --help` and every command's help answer at once
+(tests/test_cli_help.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,48 @@ import sys
 from pathlib import Path
 
 from .benchmarks.cli import add_bench_parser
+from .protocols.commands import Argument, Command, resolve
 from .train_help import RecipeHelp
+
+
+# --- the families' commands, read from their tables -----------------------------------------------------------------
+def add_table_arguments(parser, arguments: tuple[Argument, ...], required_groups: tuple[str, ...] = ()) -> None:
+    """Add a table's arguments to ``parser`` (or an argument group) in their order; those naming an ``exclusive``
+    group go into one mutually exclusive group each, required when ``required_groups`` names it."""
+    exclusive = {}
+    for argument in arguments:
+        container = parser
+        if argument.exclusive is not None:
+            if argument.exclusive not in exclusive:
+                exclusive[argument.exclusive] = parser.add_mutually_exclusive_group(
+                    required=argument.exclusive in required_groups)
+            container = exclusive[argument.exclusive]
+        container.add_argument(*argument.names, **argument.keywords())
+
+
+def table_runner(reference: str):
+    """The ``func`` of a command whose table names what runs it (``"module:function"``, imported when it runs)."""
+    def run(args) -> int:
+        return resolve(reference)(args)
+
+    run.__name__ = run.__qualname__ = reference.rpartition(":")[2]
+    run.reference = reference
+    return run
+
+
+def add_table_command(subparsers, command: Command) -> None:
+    """Register ``hf-bdlm <command.name>`` (and its subcommands, ``args.<name>_command`` naming the chosen one) from
+    its table."""
+    p = subparsers.add_parser(command.name, description=command.description,
+                              **({"help": command.help} if command.help is not None else {}))
+    add_table_arguments(p, command.arguments, command.required_groups)
+    if command.commands:
+        commands = p.add_subparsers(dest=f"{command.name.replace('-', '_')}_command", metavar="COMMAND",
+                                    required=True)
+        for sub in command.commands:
+            add_table_command(commands, sub)
+    if command.run:
+        p.set_defaults(func=table_runner(command.run))
 
 
 def add_serve_parser(subparsers) -> None:
@@ -361,8 +405,9 @@ def run_convert(args) -> int:
 
 
 def add_export_parser(subparsers) -> None:
-    from .protocols.registry import EXPORT_FORMATS, add_export_formats
+    from .protocols.registry import export_formats
 
+    formats = export_formats()
     p = subparsers.add_parser(
         "export", help="export a checkpoint folder in a format a serving engine loads",
         description="Write a checkpoint in the format a production engine serves, with its launch commands "
@@ -370,18 +415,20 @@ def add_export_parser(subparsers) -> None:
                     "(--dllm-algorithm LowConfidence) and LMDeploy (--dllm-block-length).")
     p.add_argument("source", help="the checkpoint folder (save_pretrained, a trainer's output_dir)")
     p.add_argument("output", help="the folder to write (must not exist unless --overwrite)")
-    p.add_argument("--format", required=True, choices=sorted(EXPORT_FORMATS), dest="export_format")
+    p.add_argument("--format", required=True, choices=sorted(formats), dest="export_format")
     p.add_argument("--push-to-hub", metavar="REPO", default=None, help="then upload the folder to this repo")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     p.add_argument("--overwrite", action="store_true")
-    add_export_formats(p)
+    for name, export in formats.items():  # each format's options, in a group of its own
+        add_table_arguments(p.add_argument_group(f"--format {name}"), export.arguments)
     p.set_defaults(func=run_export)
 
 
 def run_export(args) -> int:
-    from .protocols.registry import run_export_format
+    """``hf-bdlm export --format NAME``: the format's own runner (its table's ``run``)."""
+    from .protocols.registry import export_format
 
-    return run_export_format(args.export_format, args)
+    return resolve(export_format(args.export_format).run)(args)
 
 
 def add_generate_parser(subparsers) -> None:
@@ -576,8 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     from .planner.cli import add_plan_parser
     add_plan_parser(subparsers).set_defaults(func=run_plan_command)
-    from .protocols.registry import add_family_commands
-    add_family_commands(subparsers)  # commands a model family owns (hf-bdlm <family command> ...)
+    from .protocols.registry import family_commands
+    for command in family_commands():  # commands a model family owns (hf-bdlm <family command> ...)
+        add_table_command(subparsers, command)
     return parser
 
 

@@ -28,8 +28,8 @@ and ``plot(records, path)``. They follow the core studies:
 - ``planning``: :mod:`.planning`, the host's plan of a fresh layout (block masks for one device and csbp at P = 8, the
   CPU path's planner beside) against L: time of a first and a warm build, RSS, the masks' index arrays, and that a
   cached step plans nothing. ``planning.json``, ``planning.png``.
-- the families' own studies (:data:`hf_bdlm.models.FAMILY_STUDIES`, a study name -> its module), in the registry's
-  order.
+- the families' own studies (the ``STUDIES`` tables of their ``commands.py``, :func:`hf_bdlm.models.family_studies`:
+  a study name -> its module), in the registry's order.
 
 ``summary.json`` holds the machine and, per study, the command, wall time and load average (1-minute, at its start and
 end; a study run again into the same folder replaces its entry), and the plots; ``summary.md`` the
@@ -53,7 +53,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from ..protocols.registry import FAMILY_STUDIES
+from ..protocols.registry import family_studies
 from . import max_context, parallel_modes, report
 from .processes import child_env, module_command
 from .spread import MIN_TIMED_STEPS, check_timed_steps
@@ -63,7 +63,7 @@ CORE_STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
 # study (every family's decoding, each family reached through the registry) and host planning study, then the
 # families' own.
 STUDY_MODULES = {"decoding": "hf_bdlm.benchmarks.decoding", "planning": "hf_bdlm.benchmarks.planning",
-                 **FAMILY_STUDIES}
+                 **{name: study.module for name, study in family_studies().items()}}
 STUDIES = CORE_STUDIES + tuple(STUDY_MODULES)
 
 

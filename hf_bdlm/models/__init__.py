@@ -12,29 +12,27 @@ its folder; the registry's names are re-exported here for code written against `
 """
 
 from ..protocols.registry import (
-    EXPORT_FORMATS,
-    FAMILY_COMMANDS,
-    FAMILY_STUDIES,
     PLANNED_OBJECTIVES,
     REGISTRY,
     FamilyEntry,
     ModelFamily,
-    add_export_formats,
-    add_family_commands,
     all_objectives,
     converting_family,
     entry_for_model_type,
+    export_format,
+    export_formats,
+    family_commands,
     family_for_config,
     family_for_model,
     family_for_model_type,
     family_for_objective,
     family_named,
     family_names,
+    family_studies,
     get_objective,
-    run_export_format,
 )
 
-__all__ = ["EXPORT_FORMATS", "FAMILY_COMMANDS", "FAMILY_STUDIES", "PLANNED_OBJECTIVES", "REGISTRY", "FamilyEntry",
-           "ModelFamily", "add_export_formats", "add_family_commands", "all_objectives", "converting_family",
-           "entry_for_model_type", "family_for_config", "family_for_model", "family_for_model_type",
-           "family_for_objective", "family_named", "family_names", "get_objective", "run_export_format"]
+__all__ = ["PLANNED_OBJECTIVES", "REGISTRY", "FamilyEntry", "ModelFamily", "all_objectives", "converting_family",
+           "entry_for_model_type", "export_format", "export_formats", "family_commands", "family_for_config",
+           "family_for_model", "family_for_model_type", "family_for_objective", "family_named", "family_names",
+           "family_studies", "get_objective"]

@@ -205,7 +205,7 @@ def private_imports(root: Path, package: str = PACKAGE) -> list[str]:
 # evaluate), studies (benchmarks, planner workloads, projections), and the entry (family.py, the card, the command
 # table, the package face) that hands the rest out. A module imports its own room and the rooms below it.
 FAMILY_ROOMS = ("model", "inference", "training", "studies", "entry")
-ENTRY_MODULES = ("family", "card", "commands", "cli")  # cli: until the command tables replace it
+ENTRY_MODULES = ("family", "card", "commands")  # commands: the family's command-line tables
 
 
 def family_room(module: str) -> tuple[str, str] | None:

@@ -1,6 +1,7 @@
 """What a drafter needs of its target, and of a drafter folder, without the target itself: the target's frozen
 input embedding, LM head and final norm read alone from its weights files (:func:`load_target_heads`; training from
-captured features never loads the whole target), the drafter class a config names, and the drafter inside wrappers.
+captured features never loads the whole target; :func:`load_target` does, for a capture or a new drafter), the
+drafter class a config names, and the drafter inside wrappers.
 
     heads = load_target_heads("embedded:smollm2")                              # embedding + head only
     drafter = DFlash2DraftModel.from_pretrained("runs/drafter").bind_target(heads)
@@ -55,6 +56,19 @@ def resolve_target_path(name: str) -> str:
     from ...embedded import resolve_model_path
 
     return resolve_model_path(name)
+
+
+def load_target(name: str, revision: str | None = None, dtype: str | None = None, device: str | None = None):
+    """The whole target causal LM (``name`` as :func:`resolve_target_path` reads it), frozen, in eval mode, on
+    ``device`` (default: cuda when available, else cpu); ``dtype`` by name (default: its own)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"revision": revision} if revision else {}
+    if dtype:
+        kwargs["dtype"] = getattr(torch, dtype)
+    target = AutoModelForCausalLM.from_pretrained(resolve_target_path(name), **kwargs)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return target.to(device).eval().requires_grad_(False)
 
 
 def load_target_heads(name_or_path: str, *, revision: str | None = None, dtype: torch.dtype | None = None,

@@ -31,6 +31,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -501,5 +502,52 @@ def push_sdar_to_hub(folder: str | os.PathLike, repo_id: str, *, commit_message:
                               private=private, token=token, revision=revision, create_pr=create_pr)
 
 
+# --- hf-bdlm export --format sdar (the format of ..commands) ---------------------------------------------------------
+def run_export(args) -> int:
+    """``hf-bdlm export --format sdar``: the checkpoint folder ``args.source`` -> the SDAR folder ``args.output`` (and
+    the Hub with ``args.push_to_hub``); a folder that cannot be served as SDAR is refused from its config alone."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from ....protocols.registry import entry_for_model_type
+
+    source = Path(args.source)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source} holds no config.json: pass a saved block-diffusion checkpoint folder.")
+    config = AutoConfig.from_pretrained(source)
+    if getattr(config, "model_type", None) != "block_diffusion":
+        entry = entry_for_model_type(config.model_type, getattr(config, "architectures", None))
+        kind = f"a {entry.name!r} model" if entry is not None else f"a {config.model_type!r} causal LM"
+        raise SDARExportError(
+            f"{source} holds {kind}; the SDAR export takes a converted block-diffusion model (model_type "
+            "'block_diffusion': a causal LM is converted first, hf-bdlm convert DIR OUT --objective standard, and "
+            "trained). docs/deploy.md says which engine serves each family's models.")
+    problems = sdar_problems(config)  # from the config alone: refused before any weight is read
+    if problems:
+        reasons = "; ".join(problem.split(":")[0].split(";")[0].strip() for problem in problems)
+        raise SDARExportError(
+            f"{source} cannot be exported as SDAR ({reasons}); export a Qwen3 converted with `hf-bdlm convert "
+            "QWEN3_DIR OUT --objective standard`, then trained (docs/deploy.md). `hf-bdlm serve` serves this one.")
+    model = AutoModel.from_pretrained(source).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        out = export_sdar(model, args.output, tokenizer, confidence_threshold=args.confidence_threshold,
+                          mask_logit=args.mask_logit, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                          repo_id=args.push_to_hub, overwrite=args.overwrite)
+    except FileExistsError as err:
+        raise ValueError(str(err)) from err
+    report = check_sdar_folder(out)
+    commands = launch_commands(str(out), report["block_size"], report["threshold"],
+                               yaml_ref=str(Path(out) / SGLANG_CONFIG))
+    print(f"wrote {out} (SDAR: {report['tensor_count']} tensors, {report['parameters']:,} parameters, block size "
+          f"{report['block_size']}, threshold {report['threshold']}, [MASK] row of the head "
+          f"{'zero' if report['mask_row_zero'] else 'as trained'}). Serve it with\n"
+          f"    {commands['sglang']}\n    {commands['lmdeploy']}", file=sys.stdout)
+    if args.push_to_hub:
+        push_sdar_to_hub(out, args.push_to_hub, private=args.private or None)
+        print(f"uploaded {out} to https://huggingface.co/{args.push_to_hub}")
+    return 0
+
+
 __all__ = ["SDARExportError", "SDAR_MASK_TOKEN_ID", "check_sdar_folder", "check_servable_as_sdar", "export_sdar",
-           "launch_commands", "push_sdar_to_hub", "sdar_problems", "sdar_tensor_shapes", "zero_mask_logit"]
+           "launch_commands", "push_sdar_to_hub", "run_export", "sdar_problems", "sdar_tensor_shapes",
+           "zero_mask_logit"]

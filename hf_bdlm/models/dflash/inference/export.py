@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -418,5 +419,95 @@ def push_drafter_to_hub(
                               private=private, token=token, revision=revision, create_pr=create_pr)
 
 
+# --- hf-bdlm dflash init / export / check (the commands of ..commands) ----------------------------------------------
+def run_init(args) -> int:
+    """``hf-bdlm dflash init``: a new (untrained) drafter for ``args.target``, written as a serving-ready folder."""
+    from ..modeling import DFlash2DraftModel
+    from ..target import load_target
+
+    torch.manual_seed(args.seed)
+    target = load_target(args.target, args.target_revision)
+    kwargs = {"num_hidden_layers": args.layers, "block_size": args.block_size}
+    if args.layer_ids is not None:
+        kwargs["target_layer_ids"] = args.layer_ids
+    if args.mask_token_id is not None:
+        kwargs["mask_token_id"] = args.mask_token_id
+    drafter = DFlash2DraftModel.from_target(target, init=args.init, **kwargs)
+    out = _export_command(drafter, args.out, target_id=args.target, target_revision=args.target_revision,
+                          overwrite=args.overwrite,
+                          training_info={"init": f"{args.init} ({args.layers} layers, seed {args.seed}); not trained"})
+    print_served(out)
+    return 0
+
+
+def run_export(args) -> int:
+    """``hf-bdlm dflash export``: a saved drafter checkpoint -> the folder vLLM / SGLang serve (and the Hub)."""
+    checkpoint = Path(args.checkpoint)
+    config_path = checkpoint / CONFIG
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{checkpoint} holds no config.json: pass a saved drafter folder.")
+    architecture = (json.loads(config_path.read_text()).get("architectures") or [None])[0]
+    drafter = _drafter_class(architecture).from_pretrained(checkpoint)
+    out = _export_command(drafter, args.out, target_id=args.target, target_revision=args.target_revision,
+                          training_info=training_facts(checkpoint), repo_id=args.push_to_hub,
+                          dtype=getattr(torch, args.dtype) if args.dtype else None, overwrite=args.overwrite)
+    print_served(out)
+    if args.push_to_hub:
+        push_drafter_to_hub(out, args.push_to_hub, private=args.private or None)
+        print(f"uploaded {out} to https://huggingface.co/{args.push_to_hub}")
+    return 0
+
+
+def run_check(args) -> int:
+    """``hf-bdlm dflash check``: the serving inventory of ``args.folder``, as JSON."""
+    print(json.dumps(check_serving_inventory(args.folder), indent=2))
+    return 0
+
+
+def _drafter_class(architecture: str | None):
+    from .. import modeling
+
+    if architecture not in ("DFlash2DraftModel", "DFlashDraftModel"):
+        raise ValueError(f"config.json names architecture {architecture!r}; a DFlash drafter is a 'DFlash2DraftModel' "
+                         "or a 'DFlashDraftModel'.")
+    return getattr(modeling, architecture)
+
+
+def _export_command(drafter, out_dir, **kwargs) -> Path:
+    try:
+        return export_drafter(drafter, out_dir, **kwargs)
+    except FileExistsError as err:
+        raise ValueError(str(err)) from err  # the command prints it as an error (exit code 2)
+
+
+def training_facts(checkpoint: str | os.PathLike) -> dict:
+    """What a trainer checkpoint says about its run (``trainer_state.json``): steps and the last logged loss."""
+    path = Path(checkpoint) / "trainer_state.json"
+    if not path.is_file():
+        return {}
+    state = json.loads(path.read_text())
+    facts = {"steps": state.get("global_step")}
+    losses = [entry["loss"] for entry in state.get("log_history", []) if "loss" in entry]
+    if losses:
+        facts["loss"] = losses[-1]
+    return {k: v for k, v in facts.items() if v is not None}
+
+
+def print_served(folder: Path) -> None:
+    """Print what was written to ``folder`` and the vLLM / SGLang commands that serve it."""
+    report = check_serving_inventory(folder)
+    provenance = json.loads((folder / PROVENANCE).read_text())
+    target, tokens = provenance["model_id"], report["num_speculative_tokens"]
+    revision = revision_flag(provenance.get("model_revision"))
+    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": tokens})
+    print(f"wrote {folder} ({report['architecture']}, {report['tensor_count']} tensors, {report['parameters']:,} "
+          f"parameters, block size {report['block_size']}). Serve it with\n"
+          f"    vllm serve {target}{revision} --speculative-config '{spec}'\n"
+          f"    python -m sglang.launch_server --model-path {target}{revision} --speculative-algorithm DFLASH "
+          f"--speculative-draft-model-path {folder} --speculative-dflash-block-size {report['block_size']}",
+          file=sys.stdout)
+
+
 __all__ = ["PROVENANCE_FORMAT", "ServingContractError", "VERIFIER_TENSORS", "check_serving_inventory",
-           "export_drafter", "push_drafter_to_hub", "render_card", "serving_shapes"]
+           "export_drafter", "print_served", "push_drafter_to_hub", "render_card", "run_check", "run_export",
+           "run_init", "serving_shapes", "training_facts"]

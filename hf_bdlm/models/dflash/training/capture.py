@@ -510,5 +510,51 @@ def _write_lines(path: Path, lines: list[str]) -> None:
     os.replace(temporary, path)
 
 
+# --- hf-bdlm dflash capture (the command of ..commands) --------------------------------------------------------------
+def run_capture(args) -> int:
+    """``hf-bdlm dflash capture``: the frozen target's features at the drafter's layers over a dataset, into
+    ``args.out`` (a rerun resumes it)."""
+    from transformers import AutoTokenizer
+
+    from ....data import load_splits
+    from ..target import load_target, resolve_target_path
+
+    path = resolve_target_path(args.target)
+    target = load_target(args.target, args.target_revision, dtype=args.dtype, device=args.device)
+    if args.drafter:
+        config = _drafter_config(args.drafter)
+        layer_ids = list(config.target_layer_ids)
+        width = getattr(config, "target_hidden_size", None)
+        if width is not None and int(width) != int(target.config.get_text_config().hidden_size):
+            raise ValueError(f"the drafter {args.drafter!r} reads features of width {width}, the target "
+                             f"{args.target!r} has hidden size {target.config.get_text_config().hidden_size}: it "
+                             "was made for another target.")
+    else:
+        layer_ids = args.layer_ids
+    train, test = load_splits(args.dataset, args.dataset_config, train_split=args.split, test_split="test")
+    dataset = test if args.split == "test" and test is not None else train
+    if args.max_records is not None:
+        dataset = dataset.select(range(min(args.max_records, len(dataset))))
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=args.target_revision)
+    records = tokenize_records(dataset, tokenizer, max_length=args.max_length, overlong_samples=args.overlong,
+                               assistant_only_loss=args.assistant_only_loss)
+    manifest = capture_features(target, records, layer_ids=layer_ids, out_dir=args.out, batch_size=args.batch_size,
+                                teacher=args.teacher, target_id=args.target, target_revision=args.target_revision,
+                                resume=not args.no_resume, progress=not args.quiet)
+    print(f"captured {manifest['num_records']} records ({manifest['num_tokens']} tokens) of {args.target}: layers "
+          f"{manifest['layer_ids']}, width {manifest['feature_width']}, {manifest['dtype']}"
+          f"{', with teacher states' if manifest['teacher'] else ''} -> {args.out}")
+    return 0
+
+
+def _drafter_config(folder: str):
+    from ..configuration import DFlashConfig
+
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"--drafter {folder!r} holds no config.json: pass a drafter folder (hf-bdlm dflash "
+                                "init writes one).")
+    return DFlashConfig.from_pretrained(folder)
+
+
 __all__ = ["FEATURES_FORMAT", "FEATURES_VERSION", "FeatureStore", "capture_features", "config_sha256", "file_sha256",
-           "record_tokens", "tokenize_records", "tokens_sha256"]
+           "record_tokens", "run_capture", "tokenize_records", "tokens_sha256"]
