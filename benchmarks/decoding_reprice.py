@@ -1,6 +1,6 @@
 """Complete decoding-study records written before the GPU cost model counted every head call and activation bytes.
 
-`hf_bdlm.benchmarks.decoding` prices each counted forward by ``max((W + A * rows) / HBM, 2 * M * rows / F)``.
+`hf_bdlm.benchmarks.decoding_study` prices each counted forward by ``max((W + A * rows) / HBM, 2 * M * rows / F)``.
 Records written before (no ``"counting"`` field) lack ``A`` (activation bytes per row) in their ``forward_cost``
 records, and their speculative records lack the drafter's head calls and context-projection calls (the drafter's
 head went through ``F.linear``, no hook fired; its ``fc`` was not counted). This script:
@@ -35,7 +35,7 @@ def architecture_parts() -> dict[tuple[int, int], tuple[str, dict]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_bdlm.benchmarks.decoding import part_cost
+    from hf_bdlm.benchmarks.decoding_study import part_cost
     from hf_bdlm.embedded import default_model_dir
     from hf_bdlm.models.dflash.configuration import DFlashConfig
     from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
@@ -57,7 +57,7 @@ def architecture_parts() -> dict[tuple[int, int], tuple[str, dict]]:
 
 
 def complete(records: list[dict], log=print) -> list[dict]:
-    from hf_bdlm.benchmarks import decoding
+    from hf_bdlm.benchmarks import decoding_study as decoding
 
     parts = architecture_parts()
     fc = next(cost for name, cost in parts.values() if name == "DFlash2 drafter fc")

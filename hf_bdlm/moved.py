@@ -15,6 +15,13 @@ import warnings
 MOVED_MODULES: dict[str, str] = {
     "hf_bdlm.checkpoint_files": "hf_bdlm.checkpoints.files",
     "hf_bdlm.trainer.checkpoints": "hf_bdlm.checkpoints.atomic",
+    "hf_bdlm.benchmarks.cli": "hf_bdlm.benchmarks.bench_command",
+    "hf_bdlm.planner.cli": "hf_bdlm.planner.plan_command",
+    "hf_bdlm.models.dflash.training.objective": "hf_bdlm.models.dflash.training.objectives.dflash",
+    "hf_bdlm.parallel.engine": "hf_bdlm.parallel.exchange",
+    "hf_bdlm.parallel.link": "hf_bdlm.parallel.emulated_link",
+    "hf_bdlm.benchmarks.decoding": "hf_bdlm.benchmarks.decoding_study",
+    "hf_bdlm.benchmarks.planning": "hf_bdlm.benchmarks.planning_study",
 }
 
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from hf_bdlm.benchmarks.decoding import chat_ids, serve_decode
+    from hf_bdlm.benchmarks.decoding_study import chat_ids, serve_decode
     from hf_bdlm.data import exact_match, load_arith
     from hf_bdlm.protocols.decoding import DecodingRequest
     from hf_bdlm.protocols.registry import family_for_config

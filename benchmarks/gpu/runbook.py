@@ -222,8 +222,8 @@ def global_index(rows, L: int):
 
 def rank_views(layout: str, L: int, rule, doc):
     """Each rank's ``(query rows, key sources' rows, counted query rows)`` under ``layout`` with ``P = 2``, as
-    :class:`hf_bdlm.parallel.engine.ExchangePass` attends: ``bp`` its own rows; ``cp`` / ``csbp`` its own rows, then the
-    peer's sent rows (all-gather; on a sliding layer the halo only, :func:`~hf_bdlm.parallel.plan.window_exchange`);
+    :class:`hf_bdlm.parallel.exchange.ExchangePass` attends: ``bp`` its own rows; ``cp`` / ``csbp`` its own rows, then
+    the peer's sent rows (all-gather; on a sliding layer the halo only, :func:`~hf_bdlm.parallel.plan.window_exchange`);
     the paper's CP every member's sent noisy rows, then every member's clean rows (blocking gathers). ``local`` is
     the one-device layout. A row computed on several ranks (``bp``'s clean prefix) counts on the rank that counts
     its loss."""
@@ -694,9 +694,9 @@ def _train_length(profile, cfg, L, checkpointing, pred, device, gpu, clock, back
 def forward_roofline(model, spec, device, batch: int, rows: int, prefix: int, elem: int) -> float:
     """Seconds of one forward of ``rows`` rows per sequence over a cache of ``prefix`` clean rows: the weights (not
     the embedding tables) and the cache's K/V read once at the HBM rate, or the matmuls at the achievable matmul rate
-    and the attention at the attention rate, whichever is slower (as ``hf_bdlm.benchmarks.decoding.gpu_seconds``
+    and the attention at the attention rate, whichever is slower (as ``hf_bdlm.benchmarks.decoding_study.gpu_seconds``
     projects a forward, plus the cache and the attention)."""
-    from hf_bdlm.benchmarks.decoding import parameter_bytes
+    from hf_bdlm.benchmarks.decoding_study import parameter_bytes
 
     weight_bytes, macs = parameter_bytes(model, elem)
     kv_bytes = sum(2 * a.kv_heads * a.head_dim * elem for a in spec.layers) * prefix * batch

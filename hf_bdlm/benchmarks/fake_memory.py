@@ -66,7 +66,7 @@ from ..attention import interface as attention_interface
 from ..attention.masks import MaskRule
 from ..attention.tiles import batch_plans
 from ..parallel import collectives
-from ..parallel import engine as parallel_engine
+from ..parallel import exchange as parallel_exchange
 from ..parallel.dims import ParallelDims
 from ..parallel.plan import PlanConfig, make_plan
 from ..parallel.sharded import ShardedLayout
@@ -402,12 +402,12 @@ def host_pass(backend: str, work: HostWork):
         work.seconds += time.perf_counter() - start
         return q
 
-    saved = parallel_engine.attend, attention_interface.attend
-    parallel_engine.attend = attention_interface.attend = host_attend
+    saved = parallel_exchange.attend, attention_interface.attend
+    parallel_exchange.attend = attention_interface.attend = host_attend
     try:
         yield
     finally:
-        parallel_engine.attend, attention_interface.attend = saved
+        parallel_exchange.attend, attention_interface.attend = saved
 
 
 # --- layouts ---------------------------------------------------------------------------------------------------

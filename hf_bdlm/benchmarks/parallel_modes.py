@@ -51,7 +51,7 @@ from .processes import child_env, module_command, module_name
 from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 if TYPE_CHECKING:
-    from ..parallel.link import LinkModel
+    from ..parallel.emulated_link import LinkModel
 
 BLOCK, MASK, PAD = 64, 1023, 0
 MEASURED_FAMILY = "block_diffusion"  # the model measured: a converted causal LM, found through the registry
@@ -364,7 +364,7 @@ def launch_args(layers: int, steps: int, timeout: float, device: str = "cpu", dt
                 full_every: int | None = None) -> argparse.Namespace:
     """The arguments :func:`launch` reads, for callers other than this file's driver. ``link``: a named cluster link
     (:data:`hf_bdlm.planner.link.LINKS`; each launch's ranks measure the compute rate that scales it) or a
-    :class:`~hf_bdlm.parallel.link.LinkModel` of fixed figures."""
+    :class:`~hf_bdlm.parallel.emulated_link.LinkModel` of fixed figures."""
     named = link if isinstance(link, str) else None
     fixed = None if isinstance(link, str) else link
     return argparse.Namespace(steps=steps, layers=layers, window=window, full_every=full_every, timeout=timeout,
@@ -389,16 +389,16 @@ def _link(args) -> LinkModel | None:
         return link_for_this_machine(args.link, model, args.dtype)
     if not getattr(args, "link_bytes_per_s", None):
         return None
-    from ..parallel.link import LinkModel
+    from ..parallel.emulated_link import LinkModel
 
     return LinkModel(args.link_bytes_per_s, args.link_latency_s or 0.0, args.link_name or "custom",
                      getattr(args, "link_element_bytes", None) or None)
 
 
 def link_from_record(rec: dict) -> LinkModel:
-    """The :class:`~hf_bdlm.parallel.link.LinkModel` a record's ``link`` holds (:meth:`LinkModel.as_record`), with
-    how it was derived kept in its details."""
-    from ..parallel.link import LinkModel
+    """The :class:`~hf_bdlm.parallel.emulated_link.LinkModel` a record's ``link`` holds
+    (:meth:`LinkModel.as_record`), with how it was derived kept in its details."""
+    from ..parallel.emulated_link import LinkModel
 
     known = ("name", "bytes_per_s", "latency_s", "element_bytes")
     return LinkModel(rec["bytes_per_s"], rec["latency_s"], rec["name"], rec["element_bytes"],
@@ -636,7 +636,7 @@ def main(argv=None) -> None:
                              "all at once (docs/benchmarks.md)")
     parser.add_argument("--link-bytes-per-s", type=float, default=None,
                         help="emulated link of fixed figures: every collective of a rank takes at least latency + "
-                             "bytes / this (hf_bdlm.parallel.link)")
+                             "bytes / this (hf_bdlm.parallel.emulated_link)")
     parser.add_argument("--link-latency-s", type=float, default=0.0, help="emulated link: latency per transfer")
     parser.add_argument("--link-name", default=None, help="emulated link: its name in the records")
     parser.add_argument("--link-element-bytes", type=int, default=None,

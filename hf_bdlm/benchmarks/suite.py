@@ -22,11 +22,11 @@ records, written to ``<study>.json`` as they come) and ``report(records)`` (its 
 ``check_arguments(cfg, args)`` (a ``ValueError`` naming the option on a bad combination, raised before any study runs)
 and ``plot(records, path)``. They follow the core studies:
 
-- ``decoding``: :mod:`.decoding`, every family's decoding variants against greedy AR at batch 1 and 8 (tokens per
+- ``decoding``: :mod:`.decoding_study`, every family's decoding variants against greedy AR at batch 1 and 8 (tokens per
   forward, tokens/s, CPU time per token, exact match, agreement, the forward cost by rows). ``decoding.json``,
   ``decoding.png``.
-- ``planning``: :mod:`.planning`, the host's plan of a fresh layout (block masks for one device and csbp at P = 8, the
-  CPU path's planner beside) against L: time of a first and a warm build, RSS, the masks' index arrays, and that a
+- ``planning``: :mod:`.planning_study`, the host's plan of a fresh layout (block masks for one device and csbp at
+  P = 8, the CPU path's planner beside) against L: time of a first and a warm build, RSS, the masks' index arrays, and that a
   cached step plans nothing. ``planning.json``, ``planning.png``.
 - the families' own studies (the ``STUDIES`` tables of their ``commands.py``, :func:`hf_bdlm.models.family_studies`:
   a study name -> its module), in the registry's order.
@@ -62,7 +62,7 @@ CORE_STUDIES = ("modes", "attention", "growth", "max-context", "baselines")
 # Studies run through a module of their own (the interface of the family studies below): this package's decoding
 # study (every family's decoding, each family reached through the registry) and host planning study, then the
 # families' own.
-STUDY_MODULES = {"decoding": "hf_bdlm.benchmarks.decoding", "planning": "hf_bdlm.benchmarks.planning",
+STUDY_MODULES = {"decoding": "hf_bdlm.benchmarks.decoding_study", "planning": "hf_bdlm.benchmarks.planning_study",
                  **{name: study.module for name, study in family_studies().items()}}
 STUDIES = CORE_STUDIES + tuple(STUDY_MODULES)
 

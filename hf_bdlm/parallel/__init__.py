@@ -5,10 +5,10 @@
 - :mod:`.plan`: pure functions of a layout and a sequence length: which rows each rank holds;
 - :mod:`.groups`: the process groups of a rank and the cached, agreed plan of each batch;
 - :mod:`.collectives`, :mod:`.ring`: communication whose results exist only after their wait;
-- :mod:`.engine`: the exchange of K/V between the ranks of a group (all-gather, halo all-to-all, ring), written
+- :mod:`.exchange`: the exchange of K/V between the ranks of a group (all-gather, halo all-to-all, ring), written
   once for every layout;
 - :mod:`.sharded`: the ``cp`` / ``bp`` / ``csbp`` layout of one rank for the vectorized ``[noisy ; clean]`` batch
-  (a model family with another batch layout builds its own on the same plan and engine: ``hf_bdlm.models``);
+  (a model family with another batch layout builds its own on the same plan and exchange: ``hf_bdlm.models``);
 - :mod:`.plugin`: the trainer's side (data sharding, reductions).
 """
 

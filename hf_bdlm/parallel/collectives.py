@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .link import LinkModel
+from .emulated_link import LinkModel
 
 
 class CollectiveTimeout(RuntimeError):
@@ -77,7 +77,7 @@ class ByteMeter:
 @dataclass
 class CommContext:
     """A process group with a name, a timeout, the byte meter, the wait-time counter and an optional emulated link
-    (:class:`~.link.LinkModel`: every transfer then takes at least its modelled time)."""
+    (:class:`~.emulated_link.LinkModel`: every transfer then takes at least its modelled time)."""
 
     group: dist.ProcessGroup | None
     name: str

@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch.distributed as dist
 
 from .collectives import ByteMeter, CommContext
-from .link import LinkModel
+from .emulated_link import LinkModel
 from .dims import Mode, ParallelDims
 from .plan import GroupPlan, PlanConfig, make_plan
 
@@ -77,8 +77,8 @@ class BlockParallelGroups:
               timeout: timedelta | None = None, verify: bool = True, link: LinkModel | None = None
               ) -> "BlockParallelGroups":
         """Create the mesh and this rank's groups (every rank calls it, in the same order). ``link``: an emulated
-        link (:class:`~.link.LinkModel`) every K/V transfer of this rank goes through, both communicators sharing
-        it as they share the rank's network interface."""
+        link (:class:`~.emulated_link.LinkModel`) every K/V transfer of this rank goes through, both communicators
+        sharing it as they share the rank's network interface."""
         if timeout is not None:
             # Every group's collectives (FSDP2's, the barriers') and the K/V waits below use the run's timeout.
             timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout

@@ -32,7 +32,7 @@ from torch.utils.data import Sampler
 from ..attention.interface import KEPT_LAYOUTS, LocalLayout, documents_key
 from .dims import CPLayout, Mode, ParallelDims, Schedule, Transport
 from .groups import BlockParallelGroups
-from .link import LinkModel
+from .emulated_link import LinkModel
 from .liveness import Heartbeat, is_distributed_failure, start_heartbeat
 from .plan import PlanConfig
 from .sharded import ShardedLayout
@@ -138,7 +138,7 @@ class BlockParallelPlugin:
             A layout declared already (the trainer passes its config's ``parallel_dims``); when given, the five
             layout fields above are read from it.
         link (`LinkModel`, *optional*):
-            An emulated link every K/V transfer of this rank goes through (:mod:`~.link`; measurements only).
+            An emulated link every K/V transfer of this rank goes through (:mod:`~.emulated_link`; measurements only).
 
     The values are validated once, by :class:`~hf_bdlm.parallel.dims.ParallelDims` (``plugin.dims``). Call
     :meth:`setup` once the distributed world exists (the trainer does it).

@@ -11,7 +11,7 @@ attention backends of :mod:`hf_bdlm.attention` with several key sources:
 - ``csbp``: only the local *clean* K/V are all-gathered over the clean ring; noisy K/V and their
   gradients never travel.
 
-The exchange itself is :mod:`hf_bdlm.parallel.engine`'s (:class:`~.engine.ExchangePass`): the
+The exchange itself is :mod:`hf_bdlm.parallel.exchange`'s (:class:`~.exchange.ExchangePass`): the
 rank's rows are both its queries and its keys, and it sends those from
 :meth:`~.plan.GroupPlan.sent_row_start` on (``cp``: all of them; ``csbp``: its clean rows). In
 ``cp`` and ``csbp`` the rank's own rows are a local key source (source 0) and the peers' rows a
@@ -24,7 +24,7 @@ through the ring instead, and the noisy rows (``csbp``) are the local source.
 
 The paper's CP baseline (``cp_layout="paper"``, :class:`~.dims.CPLayout`) holds a contiguous clean shard and a token
 slice of every noisy block, and moves K/V as its reference does, on every layer: the noisy rows gathered first, the
-clean rows' gather overlapped with the block-diagonal part only (:class:`~.engine.ExchangePass` with ``blocking``).
+clean rows' gather overlapped with the block-diagonal part only (:class:`~.exchange.ExchangePass` with ``blocking``).
 
 On sliding-window layers a rank needs only the peers' rows within the window of its queries (the
 halo): instead of the all-gather it fetches exactly those rows from their owners (all-to-all),
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..attention.masks import MaskRule
-from .engine import ExchangePass, check_transport
+from .exchange import ExchangePass, check_transport
 from .groups import BlockParallelGroups
 from .plan import GroupPlan, PlanConfig
 

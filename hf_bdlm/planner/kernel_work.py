@@ -70,7 +70,7 @@ def blockwise_work(dims: ParallelDims, seq_len: int, rule, works) -> list:
 def _computed_rank_pairs(plan, r: int, q, members, exchanged: bool, blocking: bool, rule):
     """``(all, local, calls)``: the pairs the kernel computes for rank ``r`` under ``rule`` (all sources; those it
     computes before its wait: its own rows, or under the paper's CP the gathered noisy rows) and its kernel calls,
-    over the sources :class:`~hf_bdlm.parallel.engine.ExchangePass` attends to (allgather / all-to-all transports)."""
+    over the sources :class:`~hf_bdlm.parallel.exchange.ExchangePass` attends to (allgather / all-to-all transports)."""
     if not exchanged:
         tiles = plan_attention(q, [q], rule)
         return computed_pairs(tiles), computed_pairs(tiles), len(tiles.calls)

@@ -11,8 +11,8 @@ the link by the same factor keeps every transfer's share of the step::
     s · (lat + N·e / bw) = (s · lat) + N·e / (bw / s)     ->  emulated latency s · lat, emulated bandwidth bw / s
 
 and the link charges each transfer its elements at ``e`` bytes, however wide they are here (a CPU run moves float32:
-:meth:`~hf_bdlm.parallel.link.LinkModel.wire_bytes`). So a measured step under the emulated link shows the overlap
-and the exposed waits the cluster would have. Named links (:data:`LINKS`): ``h100-nvlink`` / ``h200-nvlink`` (a group
+:meth:`~hf_bdlm.parallel.emulated_link.LinkModel.wire_bytes`). So a measured step under the emulated link shows the
+overlap and the exposed waits the cluster would have. Named links (:data:`LINKS`): ``h100-nvlink`` / ``h200-nvlink`` (a group
 inside one node) and ``h100-ib`` / ``h200-ib`` (a group spanning nodes: each GPU's share of its node's InfiniBand),
 both GPUs' datasheets giving the same NVLink and NIC figures (:data:`hf_bdlm.planner.hardware.GPUS`); each trains in
 bf16.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.link import LinkModel
+from ..parallel.emulated_link import LinkModel
 from .hardware import DeviceSpec, device_spec
 from .model import ModelSpec
 from .rank_rate import DEFAULT_WINDOW_S, RankRate

@@ -319,7 +319,7 @@ def test_baselines_through_a_named_link_measure_once_per_row_and_give_every_layo
     """Each (model, P, L) row measures its link once, before its first layout, and every layout of the row is
     launched with that link (launches replaced by a stub that records what each was given)."""
     from hf_bdlm.benchmarks import baselines, parallel_modes
-    from hf_bdlm.parallel.link import LinkModel
+    from hf_bdlm.parallel.emulated_link import LinkModel
 
     measured, launched = [], []
 

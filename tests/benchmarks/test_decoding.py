@@ -1,4 +1,4 @@
-"""`hf-bdlm bench --only decoding` (hf_bdlm.benchmarks.decoding) on tiny random checkpoints of every family.
+"""`hf-bdlm bench --only decoding` (hf_bdlm.benchmarks.decoding_study) on tiny random checkpoints of every family.
 
 A tiny Llama target (the AR baseline), a tiny block-diffusion model, a tiny DiffusionGemma and a DFlash2 drafter of
 the target, each saved as the server loads it. Checked on the study's records: every variant of every family decodes
@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 
-from hf_bdlm.benchmarks import decoding
+from hf_bdlm.benchmarks import decoding_study as decoding
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
 
 from tiny_bdlm import MASK, VOCAB, save_tiny_bdlm, save_tiny_target  # noqa: E402

@@ -1,4 +1,4 @@
-"""`hf-bdlm bench --only planning` (hf_bdlm.benchmarks.planning): a tiny real run through the command (two lengths,
+"""`hf-bdlm bench --only planning` (hf_bdlm.benchmarks.planning_study): a tiny real run through the command (two lengths,
 every layout and variant, each measured in a process forked from the study's server) carries real numbers for every
 layout into planning.json and summary.md, draws planning.png, and shows that a cached step builds no block mask; the
 targets are marked from the records."""
@@ -7,7 +7,7 @@ import json
 import math
 
 from hf_bdlm import cli
-from hf_bdlm.benchmarks import planning
+from hf_bdlm.benchmarks import planning_study as planning
 
 LENGTHS = (2048, 4096)
 

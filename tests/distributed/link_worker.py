@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shared_launch import join_process_group, leave_process_group
 
 from hf_bdlm.parallel.collectives import ByteMeter, CommContext, start_gather
-from hf_bdlm.parallel.link import LinkModel
+from hf_bdlm.parallel.emulated_link import LinkModel
 
 BANDWIDTH, LATENCY = 50e6, 5e-3  # 50 MB/s, 5 ms: far slower than gloo's copies here, so the model decides
 ROWS = 15625  # one K or V shard [1, 2, ROWS, 32] float32: 4.0 MB per peer

@@ -19,7 +19,7 @@ import tomllib
 import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fixtures import word_tokenizer
 from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
@@ -60,12 +60,7 @@ UPLOADED = ("model.safetensors", "config.json", "generation_config.json", "confi
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>",
-        mask_token="<|mask|>",
-    )
+    return word_tokenizer(WORDS, pad_token="[PAD]", bos_token="<s>", eos_token="</s>", mask_token="<|mask|>")
 
 
 def tiny_model(backbone: str, clean_attention: str = "block_causal") -> BlockDiffusionForMaskedLM:
@@ -217,7 +212,7 @@ def test_remote_code_holds_the_whole_model_and_none_of_the_hub_hooks():
     for source in ("attention/masks.py", "attention/rows.py", "attention/tiles.py", "attention/kernels.py",
                    "attention/backends.py", "attention/interface.py", "attention/block_mask.py", "attention/flex.py",
                    "models/block_diffusion/generation/config.py", "models/block_diffusion/generation/settings.py",
-                   "models/block_diffusion/generation/cache.py", "models/block_diffusion/generation/context.py",
+                   "models/block_diffusion/generation/kv_cache.py", "models/block_diffusion/generation/context.py",
                    "models/block_diffusion/generation/loop.py",
                    "models/block_diffusion/modeling.py"):
         assert f"hf_bdlm/{source}" in modeling

@@ -1,4 +1,4 @@
-"""The K/V exchange engine (hf_bdlm/parallel/engine.py) as both layouts use it, without processes.
+"""The K/V exchange (hf_bdlm/parallel/exchange.py) as both layouts use it, without processes.
 
 The collectives are not run: ``attend`` and ``ring_attention`` are replaced by recorders, so the tests see the sources,
 rows and names a layer hands to the kernels. The distributed exactness tests run the same code under torchrun.
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import hf_bdlm.parallel.engine as engine
+import hf_bdlm.parallel.exchange as exchange
 from hf_bdlm.attention.masks import MaskRule
 from hf_bdlm.attention.rows import RowMeta
 from hf_bdlm.parallel.collectives import ExchangedKV, GatheredKV
 from hf_bdlm.parallel.dims import ParallelDims
-from hf_bdlm.parallel.engine import ExchangePass
+from hf_bdlm.parallel.exchange import ExchangePass
 from hf_bdlm.parallel.plan import PlanConfig, make_plan, window_exchange
 from hf_bdlm.parallel.sharded import ShardedLayout
 
@@ -44,7 +44,7 @@ def _layout(mode, P=2, rank=0, window=None, doc=None, transport="allgather", bac
 @pytest.fixture
 def seen(monkeypatch):
     seen = {}
-    monkeypatch.setattr(engine, "attend", lambda backend, q, sources, q_rows, rows, rule, scale, cache: seen.update(
+    monkeypatch.setattr(exchange, "attend", lambda backend, q, sources, q_rows, rows, rule, scale, cache: seen.update(
         sources=sources, q_rows=q_rows, rows=rows, cache=cache) or q)
     return seen
 
@@ -118,7 +118,7 @@ def test_the_rings_sent_rows_cover_every_position(dims):
 
 def test_the_ring_rotates_the_sent_rows_and_keeps_the_rest_local(monkeypatch):
     calls = []
-    monkeypatch.setattr(engine, "ring_attention", lambda comm, q, shard, local, local_plans, shard_plans, scale: (
+    monkeypatch.setattr(exchange, "ring_attention", lambda comm, q, shard, local, local_plans, shard_plans, scale: (
         calls.append((q, shard, local, local_plans, shard_plans)) or q))
     doc = torch.zeros(2, L, dtype=torch.long)
     layout = _layout("csbp", doc=doc, transport="ring")

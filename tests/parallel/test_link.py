@@ -1,4 +1,4 @@
-"""The emulated link (hf_bdlm.parallel.link): a transfer through it takes the modelled time (latency + bytes /
+"""The emulated link (hf_bdlm.parallel.emulated_link): a transfer through it takes the modelled time (latency + bytes /
 bandwidth) within 10 %, transfers share the link, overlap with computation is real, and the data is unchanged; a bf16
 cluster's link charges 2 bytes per element of the float32 moved here; a named link is stretched by the compute rate
 the launch's ranks measure at once (shared cores included), so that its time relative to compute is the cluster's."""
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hf_bdlm.parallel.link import LinkModel
+from hf_bdlm.parallel.emulated_link import LinkModel
 from torchrun import SharedJob
 
 SHARED_JOBS = [SharedJob("link", "link_worker.py", 2, ("--out", "{out}/link.json"), timeout=300),

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hf_bdlm.parallel.collectives as collectives
-import hf_bdlm.parallel.engine as engine
+import hf_bdlm.parallel.exchange as exchange
 import hf_bdlm.parallel.sharded as sharded
 from hf_bdlm.attention import kernels
 from hf_bdlm.attention.masks import MaskRule
@@ -133,7 +133,7 @@ def _layout(mode, P=2, rank=0, window=None, cp_layout="balanced"):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_own_rows_are_local_and_only_the_peers_rows_are_gathered(monkeypatch, mode, rank):
     seen = {}
-    monkeypatch.setattr(engine, "attend", lambda backend, q, sources, q_rows, rows, *a: seen.update(
+    monkeypatch.setattr(exchange, "attend", lambda backend, q, sources, q_rows, rows, *a: seen.update(
         sources=sources, rows=rows) or q)
     layout = _layout(mode, rank=rank)
     n, held = layout.num_noisy if mode == "csbp" else 0, layout.q_rows.num_rows
@@ -150,7 +150,7 @@ def test_own_rows_are_local_and_only_the_peers_rows_are_gathered(monkeypatch, mo
 
 def test_window_layers_exchange_only_the_peers_halo(monkeypatch):
     seen = {}
-    monkeypatch.setattr(engine, "attend", lambda backend, q, sources, q_rows, rows, *a: seen.update(
+    monkeypatch.setattr(exchange, "attend", lambda backend, q, sources, q_rows, rows, *a: seen.update(
         sources=sources, rows=rows) or q)
     layout = _layout("csbp", window=5)
     held = layout.q_rows.num_rows

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import hf_bdlm.parallel.engine as engine
+import hf_bdlm.parallel.exchange as exchange
 from hf_bdlm.attention.masks import MaskRule, dense_mask
 from hf_bdlm.attention.rows import RowMeta, vectorized_rows
 from hf_bdlm.parallel.dims import ParallelDims
@@ -42,8 +42,8 @@ def needed_rows(held: RowMeta, rule: MaskRule) -> set[tuple[int, int]]:
 def received_rows(monkeypatch, layout: ShardedLayout, rule: MaskRule) -> list[tuple[int, int]]:
     """The peers' rows the engine passes to the attention as key sources (every source but the rank's own rows)."""
     seen = {}
-    monkeypatch.setattr(engine, "attend", lambda backend, q, sources, q_rows, rows, *a: seen.update(rows=rows) or q)
-    monkeypatch.setattr(engine, "gather_rows", lambda x, comm, name: x)  # the paper's noisy gather: shapes only
+    monkeypatch.setattr(exchange, "attend", lambda backend, q, sources, q_rows, rows, *a: seen.update(rows=rows) or q)
+    monkeypatch.setattr(exchange, "gather_rows", lambda x, comm, name: x)  # the paper's noisy gather: shapes only
     n = layout.q_rows.num_rows
     key = torch.zeros(1, 2, n, 8)
     layout.attend(None, torch.zeros(1, 4, n, 8), key, key.clone(), rule, 1.0)

@@ -16,7 +16,7 @@ names are re-exported here. Tiny CPU example::
     out = generate(model, torch.tensor([[1, 2, 3, 4, 5, 6]]), max_new_tokens=10, confidence_threshold=0.9)
 """
 
-from .cache import DecodingCache, StepPlan, StepWindow
+from .kv_cache import DecodingCache, StepPlan, StepWindow
 from .config import (
     BLOCK_DIFFUSION_FIELDS,
     ENGINE_DEFAULT_THRESHOLDS,

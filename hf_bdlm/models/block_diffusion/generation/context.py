@@ -9,7 +9,7 @@ import torch
 
 from ....attention import CLEAN, NOISY, LocalLayout, RowMeta
 from ....attention.rows import stream_rows
-from .cache import DecodingCache, StepPlan, StepWindow
+from .kv_cache import DecodingCache, StepPlan, StepWindow
 from .settings import DecodeSettings
 
 

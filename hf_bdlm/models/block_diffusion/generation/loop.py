@@ -26,7 +26,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .cache import StepWindow
+from .kv_cache import StepWindow
 from .config import BLOCK_DIFFUSION_FIELDS, BlockDiffusionGenerationConfig, as_block_diffusion_config
 from .context import CachedContext, LeftPadding, RecomputedContext
 from .settings import DecodeSettings, resolve_settings

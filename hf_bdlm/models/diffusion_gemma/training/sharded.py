@@ -16,10 +16,10 @@ blocks). Both passes call the attention interface, and a rank runs both over its
   too, as context parallelism of an encoder-decoder does (only their own block uses them). ``cp``'s rows are thus
   ``csbp``'s with ``C = P`` and the gathered canvas keys are all masked: the two compute the same losses bitwise and
   differ in bytes and memory only. The paper's CP baseline (``cp_layout="paper"``) computes differently: contiguous
-  clean shards, a token slice of every canvas block, its transfers as :class:`~hf_bdlm.parallel.engine.ExchangePass`
+  clean shards, a token slice of every canvas block, its transfers as :class:`~hf_bdlm.parallel.exchange.ExchangePass`
   runs them with ``blocking``;
-- **exchange**: each pass is an :class:`~hf_bdlm.parallel.engine.ExchangePass`, and the K/V exchange is
-  :mod:`hf_bdlm.parallel.engine`'s, as for :class:`~hf_bdlm.parallel.sharded.ShardedLayout`. The pass's key tensor is
+- **exchange**: each pass is an :class:`~hf_bdlm.parallel.exchange.ExchangePass`, and the K/V exchange is
+  :mod:`hf_bdlm.parallel.exchange`'s, as for :class:`~hf_bdlm.parallel.sharded.ShardedLayout`. The pass's key tensor is
   ``[clean ; canvas]`` (the encoder: clean only); a rank sends its clean head (``cp``: all of it). Its own rows are a
   local source, computed while the peers' rows are in flight; only the peers' rows are a deferred source (an
   all-gather without the own slot, or the halo's all-to-all), whose gradients travel home in backward while the
@@ -31,7 +31,7 @@ blocks). Both passes call the attention interface, and a rank runs both over its
   K/V travel on sliding layers in any mode;
 - **loss**: each rank scores its canvas blocks and the next-token pairs of the clean rows it counts (each clean block
   counts on one of its holders); normalizers are the whole batch's, so the ranks' losses add up to the single-device
-  loss (:meth:`~.objective.DiffusionGemmaObjective.loss`).
+  loss (:meth:`~.objectives.DiffusionGemmaObjective.loss`).
 
 K/V bytes received per full-attention layer per rank (all-gather transport; ``b`` sequences, ``H_kv`` K/V heads of
 dimension ``d``, ``s`` bytes per element, ``Nc`` canvas rows); backward returns the same bytes (reduce-scatter) for the
@@ -59,7 +59,7 @@ from ....attention.masks import MaskRule
 from ....attention.rows import RowMeta
 from ..modeling import CanvasFrame, DiffusionGemmaLayout, diffusion_gemma_rule, is_decoder_attention
 from ....parallel.dims import ParallelDims
-from ....parallel.engine import ExchangePass, check_transport
+from ....parallel.exchange import ExchangePass, check_transport
 from ....parallel.groups import BlockParallelGroups
 from ....parallel.plan import GroupPlan, PlanConfig, noisy_subset_multiple, subset_sequence_multiple
 

@@ -43,7 +43,7 @@ field) are completed by ``benchmarks/decoding_reprice.py`` (the head and context
 reconstructed from the calls they hold; ``A`` from the parts' architecture) before the report prices them.
 
     hf-bdlm bench --only decoding --quick --out /tmp/dec        # the embedded SmolLM2 converted untrained vs itself
-    python -m hf_bdlm.benchmarks.decoding --models outputs/bdlm --causal outputs/ar --out /tmp/decoding.json
+    python -m hf_bdlm.benchmarks.decoding_study --models outputs/bdlm --causal outputs/ar --out /tmp/decoding.json
 """
 
 from __future__ import annotations
@@ -148,9 +148,10 @@ def check_arguments(cfg, args: argparse.Namespace) -> None:
 
 
 def run(cfg, args: argparse.Namespace, out: pathlib.Path, log=print) -> list[dict]:
-    """Measure in a fresh process (``python -m hf_bdlm.benchmarks.decoding``), write ``out`` and the plot beside it."""
+    """Measure in a fresh process (``python -m hf_bdlm.benchmarks.decoding_study``), write ``out`` and the plot
+    beside it."""
     study = resolve(cfg, args)
-    cmd = [*module_command("decoding"), *study.command_args(), "--out", str(out.resolve())]
+    cmd = [*module_command("decoding_study"), *study.command_args(), "--out", str(out.resolve())]
     log(f"decoding: {' '.join(cmd[2:])}")
     env = dict(child_env(), OMP_WAIT_POLICY="PASSIVE")  # spinning OpenMP threads inflate CPU time under contention
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:

@@ -5,7 +5,7 @@ Everything the host does before the first attention call of a new shape, per con
 - **one device** (``layout = "one-device"``): :func:`~hf_bdlm.attention.rows.vectorized_rows` and the FlexAttention
   block mask of the ``2L`` rows over themselves (:func:`~hf_bdlm.attention.block_mask.build_block_mask`);
 - **csbp at P = 8** (``"csbp-P8"``): ``make_plan`` of the group, then for each rank its rows, its sources as
-  :class:`~hf_bdlm.parallel.engine.ExchangePass` attends them (the local key tensor = the rank's own rows; the peers'
+  :class:`~hf_bdlm.parallel.exchange.ExchangePass` attends them (the local key tensor = the rank's own rows; the peers'
   source = the other ring members' sent rows, or under a window the rows the window exchange fetches) and one block
   mask per source. Every rank is planned in turn (one rank's masks alive at a time); a record gives the slowest rank.
 
@@ -36,7 +36,7 @@ Records: ``planning.json`` (a list: ``"plan"`` records, each with its ``first_to
 more than the masks' index arrays.
 
     hf-bdlm bench --only planning --out benchmarks/results/planning
-    python -m hf_bdlm.benchmarks.planning --lengths 8192 16384 --out /tmp/planning
+    python -m hf_bdlm.benchmarks.planning_study --lengths 8192 16384 --out /tmp/planning
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ TARGETS = ((131072, 0.2), (1048576, 5.0))  # (L, seconds): the issue's targets f
 LAYOUTS = {"one-device": ("full", "sliding", "packed"), f"csbp-P{GROUP}": ("full", "sliding")}
 PRELOAD = ["numpy", "torch", "torch.nn.attention.flex_attention", "hf_bdlm.attention.block_mask",
            "hf_bdlm.attention.tiles", "hf_bdlm.attention.interface", "hf_bdlm.parallel.plan",
-           "hf_bdlm.benchmarks.planning"]
+           "hf_bdlm.benchmarks.planning_study"]
 MiB = 2**20
 
 
@@ -145,7 +145,7 @@ def _documents(L: int):
 
 
 def _csbp_sources(L: int, B: int, rule, rank: int):
-    """A csbp rank's query rows and key sources, as :class:`~hf_bdlm.parallel.engine.ExchangePass` attends them: its
+    """A csbp rank's query rows and key sources, as :class:`~hf_bdlm.parallel.exchange.ExchangePass` attends them: its
     own rows (the local key tensor), then the peers' (their sent rows; under a window, those the exchange fetches)."""
     from hf_bdlm.attention.rows import RowMeta
     from hf_bdlm.parallel.dims import ParallelDims
@@ -377,8 +377,9 @@ def serve() -> None:
 
 # --- the parent -------------------------------------------------------------------------------------------------------
 class Processes:
-    """Fresh measuring processes, each forked from one server (``python -m hf_bdlm.benchmarks.planning --serve``) that
-    imported torch and ``hf_bdlm`` (:data:`PRELOAD`) and nothing else: no tensor of its own, no thread pool started."""
+    """Fresh measuring processes, each forked from one server (``python -m hf_bdlm.benchmarks.planning_study
+    --serve``) that imported torch and ``hf_bdlm`` (:data:`PRELOAD`) and nothing else: no tensor of its own, no thread
+    pool started."""
 
     def __init__(self, timeout: float):
         import subprocess
@@ -388,8 +389,8 @@ class Processes:
 
         self.timeout = timeout
         self._cwd = tempfile.TemporaryDirectory()
-        self.server = subprocess.Popen([*module_command("planning"), "--serve"], cwd=self._cwd.name, env=child_env(),
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.server = subprocess.Popen([*module_command("planning_study"), "--serve"], cwd=self._cwd.name,
+                                       env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def run(self, spec: dict) -> dict:
         if self.server.poll() is not None:
