@@ -304,7 +304,7 @@ def paper_projection() -> tuple[list[dict], str]:
     from dataclasses import replace
 
     from hf_bdlm.protocols.registry import family_named
-    from hf_bdlm.planner.cli import PAPER_GROUP, PAPER_PAIR, paper_topology
+    from hf_bdlm.planner.plan_command import PAPER_GROUP, PAPER_PAIR, paper_topology
     from hf_bdlm.planner.cost import Recipe
     from hf_bdlm.planner.hardware import device_spec
     from hf_bdlm.planner.model import model_spec

@@ -16,7 +16,7 @@ import json
 
 from hf_bdlm.benchmarks.parallel_modes import model_config
 from hf_bdlm.parallel.dims import ParallelDims
-from hf_bdlm.planner.cli import PAPER_GROUP, paper_settings
+from hf_bdlm.planner.plan_command import PAPER_GROUP, paper_settings
 from hf_bdlm.planner.cost import kv_bytes_by_name, layer_windows, mask_rule_of, rank_work
 from hf_bdlm.planner.model import model_spec
 

@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from .benchmarks.cli import add_bench_parser
+from .benchmarks.bench_command import add_bench_parser
 from .protocols.commands import Argument, Command, resolve
 from .train_help import RecipeHelp
 
@@ -605,7 +605,7 @@ def run_plan_command(args) -> int:
         from .benchmarks.calibrate import run_validate
 
         return run_validate(args)
-    from .planner.cli import run_plan
+    from .planner.plan_command import run_plan
 
     return run_plan(args)
 
@@ -621,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(subparsers)
     add_lm_eval_parser(subparsers)
     add_bench_parser(subparsers)
-    from .planner.cli import add_plan_parser
+    from .planner.plan_command import add_plan_parser
     add_plan_parser(subparsers).set_defaults(func=run_plan_command)
     from .protocols.registry import family_commands
     for command in family_commands():  # commands a model family owns (hf-bdlm <family command> ...)

@@ -9,7 +9,7 @@
   every timed study reports by.
 - :mod:`.report`: fits, tables and plots of the records (pure functions of the JSON).
 - :mod:`.suite`: the studies of ``hf-bdlm bench`` and their summary.
-- :mod:`.cli`: ``hf-bdlm bench``'s arguments.
+- :mod:`.bench_command`: ``hf-bdlm bench``'s arguments.
 - :mod:`.processes`: how measurements start their fresh processes.
 
 Each measurement runs in fresh processes started as ``python -m hf_bdlm.benchmarks.<module>`` (under torchrun for

@@ -34,7 +34,7 @@ and ``plot(records, path)``. They follow the core studies:
 ``summary.json`` holds the machine and, per study, the command, wall time and load average (1-minute, at its start and
 end; a study run again into the same folder replaces its entry), and the plots; ``summary.md`` the
 markdown tables (``--markdown`` prints them). ``--report-only`` re-draws everything from the JSON in ``--out``.
-The command's arguments are declared in :mod:`.cli`.
+The command's arguments are declared in :mod:`.bench_command`.
 
     hf-bdlm bench --quick --out /tmp/bench
 """

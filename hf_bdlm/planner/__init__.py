@@ -10,7 +10,7 @@
 - :mod:`.kernel_work`: the pairs and calls the ``blockwise`` kernel's tile plans compute on each rank.
 - :mod:`.rank_rate`, :mod:`.link`: the matmul rate a run's ranks get, measured in them at once, and the named cluster
   links stretched by it (bytes charged at the cluster's element size) that benchmarks and the trainer emulate.
-- :mod:`.cli`: ``hf-bdlm plan``.
+- :mod:`.plan_command`: ``hf-bdlm plan``.
 
 CPU rates measured on this machine and the predictions of benchmark records (``--validate``) are the benchmarks'
 (:mod:`hf_bdlm.benchmarks.calibrate`), which import the planner; the planner imports no benchmark.

@@ -10,7 +10,7 @@ import pytest
 
 from hf_bdlm import cli
 from hf_bdlm.benchmarks import report
-from hf_bdlm.benchmarks.cli import parse_size
+from hf_bdlm.benchmarks.bench_command import parse_size
 from hf_bdlm.benchmarks.max_context import search_max_context
 
 MiB = 2**20

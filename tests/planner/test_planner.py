@@ -404,7 +404,7 @@ def test_the_step_elementwise_rate_is_what_matmuls_and_attention_leave_of_the_st
 
 
 def test_paper_comparison_takes_the_fastest_fitting_of_each_side():
-    from hf_bdlm.planner.cli import compare_modes
+    from hf_bdlm.planner.plan_command import compare_modes
 
     preds = plan_all(tiny_model(), 4096, device_spec("h100"), Cluster(8, 4), ring_transport=False)
     for group in (None, 8):
@@ -495,7 +495,7 @@ def test_model_parallel_shares_a_ranks_work_and_adds_its_own_traffic():
 
 
 def test_paper_topology_breakdown_adds_up_to_the_difference():
-    from hf_bdlm.planner.cli import paper_topology
+    from hf_bdlm.planner.plan_command import paper_topology
 
     model = model_spec("gemma3-27b")
     r = paper_topology(model, 65536, device_spec("h200"), Recipe(model_parallel=2))

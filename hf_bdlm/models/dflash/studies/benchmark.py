@@ -75,7 +75,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ....benchmarks.cli import positive_int
+from ....benchmarks.bench_command import positive_int
 from ....benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 MODULE = f"{__package__}.benchmark"  # what ``python -m`` / ``torchrun -m`` run (also when this file is __main__)
