@@ -21,8 +21,8 @@ import importlib, json, sys
 from hf_bdlm.protocols.registry import REGISTRY
 
 modules = [e.commands for e in REGISTRY if e.commands]
-tables = {m: {name: len(getattr(importlib.import_module(m), name)) for name in ("COMMANDS", "EXPORT_FORMATS", "STUDIES")}
-          for m in modules}
+tables = {m: {name: len(getattr(importlib.import_module(m), name))
+              for name in ("COMMANDS", "EXPORT_FORMATS", "STUDIES")} for m in modules}
 heavy = sorted(m for m in ("torch", "transformers", "argparse") if m in sys.modules)
 print(json.dumps({"tables": tables, "heavy": heavy}))
 """
