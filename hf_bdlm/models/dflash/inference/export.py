@@ -386,7 +386,8 @@ def render_card(folder: str | os.PathLike, *, model_name: str | None = None, mod
                        for k in sorted(training, key=lambda k: (k not in TRAINING_LABELS, list(TRAINING_LABELS).index(k)
                                                                 if k in TRAINING_LABELS else k))],
     )
-    return render_card_template(__package__, "model_card.md", values)
+    # The card template sits at the top of the family folder, beside the model it describes.
+    return render_card_template(__package__.rpartition(".")[0], "model_card.md", values)
 
 
 # --- the hub --------------------------------------------------------------------------------------------------------
