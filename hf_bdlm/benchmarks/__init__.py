@@ -5,6 +5,10 @@
 - :mod:`.attention`: attention backends and a BDLM against an AR training step.
 - :mod:`.max_context`: the longest trainable context under a per-rank memory cap.
 - :mod:`.baselines`: csbp against both CP baselines and bp, with and without an emulated cluster link.
+- :mod:`.decoding_study`, :mod:`.planning_study`: every family's decoding against greedy AR; the host's plan of a
+  fresh layout (``--only decoding``, ``--only planning``).
+- :mod:`.lm_eval_timing`, :mod:`.server_batching`: run alone (``python -m``): lm-eval's ``--model bdlm`` wall time at
+  batch 1 and 8; ``hf-bdlm serve`` with and without batching, and under overload.
 - :mod:`.spread`: repeated timings (median and range) and comparisons (a tie where the ranges overlap), the one rule
   every timed study reports by.
 - :mod:`.report`: fits, tables and plots of the records (pure functions of the JSON).

@@ -39,7 +39,7 @@ Per variant and batch size:
 
 Records: ``decoding.json`` (a list: one ``"decoding"`` record per model, variant and batch size, one ``"forward_cost"``
 record per model part), ``decoding.png``. Records written before the drafter's head was counted (no ``"counting"``
-field) are completed by ``benchmarks/decoding_reprice.py`` (the head and context-projection calls they lack,
+field) are completed by ``scripts/decoding_reprice.py`` (the head and context-projection calls they lack,
 reconstructed from the calls they hold; ``A`` from the parts' architecture) before the report prices them.
 
     hf-bdlm bench --only decoding --quick --out /tmp/dec        # the embedded SmolLM2 converted untrained vs itself
@@ -619,7 +619,7 @@ def reconstruct_drafter_calls(record: dict, costs: list[dict]) -> bool:
     followed by target forward ``i + 1`` (forward 0: the prefill) and its proposals' head call has that forward's rows
     less ``b``; and every target forward appends its rows' features to the drafter's context (one ``fc`` call of its
     rows). Returns whether anything was added; a ``"drafter context"`` cost record is added when missing (its costs
-    unknown until ``benchmarks/decoding_reprice.py`` fills them)."""
+    unknown until ``scripts/decoding_reprice.py`` fills them)."""
     import re
 
     if record["kind"] != "decoding" or record.get("counting", 1) >= COUNTING:

@@ -2,7 +2,7 @@
 
 The model is a tiny Qwen3 with Qwen3's real vocabulary layout (151936 rows, 151669 tokens; `tiny_qwen3.py`) converted
 with `objective="standard"`, so [MASK] lands on 151669 without a resize. Neither engine runs here; what they compute
-is assembled in `benchmarks/sdar_engines.py`: the exported weights in transformers' own `Qwen3ForCausalLM` under the
+is assembled in `scripts/sdar_engines.py`: the exported weights in transformers' own `Qwen3ForCausalLM` under the
 engines' block-causal mask, SGLang's LowConfidence and LMDeploy's low_confidence_dynamic transcribed from their
 released sources, and LMDeploy's own `UnmaskingProcessor` imported from its released wheel.
 Run: python -m pytest tests/test_sdar_export.py -q
@@ -18,7 +18,7 @@ from huggingface_hub import HfApi
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
-from benchmarks.sdar_engines import (
+from scripts.sdar_engines import (
     block_forward,
     engine_logits,
     lmdeploy_decode,

@@ -13,8 +13,8 @@ forward at growing context lengths: re-projecting the whole context (``draft_blo
 (``draft_from_cache``). A third times one verification forward of the target over 1 .. B tokens after a prompt
 (what ``num_speculative_tokens`` = rows - 1 costs per step).
 
-    python -m benchmarks.speculative_costs                           # 3 prompts x 32 tokens, block 8, ~1 min
-    python -m benchmarks.speculative_costs --prompts 8 --new-tokens 128 --contexts 128 1024 8192
+    python -m hf_bdlm.models.dflash.studies.speculative_costs              # 3 prompts x 32 tokens, block 8, ~1 min
+    python -m hf_bdlm.models.dflash.studies.speculative_costs --prompts 8 --new-tokens 128 --contexts 128 1024 8192
 
 Times are the main thread's CPU time by default (``--clock cpu``; one thread does all the work at ``--threads 1``):
 on a machine shared with other jobs, wall time mostly measures the others. ``--clock wall`` on an idle machine.
@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 import torch
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "speculative_costs"
+RESULTS = pathlib.Path("benchmarks") / "results" / "speculative_costs"  # under the folder it runs from
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = time.thread_time
 
@@ -43,7 +43,8 @@ def make_parser() -> argparse.ArgumentParser:
     class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.speculative_costs", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m hf_bdlm.models.dflash.studies.speculative_costs",
+                                description=__doc__,
                                 formatter_class=Formatter)
     p.add_argument("--target", default="embedded:smollm2", help="causal-LM folder, Hub id or embedded:smollm2")
     p.add_argument("--prompts", type=int, default=3, help="arithmetic test prompts, decoded one at a time")
@@ -109,7 +110,8 @@ def instrumented(target):
     """Timers around the target's forward, the drafting functions, the context cache's appends and the session's
     step (whichever of them this version of the package has); all restored on exit. Yields the timers and the list
     of every target forward, ``(tokens, seconds)``."""
-    from hf_bdlm.models.dflash import modeling, speculative
+    from .. import modeling
+    from ..inference import speculative
 
     timers = Timers()
     restore = []
@@ -157,8 +159,8 @@ def instrumented(target):
 def load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
-    from hf_bdlm.models.dflash.target import resolve_target_path
+    from ..modeling import DFlash2DraftModel
+    from ..target import resolve_target_path
 
     path = resolve_target_path(args.target)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -170,7 +172,7 @@ def load(args):
 
 
 def prompt_tensors(tokenizer, count: int) -> list[torch.Tensor]:
-    from hf_bdlm.data import load_arith
+    from ....data import load_arith
 
     test = load_arith("test")
     encoded = [tokenizer.apply_chat_template(test[i]["prompt"], add_generation_prompt=True, tokenize=True,
@@ -182,7 +184,7 @@ def prompt_tensors(tokenizer, count: int) -> list[torch.Tensor]:
 @torch.inference_mode()
 def decode_costs(target, drafter, prompts, new_tokens: int) -> dict:
     """Target alone, the batched loop and the assisted loop, prompt by prompt, with per-step costs."""
-    from hf_bdlm.models.dflash.inference.speculative import dflash_assisted_decoding, speculative_generate
+    from ..inference.speculative import dflash_assisted_decoding, speculative_generate
 
     # EOS disabled and the mask explicit: without EOS, generate would take the prompt's pad-id tokens (SmolLM2's pad
     # is its EOS, <|im_end|>) for padding.
@@ -261,7 +263,8 @@ def _best_ms(fn, repeats: int) -> float:
 @torch.inference_mode()
 def drafter_forward_costs(drafter, contexts: list[int], repeats: int) -> list[dict]:
     """One drafter forward (batch 1) at each context length: re-projecting the whole context, and from the cache."""
-    from hf_bdlm.models.dflash import modeling, speculative
+    from .. import modeling
+    from ..inference import speculative
 
     rows = []
     config = drafter.config

@@ -12,11 +12,11 @@ head went through ``F.linear``, no hook fired; its ``fc`` was not counted). This
   row equal one of those parts' exactly (a part that matches none is left unpriced: its rows print "-");
 - adds the drafter's missing calls as ``"reconstructed"`` (``decoding.reconstruct_drafter_calls``: one head call per
   drafter call, over the next verification's rows less the batch's rows, and one ``fc`` call per target forward over
-  its rows; the rule the hooks follow, checked against them in ``tests/test_decoding_benchmark.py``), prices the
+  its rows; the rule the hooks follow, checked against them in ``tests/benchmarks/test_decoding.py``), prices the
   ``"drafter context"`` part as the drafter's ``fc``, and recomputes the GPU column;
 - writes the records back (measured fields unchanged) and prints what it did.
 
-    python benchmarks/decoding_reprice.py benchmarks/results/decoding_self_distill/decoding.json
+    python scripts/decoding_reprice.py benchmarks/results/decoding_self_distill/decoding.json
     hf-bdlm bench --report-only --out benchmarks/results/decoding_self_distill       # summary.md again
 """
 
@@ -27,7 +27,7 @@ import json
 import pathlib
 import sys
 
-SOURCE = "rebuilt on the meta device by benchmarks/decoding_reprice.py"
+SOURCE = "rebuilt on the meta device by scripts/decoding_reprice.py"
 
 
 def architecture_parts() -> dict[tuple[int, int], tuple[str, dict]]:

@@ -8,8 +8,8 @@
 2. overload: `--flood` concurrent clients against a server with a small queue; counts of 200 / 429 / anything
    else, and whether the server still answers afterwards.
 
-    python -m benchmarks.serving --quick                                  # SmolLM2 converted on the fly
-    python -m benchmarks.serving --model outputs/smollm2-135m-bdlm-csbp --out serving.json
+    python -m hf_bdlm.benchmarks.server_batching --quick                          # SmolLM2 converted on the fly
+    python -m hf_bdlm.benchmarks.server_batching --model outputs/smollm2-135m-bdlm-csbp --out serving.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hf_bdlm.benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
+from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 
 def run_requests(base_url: str, model: str, prompts: list[list[dict]], max_tokens: int, workers: int) -> dict:
@@ -87,8 +87,8 @@ def main(argv=None) -> dict:
     if args.quick:
         args.requests, args.max_tokens, args.flood = 8, 32, 16
     torch.set_num_threads(args.threads)
-    from hf_bdlm.data import load_arith
-    from hf_bdlm.serving import Engine, ServerConfig, ServerThread
+    from ..data import load_arith
+    from ..serving import Engine, ServerConfig, ServerThread
 
     engine = Engine.from_pretrained(args.model, dtype=torch.float32, block_size=16)
     test = load_arith("test")

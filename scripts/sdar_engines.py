@@ -16,7 +16,7 @@ Neither engine runs here (both need CUDA kernels), so the reference is assembled
   as LMDeploy's sequence does (`pytorch/strategies/dllm/sequence.py`: the prompt padded with masks to a block multiple,
   a block all unmasked becomes cached at the next step).
 
-    python -m benchmarks.sdar_engines --out-dir benchmarks/results/sdar_export     # logits and the table (minutes)
+    python scripts/sdar_engines.py --out-dir benchmarks/results/sdar_export     # logits and the table (minutes)
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "equivalence.json").write_text(json.dumps({"setting": setting, "logits": logits, "rows": rows},
                                                          indent=2) + "\n")
         (out / "equivalence.md").write_text(
-            "SDAR export, checked on CPU (`python -m benchmarks.sdar_engines`; float32, torch " + torch.__version__
+            "SDAR export, checked on CPU (`python scripts/sdar_engines.py`; float32, torch " + torch.__version__
             + "). Model: a tiny Qwen3 with Qwen3's vocabulary (151936 rows) converted with objective='standard', "
             "block 4.\n\nLogits: our model at inference (clean prefix of 8 tokens, noisy block of 4 over the cached "
             "prefix) against the exported weights loaded strictly into transformers' Qwen3ForCausalLM under the "

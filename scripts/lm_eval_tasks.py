@@ -1,4 +1,4 @@
-"""Records of the shipped lm-eval tasks on the two tiny counting models of `tests/test_lm_eval.py`.
+"""Records of the shipped lm-eval tasks on the two tiny counting models of `tests/evaluation/test_lm_eval.py`.
 
 The models are the tests' own fixtures (a converted BDLM and a DiffusionGemma trained for seconds to count), so the
 bounds the tests assert are read from these records:
@@ -9,7 +9,7 @@ bounds the tests assert are read from these records:
   training's arithmetic changes: the margin a bound needs to hold on another CPU);
 - `elbo_ranking.json`: each family's bound on 10 counts of 4 words (gold) and the same words counting down.
 
-    python -m benchmarks.lm_eval_tasks --out benchmarks/results/lm_eval_tasks
+    python scripts/lm_eval_tasks.py --out benchmarks/results/lm_eval_tasks
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", default="0,1,2", help="initial seeds of the DiffusionGemma spread")
     args = parser.parse_args(argv)
-    sys.path[:0] = [str(TESTS), str(TESTS / "distributed")]
+    sys.path[:0] = [str(TESTS / "evaluation"), str(TESTS), str(TESTS / "distributed")]  # test_lm_eval, its helpers
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -81,10 +81,11 @@ def main(argv=None) -> None:
         (args.out / "converted_bdlm_results.json").write_text(json.dumps(results, indent=2, default=str))
         ranking["block_diffusion"] = elbo_ranking(bdlm, "block_diffusion", BD_WORD_ID)
     ranking["what"] = ("bound (nats) of 10 counts of 4 words (gold) and the same words counting down (corrupted), "
-                       "mc_num=16, seed=0; the tiny models of tests/test_lm_eval.py")
+                       "mc_num=16, seed=0; the tiny models of tests/evaluation/test_lm_eval.py")
     (args.out / "elbo_ranking.json").write_text(json.dumps(ranking, indent=2))
     (args.out / "diffusion_gemma_seeds.json").write_text(json.dumps(
-        {"what": "the tiny DiffusionGemma of tests/test_lm_eval.py trained from initial seeds; lm-eval CLI, batch 8",
+        {"what": "the tiny DiffusionGemma of tests/evaluation/test_lm_eval.py trained from initial seeds; lm-eval CLI, "
+                 "batch 8",
          "scores": seeds}, indent=2))
     print(json.dumps({"converted_bdlm": scores(results), "diffusion_gemma_by_seed": seeds,
                       "elbo": {k: {"min_gap": v["min_gap"], "mean_gap": v["mean_gap"]}

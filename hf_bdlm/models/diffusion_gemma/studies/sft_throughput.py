@@ -26,11 +26,13 @@ run adds is left out, the same in every mode). Reported: the group's step time (
 slowest rank's CPU time per step, supervised tokens per second, peak memory per rank (max over ranks), K/V bytes
 received per rank per step (ByteMeter, max over ranks) and CSBP's speed-up over each layout (wall and CPU time).
 
-    python -m benchmarks.diffusion_gemma --lengths 512 1024 --steps 3          # ~1 minute
-    python -m benchmarks.diffusion_gemma --lengths 512 1024 2048 4096 --out dg.json
-    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 2048 4096 --out dg_p2.json   # ~8 minutes
+    python -m hf_bdlm.models.diffusion_gemma.studies.sft_throughput --lengths 512 1024 --steps 3        # ~1 minute
+    python -m hf_bdlm.models.diffusion_gemma.studies.sft_throughput --lengths 512 1024 2048 4096 --out dg.json
+    python -m hf_bdlm.models.diffusion_gemma.studies.sft_throughput --parallel 2 --lengths 2048 4096 \
+        --out dg_p2.json                                                                            # ~8 minutes
     # the recorded table: + summary.md and the planner's projection of the paper's DiffusionGemma setting
-    python -m benchmarks.diffusion_gemma --parallel 2 --lengths 4096 8192 --steps 3 --out-dir benchmarks/results/dg_throughput
+    python -m hf_bdlm.models.diffusion_gemma.studies.sft_throughput --parallel 2 --lengths 4096 8192 --steps 3 \
+        --out-dir benchmarks/results/dg_throughput
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ import subprocess
 import sys
 import time
 
-from hf_bdlm.benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
+from ....benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
+
+MODULE = "hf_bdlm.models.diffusion_gemma.studies.sft_throughput"  # run as python -m MODULE (its workers too)
 
 CANVAS, VOCAB, WINDOW = 64, 8192, 128
 EOS, TURN_END, PAD = 1, 4, 0
@@ -139,7 +143,7 @@ def worker(method: str, length: int, steps: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from hf_bdlm.objectives import get_objective
+    from ....objectives import get_objective
 
     model = build_model()
     batch = build_batch(length)
@@ -175,9 +179,9 @@ def parallel_worker(layout_name: str, length: int, steps: int, out: str) -> None
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from hf_bdlm.objectives import get_objective
-    from hf_bdlm.parallel import BlockParallelGroups, ParallelDims
-    from hf_bdlm.models.diffusion_gemma.training.sharded import diffusion_gemma_layout, frame_padding
+    from ....objectives import get_objective
+    from ....parallel import BlockParallelGroups, ParallelDims
+    from ..training.sharded import diffusion_gemma_layout, frame_padding
 
     dist.init_process_group("gloo")
     P = dist.get_world_size()
@@ -242,7 +246,7 @@ def run_parallel(lengths, steps: int, P: int, layouts=LAYOUTS) -> list[dict]:
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "result.json")
                 proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                       "--nproc_per_node", str(P), "-m", "benchmarks.diffusion_gemma",
+                                       "--nproc_per_node", str(P), "-m", MODULE,
                                        "--parallel-worker", layout, "--lengths", str(length), "--steps", str(steps),
                                        "--out", out], env=env, capture_output=True, text=True)
                 if proc.returncode or not os.path.exists(out):
@@ -303,17 +307,17 @@ def paper_projection() -> tuple[list[dict], str]:
     not a fit: nothing in the planner is tuned to them."""
     from dataclasses import replace
 
-    from hf_bdlm.protocols.registry import family_named
-    from hf_bdlm.planner.plan_command import PAPER_GROUP, PAPER_PAIR, paper_topology
-    from hf_bdlm.planner.cost import Recipe
-    from hf_bdlm.planner.hardware import device_spec
-    from hf_bdlm.planner.model import model_spec
+    from ....protocols.registry import family_named
+    from ....planner.plan_command import PAPER_GROUP, PAPER_PAIR, paper_topology
+    from ....planner.cost import Recipe
+    from ....planner.hardware import device_spec
+    from ....planner.model import model_spec
 
     device = device_spec("h200", None, {})
     records, rows = [], [
         "| context | CSBP layout | CSBP s/step | paper's CP s | balanced cp s | bp s | CSBP / paper's CP | "
         "CSBP / cp | CSBP / bp | CSBP tok/s | published |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for setting, preset, L, published, model_parallel in family_named("diffusion_gemma").paper_settings():
+    for setting, preset, L, published, model_parallel in family_named("diffusion_gemma").role("planning").paper_settings():
         recipe = replace(Recipe(), model_parallel=PAPER_PAIR, model_parallel_kind=model_parallel)
         r = paper_topology(model_spec(preset, None), L, device, recipe)
         cs = r["csbp"]
@@ -333,7 +337,7 @@ def run(lengths, steps: int, methods=("trl", "ours")) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for length in lengths:
         for method in methods:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.diffusion_gemma", "--worker", method,
+            out = subprocess.run([sys.executable, "-m", MODULE, "--worker", method,
                                   "--lengths", str(length), "--steps", str(steps)],
                                  capture_output=True, text=True, env=env, check=True)
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -404,10 +408,10 @@ def main(argv=None):
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "records.json"), "w") as f:
-            json.dump(dict(command=" ".join(["python -m benchmarks.diffusion_gemma"] + (argv or sys.argv[1:])),
+            json.dump(dict(command=" ".join([f"python -m {MODULE}"] + (argv or sys.argv[1:])),
                            measured=results, projection=projection), f, indent=2)
         with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
-            f.write(f"# DiffusionGemma SFT throughput\n\n`python -m benchmarks.diffusion_gemma "
+            f.write(f"# DiffusionGemma SFT throughput\n\n`python -m {MODULE} "
                     f"{' '.join(argv or sys.argv[1:])}` ({os.cpu_count()} cores, one thread per process; every "
                     f"layout of a length measured in this one run; {args.steps} timed steps after a warm-up, median "
                     f"[range]; a ratio whose ranges overlap is a tie)\n\n{measured}\n\n"

@@ -9,8 +9,9 @@ machine hits them alike; wall and CPU seconds per 100 requests are reported as m
 (`hf_bdlm.benchmarks.spread`). One more run per kind at batch 8 under cProfile splits the time into the backbone's
 forward passes, the LM head, the Monte-Carlo draws and the rest (lm-eval, tokenization, decoding bookkeeping).
 
-    python -m benchmarks.lm_eval_timing --model outputs/smollm2-135m-bdlm-csbp --out benchmarks/results/lm_eval_timing
-    python -m benchmarks.lm_eval_timing --quick          # embedded SmolLM2 converted untrained, 2 repeats, 20 requests
+    python -m hf_bdlm.benchmarks.lm_eval_timing --model outputs/smollm2-135m-bdlm-csbp \
+        --out benchmarks/results/lm_eval_timing
+    python -m hf_bdlm.benchmarks.lm_eval_timing --quick     # embedded SmolLM2 converted untrained, 2 repeats, 20 requests
 
 Without `--model`, the quickstart's output folder is used when it exists, else the embedded SmolLM2 converted on the
 fly (untrained: it ends most answers at once, so generation is cheaper than after the fine-tune); the record says
@@ -34,7 +35,7 @@ from collections import defaultdict
 import torch
 
 QUICKSTART = pathlib.Path("outputs/smollm2-135m-bdlm-csbp")
-HELD_OUT = pathlib.Path(__file__).resolve().parents[1] / "hf_bdlm" / "data" / "arith_test.jsonl"
+HELD_OUT = pathlib.Path(__file__).resolve().parents[1] / "data" / "arith_test.jsonl"
 GEN_YAML = """task: bench_arith_gen
 dataset_path: json
 dataset_kwargs: {{data_files: {{test: {data}}}}}
@@ -135,8 +136,8 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from hf_bdlm.benchmarks.spread import Spread, compare
-    from hf_bdlm.evaluation.lm_eval_model import HFBDLMEvalModel
+    from ..evaluation.lm_eval_model import HFBDLMEvalModel
+    from .spread import Spread, compare
 
     model = args.model or (str(QUICKSTART) if (QUICKSTART / "config.json").is_file() else "embedded:smollm2")
     trained = model != "embedded:smollm2"

@@ -5,8 +5,8 @@ What ``hf-bdlm plan`` prices as traffic (``rank_work`` + ``kv_bytes_by_name``, t
 (``k_window.all_to_all``, the forward K bytes). Run it on two source trees to compare them, e.g. before and after a
 change to how halos are counted (a minute or two on one core)::
 
-    python benchmarks/planner_kv_bytes.py --out after.json
-    git archive <commit> hf_bdlm | tar -x -C /tmp/old && PYTHONPATH=/tmp/old python benchmarks/planner_kv_bytes.py
+    python scripts/planner_kv_bytes.py --out after.json
+    git archive <commit> hf_bdlm | tar -x -C /tmp/old && PYTHONPATH=/tmp/old python scripts/planner_kv_bytes.py
 """
 
 from __future__ import annotations

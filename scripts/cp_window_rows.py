@@ -15,7 +15,7 @@ counts from the plan (no processes, no model):
 The rule is the sliding benchmark model's (``hf_bdlm.benchmarks.parallel_modes.model_config``: Qwen3 sliding layers,
 block-causal clean stream, per-query window). Example (about a minute on one core)::
 
-    python benchmarks/cp_window_rows.py --out benchmarks/results/baselines/cp_rows_before_after.json
+    python scripts/cp_window_rows.py --out benchmarks/results/baselines/cp_rows_before_after.json
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         record = dict(seq_len=args.seq_len, block_size=args.block_size, window=args.window,
                       clean_attention=rule.clean_attention, window_convention=rule.window_convention,
-                      command="python benchmarks/cp_window_rows.py --out " + args.out, rows=rows)
+                      command="python scripts/cp_window_rows.py --out " + args.out, rows=rows)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
 

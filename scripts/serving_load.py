@@ -9,7 +9,7 @@
 2. stop: ``--in-flight`` streamed requests, SIGTERM once they all stream; when new connections are refused, whether
    the streams finish whole, the exit status and the seconds to exit.
 
-    python benchmarks/serving_load.py --out benchmarks/results/serving_load/load.json
+    python scripts/serving_load.py --out benchmarks/results/serving_load/load.json
 
 The checkpoint is the serving tests' tiny random model (tests/tiny_bdlm.py: 2 layers, hidden 32, block 4, a
 word-level tokenizer), decoded in float32 on the CPU: the server's machinery is measured, not a model's speed.
@@ -287,7 +287,7 @@ def main(argv=None) -> dict:
             if proc.poll() is None:
                 proc.kill()
     record = {
-        "command": "python benchmarks/serving_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python scripts/serving_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_average": os.getloadavg()},
         "server": {"max_batch_size": args.batch, "max_queue": args.queue, "shutdown_grace_s": args.grace,
                    "model": "tests/tiny_bdlm.py (float32, block 4)"},

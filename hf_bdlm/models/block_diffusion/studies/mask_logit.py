@@ -19,9 +19,11 @@ trained from scratch with `standard` on the shipped tasks for STEPS steps (P = 1
 itself with `standard` on this shared 2-core machine took minutes per step: the small Qwen3 is what could be trained
 far enough here. The measurement is about the objective's [MASK] logit.
 
-    python -m benchmarks.mask_logit --convert --label "SmolLM2 converted, not trained" --out converted.json
-    python -m benchmarks.mask_logit --tiny-qwen3 300 --label "small Qwen3, 300 steps" --out tiny_qwen3.json
-    python -m benchmarks.mask_logit --summary benchmarks/results/mask_logit      # summary.md of the records there
+    python -m hf_bdlm.models.block_diffusion.studies.mask_logit --convert --label "SmolLM2 converted, not trained" \
+        --out converted.json
+    python -m hf_bdlm.models.block_diffusion.studies.mask_logit --tiny-qwen3 300 --label "small Qwen3, 300 steps" \
+        --out tiny_qwen3.json
+    python -m hf_bdlm.models.block_diffusion.studies.mask_logit --summary benchmarks/results/mask_logit  # summary.md
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ def train_tiny_qwen3(steps: int, block_size: int, output_dir: str):
     tokenizer, the training log)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer, convert_causal_lm
-    from hf_bdlm.data import load_arith
-    from hf_bdlm.embedded import default_model_dir
+    from ....data import load_arith
+    from ....embedded import default_model_dir
+    from ....trainer import BDLMSFTConfig, BDLMSFTTrainer
+    from ..conversion import convert_causal_lm
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     torch.manual_seed(0)
@@ -71,8 +74,8 @@ def train_tiny_qwen3(steps: int, block_size: int, output_dir: str):
 def load(args):
     from transformers import AutoModel, AutoTokenizer
 
-    from hf_bdlm import convert_causal_lm
-    from hf_bdlm.embedded import default_model_dir
+    from ....embedded import default_model_dir
+    from ..conversion import convert_causal_lm
 
     if args.tiny_qwen3:
         import tempfile
@@ -90,7 +93,7 @@ def load(args):
 
 
 def held_out(tokenizer, count: int):
-    from hf_bdlm.data import load_arith
+    from ....data import load_arith
 
     rows = load_arith("test").select(range(count))
     examples = []
@@ -107,8 +110,8 @@ def held_out(tokenizer, count: int):
 def masked_position_logits(model, examples, seed: int = 0) -> torch.Tensor:
     """Logits (float32, whole vocabulary) at the masked positions of the held-out completions, each corrupted by the
     standard objective's own noise (seeded)."""
-    from hf_bdlm import pad_to_block_multiple
-    from hf_bdlm.objectives import get_objective
+    from ....objectives import get_objective
+    from ..modeling import pad_to_block_multiple
 
     config = model.config
     objective = get_objective("standard", config)
@@ -168,8 +171,8 @@ def logit_statistics(logits: torch.Tensor, mask_id: int) -> dict:
 
 @torch.no_grad()
 def decoding(model, tokenizer, examples, new_tokens: int, threshold: float) -> dict:
-    from hf_bdlm.data import exact_match
-    from hf_bdlm.models.block_diffusion.inference.export_sdar import zero_mask_logit
+    from ....data import exact_match
+    from ..inference.export_sdar import zero_mask_logit
 
     mask = model.config.mask_token_id
     corrected = zero_mask_logit(copy.deepcopy(model))
@@ -199,8 +202,8 @@ def summary(folder: pathlib.Path) -> str:
     """``summary.md`` of the records in ``folder``: one column per model."""
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     lines = ["[MASK] logit of models trained with `standard`, at the masked positions of held-out completions (the "
-             "objective's own noise), and in decoding (`python -m benchmarks.mask_logit`). 'Corrected': the head's "
-             "[MASK] row zero, as the SDAR export writes it.", "",
+             "objective's own noise), and in decoding (`python -m hf_bdlm.models.block_diffusion.studies.mask_logit`). "
+             "'Corrected': the head's [MASK] row zero, as the SDAR export writes it.", "",
              "| | " + " | ".join(r["label"] for r in records) + " |", "|---|" + "---|" * len(records)]
 
     def row(label, values):
