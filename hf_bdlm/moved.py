@@ -17,7 +17,6 @@ MOVED_MODULES: dict[str, str] = {
     "hf_bdlm.trainer.checkpoints": "hf_bdlm.checkpoints.atomic",
     "hf_bdlm.benchmarks.cli": "hf_bdlm.benchmarks.bench_command",
     "hf_bdlm.planner.cli": "hf_bdlm.planner.plan_command",
-    "hf_bdlm.models.dflash.training.objective": "hf_bdlm.models.dflash.training.objectives.dflash",
     "hf_bdlm.parallel.engine": "hf_bdlm.parallel.exchange",
     "hf_bdlm.parallel.link": "hf_bdlm.parallel.emulated_link",
     "hf_bdlm.benchmarks.decoding": "hf_bdlm.benchmarks.decoding_study",

@@ -28,7 +28,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_bdlm.models.dflash.configuration import DFlashConfig
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel, draft_context_mask
-from hf_bdlm.models.dflash.training.objective import DFlashObjective
+from hf_bdlm.models.dflash.training.objectives import DFlashObjective
 from hf_bdlm.models.dflash.training.sharded import DFlashShardPlan, context_bytes, sharded_draft_forward
 from hf_bdlm.parallel.collectives import ByteMeter
 from hf_bdlm.parallel.groups import BlockParallelGroups

@@ -64,7 +64,7 @@ def test_each_family_claims_its_models_and_only_them_also_inside_peft():
 
 
 def test_objectives_of_every_family_are_built_by_name():
-    from hf_bdlm.models.diffusion_gemma.training.objective import DiffusionGemmaObjective
+    from hf_bdlm.models.diffusion_gemma.training.objectives import DiffusionGemmaObjective
     from hf_bdlm.models.block_diffusion.training.objectives import StandardObjective
     from hf_bdlm.objectives import get_objective as from_objectives
 
@@ -73,7 +73,7 @@ def test_objectives_of_every_family_are_built_by_name():
     assert isinstance(dg, DiffusionGemmaObjective) and dg.block_size == 4
     with pytest.raises(ValueError, match=r"unknown objective 'bd3'; valid names: \['dflash', 'diffusion_gemma', "):
         get_objective("bd3", {})
-    from hf_bdlm.models.dflash.training.trainer import DFlashTrainingObjective
+    from hf_bdlm.models.dflash.training.objectives import DFlashTrainingObjective
 
     dflash = get_objective("dflash", dict(block_size=4, mask_token_id=9, max_anchors=16))
     assert isinstance(dflash, DFlashTrainingObjective) and dflash.config.max_anchors == 16

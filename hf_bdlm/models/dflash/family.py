@@ -41,8 +41,8 @@ from .studies.projection import (format_projection, format_reference_readings, p
                                  reference_readings)
 from .target import TargetHeads, drafter_class, load_target_heads, resolve_target_path
 from .training.config import OBJECTIVE_FIELDS
-from .training.objective import DFlashObjectiveConfig
-from .training.trainer import DFlashTrainingObjective, draft_layout
+from .training.objectives import DFlashObjectiveConfig, DFlashTrainingObjective
+from .training.trainer import draft_layout
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from .modeling import (
 from .configuration import DEFAULT_NOISE_EPS, MODEL_PREDICTION_TYPES
 from .inference.engines import fill_decoding_settings
 from .training.fsdp import shard_diffusion_gemma
-from .training.objective import DiffusionGemmaObjective
+from .training.objectives import DiffusionGemmaObjective
 from .training.sharded import diffusion_gemma_layout, frame_padding
 
 # The objective feeds text only: the vision tower never gets a gradient (frozen, so that DDP expects none).

@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from hf_bdlm.models.dflash.training.acceptance import replay_acceptance, served_requests  # noqa: E402
 from hf_bdlm.models.dflash.training.capture import FeatureStore, capture_features  # noqa: E402
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
-from hf_bdlm.models.dflash.training.objective import DFlashObjective, DFlashObjectiveConfig  # noqa: E402
+from hf_bdlm.models.dflash.training.objectives import DFlashObjective, DFlashObjectiveConfig  # noqa: E402
 from hf_bdlm.models.dflash.inference.speculative import draft_block  # noqa: E402
 from hf_bdlm.models.dflash.training.trainer import DFlashTrainer  # noqa: E402
 from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig  # noqa: E402

@@ -1,4 +1,5 @@
-"""The DFlash objective (``hf_bdlm/models/dflash/training/objective.py``) against the paper's package, ``dllm_parallel``.
+"""The DFlash objective (``hf_bdlm/models/dflash/training/objectives/dflash.py``) against the paper's package,
+``dllm_parallel``.
 
 The oracle runs on the same tensors: its valid-anchor rule, anchor samplers (fed the same generator), whole batch
 preparation, position weights, ``reference_dflash_loss`` (CE and KL), its DFlash training losses (``paper_ce`` and
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_bdlm.models.dflash.training.objective import (
+from hf_bdlm.models.dflash.training.objectives import (
     DFlashObjective,
     DFlashObjectiveConfig,
     active_anchor_slots,

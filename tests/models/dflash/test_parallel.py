@@ -17,7 +17,7 @@ import torch
 from dflash_worker import BLOCK, DRAFTERS, LENGTH, MATRIX, WINDOW, objective_of, tiny_data, tiny_drafter, tiny_target
 
 from hf_bdlm.models.dflash.modeling import draft_context_mask
-from hf_bdlm.models.dflash.training.objective import DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
+from hf_bdlm.models.dflash.training.objectives import DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
 from hf_bdlm.models.dflash.training.sharded import DFlashShardPlan, balanced_bounds, context_bytes, sharded_draft_forward
 from torchrun import SharedJob  # noqa: E402
 

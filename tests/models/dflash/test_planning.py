@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_bdlm.models.dflash.configuration import DFlashConfig
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, draft_context_mask
-from hf_bdlm.models.dflash.training.objective import DFlashObjective, anchor_costs
+from hf_bdlm.models.dflash.training.objectives import DFlashObjective, anchor_costs
 from hf_bdlm.models.dflash.studies.planning import (
     RING_TILE_ROWS,
     DrafterSetting,

@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from hf_bdlm.attention.rows import document_starts
-from hf_bdlm.models.dflash.training.objective import (
+from hf_bdlm.models.dflash.training.objectives import (
     DFlashObjective,
     DFlashObjectiveConfig,
     active_anchor_slots,

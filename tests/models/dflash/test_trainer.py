@@ -23,8 +23,8 @@ from trainer_common import tiny_tokenizer  # noqa: E402
 
 from hf_bdlm.models.dflash.training.capture import FeatureStore  # noqa: E402
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
-from hf_bdlm.models.dflash.training.objective import DFlashObjective  # noqa: E402
-from hf_bdlm.models.dflash.training.trainer import DFlashTrainer, sample_seed  # noqa: E402
+from hf_bdlm.models.dflash.training.objectives import DFlashObjective, sample_seed  # noqa: E402
+from hf_bdlm.models.dflash.training.trainer import DFlashTrainer  # noqa: E402
 from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig  # noqa: E402
 from paths import ROOT
 
@@ -107,7 +107,7 @@ def _first_batch(trainer):
 def test_the_first_loss_is_the_objectives_loss_of_the_whole_batch(tmp_path, features, teacher_features, target, loss):
     """Recomputed without the trainer: each sequence's anchors from its own seed, the drafter's logits over the whole
     batch, `DFlashObjective.loss` (the logits path, not the trainer's hidden-state path)."""
-    from hf_bdlm.models.dflash.training.objective import gather_positions, select_anchors
+    from hf_bdlm.models.dflash.training.objectives import gather_positions, select_anchors
 
     data = teacher_features if loss == "kl" else features
     drafter = fixtures.tiny_drafter(target)
@@ -205,7 +205,8 @@ def test_a_target_folder_gives_only_its_embedding_and_head_and_the_same_training
 
 
 def test_deferred_features_read_exactly_the_rows_asked_and_zero_past_a_records_end(features, target):
-    from hf_bdlm.models.dflash.training.trainer import DeferredFeatures, DFlashFeatureCollator
+    from hf_bdlm.models.dflash.training.objectives import DeferredFeatures
+    from hf_bdlm.models.dflash.training.trainer import DFlashFeatureCollator
 
     store = FeatureStore(features)
     rows = [dict(input_ids=store.record(i)[0].tolist(), completion_mask=store.record(i)[1].long().tolist(),

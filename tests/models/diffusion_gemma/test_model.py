@@ -26,7 +26,7 @@ from hf_bdlm.models.diffusion_gemma.modeling import (
     softcapped_logits,
 )
 from hf_bdlm.objectives import get_objective
-from hf_bdlm.models.diffusion_gemma.training.objective import DiffusionGemmaObjective
+from hf_bdlm.models.diffusion_gemma.training.objectives import DiffusionGemmaObjective
 
 from tiny_diffusion_gemma import B, EOS, PAD, TURN_END, VOCAB, W, conversations, tiny_tokenizer  # noqa: E402
 from tiny_diffusion_gemma import tiny_model as _tiny_model  # noqa: E402

@@ -28,7 +28,7 @@ process's.
 Since every layer slides, the sharded forward *compacts the context*: a ring needs only the rows its anchors can see
 (the anchors' stretch and one window before it), cut over its ranks so that each projects as many of them as any
 other (:func:`~.sharded.balanced_bounds`), and a rank holds the features of only the rows it projects, as the trainer
-reads them (:class:`~.trainer.DeferredFeatures`): ``cp`` and ``csbp`` about ``1 / C`` of the seen rows each, ``bp``
+reads them (:class:`~.objectives.DeferredFeatures`): ``cp`` and ``csbp`` about ``1 / C`` of the seen rows each, ``bp``
 those its own anchors see, ``dp`` (and ``single``) all the seen rows of its sequence. A step costs about ``A x B``
 queries over ``9 A + W`` rows per layer, growing like ``L^2`` through ``A = L / 512``. ``cp`` runs all ``A`` anchors
 on every rank; ``bp`` and ``csbp`` ``A / P`` each; ``dp`` all ``A`` of its own sequence.
@@ -200,7 +200,7 @@ def benchmark_tokens(length: int, vocab_size: int = DRAFTER["vocab_size"], seque
 def benchmark_objective(anchors: int, sequence: int = 0):
     """The recipe's objective for the benchmark drafter: ``anchors`` per sequence drawn by the locality sampler (seed
     ``sequence``, the same on every rank training that sequence), D-PACE."""
-    from ..training.objective import DFlashObjective
+    from ..training.objectives import DFlashObjective
 
     return DFlashObjective(mask_token_id=DRAFTER["vocab_size"] - 1, block_size=DFLASH2["block_size"],
                            max_anchors=anchors, loss="dpace", anchor_sampling="locality", seed=sequence)

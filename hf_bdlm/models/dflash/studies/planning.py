@@ -11,9 +11,9 @@ A drafter trains on one sequence of ``L`` tokens per group and step: the target'
 the project's :class:`~hf_bdlm.parallel.dims.ParallelDims` over the ``P`` ranks of a group (``D = W / P`` groups train
 on different sequences): ``cp`` shards the context over the group and runs every anchor on every rank (the CP-only
 drafter layout the paper compares against; its K/V rotate in a ring); ``bp`` replicates the context and deals the
-anchors (:func:`~.objective.deal_anchors`, heaviest with lightest); ``csbp`` shards the context over clean rings of
+anchors (:func:`~.objectives.deal_anchors`, heaviest with lightest); ``csbp`` shards the context over clean rings of
 ``C`` ranks and deals the anchors over the group. Per rank and step (:func:`drafter_work` counts it from the
-objective's own anchor draw, :func:`~.objective.DFlashObjective.prepare`):
+objective's own anchor draw, :func:`~.objectives.DFlashObjective.prepare`):
 
 - features: the rank's context shard (``L / C`` rows; where :mod:`.sharded` compacts the context, only the rows it
   projects) read from host memory over PCIe while the previous step computes (two buffers on the device: the step's
@@ -66,7 +66,7 @@ from ....planner.schedule import Compute, Send, Wait
 from ....planner.workload import (BWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, FWD_ATTN_FLOPS_PER_PAIR_HEAD_DIM, Cluster,
                                  LayoutPrediction, MemoryParts, PricedStep, Recipe, StepTerms, price_step, recommend)
 from ..configuration import DFlashConfig
-from ..training.objective import DFlashBatch, DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
+from ..training.objectives import DFlashBatch, DFlashObjective, active_anchor_slots, anchor_costs, deal_anchors
 from ..training.sharded import balanced_bounds
 
 # The paper's recipe draws 2048 anchors per sequence: a DrafterSetting's default.
@@ -267,8 +267,8 @@ class DrafterRankWork:
 
 def anchor_shares(spec: DrafterSpec, dims: ParallelDims, batch: DFlashBatch) -> list[torch.Tensor]:
     """The anchor slots each rank of a group runs: all active ones on every rank (``cp``), else dealt by
-    :func:`~.objective.deal_anchors` on their attention cost summed over the layers
-    (:func:`~.objective.anchor_costs`)."""
+    :func:`~.objectives.deal_anchors` on their attention cost summed over the layers
+    (:func:`~.objectives.anchor_costs`)."""
     active = active_anchor_slots(batch)
     P = dims.block_parallel_size
     if dims.mode == "cp":

@@ -95,7 +95,7 @@ import torch.distributed as dist
 from ....parallel.collectives import CommContext, ExchangedKV, GatheredKV
 from ....parallel.dims import Mode
 from ..modeling import DFlashAttention, DFlashDraftModel, DFlashDraftOutput, DraftContext, draft_context
-from .objective import DFlashBatch, active_anchor_slots, anchor_costs, deal_anchors, select_anchors
+from .objectives import DFlashBatch, active_anchor_slots, anchor_costs, deal_anchors, select_anchors
 
 # Names of the collectives in the byte meter (the all-gather / reduce-scatter and the window's all-to-all).
 FULL_NAMES = ("dflash_context_k", "dflash_context_v")
@@ -279,7 +279,7 @@ class DFlashShardPlan:
 
     @property
     def anchor_index(self) -> torch.Tensor:
-        """This rank's anchor slots (`torch.LongTensor`), for :func:`~.objective.select_anchors`."""
+        """This rank's anchor slots (`torch.LongTensor`), for :func:`~.objectives.select_anchors`."""
         return torch.tensor(self.anchor_slots[self.rank], dtype=torch.int64)
 
     @property

@@ -24,7 +24,7 @@ without communicating, and a resumed run redraws them. Ranks can split a batch's
 sub-batch, and the ranks' losses add up to the loss of the whole batch. Tiny CPU example::
 
     import torch
-    from hf_bdlm.models.dflash.training.objective import DFlashObjective, DFlashObjectiveConfig
+    from hf_bdlm.models.dflash.training.objectives import DFlashObjective, DFlashObjectiveConfig
     objective = DFlashObjective(DFlashObjectiveConfig(mask_token_id=31, block_size=4, max_anchors=8, loss="ce"))
     ids = torch.randint(0, 31, (2, 32))
     batch = objective.prepare(ids, torch.ones_like(ids), step=0)
@@ -44,8 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ....attention.rows import document_starts
-from ....objectives.noise import hash_uniform
+from .....attention.rows import document_starts
+from .....objectives.noise import hash_uniform
 
 LOSSES = ("ce", "kl", "dpace")
 ANCHOR_SAMPLINGS = ("uniform", "locality")
