@@ -59,6 +59,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..evaluation.decoders import ForwardMeter, GreedyAR, serve_decode  # shared with HumanEval
+from ..evaluation.intervals import wilson_interval
 from .processes import child_env, module_command
 from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
@@ -160,109 +162,6 @@ def run(cfg, args: argparse.Namespace, out: pathlib.Path, log=print) -> list[dic
     if proc.returncode:
         raise RuntimeError(f"{cmd[2]} exited with {proc.returncode} (its output is above)")
     return json.loads(out.read_text())
-
-
-# --- counting forwards ------------------------------------------------------------------------------------------------
-def _rows(args, kwargs) -> int:
-    """Rows a module's forward runs: ``[b, n]`` ids (an encoder-decoder's decoder: its ``decoder_input_ids``), or
-    ``[..., d]`` states (every dimension but the last)."""
-    for name in ("inputs_embeds", "input_ids", "decoder_input_ids", "hidden_states"):
-        if kwargs.get(name) is not None:
-            tensor = kwargs[name]
-            break
-    else:
-        tensor = next((a for a in args if hasattr(a, "shape")), None)
-    if tensor is None:
-        return 0
-    if tensor.is_floating_point():
-        return int(tensor.numel() // max(tensor.shape[-1], 1))
-    return int(tensor.numel())
-
-
-class ForwardMeter:
-    """Counts and times the forwards of a decoder's ``counted_modules()`` (calls, rows, CPU and wall seconds of
-    each), while it is entered."""
-
-    def __init__(self, modules: dict):
-        self.modules = modules
-        self.forwards: dict[str, list[tuple[int, float, float]]] = {name: [] for name in modules}
-        self.handles, self.open = [], {}
-
-    def __enter__(self):
-        for name, module in self.modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
-        return self
-
-    def _pre(self, name):
-        def hook(module, args, kwargs):
-            self.open[name] = (_rows(args, kwargs), time.process_time(), time.perf_counter())
-        return hook
-
-    def _post(self, name):
-        def hook(module, args, kwargs, output):
-            rows, cpu, wall = self.open.pop(name)
-            self.forwards[name].append((rows, time.process_time() - cpu, time.perf_counter() - wall))
-        return hook
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-
-
-# --- the models -------------------------------------------------------------------------------------------------------
-class GreedyAR:
-    """Greedy ``generate`` of a causal LM (left-padded batches), the baseline every speed is compared with."""
-
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model.eval(), tokenizer
-        eos = model.generation_config.eos_token_id
-        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos, default=0)
-        self.pad = int(pad)
-
-    def counted_modules(self) -> dict:
-        return {"model": self.model.get_decoder(), "head": self.model.get_output_embeddings()}
-
-    def decode(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> list[list[int]]:
-        import torch
-
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad)
-        if ignore_eos:
-            kwargs.update(eos_token_id=None, min_new_tokens=max_new_tokens)
-        out = self.model.generate(ids, attention_mask=mask, **kwargs)
-        return [cut_at_eos(row[width:].tolist(), self.eos) for row in out]
-
-
-def cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for at, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: at + 1]
-    return tokens
-
-
-def serve_decode(decoder, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
-                 eos: set[int]) -> list[list[int]]:
-    """Decode through a family's serving decoder (what ``hf-bdlm serve`` runs); a decoder told to ignore EOS decodes
-    the whole budget and its text is cut at the first EOS after."""
-    from ..protocols.decoding import DecodingRequest
-
-    request = DecodingRequest(ignore_eos=ignore_eos, seed=0)
-    settings = [decoder.settings(request, len(p), max_new_tokens) for p in prompts]
-    got: list[list[int]] = [[] for _ in prompts]
-
-    def on_block(new):
-        for row, tokens in new.items():
-            got[row] += [int(t) for t in tokens]
-        return set()
-
-    decoder.decode(prompts, settings, [0] * len(prompts), on_block)
-    return [cut_at_eos(tokens, eos) for tokens in got]
 
 
 @dataclass
@@ -432,18 +331,6 @@ def score(records: list[dict], entries: list[Entry], examples: list[dict]) -> No
             r["agreement_with"] = f"{reference['entry']} | {reference['variant']}"
         alone = by[(r["entry"], r["variant"], first)]
         r["same_as_batch_1"] = sum(a == b for a, b in zip(r["outputs"], alone["outputs"])) / len(examples)
-
-
-def wilson_interval(hits: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a proportion ``hits / n`` (``z``: the normal quantile)."""
-    if n <= 0:
-        raise ValueError(f"an interval needs at least one trial, got n={n}")
-    if not 0 <= hits <= n:
-        raise ValueError(f"hits={hits} is not between 0 and n={n}")
-    p, z2 = hits / n, z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def exact_match_of(record: dict) -> tuple[int, int, float, float]:
