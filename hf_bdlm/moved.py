@@ -21,6 +21,7 @@ MOVED_MODULES: dict[str, str] = {
     "hf_bdlm.parallel.link": "hf_bdlm.parallel.emulated_link",
     "hf_bdlm.benchmarks.decoding": "hf_bdlm.benchmarks.decoding_study",
     "hf_bdlm.benchmarks.planning": "hf_bdlm.benchmarks.planning_study",
+    "hf_bdlm.matched_comparison": "hf_bdlm.benchmarks.matched_comparison",
 }
 
 

@@ -35,7 +35,7 @@ from trl import ModelConfig, TrlParser
 
 from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
 from hf_bdlm.evaluation.callback import BDLMEvalCallback
-from hf_bdlm.matched_comparison import MatchedRecorder, loss_agreement, plot_matched, speed_comparison, step_times
+from hf_bdlm.benchmarks.matched_comparison import MatchedRecorder, loss_agreement, plot_matched, speed_comparison, step_times
 from hf_bdlm.train import SFTScriptArguments, load_datasets, resolve_model_path
 
 TINY_MODEL = "tiny:diffusion_gemma"

@@ -9,6 +9,8 @@
   fresh layout (``--only decoding``, ``--only planning``).
 - :mod:`.lm_eval_timing`, :mod:`.server_batching`: run alone (``python -m``): lm-eval's ``--model bdlm`` wall time at
   batch 1 and 8; ``hf-bdlm serve`` with and without batching, and under overload.
+- :mod:`.matched_comparison`: what ``recipes/dg_matched.py`` records of each layout's fine-tune (a trainer callback),
+  the step-time comparison and the figure.
 - :mod:`.spread`: repeated timings (median and range) and comparisons (a tie where the ranges overlap), the one rule
   every timed study reports by.
 - :mod:`.report`: fits, tables and plots of the records (pure functions of the JSON).

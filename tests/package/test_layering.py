@@ -2,6 +2,8 @@
 imports another module's private name. Read from the source as text (``ast``), nothing imported."""
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 from package_source import PACKAGE, module_files
@@ -125,7 +127,7 @@ LAYERS = (
     ("benchmarks",),
     ("models.block_diffusion", "models.diffusion_gemma", "models.dflash"),  # the families
     ("models",),  # the families' index (re-exports the registry)
-    ("train", "matched_comparison"),  # the SFT recipe, the matched comparison of layouts
+    ("train",),  # the SFT recipe
     ("cli",),
     ("__init__",),  # the public face: nothing inside the package imports it
 )
@@ -314,3 +316,173 @@ def test_the_room_checks_find_an_upward_import_a_circle_of_rooms_and_a_private_i
     assert "side" not in cycles[0]
     assert upward_imports(graph, files, layers[:1] + layers[2:])[-1].endswith("room 'side' is not in LAYERS")
     assert private_imports(tmp_path) == [f"{pkg / 'side' / 'c.py'}:2: from hf_bdlm.low.a import _hidden"]
+
+
+# --- the module paths the package holds as text ----------------------------------------------------------------------
+# Strings that look like a dotted module path of the package and are not one (each with what it is).
+NOT_MODULE_PATHS = {"hf_bdlm.dflash.features": "the format name of a DFlash feature store (dflash/training/capture.py)"}
+# Modules whose dict keys are old module paths: each must not be a module any more (its alias would never be used).
+OLD_PATHS = {"hf_bdlm.moved": "MOVED_MODULES: an old module path -> where it moved"}
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+PATH_LIKE = re.compile(rf"{DOTTED.pattern}(:{DOTTED.pattern})?")  # a.b.c or a.b:name
+
+
+def top_level_names(path: Path) -> set[str] | None:
+    """The names a module defines at top level (defs, classes, assignments, imports, also inside top-level ``if`` /
+    ``try`` blocks), read with ``ast``; ``None`` when it defines ``__getattr__`` (its names are made when asked)."""
+    names: set[str] = set()
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                if isinstance(node, (ast.If, ast.Try, ast.With, ast.ExceptHandler)) and hasattr(node, field):
+                    visit(getattr(node, field))
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return None if "__getattr__" in names else names
+
+
+def module_strings(root: Path, package: str = PACKAGE) -> list[tuple[str, Path, int, str]]:
+    """``(module, file, line, text)`` of every string constant of the package's modules that looks like a module path
+    of the package (``<package>.a.b``, ``<package>.a.b:name``): plain strings, and f-strings whose every field is a
+    name bound at the module's top level to a string (``f"{PACKAGE}.models.block_diffusion.configuration"``)."""
+    found = []
+    for name, (path, _) in module_files(root, package).items():
+        tree = ast.parse(path.read_text(), str(path))
+        constants: dict[str, str] = {}
+
+        def value(node) -> str | None:
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                return node.value
+            if isinstance(node, ast.JoinedStr):
+                parts = []
+                for part in node.values:
+                    if isinstance(part, ast.FormattedValue):
+                        if part.conversion != -1 or part.format_spec or not isinstance(part.value, ast.Name) \
+                                or part.value.id not in constants:
+                            return None
+                        parts.append(constants[part.value.id])
+                    else:
+                        parts.append(part.value)
+                return "".join(parts)
+            return None
+
+        for node in tree.body:  # the module's string constants, in order (one may build on another)
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and value(node.value) is not None:
+                constants[node.targets[0].id] = value(node.value)
+        # A plain string inside an f-string is one of its parts, not a string of its own.
+        parts = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
+        for node in ast.walk(tree):
+            text = value(node) if isinstance(node, (ast.Constant, ast.JoinedStr)) and id(node) not in parts else None
+            if text is not None and text.startswith(package + ".") and PATH_LIKE.fullmatch(text):
+                found.append((name, path, node.lineno, text))
+    return found
+
+
+def resolves(text: str, modules: dict[str, tuple[Path, bool]]) -> bool:
+    """Whether ``text`` names a module of ``modules`` (``a.b.c``), a module's top-level name (``a.b.name``) or, as
+    ``a.b:name[.attr]``, a module and a name it defines. Read as text; a module that makes its names on demand
+    (``__getattr__``) is imported to ask it."""
+    module, colon, attribute = text.partition(":")
+    if not DOTTED.fullmatch(module) or (colon and not DOTTED.fullmatch(attribute)):
+        return False
+    if not colon:
+        if module in modules:
+            return True
+        module, _, attribute = module.rpartition(".")
+    if module not in modules:
+        return False
+    first = attribute.split(".")[0]
+    names = top_level_names(modules[module][0])
+    if names is None:
+        return hasattr(importlib.import_module(module), first)
+    return first in names
+
+
+def unresolved_module_strings(root: Path, package: str = PACKAGE, not_modules=NOT_MODULE_PATHS,
+                              old_paths=OLD_PATHS) -> list[str]:
+    """``file:line: text`` for every module string of the package (:func:`module_strings`) that names no module or
+    module attribute, and every old path of :data:`OLD_PATHS` that is a module again; and, in
+    ``protocols/registry.py``, every ``FamilyEntry(...)`` whose module does not define its ``class_name``."""
+    modules = module_files(root, package)
+    old_keys = set()
+    for name in old_paths:
+        if name in modules:
+            tree = ast.parse(modules[name][0].read_text())
+            old_keys |= {(name, key.lineno, key.value) for node in ast.walk(tree) if isinstance(node, ast.Dict)
+                         for key in node.keys if isinstance(key, ast.Constant)}
+    wrong = []
+    for name, path, line, text in module_strings(root, package):
+        where = f"{path.relative_to(root)}:{line}"
+        if (name, line, text) in old_keys:
+            if text in modules:
+                wrong.append(f"{where}: {text} is an old path of {name} and a module again")
+        elif text not in not_modules and not resolves(text, modules):
+            wrong.append(f"{where}: {text}")
+    registry = modules.get(f"{package}.protocols.registry")
+    if registry is not None:
+        for node in ast.walk(ast.parse(registry[0].read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "FamilyEntry":
+                fields = dict(zip(("name", "model_types", "objectives", "module", "class_name"), node.args))
+                fields.update((k.arg, k.value) for k in node.keywords)
+                module, cls = (fields[k].value for k in ("module", "class_name"))
+                if not resolves(f"{module}:{cls}", modules):
+                    wrong.append(f"{registry[0].relative_to(root)}:{node.lineno}: FamilyEntry {module}:{cls}")
+    return wrong
+
+
+def test_every_module_path_the_package_holds_as_text_names_a_module():
+    """The registry's family modules and classes and its command tables, the remote-code bundler's roots, the study
+    and command tables, ``python -m`` targets: every string of the package that names one of its modules."""
+    strings = module_strings(ROOT)
+    modules = module_files(ROOT)
+    registry, bundler = f"{PACKAGE}.protocols.registry", f"{PACKAGE}.hub.remote_code"
+    entries = [n for n in ast.walk(ast.parse(modules[registry][0].read_text()))
+               if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "FamilyEntry"]
+    roots = [n.lineno for n in ast.parse(modules[bundler][0].read_text()).body if isinstance(n, ast.Assign)
+             and any(getattr(t, "id", "").endswith("_ROOT") for t in n.targets)]
+    seen = {(name, line) for name, _, line, _ in strings}
+    assert entries and len([s for s in strings if s[0] == registry]) >= len(entries)  # the scan reads them
+    assert roots and all((bundler, line) in seen for line in roots), roots
+    wrong = unresolved_module_strings(ROOT)
+    assert not wrong, "module paths held as text that name no module (or no such name in it):\n" + "\n".join(wrong)
+
+
+def test_the_module_string_check_finds_a_wrong_module_attribute_class_and_root(tmp_path):
+    pkg = tmp_path / PACKAGE
+    files = {
+        "__init__.py": "",
+        "models/__init__.py": "",
+        "models/good/__init__.py": "",
+        "models/good/family.py": "class GoodFamily:\n    pass\n\n\ndef run():\n    pass\n",
+        "protocols/__init__.py": "",
+        "protocols/registry.py": 'REGISTRY = [\n'
+                                 '    FamilyEntry("good", (), (), "hf_bdlm.models.good.family", "GoodFamily"),\n'
+                                 '    FamilyEntry("bad", (), (), "hf_bdlm.models.good.family", "BadFamily"),\n]\n',
+        "hub/__init__.py": "",
+        "hub/remote_code.py": 'PACKAGE = "hf_bdlm"\n_CONFIG_ROOT = f"{PACKAGE}.models.good.family"\n'
+                              '_MODELING_ROOT = f"{PACKAGE}.models.gone.modeling"\n',
+        "tables.py": 'RUNS = ["hf_bdlm.models.good.family:run", "hf_bdlm.models.good.family:walk",\n'
+                     '        "hf_bdlm.models.good.family.GoodFamily", "hf_bdlm.models.good",\n'
+                     '        "hf_bdlm.models.good.familly", "hf_bdlm.dflash.features", f"hf_bdlm.{RUNS}.x"]\n'
+                     'TEXT = "hf_bdlm.models.good is where it lives"\n',
+        "moved.py": 'MOVED_MODULES = {"hf_bdlm.old": "hf_bdlm.models.good",\n'
+                    '                 "hf_bdlm.tables": "hf_bdlm.models.good"}\n',
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert unresolved_module_strings(tmp_path) == [
+        f"{Path('hf_bdlm/hub/remote_code.py')}:3: hf_bdlm.models.gone.modeling",
+        f"{Path('hf_bdlm/moved.py')}:2: hf_bdlm.tables is an old path of hf_bdlm.moved and a module again",
+        f"{Path('hf_bdlm/tables.py')}:1: hf_bdlm.models.good.family:walk",
+        f"{Path('hf_bdlm/tables.py')}:3: hf_bdlm.models.good.familly",
+        f"{Path('hf_bdlm/protocols/registry.py')}:3: FamilyEntry hf_bdlm.models.good.family:BadFamily"]

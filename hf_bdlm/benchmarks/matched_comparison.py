@@ -7,7 +7,7 @@ order and token budget. This module holds the pieces that recipe shares with any
   training loss and supervised tokens of every logged step, and at every checkpoint the held-out loss (the trainer's
   `eval_loss`), exact match and the `eval/pass_rate` rows of the `BDLMEvalCallback`\\ s added before it;
 - :func:`step_times` / :func:`speed_comparison`: each layout's training seconds per step (every logged step after the
-  first, evaluation pauses excluded) as a :class:`~hf_bdlm.benchmarks.spread.Spread`, and one layout's speed over
+  first, evaluation pauses excluded) as a :class:`~.spread.Spread`, and one layout's speed over
   another's: the ratio of median step times, a tie where the ranges overlap;
 - :func:`plot_matched`: each metric against training step and against training wall-clock, one line per layout.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .benchmarks.spread import Spread, compare
+from .spread import Spread, compare
 
 # The metrics of a checkpoint point besides the pass rates, in the figure's order.
 CHECKPOINT_METRICS = ("held_out_loss", "exact_match")
@@ -103,8 +103,8 @@ class MatchedRecorder(TrainerCallback):
             self._pending["held_out_loss"] = float(metrics["eval_loss"])
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
-        from .evaluation.exact_match import held_out_exact_match
-        from .evaluation.live_model import servable_model
+        from ..evaluation.exact_match import held_out_exact_match
+        from ..evaluation.live_model import servable_model
 
         tokenizer = processing_class or self._tokenizer
         main = state.is_world_process_zero
