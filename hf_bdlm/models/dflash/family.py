@@ -8,7 +8,7 @@ of its own (a drafter does not generate alone: the refusals say what to do). Its
 
 - loading: the drafter (object or folder) bound to its target's frozen input embedding and LM head, read alone from
   the target's weights files (:func:`load_target_heads`: the whole target is never loaded to train from features);
-- the `dflash` objective (:class:`~hf_bdlm.models.dflash.training.trainer.DFlashTrainingObjective`) from the run's fields;
+- the `dflash` objective (:class:`~hf_bdlm.models.dflash.training.objectives.DFlashTrainingObjective`) from the run's fields;
 - the step: the drafter's forward over this rank's context rows and anchors, and the loss of its share of the batch
   (the objective drives the drafter's parts, so the step runs as a :class:`~hf_bdlm.protocols.step.TrainingStep`);
 The entry renders the model card (the exported drafter's, :mod:`.inference.export`).
