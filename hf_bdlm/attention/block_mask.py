@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, _dense_to_ordered
 
 from .masks import CLEAN, NOISY, MaskRule, allowed, key_reach
 from .rows import RowMeta
@@ -365,8 +367,6 @@ def build_block_mask(q_rows: RowMeta, k_rows: RowMeta, rule: MaskRule, tile: int
 
     Built on the host from the block structure (module docstring) and moved to ``device``.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     if (q_rows.doc is None) != (k_rows.doc is None):
         raise ValueError("Query and key rows must both carry document ids or both omit them.")
     seq_len = int(max(q_rows.pos.max().item() if q_rows.num_rows else 0,
@@ -429,8 +429,6 @@ def tile_matrix(mask) -> torch.Tensor:
 
 def transposed_tile_matrix(mask) -> torch.Tensor:
     """Like :func:`tile_matrix` from the q side (``q_num_blocks`` / ``q_indices``), as ``[batch, q tiles, kv tiles]``."""
-    from types import SimpleNamespace
-
     t = SimpleNamespace(kv_num_blocks=mask.q_num_blocks, kv_indices=mask.q_indices,
                         full_kv_num_blocks=mask.full_q_num_blocks, full_kv_indices=mask.full_q_indices)
     return tile_matrix(t).transpose(1, 2)
@@ -443,8 +441,6 @@ def interval_block_mask(lo: torch.Tensor, hi: torch.Tensor, key_pos: torch.Tenso
     sequence). Tiles are classified from each query tile's hull and intersection of intervals and each key tile's
     position range: ``[batch, q tiles, kv tiles]`` work, meant for a few thousand queries over a long context.
     """
-    from torch.nn.attention.flex_attention import BlockMask, _dense_to_ordered
-
     b, nq = lo.shape
     nk = key_pos.shape[1]
     qt, kt = _tiles(nq, tile), _tiles(nk, tile)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from .block_mask import build_block_mask
 from .kernels import BackendUnavailable
@@ -34,20 +35,17 @@ from .kernels import BackendUnavailable
 def compiled_flex_attention(dynamic: bool = False):
     """``torch.compile(flex_attention)``, built once per process: graphs are cached per shape and rule (a training
     run has a few shapes); ``dynamic=True`` compiles one graph for every length (a decoding context that grows)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def _eager_flex_attention(*args, **kwargs):
-    from torch.nn.attention.flex_attention import flex_attention
-
     return flex_attention(*args, **kwargs)
 
 
 def flex_call(q, k, v, block_mask, scale: float, with_lse: bool, dynamic: bool = False):
     """One FlexAttention call: ``out [b, H, Tq, d]`` and, with ``with_lse``, the natural-log LSE ``[b, H, Tq]``
     (``dynamic``: the key length changes from call to call, as a decoding context's does)."""
+    # lazy: AuxRequest is torch >= 2.9's (pyproject allows 2.6): an older torch fails only the LSE call
     from torch.nn.attention.flex_attention import AuxRequest
 
     gqa = k.shape[1] != q.shape[1]
