@@ -25,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 
 class _Choice(StrEnum):
     """A named choice of a config field: equal to its string, and shown as the string users write (``'csbp'``) in
@@ -267,9 +270,6 @@ class ParallelDims:
 
         Every rank must call it, in the same order (it creates process groups).
         """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
         world = dist.get_world_size()
         if self.world_size is not None and self.world_size != world:
             raise ValueError(f"ParallelDims was declared for world_size={self.world_size}, the world has {world} ranks.")
@@ -292,8 +292,6 @@ def _group_options(timeout):
     """Process-group options carrying ``timeout`` for the default group's backend (gloo or NCCL), or ``None``."""
     if timeout is None:
         return None
-    import torch.distributed as dist
-
     # (None, options): the default group's backend, with these options (DeviceMesh reads the timeout from them).
     backend = dist.get_backend()
     if backend == "nccl":

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 
 from torch import nn
+from transformers import PretrainedConfig
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
 _LAYER_NUMBER = re.compile(r"\.\d+(?=\.|$)")
 
@@ -84,8 +86,6 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
 
 def _configs(config, path: str = "config"):
     """``config`` and every config nested in it (a backbone's, a text model's, a vision tower's), with their paths."""
-    from transformers import PretrainedConfig
-
     yield path, config
     for name, value in vars(config).items():
         if isinstance(value, PretrainedConfig):
@@ -111,8 +111,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     the plan splits become ``DTensor`` s on ``tp_mesh``; replicated ones (norms) stay plain tensors, their gradients
     equal on every tensor-parallel rank. Heads must divide by the mesh size. Tied parameters stay tied.
     """
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
     size = tp_mesh.size()
     if size == 1:
         return model
