@@ -12,6 +12,10 @@ import os
 import re
 from pathlib import Path
 
+import jinja2
+from huggingface_hub import ModelCardData
+from safetensors import safe_open
+
 CARD_INFO_KEYS = {
     "model_name": "title of the card (default: the folder's name)",
     "repo_id": "Hub repo id used in the loading snippets (default: the folder's name)",
@@ -126,8 +130,6 @@ def base_model_text(base_model: str | None, name_or_path: str | None) -> str:
 
 
 def parameters_text(directory: Path) -> str:
-    from safetensors import safe_open
-
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return "unknown (no safetensors weights in the folder)"
@@ -188,8 +190,6 @@ def trained_card_values(directory: Path, info: dict, *, library_name: str, tags:
     description, the id of the loading snippets, the base model, the parameter count, the training layout, the
     datasets, the metrics and whether the folder holds a tokenizer and a chat template. ``info``: checked
     (:func:`check_info`); ``name_or_path``: what the base model was loaded from, when not a Hub id."""
-    from huggingface_hub import ModelCardData
-
     datasets = as_list(info.get("dataset"))
     card_data = ModelCardData(
         library_name=library_name,
@@ -221,8 +221,6 @@ def trained_card_values(directory: Path, info: dict, *, library_name: str, tags:
 def render_card_template(package: str, template_file: str, values: dict) -> str:
     """``template_file`` (Jinja2, packaged in ``package``) rendered with ``values``; a value it names and ``values``
     lacks is an error, not an empty string."""
-    import jinja2
-
     template = importlib.resources.files(package).joinpath(template_file).read_text(encoding="utf-8")
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     return env.from_string(template).render(**values).strip() + "\n"

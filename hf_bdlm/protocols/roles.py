@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from .decoding import DecodingVariant
 from .registry import entry_named
 
 
@@ -118,8 +119,6 @@ class ServingSpec(Role):
         """The named ways of decoding ``decoder``'s model that ``hf-bdlm bench --only decoding`` measures side by
         side (each a :class:`~hf_bdlm.protocols.decoding.DecodingVariant` over the same model), in the order of its
         table. Default: the decoder as it is, its own reference."""
-        from .decoding import DecodingVariant
-
         return {"default": DecodingVariant(decoder, reference=True)}
 
 
@@ -135,8 +134,6 @@ class DraftingSpec(Role):
 
     def decoding_variants(self, decoder) -> dict:
         """As :meth:`ServingSpec.decoding_variants`, for the speculative decoder ``load_pair`` returned."""
-        from .decoding import DecodingVariant
-
         return {"default": DecodingVariant(decoder, reference=True)}
 
 

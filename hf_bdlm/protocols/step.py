@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from accelerate.utils import extract_model_from_parallel, is_peft_model
 from torch import nn
 
 
@@ -44,8 +45,6 @@ def unwrap_model(model):
     else is returned as it is."""
     if not isinstance(model, nn.Module):
         return model
-    from accelerate.utils import extract_model_from_parallel, is_peft_model
-
     inner = extract_model_from_parallel(model, keep_torch_compile=False)
     while isinstance(inner, TrainingStep):  # (DDP around) the step of a family that drives its model's parts
         inner = extract_model_from_parallel(inner.module, keep_torch_compile=False)
