@@ -10,19 +10,13 @@ test module when the oracle is absent.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
+import fixtures
 import pytest
 import torch
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from hf_bdlm.models.dflash.configuration import DFlashConfig
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
@@ -36,26 +30,13 @@ VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
 BLOCK = 4
 
 
-def qwen3_target(layers: int = 6, seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48,
-                                        num_hidden_layers=layers, num_attention_heads=HEADS,
-                                        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, pad_token_id=0)).eval()
-
-
-def llama_target(layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48,
-                                        num_hidden_layers=layers, num_attention_heads=HEADS,
-                                        num_key_value_heads=KV_HEADS, eos_token_id=2, pad_token_id=None)).eval()
-
-
-def gemma3_target(layers: int = 6, seed: int = 0) -> Gemma3ForCausalLM:
-    torch.manual_seed(seed)
-    return Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48,
-                                              num_hidden_layers=layers, num_attention_heads=HEADS,
-                                              num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=4,
-                                              pad_token_id=0)).eval()
+# The targets: 6 random layers of width 32 over a vocabulary of 64 (Llama without a pad token, Gemma 3 sliding 4).
+qwen3_target = functools.partial(fixtures.tiny_target, "qwen3", intermediate_size=48, num_hidden_layers=6,
+                                 pad_token_id=0)
+llama_target = functools.partial(fixtures.tiny_target, "llama", intermediate_size=48, num_hidden_layers=6,
+                                 eos_token_id=2, pad_token_id=None)
+gemma3_target = functools.partial(fixtures.tiny_target, "gemma3", intermediate_size=48, num_hidden_layers=6,
+                                  sliding_window=4, pad_token_id=0)
 
 
 def drafter_config(dflash2: bool = True, **overrides) -> DFlashConfig:

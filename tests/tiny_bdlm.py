@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fixtures import tiny_target, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
@@ -25,12 +25,8 @@ CHAT_TEMPLATE = (
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
-                                        bos_token="<s>", eos_token="</s>", mask_token="<|mask|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return word_tokenizer(WORDS, CHAT_TEMPLATE, pad_token="[PAD]", bos_token="<s>", eos_token="</s>",
+                          mask_token="<|mask|>")
 
 
 def tiny_bdlm(seed: int = 0, context: int = CONTEXT) -> BlockDiffusionForMaskedLM:
@@ -55,11 +51,8 @@ def save_tiny_bdlm(path: str | Path, context: int = CONTEXT) -> Path:
 def save_tiny_target(path: str | Path, num_hidden_layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
     """A tiny random causal Llama (seeded ``seed``) of this vocabulary, saved to ``path`` with :func:`tiny_tokenizer`;
     the model is returned (a drafter is made from it)."""
-    torch.manual_seed(seed)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=num_hidden_layers,
-                                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                          max_position_embeddings=CONTEXT, bos_token_id=2, eos_token_id=3,
-                                          pad_token_id=1))
+    target = tiny_target("llama", seed=seed, training=True, vocab_size=VOCAB, num_hidden_layers=num_hidden_layers,
+                         max_position_embeddings=CONTEXT, bos_token_id=2, eos_token_id=3, pad_token_id=1)
     target.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return target

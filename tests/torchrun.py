@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import DISTRIBUTED, PYTHONPATH, ROOT
 
 
 # A rank that dies of one of these signals crashed in native code (torch, gloo), not in a Python error of the worker.
@@ -74,9 +74,9 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> sub
     launches at a time on 2 cores; the second launch must pass every assertion on its own. A Python error, a
     timeout or a second crash fails.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH, PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--standalone", str(ROOT / "tests" / "distributed" / script), *args]
+           "--standalone", str(DISTRIBUTED / script), *args]
 
     def launch() -> subprocess.CompletedProcess:
         # A session of its own, so that a session ended early kills the launch and every rank (`SharedLaunches.stop`).
@@ -145,8 +145,9 @@ class SharedLaunches:
         self.launched: set[int] = set()
         self.errors: dict[tuple[int, str], str] = {}
         self._background: threading.Thread | None = None
-        # The launcher as it is now: a test that replaces the module's run_torchrun (tests/test_shared_launch.py) must
-        # not reach the session's launches running on their thread meanwhile.
+        # The launcher as it is now: a test that replaces the module's run_torchrun
+        # (tests/distributed/test_shared_launch.py) must not reach the session's launches running on their thread
+        # meanwhile.
         self._run_torchrun = run_torchrun
         self._done: dict[int, threading.Event] = {}
 
@@ -239,7 +240,7 @@ def run_in_process(script: str, *args: str) -> None:
     A worker meant for one process (a single-process reference) gives what a 1-process launch gives, without the
     launch's start-up.
     """
-    folder = str(ROOT / "tests" / "distributed")
+    folder = str(DISTRIBUTED)
     if folder not in sys.path:
         sys.path.insert(0, folder)
     saved = dict(os.environ)

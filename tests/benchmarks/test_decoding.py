@@ -26,6 +26,7 @@ import torch
 from hf_bdlm.benchmarks import decoding_study as decoding
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel
 
+from fixtures import families_with_role  # noqa: E402
 from tiny_bdlm import MASK, VOCAB, save_tiny_bdlm, save_tiny_target  # noqa: E402
 from tiny_diffusion_gemma import save_checkpoint  # noqa: E402
 
@@ -52,7 +53,8 @@ def rows(records, **where):
 def test_every_variant_of_every_family_is_batch_invariant(records):
     _, recs = records
     families = {r["family"] for r in rows(recs)}
-    assert {"causal", "block_diffusion", "diffusion_gemma", "dflash"} <= families, families
+    decoding = {"causal", *families_with_role("serving"), *families_with_role("drafting")}  # from the registry
+    assert decoding <= families, f"no decoding record of {sorted(decoding - families)}: build a tiny checkpoint of it"
     for r in rows(recs):
         assert r["same_as_batch_1"] == 1.0, (r["entry"], r["variant"], r["batch"])
         assert len(r["samples"]) >= 3 and all(len(o) > 0 for o in r["outputs"])

@@ -1,4 +1,5 @@
-"""Worker for tests/test_dflash_trainer.py: DFlashTrainer runs under torchrun (gloo), and the tiny fixtures they share.
+"""Worker for tests/models/dflash/test_trainer.py: DFlashTrainer runs under torchrun (gloo), and the tiny fixtures
+they share.
 
     torchrun --nproc_per_node 1 tests/distributed/dflash_trainer_worker.py --scenario reference --out /tmp/d
     torchrun --nproc_per_node 2 tests/distributed/dflash_trainer_worker.py --scenario parallel --out /tmp/d
@@ -18,9 +19,11 @@ Each rank writes ``<scenario>_rank<r>.json`` with the logged losses per run; ran
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 
+import fixtures
 import torch
 import torch.distributed as dist
 
@@ -32,18 +35,11 @@ FIRST_TOKEN = 7  # ids below are the tokenizer's specials and chat words
 LAYER_IDS = (1, 3)
 
 
-def tiny_target(seed: int = 0, layers: int = 4):
-    """A random Llama (4 layers by default) over the tiny tokenizer's vocabulary (float32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, head_dim=8, pad_token_id=0, bos_token_id=2,
-                         eos_token_id=3, max_position_embeddings=256)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
-    with torch.no_grad():  # a head that separates tokens (initializer_range 0.02 leaves every softmax nearly flat)
-        model.lm_head.weight.normal_(0.0, 0.2)
-    return model
+# A random Llama of 4 layers over the tiny tokenizer's vocabulary (float32, frozen), with a head that separates tokens
+# (initializer_range 0.02 leaves every softmax nearly flat).
+tiny_target = functools.partial(fixtures.tiny_target, "llama", vocab_size=vocab_size(), num_hidden_layers=4,
+                                head_dim=8, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+                                max_position_embeddings=256, head_std=0.2, frozen=True)
 
 
 def progression_records(count: int = 16, seed: int = 0) -> list[dict]:
@@ -70,16 +66,10 @@ def capture(out: Path, target=None, layer_ids=LAYER_IDS, records=None) -> Path:
     return folder
 
 
-def tiny_drafter(target, dflash2: bool = True, seed: int = 1, **overrides):
-    """A 1-layer drafter (block 4) reading target layers 1 and 3, freshly initialised from ``seed``."""
-    from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
-
-    torch.manual_seed(seed)
-    kwargs = dict(init="scratch", num_hidden_layers=1, target_layer_ids=LAYER_IDS, block_size=4, mask_token_id=4)
-    if dflash2:
-        kwargs.update(selector_rank=8, selector_top_k=4, conv_group_size=8)
-    kwargs.update(overrides)
-    return (DFlash2DraftModel if dflash2 else DFlashDraftModel).from_target(target, **kwargs)
+# A 1-layer drafter (block 4) reading target layers 1 and 3, freshly initialised from ``seed`` (default 1).
+tiny_drafter = functools.partial(fixtures.tiny_drafter, num_hidden_layers=1, target_layer_ids=LAYER_IDS, block_size=4,
+                                 mask_token_id=4, dflash2_fields=dict(selector_rank=8, selector_top_k=4,
+                                                                      conv_group_size=8))
 
 
 def config(out: Path, **overrides):

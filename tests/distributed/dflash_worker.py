@@ -1,5 +1,5 @@
-"""Worker for tests/test_dflash_parallel.py (a job of the shared launches of 2 and 4 processes): the DFlash drafter's
-sharded forward (cp / bp / csbp) against one process, every case in one launch.
+"""Worker for tests/models/dflash/test_parallel.py (a job of the shared launches of 2 and 4 processes): the DFlash
+drafter's sharded forward (cp / bp / csbp) against one process, every case in one launch.
 
     torchrun --nproc_per_node 2 tests/distributed/dflash_worker.py --out /tmp/dflash.json
 
@@ -17,17 +17,17 @@ against the reference's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 import traceback
 
+import fixtures
 import torch
 import torch.distributed as dist
 from shared_launch import join_process_group, leave_process_group
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_bdlm.models.dflash.configuration import DFlashConfig
-from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel, draft_context_mask
+from hf_bdlm.models.dflash.modeling import draft_context_mask
 from hf_bdlm.models.dflash.training.objectives import DFlashObjective
 from hf_bdlm.models.dflash.training.sharded import DFlashShardPlan, context_bytes, sharded_draft_forward
 from hf_bdlm.parallel.collectives import ByteMeter
@@ -44,29 +44,14 @@ DRAFTERS = {
 MATRIX = ("dflash2", "dflash", "dflash2_sliding")  # every mode x loss; the all-sliding drafter (compact context): a few
 
 
-def tiny_target(dtype: torch.dtype) -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48, num_hidden_layers=4,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, pad_token_id=0)
-    return Qwen3ForCausalLM(config).to(dtype).eval()
-
-
-def tiny_drafter(kind: str, target, dtype: torch.dtype):
-    """A 2-layer drafter with every parameter random (norms around one), so no identity initialisation hides a
-    difference."""
-    values = dict(num_hidden_layers=2, target_layer_ids=[1, 3], block_size=BLOCK, mask_token_id=VOCAB - 1,
-                  intermediate_size=40, rope_parameters={"rope_type": "default", "rope_theta": 50.0})
-    values.update(DRAFTERS[kind])
-    if values["dflash2"]:
-        values.update(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5)
-    config = DFlashConfig.for_target(target.config, **values)
-    model = (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
-    return model.to(dtype).bind_target(target).train()
+# The target: a random Qwen3 of 4 layers. The drafters: 2 layers reading target layers 1 and 3, every parameter random
+# (norms around one), so no identity initialisation hides a difference; ``tiny_drafter(target, **DRAFTERS[kind])``.
+tiny_target = functools.partial(fixtures.tiny_target, "qwen3", intermediate_size=48, num_hidden_layers=4,
+                                pad_token_id=0)
+tiny_drafter = functools.partial(
+    fixtures.tiny_drafter, noise="around_one", num_hidden_layers=2, target_layer_ids=[1, 3], block_size=BLOCK,
+    mask_token_id=VOCAB - 1, intermediate_size=40, rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+    dflash2_fields=dict(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5))
 
 
 def tiny_data(dtype: torch.dtype, feature_width: int):
@@ -152,8 +137,8 @@ def run_case(case: dict, groups: BlockParallelGroups, targets: dict) -> dict:
     dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
     P, C, rank, group, ring = case["P"], case["C"], groups.group_rank, groups.group, groups.ring
     target = targets[case["dtype"]]
-    reference = tiny_drafter(case["drafter"], target, dtype)
-    sharded = tiny_drafter(case["drafter"], target, dtype)
+    reference = tiny_drafter(target, **DRAFTERS[case["drafter"]])
+    sharded = tiny_drafter(target, **DRAFTERS[case["drafter"]])
     initial = {n: p.detach().clone() for n, p in sharded.named_parameters()}
     if case.get("checkpointing"):  # a recomputed layer exchanges its context rows again
         sharded.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -257,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     started = join_process_group()
     world = dist.get_world_size()
-    targets = {"float32": tiny_target(torch.float32), "float64": tiny_target(torch.float64)}
+    targets = {"float32": tiny_target(dtype=torch.float32), "float64": tiny_target(dtype=torch.float64)}
     groups, results = {}, []
     for case in cases(world):
         key = (case["P"], case["C"])

@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dead_rank_worker import train  # noqa: E402
+from paths import DISTRIBUTED, PYTHONPATH, ROOT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "distributed" / "dead_rank_worker.py"
+WORKER = DISTRIBUTED / "dead_rank_worker.py"
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _env() -> dict:
     """This process's environment without what its own launcher set (the nested launches set their own)."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCH_ENV and not k.startswith(("TORCHELASTIC_", "PET_", "TORCH_ELASTIC"))}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH, HF_HUB_OFFLINE="1")
 
 
 def _free_port() -> int:

@@ -1,8 +1,9 @@
 """Tiny offline DiffusionGemma fixtures for the block-parallel tests and workers.
 
-The model of tests/test_diffusion_gemma.py (2 layers: sliding W = 6 then full, 4 heads, 2 K/V heads of 8, 4 experts
-top-2, canvas B = 4, vocab 64, a tiny vision tower), TRL's DiffusionGemma chat template on a word-level tokenizer,
-batches whose responses start anywhere (plain and packed), and the float64 shims of the exactness tests.
+The model of tests/models/diffusion_gemma/test_model.py (2 layers: sliding W = 6 then full, 4 heads, 2 K/V heads of 8,
+4 experts top-2, canvas B = 4, vocab 64, a tiny vision tower), TRL's DiffusionGemma chat template on a word-level
+tokenizer (tests/fixtures.py), batches whose responses start anywhere (plain and packed), and the float64 shims of the
+exactness tests.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import types
 
 import datasets
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fixtures import word_tokenizer
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig, PreTrainedTokenizerFast
 from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
 
@@ -74,12 +75,8 @@ def float64_faithful(model: DiffusionGemmaForBlockDiffusion) -> DiffusionGemmaFo
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     from trl.chat_template_utils import diffusion_gemma_chat_template
 
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIALS + WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<bos>",
-                                  eos_token="<eos>", additional_special_tokens=["<|turn>", "<turn|>"])
-    tok.chat_template = diffusion_gemma_chat_template
-    return tok
+    return word_tokenizer(SPECIALS + WORDS, diffusion_gemma_chat_template, pad_token="[PAD]", bos_token="<bos>",
+                          eos_token="<eos>", additional_special_tokens=["<|turn>", "<turn|>"])
 
 
 def save_checkpoint(path, model: DiffusionGemmaForBlockDiffusion | None = None, denoising_steps: int = 8):

@@ -1,4 +1,4 @@
-"""Tiny offline fixtures shared by tests/test_trainer*.py and the trainer workers.
+"""Tiny offline fixtures shared by the trainer tests (tests/trainer/) and the trainer workers.
 
 A word-level tokenizer with a ChatML-like chat template (``{% generation %}`` markers, so
 ``assistant_only_loss`` works), a 2-layer Llama block-diffusion model, and small datasets in
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datasets
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fixtures import tiny_target, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
@@ -28,26 +28,21 @@ CHAT_TEMPLATE = (
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
-                                  eos_token="</s>", mask_token="[MASK]",
-                                  additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return word_tokenizer(SPECIALS + WORDS, CHAT_TEMPLATE, pad_token="[PAD]", bos_token="<s>", eos_token="</s>",
+                          mask_token="[MASK]", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
 
 
 def vocab_size() -> int:
     return len(SPECIALS) + len(WORDS)
 
 
+# The backbone of the trainer tests' models: a 2-layer Llama over the tiny tokenizer's vocabulary.
+LLAMA = dict(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=48, head_dim=8, pad_token_id=PAD, bos_token_id=2, eos_token_id=3)
+
+
 def llama_config(**kw) -> LlamaConfig:
-    base = dict(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, intermediate_size=48, head_dim=8, pad_token_id=PAD, bos_token_id=2,
-                eos_token_id=3)
-    base.update(kw)
-    return LlamaConfig(**base)
+    return LlamaConfig(**{**LLAMA, **kw})
 
 
 def tiny_bdlm(block_size: int = 4, objective: str = "standard", seed: int = 0, **kw) -> BlockDiffusionForMaskedLM:
@@ -58,8 +53,7 @@ def tiny_bdlm(block_size: int = 4, objective: str = "standard", seed: int = 0, *
 
 
 def tiny_causal_lm(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config())
+    return tiny_target("llama", seed=seed, training=True, **LLAMA)
 
 
 def _question(i: int) -> tuple[str, str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures import families_with_role, for_family
 from paths import LM_EVAL_TASKS
 
 pytest.importorskip("lm_eval", reason="the lm-eval tests need lm-eval (dev / lmeval extra)")
@@ -388,9 +389,10 @@ def gold_and_corrupted(folder, family: str, offset: int):
             scorer.score(corrupted, mc_num=16, seed=0, batch_size=8))
 
 
-@pytest.mark.parametrize("family", ["block_diffusion", "diffusion_gemma"])
+@pytest.mark.parametrize("family", families_with_role("evaluation"))
 def test_the_bound_ranks_a_trained_models_gold_continuations_far_above_corrupted_ones(family, bdlm_dir, dg_dir):
-    folder, offset = (bdlm_dir, BD_WORD_ID) if family == "block_diffusion" else (dg_dir, DG_WORD_ID)
+    folder, offset = for_family({"block_diffusion": (bdlm_dir, BD_WORD_ID), "diffusion_gemma": (dg_dir, DG_WORD_ID)},
+                                family)
     good, bad = gold_and_corrupted(folder, family, offset)
     gaps = [g.log_likelihood - b.log_likelihood for g, b in zip(good, bad)]
     stderr = math.sqrt(sum(g.stderr ** 2 + b.stderr ** 2 for g, b in zip(good, bad))) / len(gaps)

@@ -14,6 +14,8 @@ import re
 import subprocess
 import sys
 
+from hf_bdlm.protocols.registry import REGISTRY, family_commands
+
 HEAVY = ("torch", "transformers", "trl", "datasets", "accelerate", "peft")
 
 # Every command and subcommand (found by walking the parser), its help printed through `main`, and the heavy
@@ -72,7 +74,7 @@ def test_every_help_exits_0_without_importing_a_heavy_library():
     assert result["after_parser"] == [], f"building the parser imported {result['after_parser']}"
     helps = result["helps"]
     expected = {"", "train", "convert", "generate", "export", "serve", "eval", "eval swebench", "eval terminal-bench",
-                "lm-eval", "bench", "plan", "dflash", "dflash init", "dflash capture", "dflash export", "dflash check"}
+                "lm-eval", "bench", "plan", *family_command_names()}
     assert expected <= set(helps), sorted(expected - set(helps))
     lm_eval = importlib.util.find_spec("lm_eval") is not None
     for command, help_ in helps.items():
@@ -80,8 +82,18 @@ def test_every_help_exits_0_without_importing_a_heavy_library():
         assert help_["code"] == (0 if command != "lm-eval" or lm_eval else 2), (command, help_["code"])
         assert help_["heavy"] == [], f"`hf-bdlm {command} --help` imported {help_['heavy']}"
         assert help_["text"].startswith("usage:") or command == "lm-eval", (command, help_["text"][:200])
-    assert "COMMAND" in helps[""]["text"] and "dflash" in helps[""]["text"]
-    assert "diffusiongemma-26b-a4b" in helps["plan"]["text"]  # the presets, listed without importing the families
+    assert "COMMAND" in helps[""]["text"] and all(c.name in helps[""]["text"] for c in family_commands())
+    presets = [p for entry in REGISTRY for p in entry.planner_presets]
+    assert presets and all(p in helps["plan"]["text"] for p in presets)  # listed without importing the families
+
+
+def family_command_names() -> list[str]:
+    """Every command the registered families own (``dflash``, ``dflash init``, ...), read from their tables."""
+    def walk(command, prefix=""):
+        name = f"{prefix} {command.name}".strip()
+        return [name, *(n for sub in command.commands for n in walk(sub, name))]
+
+    return [name for command in family_commands() for name in walk(command)]
 
 
 # --- train --help ----------------------------------------------------------------------------------------------------

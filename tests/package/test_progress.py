@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import tiny_target
 from tiny_bdlm import save_tiny_bdlm, tiny_bdlm, tiny_tokenizer
 
 import hf_bdlm.progress as progress
@@ -155,14 +156,9 @@ def _score_requests(n: int):
 
 
 def test_a_capture_counts_its_records_once_per_batch(tmp_path, bars):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from hf_bdlm.models.dflash.training.capture import capture_features
 
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                                          pad_token_id=1, eos_token_id=3)).eval()
+    target = tiny_target("llama", num_hidden_layers=2, max_position_embeddings=64, pad_token_id=1, eos_token_id=3)
     records = [{"input_ids": [2, 4, 7 + i, 8 + i, 3], "labels": [-100, -100, 7 + i, 8 + i, 3]} for i in range(5)]
     capture_features(target, records, layer_ids=(0, 2), out_dir=tmp_path / "features", batch_size=2,
                      target_id="org/tiny")

@@ -25,20 +25,16 @@ from paths import LM_EVAL_TASKS
 openai = pytest.importorskip("openai", reason="the serving tests need the openai client (dev extra)")
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
 
-from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
+from fixtures import API_KEY, families_with_role, for_family, serve  # noqa: E402
+from hf_bdlm.serving import Engine  # noqa: E402
 from tiny_bdlm import CONTEXT, save_tiny_bdlm  # noqa: E402
 
 from tiny_diffusion_gemma import save_checkpoint  # noqa: E402
 
-KEY = "test-key"
+KEY = API_KEY
 TASKS = LM_EVAL_TASKS
-
-
-def serve(engine, **overrides):
-    config = dict(port=0, api_key=KEY, max_batch_size=8, max_queue=32, batch_wait_ms=20, max_tokens_limit=64,
-                  default_max_tokens=8)
-    config.update(overrides)
-    return ServerThread(engine, ServerConfig(**config))
+# The servers of both families (tests/serving/conftest.py: engine, server, client: the block-diffusion one).
+SERVER = dict(max_batch_size=8, max_queue=32, batch_wait_ms=20, max_tokens_limit=64, default_max_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +43,15 @@ def bdlm_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(bdlm_folder):
-    with serve(Engine.from_pretrained(bdlm_folder, name="tiny")) as running:
-        yield running
+def served(bdlm_folder):
+    return dict(path=bdlm_folder, name="tiny")
 
 
 @pytest.fixture(scope="module")
 def dg_server(tmp_path_factory):
     path = save_checkpoint(tmp_path_factory.mktemp("tiny-diffusion-gemma"), denoising_steps=4)
-    with serve(Engine.from_pretrained(path, name="tiny-dg")) as running:
+    with serve(Engine.from_pretrained(path, name="tiny-dg"), **SERVER) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
 
 
 def post(server, path, body, key=KEY):
@@ -168,9 +158,9 @@ TERMINAL_PROMPT = ("You are an AI assistant solving command-line tasks in a Linu
                    "w11\n\nCurrent terminal state:\nroot@box:/app# ")
 
 
-@pytest.mark.parametrize("family", ["block_diffusion", "diffusion_gemma"])
+@pytest.mark.parametrize("family", families_with_role("serving"))
 def test_terminus_2_requests_through_litellm(family, server, dg_server, litellm):
-    served, name = (server, "tiny") if family == "block_diffusion" else (dg_server, "tiny-dg")
+    served, name = for_family({"block_diffusion": (server, "tiny"), "diffusion_gemma": (dg_server, "tiny-dg")}, family)
     common = dict(model=f"openai/{name}", api_base=served.base_url, api_key=KEY, drop_params=True)
     session = {"extra_body": {"session_id": "trial-1"}, "extra_headers": {"X-Session-ID": "trial-1"}}
     history = [{"role": "user", "content": TERMINAL_PROMPT}]

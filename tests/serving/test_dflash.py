@@ -22,12 +22,12 @@ pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicor
 
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel  # noqa: E402
 from hf_bdlm.models.dflash.inference.serving import SpeculativeServingDecoder  # noqa: E402
-from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
+from hf_bdlm.serving import Engine  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, parse_request  # noqa: E402
 
+from fixtures import openai_client, serve  # noqa: E402
 from tiny_bdlm import MASK, save_tiny_bdlm, save_tiny_target  # noqa: E402
 
-KEY = "test-key"
 EOS = 3
 PROMPTS = [[{"role": "user", "content": " ".join(f"w{7 + (i * 5 + j) % 50}" for j in range(n))}]
            for i, n in enumerate((1, 3, 6, 9))]  # ragged prompt lengths
@@ -45,8 +45,8 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(folders):
-    return Engine.from_pretrained(folders / "target", name="tiny", draft=folders / "drafter")
+def served(folders):  # the engine (tests/serving/conftest.py): the target served with the drafter
+    return dict(path=folders / "target", name="tiny", draft=folders / "drafter")
 
 
 def reference(engine, ids: list[int], max_tokens: int) -> list[int]:
@@ -84,12 +84,11 @@ def test_completions_are_the_target_greedy_output_alone_and_batched(engine):
 
 
 def test_served_over_http_equals_generate_alone_and_under_concurrency(engine):
-    config = ServerConfig(port=0, api_key=KEY, max_batch_size=4, max_queue=16, batch_wait_ms=100,
-                          max_tokens_limit=64, default_max_tokens=8)
     expected = [engine.tokenizer.decode(reference(engine, engine.chat_prompt(p), 10), skip_special_tokens=True)
                 for p in PROMPTS]
-    with ServerThread(engine, config) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    with serve(engine, max_batch_size=4, max_queue=16, batch_wait_ms=100, max_tokens_limit=64,
+               default_max_tokens=8) as server:
+        client = openai_client(server, timeout=120)
 
         def ask(i):
             out = client.chat.completions.create(model="tiny", messages=PROMPTS[i], max_tokens=10, temperature=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 
 import httpx
@@ -25,12 +26,18 @@ pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicor
 from transformers import BertConfig  # noqa: E402
 
 from hf_bdlm.models.diffusion_gemma.inference.serving import DiffusionGemmaServingDecoder  # noqa: E402
+from fixtures import API_KEY  # noqa: E402
 from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
+from hf_bdlm.protocols.registry import REGISTRY  # noqa: E402
 from hf_bdlm.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
 from tiny_diffusion_gemma import B, EOS, TURN_END, save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
 
-KEY = "test-key"
+KEY = API_KEY
 CONTEXT = 256
+# The module's server (tests/serving/conftest.py: engine, server, client).
+SERVER = dict(max_batch_size=4, max_queue=16, batch_wait_ms=100, max_body_bytes=20_000, max_tokens_limit=64,
+              default_max_tokens=8)
+CLIENT_TIMEOUT = 120
 PROMPT = [{"role": "user", "content": "w9 w10 w11"}]
 PROMPTS = [[{"role": "user", "content": " ".join(f"w{7 + (i * 5 + j) % 50}" for j in range(n))}]
            for i, n in enumerate((1, 3, 6, 9))]  # ragged prompt lengths
@@ -42,21 +49,8 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(folder):
-    return Engine.from_pretrained(folder, name="tiny")
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    config = ServerConfig(port=0, api_key=KEY, max_batch_size=4, max_queue=16, batch_wait_ms=100,
-                          max_body_bytes=20_000, max_tokens_limit=64, default_max_tokens=8)
-    with ServerThread(engine, config) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+def served(folder):
+    return dict(path=folder, name="tiny")
 
 
 def reference(engine, ids: list[int], seed: int, max_tokens: int, ignore_eos: bool = False) -> list[int]:
@@ -97,11 +91,12 @@ def test_the_family_comes_from_the_checkpoint_config_and_decodes_with_generate(e
 def test_an_unknown_model_type_is_a_clear_error_naming_the_supported_ones(tmp_path):
     BertConfig(vocab_size=64, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
                intermediate_size=8).save_pretrained(tmp_path / "bert")
-    with pytest.raises(ValueError, match=r"model_type='bert'.*\['block_diffusion', 'diffusion_gemma'\].*causal LMs"):
+    supported = re.escape(str(sorted(t for entry in REGISTRY for t in entry.model_types)))  # every family's
+    with pytest.raises(ValueError, match=rf"model_type='bert'.*{supported}.*causal LMs"):
         Engine.from_pretrained(tmp_path / "bert")
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
-    with pytest.raises(ValueError, match=r"no_such_model.*\['block_diffusion', 'diffusion_gemma'\]"):
+    with pytest.raises(ValueError, match=rf"no_such_model.*{supported}"):
         Engine.from_pretrained(tmp_path / "odd")
 
 

@@ -21,31 +21,21 @@ import torch
 openai = pytest.importorskip("openai", reason="the serving tests need the openai client (dev extra)")
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
 
-from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
+from fixtures import API_KEY  # noqa: E402
+from hf_bdlm.serving import ServerConfig, ServerThread  # noqa: E402
 from hf_bdlm.serving.scheduler import BatchScheduler, Job, QueueFull, TextStream  # noqa: E402
 from tiny_bdlm import BLOCK, CONTEXT, save_tiny_bdlm  # noqa: E402
 
-KEY = "test-key"
+KEY = API_KEY
 PROMPT = [{"role": "user", "content": "w9 w10 w11"}]
+# The module's server (tests/serving/conftest.py: engine, server, client).
+SERVER = dict(max_batch_size=4, max_queue=16, batch_wait_ms=50, max_body_bytes=20_000, max_tokens_limit=64,
+              default_max_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    folder = save_tiny_bdlm(tmp_path_factory.mktemp("tiny-bdlm"))
-    return Engine.from_pretrained(folder, name="tiny", dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    config = ServerConfig(port=0, api_key=KEY, max_batch_size=4, max_queue=16, batch_wait_ms=50,
-                          max_body_bytes=20_000, max_tokens_limit=64, default_max_tokens=8)
-    with ServerThread(engine, config) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
+def served(tmp_path_factory):
+    return dict(path=save_tiny_bdlm(tmp_path_factory.mktemp("tiny-bdlm")), name="tiny", dtype=torch.float64)
 
 
 def raw(server, path="/chat/completions", body=None, content=None, key=KEY, method="POST"):

@@ -24,7 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, PreTrainedTokenizerFast  # noqa: E402
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM  # noqa: E402
-from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
+from fixtures import API_KEY, openai_client, serve  # noqa: E402
+from hf_bdlm.serving import Engine  # noqa: E402
 from hf_bdlm.serving.tools import (  # noqa: E402
     ToolCallStream,
     keep_tool_markers,
@@ -35,7 +36,7 @@ from tiny_bdlm import save_tiny_bdlm  # noqa: E402
 
 import tiny_diffusion_gemma  # noqa: E402
 
-KEY = "test-key"
+KEY = API_KEY
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
@@ -104,10 +105,9 @@ def record_prompts(monkeypatch, engine: Engine) -> list[str]:
     return seen
 
 
-def serve(engine: Engine):
-    config = ServerConfig(port=0, api_key=KEY, max_batch_size=4, max_queue=16, batch_wait_ms=10,
-                          max_body_bytes=100_000, max_tokens_limit=200, default_max_tokens=120)
-    return ServerThread(engine, config)
+# The servers of this module (long answers: a tool call and its arguments).
+SERVER = dict(max_batch_size=4, max_queue=16, batch_wait_ms=10, max_body_bytes=100_000, max_tokens_limit=200,
+              default_max_tokens=120)
 
 
 # --- the parser, on model-like outputs ----------------------------------------------------------------------------
@@ -231,13 +231,13 @@ def hermes_engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hermes_server(hermes_engine):
-    with serve(hermes_engine) as running:
+    with serve(hermes_engine, **SERVER) as running:
         yield running
 
 
 @pytest.fixture
 def hermes_client(hermes_server):
-    return openai.OpenAI(base_url=hermes_server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(hermes_server, timeout=120)
 
 
 HERMES_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -309,8 +309,8 @@ def test_unsupported_tool_requests_are_a_400_naming_the_field(hermes_server, bod
 # --- a template without tools ------------------------------------------------------------------------------------
 def test_a_template_without_tools_refuses_them_with_a_400(tmp_path):
     engine = Engine.from_pretrained(save_tiny_bdlm(tmp_path), name="plain", dtype=torch.float64)
-    with serve(engine) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
+    with serve(engine, **SERVER) as server:
+        client = openai_client(server, timeout=60)
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="plain", messages=[{"role": "user", "content": "w9"}],
                                            tools=[WEATHER])
@@ -350,8 +350,8 @@ def test_diffusion_gemma_renders_tools_and_its_call_syntax_comes_back_as_tool_ca
     prompts = record_prompts(monkeypatch, gemma_engine)
     script_decoder(monkeypatch, gemma_engine,
                    '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|><|tool_response>')
-    with serve(gemma_engine) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    with serve(gemma_engine, **SERVER) as server:
+        client = openai_client(server, timeout=120)
         # Seeded: the real canvases under the script end the decode if they sample EOS, which about 7 % of
         # unseeded requests did (finish_reason "length", the call cut short); seed 1 runs past the script's end.
         out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], seed=1)

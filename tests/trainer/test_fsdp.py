@@ -28,7 +28,7 @@ import torch
 from torchrun import ROOT, SharedJob
 
 from trainer_common import prompt_completion, tiny_bdlm, tiny_tokenizer  # noqa: E402
-from paths import DISTRIBUTED, TESTS
+from paths import DISTRIBUTED, PYTHONPATH
 
 # Measured (float32, 4 steps): FSDP2 vs DDP losses 0 to 6.5e-8 relative, final weights 0 to 1.2e-7 (the reduce-scatter
 # sums in another order than DDP's all-reduce); resumes 0 to 1.7e-7 (P = 1 after P = 2).
@@ -159,7 +159,7 @@ def test_tensor_parallel_from_an_accelerate_config_file(tensor_parallel, tmp_pat
     """``accelerate launch --config_file recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml``: its parallelism_config section
     reaches the trainer through the launcher's environment; the run is the torchrun one with ParallelismConfig."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+               PYTHONPATH=PYTHONPATH)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "recipes/accelerate/cpu_4proc_tp2_fsdp2.yaml"), str(DISTRIBUTED / "fsdp_worker.py"),
            "--scenario", "tensor_parallel_launch", "--out", str(tmp_path)]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from torchrun import ROOT, SharedJob, run_in_process
-from paths import DISTRIBUTED
+from paths import DISTRIBUTED, PYTHONPATH
 
 FAMILIES = ["converted_qwen3", "diffusion_gemma"]
 # Measured: float32 P = 2 against P = 1, 0 to 1.2e-7 relative (DiffusionGemma under FSDP2: its reduce-scatter sums in
@@ -45,7 +45,7 @@ SHARED_JOBS = [SharedJob("hf_configs", "hf_configs_worker.py", 2)]
 def runs(shared_launch):
     out = shared_launch.folder("hf_configs", 2)
     run_in_process("hf_configs_worker.py", "--out", str(out))  # the P = 1 references: one process
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "recipes" / "accelerate" / "cpu_2proc_fsdp2.yaml"),
            str(DISTRIBUTED / "hf_configs_worker.py"), "--out", str(out), "--only", "plain"]

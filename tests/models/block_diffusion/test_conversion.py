@@ -6,7 +6,7 @@ Run: python -m pytest tests/test_conversion.py -q
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fixtures import word_tokenizer
 from transformers import (
     AutoModel,
     BloomConfig,
@@ -27,11 +27,7 @@ WORDS = ["[UNK]", "[PAD]", "<s>", "</s>", "the", "cat", "sat", "on", "mat", "a",
 
 
 def tiny_tokenizer(words=WORDS) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>"
-    )
+    return word_tokenizer(words, pad_token="[PAD]", bos_token="<s>", eos_token="</s>")
 
 
 def tiny_config(cls, vocab_size=len(WORDS), tie=False, **kwargs):

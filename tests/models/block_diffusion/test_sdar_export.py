@@ -16,7 +16,8 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from fixtures import tiny_target
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from scripts.sdar_engines import (
     block_forward,
@@ -160,9 +161,7 @@ def test_a_tied_head_is_written_untied_with_a_zero_mask_row_or_kept_tied(tied):
 
 # --- refusals ---------------------------------------------------------------------------------------------------------
 def llama_bdlm():
-    torch.manual_seed(0)
-    lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=64))
+    lm = tiny_target("llama", num_hidden_layers=1, training=True)
     return convert_causal_lm(lm, mask_token_id=63, block_size=B, objective="standard")[0]
 
 

@@ -32,7 +32,6 @@ import torch
 openai = pytest.importorskip("openai", reason="the serving tests need the openai client (dev extra)")
 pytest.importorskip("fastapi", reason="the serving tests need fastapi and uvicorn (serve extra)")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_bdlm.models.dflash.training.acceptance import replay_acceptance, served_requests  # noqa: E402
 from hf_bdlm.models.dflash.training.capture import FeatureStore, capture_features  # noqa: E402
@@ -42,11 +41,11 @@ from hf_bdlm.models.dflash.inference.speculative import draft_block  # noqa: E40
 from hf_bdlm.models.dflash.training.trainer import DFlashTrainer  # noqa: E402
 from hf_bdlm.models.dflash.training.config import DFlashTrainingConfig  # noqa: E402
 from hf_bdlm.protocols.card_parts import format_value  # noqa: E402
-from hf_bdlm.serving import Engine, ServerConfig, ServerThread  # noqa: E402
+from fixtures import openai_client, serve, tiny_target  # noqa: E402
+from hf_bdlm.serving import Engine  # noqa: E402
 
 from tiny_bdlm import MASK, VOCAB, tiny_tokenizer  # noqa: E402
 
-KEY = "test-key"
 BLOCK = 4
 BUDGET = 16  # max_new_tokens of the self-distilled answers and of the served requests
 LAYER_IDS = (1, 3)
@@ -87,13 +86,9 @@ def pick_eos(answers: list[list[int]]) -> int:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("acceptance")
     tokenizer = tiny_tokenizer()
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
-                                          bos_token_id=2, eos_token_id=3, pad_token_id=1))
-    target = target.to(torch.float64).eval().requires_grad_(False)
-    with torch.no_grad():  # a head that separates tokens (initializer_range 0.02 leaves every softmax nearly flat)
-        target.lm_head.weight.normal_(0.0, 0.2)
+    # A frozen float64 Llama with a head that separates tokens (initializer_range 0.02 leaves every softmax flat).
+    target = tiny_target("llama", vocab_size=VOCAB, num_hidden_layers=4, max_position_embeddings=256, bos_token_id=2,
+                         eos_token_id=3, pad_token_id=1, dtype=torch.float64, frozen=True, head_std=0.2)
     train_prompts = [prompt_ids(tokenizer, i, 1 + i % 7) for i in range(24)]
     held_prompts = [prompt_ids(tokenizer, 100 + i, 2 + (3 * i) % 8) for i in range(6)]
     # EOS: a token the target writes in the middle of some held-out answers (without EOS), so that some answers end
@@ -133,10 +128,9 @@ def served(setup):
     the server's /health."""
     engine = Engine.from_pretrained(setup["root"] / "target", name="tiny", draft=setup["root"] / "drafter",
                                     dtype=torch.float64)
-    config = ServerConfig(port=0, api_key=KEY, max_batch_size=8, max_queue=16, batch_wait_ms=200,
-                          max_tokens_limit=64, default_max_tokens=8)
-    with ServerThread(engine, config) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    with serve(engine, max_batch_size=8, max_queue=16, batch_wait_ms=200, max_tokens_limit=64,
+               default_max_tokens=8) as server:
+        client = openai_client(server, timeout=120)
 
         def ask(ids):
             return client.completions.create(model="tiny", prompt=ids, max_tokens=BUDGET, temperature=0)
@@ -219,9 +213,8 @@ def test_fewer_proposals_served_and_evaluated_alike(setup, served):
     same count reproduces it."""
     engine = Engine.from_pretrained(setup["root"] / "target", name="tiny", draft=setup["root"] / "drafter",
                                     dtype=torch.float64, num_speculative_tokens=1)
-    config = ServerConfig(port=0, api_key=KEY, max_batch_size=8, max_tokens_limit=64)
-    with ServerThread(engine, config) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    with serve(engine, max_batch_size=8, max_tokens_limit=64) as server:
+        client = openai_client(server, timeout=120)
         outs = [client.completions.create(model="tiny", prompt=ids, max_tokens=BUDGET, temperature=0)
                 for ids in setup["held_prompts"]]
     usages = [out.usage.model_extra["speculative"] for out in outs]

@@ -4,15 +4,17 @@ tokenisation, a rerun resumes (skips what is intact, redoes what is not), and th
 catches a capture that does not fit the drafter.
 """
 
+import functools
 import json
 from types import SimpleNamespace
 
 import datasets
 from embedded_model import needs_embedded_model
+import fixtures
 import pytest
 import torch
 from tiny_bdlm import tiny_bdlm, tiny_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaForCausalLM
 
 import hf_bdlm.models.dflash.training.capture as capture_module
 from hf_bdlm.models.dflash.training.capture import FeatureStore, capture_features, tokenize_records
@@ -22,13 +24,7 @@ TOKENS = [[2, 4, 7, 8, 9, 3, 2, 5, 10, 11, 3], [2, 4, 12, 13, 3], [2, 4, 7, 8, 9
           [5, 6], [2, 4, 20, 21, 22, 3, 2, 5, 23, 3]]
 
 
-def tiny_target(kind: str = "llama", seed: int = 0):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=64, max_position_embeddings=128, pad_token_id=1, eos_token_id=3)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common)).eval()
-    return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common)).eval()
+tiny_target = functools.partial(fixtures.tiny_target, max_position_embeddings=128, pad_token_id=1, eos_token_id=3)
 
 
 def records(tokens=TOKENS):

@@ -4,9 +4,11 @@ to identical weights, is written atomically; a missing / extra / mis-shaped tens
 the folder; and ``hf-bdlm dflash init / export / check`` run end to end on a tiny target.
 """
 
+import functools
 import json
 import os
 
+import fixtures
 import pytest
 import torch
 from dllm_parallel.core.models.backbones.dflash.executor import (
@@ -19,7 +21,7 @@ from huggingface_hub import HfApi
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_bdlm import tiny_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaForCausalLM
 
 import hf_bdlm.models.dflash.inference.export as export_module
 from hf_bdlm.cli import main
@@ -39,31 +41,16 @@ from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashDraftModel
 BLOCK = 4
 
 
-def tiny_target(kind: str = "qwen3", seed: int = 0):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=64, max_position_embeddings=128, pad_token_id=1, eos_token_id=3)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common)).eval()
-    return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common)).eval()
-
-
-def tiny_drafter(cls=DFlash2DraftModel, seed: int = 1, **kw):
-    """A bound drafter whose every weight is random (identity convolutions and a zero codebook would hide a swap)."""
-    kw = {"num_hidden_layers": 2, "target_layer_ids": (1, 3), "block_size": BLOCK, "selector_rank": 8, **kw}
-    if cls is DFlashDraftModel:
-        kw.pop("selector_rank")
-    drafter = cls.from_target(tiny_target(), init="scratch", **kw)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for parameter in drafter.parameters():
-            parameter.normal_()
-    return drafter
+tiny_target = functools.partial(fixtures.tiny_target, kind="qwen3", max_position_embeddings=128, pad_token_id=1,
+                                eos_token_id=3)
+# A bound drafter whose every weight is random (identity convolutions and a zero codebook would hide a swap).
+tiny_drafter = functools.partial(fixtures.tiny_drafter, noise="normal", num_hidden_layers=2, target_layer_ids=(1, 3),
+                                 block_size=BLOCK, dflash2_fields=dict(selector_rank=8))
 
 
 @pytest.fixture
 def exported(tmp_path):
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(tiny_target())
     out = export_drafter(drafter, tmp_path / "export", target_id="org/tiny-target", target_revision="abc123",
                          training_info={"steps": 20, "loss": 2.5, "dataset": "hf_bdlm:arith"})
     return drafter, out
@@ -108,7 +95,7 @@ def test_our_inventory_is_the_serving_inventory_of_the_published_checker(overrid
 
 
 def test_no_target_tensor_is_written_even_when_the_state_dict_offers_one(tmp_path, monkeypatch):
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(tiny_target())
     assert drafter.embed_tokens is not None  # bound to its target
     offered = dict(drafter.state_dict(), **{"embed_tokens.weight": torch.zeros(64, 32),
                                             "lm_head.weight": torch.zeros(64, 32), "d2t": torch.zeros(64)})
@@ -130,7 +117,7 @@ def test_the_exported_folder_reloads_to_identical_weights(exported):
 
 
 def test_a_bfloat16_export_casts_the_weights_and_says_so(tmp_path):
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(tiny_target())
     out = export_drafter(drafter, tmp_path / "export", target_id="org/tiny-target", dtype=torch.bfloat16)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     weights = load_file(out / "model.safetensors")
@@ -140,7 +127,7 @@ def test_a_bfloat16_export_casts_the_weights_and_says_so(tmp_path):
 
 
 def test_a_dflash_drafter_exports_without_convolutions_or_selector(tmp_path):
-    out = export_drafter(tiny_drafter(DFlashDraftModel), tmp_path / "export", target_id="org/tiny-target")
+    out = export_drafter(tiny_drafter(tiny_target(), dflash2=False), tmp_path / "export", target_id="org/tiny-target")
     report = check_serving_inventory(out)
     assert report["architecture"] == "DFlashDraftModel" and report["tensor_count"] == 3 + 2 * 11
     with safe_open(out / "model.safetensors", framework="pt") as f:
@@ -277,7 +264,7 @@ def test_push_to_hub_refuses_a_folder_that_breaks_the_contract(exported, hub):
 @pytest.fixture
 def saved_target(tmp_path):
     folder = tmp_path / "target"
-    tiny_target("llama").save_pretrained(folder)
+    tiny_target(kind="llama").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
 
@@ -308,7 +295,7 @@ def test_init_writes_a_serving_ready_drafter_for_a_target(saved_target, tmp_path
 def test_an_export_for_the_embedded_target_names_the_hub_model_engines_load(tmp_path, capsys):
     # `embedded:smollm2` is hf_bdlm's alias of a local export of SmolLM2-135M-Instruct: vLLM and SGLang load the Hub
     # model it was made from, so every printed and written command names that (and the revision, when given).
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(tiny_target())
     drafter.save_pretrained(tmp_path / "checkpoint")
     out = tmp_path / "export"
     assert main(["dflash", "export", str(tmp_path / "checkpoint"), "--out", str(out), "--target", "embedded:smollm2",
@@ -325,7 +312,7 @@ def test_an_export_for_the_embedded_target_names_the_hub_model_engines_load(tmp_
 
 
 def test_export_check_and_push_commands_run_end_to_end(tmp_path, hub, capsys):
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(tiny_target())
     drafter.save_pretrained(tmp_path / "checkpoint")
     (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps(
         {"global_step": 40, "log_history": [{"loss": 3.0, "step": 20}, {"loss": 2.25, "step": 40}]}))

@@ -275,8 +275,8 @@ def test_plan_errors_name_the_bad_value_and_the_fix():
 
 # --- the sharded forward in one process ------------------------------------------------------------------------------
 def _case(kind: str, dtype=torch.float64, max_anchors: int = 6):
-    target = tiny_target(dtype)
-    drafter = tiny_drafter(kind, target, dtype)
+    target = tiny_target(dtype=dtype)
+    drafter = tiny_drafter(target, **DRAFTERS[kind])
     ids, loss_mask, documents, features = tiny_data(dtype, drafter.config.feature_width)
     batch = objective_of("ce", max_anchors).prepare(ids, loss_mask, documents, step=1)
     windows = [drafter.config.layer_window(i) for i in range(drafter.config.num_hidden_layers)]

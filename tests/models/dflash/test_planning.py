@@ -7,10 +7,12 @@ processes."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from fixtures import tiny_target
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_bdlm.models.dflash.configuration import DFlashConfig
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, draft_context_mask
@@ -46,10 +48,8 @@ from hf_bdlm.planner.workload import Cluster, Recipe, Workload, price_step
 VOCAB, WIDTH, BLOCK = 64, 32, 4
 
 
-def target() -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=48, num_hidden_layers=6,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0))
+target = functools.partial(tiny_target, "qwen3", intermediate_size=48, num_hidden_layers=6, pad_token_id=0,
+                           training=True)
 
 
 def tiny_config(layer_types=("sliding_attention", "full_attention"), window=6, **overrides) -> DFlashConfig:

@@ -8,11 +8,12 @@ chosen slots or not at all. Run:
 python -m pytest tests/test_dflash_speculative.py -q
 """
 
+import functools
 import math
 
+import fixtures
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_bdlm.models.dflash.inference import speculative
 from hf_bdlm.models.dflash.modeling import DFlash2DraftModel, DFlashContextCache, DFlashDraftModel
@@ -31,20 +32,10 @@ NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 PROMPT_LENGTHS = (2, 5, 7)
 
 
-def tiny_target(family: str = "llama", vocab: int = VOCAB, layers: int = 3):
-    torch.manual_seed(0)
-    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=64, **NO_SPECIAL)
-    model = (Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8)) if family == "qwen3"
-             else LlamaForCausalLM(LlamaConfig(**common)))
-    return model.double().eval()
-
-
-def tiny_drafter(target, dflash2: bool = True, **kwargs):
-    torch.manual_seed(1)
-    cls = DFlash2DraftModel if dflash2 else DFlashDraftModel
-    return cls.from_target(target, init="scratch", num_hidden_layers=1, block_size=BLOCK, mask_token_id=MASK,
-                           **kwargs).double().eval()
+# Float64 targets without special tokens (a random model would stop at random places), a 1-layer drafter in eval mode.
+tiny_target = functools.partial(fixtures.tiny_target, dtype=torch.float64, **NO_SPECIAL)
+tiny_drafter = functools.partial(fixtures.tiny_drafter, training=False, num_hidden_layers=1, block_size=BLOCK,
+                                 mask_token_id=MASK)
 
 
 def prompts(lengths=PROMPT_LENGTHS, seed=2) -> list[torch.Tensor]:
@@ -617,9 +608,9 @@ def test_the_session_passes_the_target_views_of_one_mask_buffer(monkeypatch):
 
 
 def test_drafter_layer_ids_beyond_target_depth_are_refused():
-    deep = tiny_target(layers=6)
+    deep = tiny_target(num_hidden_layers=6)
     drafter = tiny_drafter(deep, target_layer_ids=(2, 6))
-    shallow = tiny_target(layers=3)
+    shallow = tiny_target(num_hidden_layers=3)
     ids = prompts()[0][None]
     with pytest.raises(ValueError, match=r"target_layer_ids \[2, 6\] include \[6\].*0\.\.3"):
         speculative_generate(shallow, drafter, ids, max_new_tokens=4)
@@ -628,14 +619,14 @@ def test_drafter_layer_ids_beyond_target_depth_are_refused():
 
 
 def test_drafter_built_for_another_depth_is_refused():
-    drafter = tiny_drafter(tiny_target(layers=6), target_layer_ids=(2, 3))
+    drafter = tiny_drafter(tiny_target(num_hidden_layers=6), target_layer_ids=(2, 3))
     with pytest.raises(ValueError, match="built for a target with 6 decoder layers; this target has 3"):
-        speculative_generate(tiny_target(layers=3), drafter, prompts()[0][None], max_new_tokens=4)
+        speculative_generate(tiny_target(num_hidden_layers=3), drafter, prompts()[0][None], max_new_tokens=4)
 
 
 def test_vocabulary_mismatch_is_refused():
-    drafter = tiny_drafter(tiny_target(vocab=VOCAB))
-    other = tiny_target(vocab=80)
+    drafter = tiny_drafter(tiny_target(vocab_size=VOCAB))
+    other = tiny_target(vocab_size=80)
     with pytest.raises(ValueError, match="drafter vocab_size 64 != target vocab_size 80"):
         speculative_generate(other, drafter, prompts()[0][None], max_new_tokens=4)
 
@@ -656,10 +647,6 @@ def test_bad_inputs_are_refused():
 
 
 def test_sliding_window_target_is_refused_by_the_batched_loop():
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, intermediate_size=64, use_sliding_window=True,
-                         sliding_window=4, max_window_layers=0, **NO_SPECIAL)
-    target = Qwen3ForCausalLM(config).double().eval()
+    target = tiny_target("qwen3", num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     with pytest.raises(ValueError, match="sliding-window attention"):
         speculative_generate(target, tiny_drafter(target), prompts()[0][None], max_new_tokens=4)

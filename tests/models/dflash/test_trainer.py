@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import dflash_trainer_worker as fixtures  # noqa: E402
+import dflash_trainer_worker as worker  # noqa: E402
 from torchrun import SharedJob  # noqa: E402
 from trainer_common import tiny_tokenizer  # noqa: E402
 
@@ -33,13 +33,13 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def target():
-    return fixtures.tiny_target()
+    return worker.tiny_target()
 
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, target):
     out = tmp_path_factory.mktemp("dflash_features")
-    return fixtures.capture(out, target)
+    return worker.capture(out, target)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +47,14 @@ def teacher_features(tmp_path_factory, target):
     from hf_bdlm.models.dflash.training.capture import capture_features
 
     out = tmp_path_factory.mktemp("dflash_teacher") / "features"
-    capture_features(target, fixtures.progression_records(), layer_ids=fixtures.LAYER_IDS, out_dir=out,
+    capture_features(target, worker.progression_records(), layer_ids=worker.LAYER_IDS, out_dir=out,
                      teacher=True, progress=False, target_id="tiny-llama")
     return out
 
 
 def trainer_for(out, features, target, drafter=None, **overrides):
-    args = fixtures.config(out, **overrides)
-    return DFlashTrainer(drafter if drafter is not None else fixtures.tiny_drafter(target), args,
+    args = worker.config(out, **overrides)
+    return DFlashTrainer(drafter if drafter is not None else worker.tiny_drafter(target), args,
                          train_dataset=str(features), target=target, processing_class=tiny_tokenizer())
 
 
@@ -74,7 +74,7 @@ def test_training_lowers_the_loss_and_saves_a_drafter_that_reloads_and_serves(tm
     from hf_bdlm.protocols.registry import family_for_config
     from hf_bdlm.models.dflash.inference.export import check_serving_inventory, export_drafter
 
-    trainer = DFlashTrainer(fixtures.tiny_drafter(target), fixtures.config(
+    trainer = DFlashTrainer(worker.tiny_drafter(target), worker.config(
         tmp_path / "run", optim="adamw_torch", learning_rate=1e-2, max_steps=40, dflash_loss="ce"),
         train_dataset=str(features), eval_dataset=FeatureStore(features), target=target,
         processing_class=tiny_tokenizer())
@@ -110,13 +110,13 @@ def test_the_first_loss_is_the_objectives_loss_of_the_whole_batch(tmp_path, feat
     from hf_bdlm.models.dflash.training.objectives import gather_positions, select_anchors
 
     data = teacher_features if loss == "kl" else features
-    drafter = fixtures.tiny_drafter(target)
+    drafter = worker.tiny_drafter(target)
     initial = {k: v.clone() for k, v in drafter.state_dict().items()}
     trainer = trainer_for(tmp_path, data, target, drafter=drafter, dflash_loss=loss, max_steps=1)
     batch = _first_batch(trainer)
     trainer.train()
 
-    fresh = fixtures.tiny_drafter(target)
+    fresh = worker.tiny_drafter(target)
     fresh.load_state_dict(initial)
     config = trainer.objective.config
     parts = []
@@ -198,7 +198,7 @@ def test_a_target_folder_gives_only_its_embedding_and_head_and_the_same_training
     assert sum(p.numel() for p in heads.parameters()) == 2 * target.get_input_embeddings().weight.numel()
     with_model = trainer_for(tmp_path / "a", features, target)
     with_model.train()
-    from_folder = DFlashTrainer(fixtures.tiny_drafter(target), fixtures.config(tmp_path / "b"),
+    from_folder = DFlashTrainer(worker.tiny_drafter(target), worker.config(tmp_path / "b"),
                                 train_dataset=str(features), target=str(folder))  # its tokenizer read from the folder
     from_folder.train()
     assert losses(from_folder) == losses(with_model)
@@ -236,19 +236,19 @@ SHARED_JOBS = [SharedJob("dflash_trainer", "dflash_trainer_worker.py", 2, ("--sc
 @pytest.fixture(scope="module")
 def parallel_runs(shared_launch, target):
     out = shared_launch.folder("dflash_trainer", 2)
-    reference = fixtures.scenario_reference(out, out / "features", target)
+    reference = worker.scenario_reference(out, out / "features", target)
     ranks = [json.loads((out / f"parallel_rank{r}.json").read_text()) for r in range(2)]
     return reference, ranks
 
 
-PARALLEL = [f"{name}/{layout}" for name, (_, _, layouts) in fixtures.RUNS.items() for layout in layouts]
+PARALLEL = [f"{name}/{layout}" for name, (_, _, layouts) in worker.RUNS.items() for layout in layouts]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("run", PARALLEL)
 def test_two_processes_train_like_one_on_the_same_global_batch(parallel_runs, run):
     reference, (rank0, rank1) = parallel_runs
-    if not fixtures.sharded_forward_exists() and not run.endswith("/dp"):
+    if not worker.sharded_forward_exists() and not run.endswith("/dp"):
         pytest.skip("the sharded forward (hf_bdlm.models.dflash.training.sharded) is not built")
     want, got = reference[run.split("/")[0] + "/p1"], rank0[run]
     assert got["steps"] == want["steps"] == [1, 2, 3]
@@ -261,17 +261,17 @@ def test_two_processes_train_like_one_on_the_same_global_batch(parallel_runs, ru
 
 # --- errors -----------------------------------------------------------------------------------------------------------
 def test_features_of_another_drafter_or_target_are_refused(tmp_path, target):
-    other_layers = fixtures.capture(tmp_path / "layers", target, layer_ids=(1, 2))
+    other_layers = worker.capture(tmp_path / "layers", target, layer_ids=(1, 2))
     with pytest.raises(ValueError, match=r"reads target layers \[1, 3\], the capture holds \[1, 2\]"):
         trainer_for(tmp_path / "a", other_layers, target)
-    deeper = fixtures.tiny_target(layers=6)
+    deeper = worker.tiny_target(num_hidden_layers=6)
     with pytest.raises(ValueError, match="captured from a target of 6 layers"):
-        trainer_for(tmp_path / "b", fixtures.capture(tmp_path / "deeper", deeper), target)
+        trainer_for(tmp_path / "b", worker.capture(tmp_path / "deeper", deeper), target)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     wide = LlamaForCausalLM(LlamaConfig(**{**target.config.to_dict(), "hidden_size": 48, "head_dim": 12})).eval()
     with pytest.raises(ValueError, match="the drafter's fc takes 64 features .* the capture's width is 96"):
-        trainer_for(tmp_path / "c", fixtures.capture(tmp_path / "wide", wide), target)
+        trainer_for(tmp_path / "c", worker.capture(tmp_path / "wide", wide), target)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -292,10 +292,10 @@ def test_a_block_size_other_than_the_drafters_or_missing_inputs_are_refused(tmp_
     with pytest.raises(ValueError, match="block_size=8 differs from the drafter's block size 4"):
         trainer_for(tmp_path, features, target, block_size=8)
     with pytest.raises(ValueError, match="no training features"):
-        DFlashTrainer(fixtures.tiny_drafter(target), fixtures.config(tmp_path), target=target,
+        DFlashTrainer(worker.tiny_drafter(target), worker.config(tmp_path), target=target,
                       processing_class=tiny_tokenizer())
     with pytest.raises(ValueError, match="has no target bound"):
-        DFlashTrainer(DFlash2DraftModel(fixtures.tiny_drafter(target).config), fixtures.config(tmp_path),
+        DFlashTrainer(DFlash2DraftModel(worker.tiny_drafter(target).config), worker.config(tmp_path),
                       train_dataset=FeatureStore(features), processing_class=tiny_tokenizer())
     with pytest.raises(ValueError, match="lack: capture with teacher=True"):
         trainer_for(tmp_path, features, target, dflash_loss="kl")
@@ -336,7 +336,7 @@ def test_the_recipe_answers_captures_trains_measures_and_saves_for_a_tiny_target
     from hf_bdlm.models.dflash.inference.export import check_serving_inventory
 
     folder = tmp_path / "target"
-    tiny = fixtures.tiny_target(layers=6)  # 6 layers: the default rule spreads 2 feature layers over them
+    tiny = worker.tiny_target(num_hidden_layers=6)  # 6 layers: the default rule spreads 2 feature layers over them
     with torch.no_grad():
         tiny.lm_head.weight[3] = 0.0  # a zero EOS logit is never the largest: every answer runs its 12 tokens
     tiny.save_pretrained(folder)
