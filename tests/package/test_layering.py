@@ -1,5 +1,7 @@
 """The package's modules import without a circle and every import points down its rooms (:data:`LAYERS`); no module
-imports another module's private name. Read from the source as text (``ast``), nothing imported."""
+imports another module's private name; every module path the package holds as a string (the registry's family modules
+and classes, the command and study tables, the remote-code bundler's roots) names a module, and a name in it, that
+exists. Read from the source as text (``ast``); only a module that makes its names on demand is imported to ask it."""
 
 import ast
 import importlib
@@ -248,7 +250,7 @@ def test_each_family_folder_opens_with_its_model_and_its_rooms_point_down():
         assert subfolders <= {"generation", *FAMILY_ROOMS[1:4]}, f"{folder}: {sorted(subfolders)}"
     graph = import_graph(ROOT)
     upward = family_upward_imports(graph, package_files(ROOT))
-    assert not upward, "imports that point up a family's rooms (tests/test_layering.py FAMILY_ROOMS):\n" + \
+    assert not upward, "imports that point up a family's rooms (tests/package/test_layering.py FAMILY_ROOMS):\n" + \
         "\n".join(upward)
 
 
@@ -281,7 +283,7 @@ def test_every_import_points_down_the_rooms():
     assert rooms == set(layer_index()), f"rooms not in LAYERS: {rooms - set(layer_index())}; " \
                                         f"LAYERS rooms that do not exist: {set(layer_index()) - rooms}"
     upward = upward_imports(graph, files)
-    assert not upward, "imports that do not point down the rooms (tests/test_layering.py LAYERS):\n" + \
+    assert not upward, "imports that do not point down the rooms (tests/package/test_layering.py LAYERS):\n" + \
         "\n".join(upward)
     cycles = room_cycles(graph, files)
     assert not cycles, "rooms that import each other:\n" + "\n".join(cycles)
