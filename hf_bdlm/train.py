@@ -114,8 +114,8 @@ def recipe_help_records() -> list[dict]:
 
 def write_recipe_help(path: str | Path | None = None) -> Path:
     """Write :func:`recipe_help_records` to the file `hf-bdlm train --help` reads (``path``: another file); run it
-    after a change of the recipe's dataclasses or of the TRL / transformers versions (tests/test_cli_help.py says
-    when)."""
+    after a change of the recipe's dataclasses or of the TRL / transformers versions (tests/package/test_cli_help.py
+    says when)."""
     from .train_help import RECORDS
 
     path = Path(path) if path is not None else RECORDS

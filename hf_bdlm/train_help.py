@@ -6,9 +6,9 @@ arguments, ``BDLMSFTConfig`` and TRL's ``ModelConfig``), some 190 fields. Buildi
 transformers and torch (seconds), too slow for a help page; so the help reads the options as that parser shows them
 from :data:`RECORDS` (``hf_bdlm/data/train_help.jsonl``, one JSON object per line, written from the dataclasses by
 :func:`hf_bdlm.train.write_recipe_help`) and lays them out with argparse, one argument group per dataclass.
-``tests/test_cli_help.py`` checks that the file equals what the installed TRL and transformers give, so it cannot go
-stale unnoticed; the recipe itself always parses with the live ``TrlParser`` (``python -m hf_bdlm.train --help``
-shows those options as they are).
+``tests/package/test_cli_help.py`` checks that the file equals what the installed TRL and transformers give, so it
+cannot go stale unnoticed; the recipe itself always parses with the live ``TrlParser`` (``python -m hf_bdlm.train
+--help`` shows those options as they are).
 """
 
 from __future__ import annotations

@@ -501,7 +501,7 @@ def project(records: list[dict], costs: list[dict], gpu: str = GPU) -> None:
 def reconstruct_drafter_calls(record: dict, costs: list[dict]) -> bool:
     """The calls a speculative record written before :data:`COUNTING` 2 lacks, added to each sample as
     ``"reconstructed"`` (priced, never timed), by the rule the counting hooks follow
-    (``tests/test_decoding_benchmark.py`` checks it against them): a step drafts (one drafter call of ``b x block`` rows, ``block`` read from the variant's
+    (``tests/benchmarks/test_decoding.py`` checks it against them): a step drafts (one drafter call of ``b x block`` rows, ``block`` read from the variant's
     description), then verifies (one target forward of ``b x (1 + proposals)`` rows), so drafter call ``i`` is
     followed by target forward ``i + 1`` (forward 0: the prefill) and its proposals' head call has that forward's rows
     less ``b``; and every target forward appends its rows' features to the drafter's context (one ``fc`` call of its

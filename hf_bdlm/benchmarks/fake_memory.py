@@ -10,7 +10,7 @@ allocation and a dead one as freed, which gives the largest single tensor (eleme
 made it) and the peak of live bytes of the step. The check of issue 42: no tensor of at least ``(2L)^2 / 64``
 elements on the path CUDA takes (``flex``); at this width a row of q is ``2L/64`` elements at 128K, so the records
 also give the exponent with which every allocation grows with ``L`` (:func:`add_growth`).
-``tests/test_no_quadratic_tensor.py`` runs the check with narrow heads.
+``tests/attention/test_no_quadratic_tensor.py`` runs the check with narrow heads.
 
 What is emulated, and how:
 
@@ -752,7 +752,7 @@ NOTE = (
     "gradient and its output are exactly (2L)^2/64 elements there (linear in L: growth 1.00), and the whole model's "
     "MLP activations (2L x 21504) and loss chunk (8192 x 262208) are above the bound at every length without growing "
     "faster than L. The bound tells an L x L tensor from a row tensor only where a row is well under 2L/64 elements "
-    "wide (tests/test_no_quadratic_tensor.py: 4 heads of 16); *growth* tells them apart at any width.")
+    "wide (tests/attention/test_no_quadratic_tensor.py: 4 heads of 16); *growth* tells them apart at any width.")
 
 
 def _short(r: dict) -> str:

@@ -24,7 +24,7 @@ trains is scored the way it decodes:
 **Batch invariance.** Every random draw is a function of ``(seed, request tokens, sample, position)``, and requests
 share a forward pass only with requests of the same block geometry, so no row is padded: scores and generations are
 the same at every ``batch_size`` (exactly, where the hardware computes a row independently of its batch's size, as
-the CPU kernels do; ``tests/test_lm_eval.py`` checks 1 against 8).
+the CPU kernels do; ``tests/evaluation/test_lm_eval.py`` checks 1 against 8).
 
 **Progress.** Each request type shows a bar over its requests, moved once per forward batch (:mod:`hf_bdlm.progress`:
 standard error, rank 0, a terminal; lm-eval's ``disable_tqdm`` turns it off).

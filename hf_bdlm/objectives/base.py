@@ -6,7 +6,7 @@ Supervision is a flat list of targets, each naming the row whose hidden state pr
 (sample, stream, global position), so a rank holding only some rows scores only its targets
 while the normalizer, which counts the whole batch, keeps the per-rank losses summable.
 
-    python -m pytest tests/test_objectives.py -q
+    python -m pytest tests/objectives/test_objectives.py -q
 """
 
 from __future__ import annotations

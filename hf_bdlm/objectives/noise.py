@@ -104,7 +104,7 @@ def stratified_block_t(
     SALT_BLOCK_JITTER)``, then ``t_j = eps_min + (eps_max - eps_min) * u_j``. The sample's first ``n`` blocks cover
     the ``n`` strata exactly once (lower variance), and the random offset ``s`` makes every block's rate marginally
     uniform on ``[eps_min, eps_max]`` (BD3-LM's fixed assignment gives block ``j`` of a lone sample the ``j``-th
-    stratum), so the loss stays an unbiased estimate of the ELBO (``tests/test_reference_semantics.py``).
+    stratum), so the loss stays an unbiased estimate of the ELBO (``tests/attention/test_reference_semantics.py``).
 
     ``n`` is the sample's own block count (``blocks_per_sample [b]``, from its non-pad extent), not the padded batch
     length, so the rates do not change when a sample is batched with longer ones. Blocks ``j >= n`` (padding) get

@@ -34,7 +34,7 @@ class FamilyEntry:
     ``architectures: ["DFlash2DraftModel"]``); they are looked at before the model type.
 
     ``planner_presets``: the names of the presets the family's ``planner_presets()`` returns, so that ``hf-bdlm plan
-    --help`` lists them without importing the family's module (tests/test_cli_help.py checks they agree).
+    --help`` lists them without importing the family's module (tests/package/test_cli_help.py checks they agree).
 
     ``commands``: the module of the family's command-line tables (``COMMANDS``, ``EXPORT_FORMATS``, ``STUDIES``:
     :mod:`hf_bdlm.protocols.commands`), data only, read without importing torch; ``None``: the family has none.

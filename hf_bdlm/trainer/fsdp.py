@@ -13,7 +13,7 @@ prepares mixed precision only (transformers' path for a model that owns its shar
 What FSDP2 changes and what it does not (``docs/design.md`` §3): every rank still computes the loss
 of its own rows, scaled by the world size; FSDP2's reduce-scatter averages the gradients over the
 world, as DDP's all-reduce does, so losses and weights equal the DDP run of the same layout (tested on 2 and 4 CPU
-processes, every model family: ``tests/test_trainer_fsdp.py``; not yet run on GPUs).
+processes, every model family: ``tests/trainer/test_fsdp.py``; not yet run on GPUs).
 
 - Units: every module whose class is in ``transformer_cls_names_to_wrap`` (default: the backbone's
   ``_no_split_modules``, its decoder layers), then the root (embeddings, final norm, LM head). The root

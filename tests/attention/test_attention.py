@@ -1,7 +1,7 @@
 """Specifications of block-diffusion attention (hf_bdlm/attention): the rule, the block-sparse
 planner and every backend against the dense reference.
 
-Fast and CPU-only (CUDA tests skip with a reason): ``python -m pytest tests/test_attention.py -q``.
+Fast and CPU-only (CUDA tests skip with a reason): ``python -m pytest tests/attention/test_attention.py -q``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 steps and layouts kept across steps.
 
 FlexAttention has no CPU backward: forward equality is checked here (compiled where torch compiles it on CPU), the
-backward on a GPU (tests/test_attention.py, benchmarks/gpu).
+backward on a GPU (tests/attention/test_attention.py, benchmarks/gpu).
 """
 
 from __future__ import annotations

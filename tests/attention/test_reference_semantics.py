@@ -13,7 +13,7 @@ Written independently of ``hf_bdlm/attention/masks.py``, so that a change to the
   mask, a causal-LM loss over the noisy half with labels shifted by one), and its causal-clean variant.
 
 The reference forwards run transformers' own Llama with a custom 4D mask (SDPA, float64), not hf_bdlm's attention.
-Run: ``python -m pytest tests/test_reference_semantics.py -q`` (about a minute on one core).
+Run: ``python -m pytest tests/attention/test_reference_semantics.py -q`` (about a minute on one core).
 """
 
 from __future__ import annotations

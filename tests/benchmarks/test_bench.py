@@ -1,7 +1,7 @@
 """`hf-bdlm bench`: the power-law fit, tables and plots on synthetic records, the longest-context search with a fake
 probe, argument errors, and tiny real runs of the command (each measurement a torchrun launch). The smallest run of
 the modes study (csbp at P = 2 beside the single process, L = 256) runs from the installed wheel in
-tests/test_installed_wheel.py, which checks its records and plots."""
+tests/package/test_installed_wheel.py, which checks its records and plots."""
 
 import json
 from pathlib import Path

@@ -13,7 +13,7 @@ counted weight bytes of a speculative decode are the hand count (target forwards
 vocab x hidden x 2 bytes plus the other parts (and the rule that rebuilds those calls for old records is the hooks');
 the roofline of made-up counts equals its hand computation; the Wilson interval of 2 / 8 is the textbook one and the
 table prints it with its count; fewer than 3 timed groups are refused.
-Run: python -m pytest tests/test_decoding_benchmark.py -q
+Run: python -m pytest tests/benchmarks/test_decoding.py -q
 """
 
 from __future__ import annotations

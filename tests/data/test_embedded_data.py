@@ -1,7 +1,7 @@
 """Specification of the shipped toy dataset and of the embedded SmolLM2 export.
 
-    pytest tests/test_embedded_data.py              # everything (the slow test takes ~40 s)
-    pytest tests/test_embedded_data.py -m "not slow"
+    pytest tests/data/test_embedded_data.py              # everything (the slow test takes ~40 s)
+    pytest tests/data/test_embedded_data.py -m "not slow"
 """
 
 import json

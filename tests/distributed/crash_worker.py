@@ -1,6 +1,6 @@
-"""Worker of tests/test_shared_launch.py: rank 1 crashes in native code (``os.abort``), raises a Python error, or
-finishes, by ``--mode`` and by how many launches ``--marker`` has counted; the other ranks finish. ``--mode hang``:
-every rank writes its pid into ``--marker``'s folder and sleeps until it is killed."""
+"""Worker of tests/distributed/test_shared_launch.py: rank 1 crashes in native code (``os.abort``), raises a Python
+error, or finishes, by ``--mode`` and by how many launches ``--marker`` has counted; the other ranks finish.
+``--mode hang``: every rank writes its pid into ``--marker``'s folder and sleeps until it is killed."""
 
 import argparse
 import os

@@ -1,4 +1,4 @@
-"""A training run one of whose ranks is SIGKILLed mid-step (tests/test_faults.py; launched by faults_worker.py).
+"""A training run one of whose ranks is SIGKILLed mid-step (tests/trainer/test_faults.py; launched by faults_worker.py).
 
     torchrun --nproc_per_node 2 tests/distributed/dead_rank_worker.py --out /tmp/k --mode csbp --where exchange
 

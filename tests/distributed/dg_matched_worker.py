@@ -1,4 +1,4 @@
-"""Worker of tests/test_dg_matched_recipe.py (a job of the shared launch of 2 processes): the recipe
+"""Worker of tests/models/diffusion_gemma/test_matched_recipe.py (a job of the shared launch of 2 processes): the recipe
 recipes/dg_matched.py, its ``main(argv)`` run on the launch's ranks as ``torchrun ... recipes/dg_matched.py ARGS``
 would run it (the trainers join the launch's process group, as Accelerate joins an existing one).
 

@@ -1,4 +1,5 @@
-"""Worker for tests/test_diffusion_gemma_parallel.py: DiffusionGemma layouts against the single process, one launch.
+"""Worker for tests/models/diffusion_gemma/test_parallel.py: DiffusionGemma layouts against the single process, one
+launch.
 
     torchrun --nproc_per_node 2 tests/distributed/diffusion_gemma_worker.py --out /tmp/dg.json
 

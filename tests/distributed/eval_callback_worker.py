@@ -1,4 +1,4 @@
-"""Worker for tests/test_evaluation_diffusion_gemma.py: DiffusionGemma training with `BDLMEvalCallback` under torchrun.
+"""Worker for tests/evaluation/test_diffusion_gemma.py: DiffusionGemma training with `BDLMEvalCallback` under torchrun.
 
     torchrun --nproc_per_node 2 tests/distributed/eval_callback_worker.py --out /tmp/e
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_parallel_exactness.py: many layouts checked inside one torchrun launch.
+"""Worker for tests/parallel/test_exactness.py: many layouts checked inside one torchrun launch.
 
     torchrun --nproc_per_node 2 tests/distributed/exactness_worker.py --out /tmp/exact.json
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_parallel_failures.py: disagreeing plans and hung collectives fail clearly.
+"""Worker for tests/parallel/test_failures.py: disagreeing plans and hung collectives fail clearly.
 
     torchrun --nproc_per_node 2 tests/distributed/failure_worker.py --out /tmp/f
 

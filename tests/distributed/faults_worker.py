@@ -1,4 +1,4 @@
-"""Worker of tests/test_faults.py (a job of the shared launch of 2 processes): dead ranks, then exact resumes.
+"""Worker of tests/trainer/test_faults.py (a job of the shared launch of 2 processes): dead ranks, then exact resumes.
 
     torchrun --nproc_per_node 2 tests/distributed/faults_worker.py --out /tmp/f
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         capture(out)  # the drafter's data, once
         # Two at a time: a launch spends much of its time in rendezvous, in the agent's polling and, on its own node,
         # in the survivor's heartbeat reads; what one kill measures (seconds from the kill to the exit) is bounded in
-        # tests/test_faults.py with room for a neighbour's start-up.
+        # tests/trainer/test_faults.py with room for a neighbour's start-up.
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.at_once) as pool:
             done = pool.map(lambda k: launch(k, out / "killed" / k.name, features), kills)
             results = {k.name: result for k, result in zip(kills, done)}

@@ -1,4 +1,4 @@
-"""Worker for tests/test_trainer_fsdp.py: BDLMSFTTrainer with FSDP2 against DDP, under torchrun (gloo).
+"""Worker for tests/trainer/test_fsdp.py: BDLMSFTTrainer with FSDP2 against DDP, under torchrun (gloo).
 
     torchrun --nproc_per_node 2 tests/distributed/fsdp_worker.py --scenario pairs resume diffusion_gemma --out /tmp/f
     torchrun --nproc_per_node 4 tests/distributed/fsdp_worker.py --scenario pairs4 tensor_parallel --out /tmp/f
@@ -172,7 +172,7 @@ def unsupervised_rows():
 
 
 def diffusion_gemma_config(out: Path, P: int, mode: str = "csbp", **overrides):
-    """The DiffusionGemma runs' config (tests/test_trainer_fsdp.py evaluates with it at P = 1)."""
+    """The DiffusionGemma runs' config (tests/trainer/test_fsdp.py evaluates with it at P = 1)."""
     from hf_bdlm import BDLMSFTConfig
 
     values = dict(
@@ -213,7 +213,7 @@ def run_diffusion_gemma(setup: str, out: Path, P: int, mode: str, resume: str | 
     decoder_calls = []  # self-conditioning: a second decoder pass in some micro-batches
     hook = (model.get_base_model() if lora else model).model.decoder.register_forward_hook(
         lambda module, args, output: decoder_calls.append(module.training))
-    if setup == "plain":  # the held-out loss of the initial model (P = 1 reference: tests/test_trainer_fsdp.py)
+    if setup == "plain":  # the held-out loss of the initial model (P = 1 reference: tests/trainer/test_fsdp.py)
         result["eval_loss_initial"] = trainer.evaluate(eval_dataset=conversations(4))["eval_loss"]
     trainer.train(resume_from_checkpoint=resume)
     hook.remove()
@@ -227,7 +227,7 @@ def run_diffusion_gemma(setup: str, out: Path, P: int, mode: str, resume: str | 
         result["eval_loss"] = trainer.evaluate(eval_dataset=conversations(4))["eval_loss"]
     weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for n, p in model.named_parameters() if p.requires_grad}
-    if save_final:  # an ordinary DiffusionGemma folder (tests/test_trainer_fsdp.py reloads it with transformers)
+    if save_final:  # an ordinary DiffusionGemma folder (tests/trainer/test_fsdp.py reloads it with transformers)
         trainer.save_model(str(out / "final"))
     result["weights"] = None
     if trainer.is_world_process_zero():
@@ -244,7 +244,7 @@ def scenario_diffusion_gemma(out: Path) -> dict:
             start = time.perf_counter()
             r[f"{setup}/{mode}/{name}"] = run_diffusion_gemma(setup, out / setup / f"{mode}_{name}", P, mode, **kw)
             r[f"{setup}/{mode}/{name}"]["seconds"] = time.perf_counter() - start
-    # The paper's CP baseline through the trainer under FSDP2, as a comparison would run it (tests/test_trainer_fsdp.py:
+    # The paper's CP baseline through the trainer under FSDP2, as a comparison would run it (tests/trainer/test_fsdp.py:
     # the csbp run's losses and weights).
     r["plain/cp_paper/fsdp2"] = run_diffusion_gemma("plain", out / "plain" / "cp_paper_fsdp2", 2, "cp",
                                                     block_parallel_cp_layout="paper", **FSDP2)

@@ -1,4 +1,4 @@
-"""Worker for tests/test_trainer_hf_configs.py: the training settings users paste from the HF docs, end to end.
+"""Worker for tests/trainer/test_hf_configs.py: the training settings users paste from the HF docs, end to end.
 
     torchrun --nproc_per_node 2 tests/distributed/hf_configs_worker.py --out /tmp/h       # P = 2 csbp
     python tests/distributed/hf_configs_worker.py --out /tmp/h                             # P = 1, the references
@@ -8,7 +8,7 @@
 For each model family (a tiny Qwen3 converted with ``convert_causal_lm``, transformers' tiny DiffusionGemma) and each
 setting of :data:`SETTINGS`, ``BDLMSFTTrainer`` trains 3 steps with AdamW under csbp (``block_parallel_size`` = the
 world: 2, or 1 for the reference) and records the logged losses and what the setting turned on (DTensor parameters
-under FSDP2, activation checkpointing, LoRA adapters, the autocast dtype). tests/test_trainer_hf_configs.py runs the
+under FSDP2, activation checkpointing, LoRA adapters, the autocast dtype). tests/trainer/test_hf_configs.py runs the
 P = 2 runs in the shared 2-process launch (tests/distributed/shared_launch.py) and the references in its own process.
 """
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_parallel_link.py: collectives through an emulated link take the modelled time.
+"""Worker of tests/parallel/test_link.py: collectives through an emulated link take the modelled time.
 
     torchrun --nproc_per_node 2 tests/distributed/link_worker.py --out /tmp/link.json
     torchrun --nproc_per_node 4 tests/distributed/link_worker.py --scenario shared_cores --out /tmp/shared.json

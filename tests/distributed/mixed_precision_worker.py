@@ -1,4 +1,4 @@
-"""Worker for tests/test_parallel_mixed_precision.py: every layout under bf16 autocast with float32 weights.
+"""Worker for tests/parallel/test_mixed_precision.py: every layout under bf16 autocast with float32 weights.
 
     torchrun --nproc_per_node 2 tests/distributed/mixed_precision_worker.py --out /tmp/bf16.json
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_parallel_tensor.py: block parallelism x tensor parallelism equals one process.
+"""Worker for tests/parallel/test_tensor.py: block parallelism x tensor parallelism equals one process.
 
     torchrun --nproc_per_node 4 tests/distributed/tensor_parallel_worker.py --out /tmp/tp.json
 

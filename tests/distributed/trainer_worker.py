@@ -1,4 +1,4 @@
-"""Worker for tests/test_trainer_distributed.py: real BDLMSFTTrainer runs under torchrun (gloo).
+"""Worker for tests/trainer/test_distributed.py: real BDLMSFTTrainer runs under torchrun (gloo).
 
     torchrun --nproc_per_node 2 tests/distributed/trainer_worker.py --scenario layouts --out /tmp/t
     torchrun --nproc_per_node 1 tests/distributed/trainer_worker.py --scenario reference --out /tmp/t
@@ -10,7 +10,7 @@ Scenarios:
   step 2; logged losses, final weights and (plain setup) the held-out loss are written.
 - ``reference`` (1 rank): the same setups with P = 1, plus two resumes of the AdamW setup from step 2: from
   its own checkpoint (same layout) and from the P = 2 csbp checkpoint of ``layouts`` (layout change).
-  tests/test_trainer_distributed.py runs it inside the test process (``torchrun.run_in_process``) and the other
+  tests/trainer/test_distributed.py runs it inside the test process (``torchrun.run_in_process``) and the other
   two in the shared launches of 2 and 4 processes (tests/distributed/shared_launch.py).
 - ``data`` (4 ranks = 2 data-parallel groups x P 2): one epoch with gradient accumulation, recording the
   sample ids and scored targets of every micro-batch on every rank; plus the bad-world-size error.

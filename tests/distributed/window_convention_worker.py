@@ -1,4 +1,5 @@
-"""Worker for tests/test_reference_semantics.py: sharded sliding-window attention under both window conventions.
+"""Worker for tests/attention/test_reference_semantics.py: sharded sliding-window attention under both window
+conventions.
 
     torchrun --nproc_per_node 2 tests/distributed/window_convention_worker.py --out /tmp/windows.json
 

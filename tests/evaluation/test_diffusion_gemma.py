@@ -6,7 +6,7 @@ tests check that every run completes and is graded: the offline SWE-bench set th
 gold / empty sanity still holds), seeded evaluations that reproduce, and the callback at every save on 1 process and
 under torchrun on 2 (P = 2 csbp, DDP and FSDP2): every rank logs the main process's pass rate at the same steps and
 finishes, and the training's losses are those of the run without the callback.
-Run: python -m pytest tests/test_evaluation_diffusion_gemma.py -q
+Run: python -m pytest tests/evaluation/test_diffusion_gemma.py -q
 """
 
 from __future__ import annotations

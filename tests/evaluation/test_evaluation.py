@@ -4,7 +4,7 @@ messages where Docker or a harness is missing, the command line.
 The agent loop runs the real mini-swe-agent against (a) a scripted OpenAI-compatible stub on 127.0.0.1 that
 replays each task's reference solution as fenced shell actions, so patch extraction and grading must resolve every
 task, and (b) hf-bdlm's own server over a tiny random model, which never produces an action.
-Run: python -m pytest tests/test_evaluation.py -q
+Run: python -m pytest tests/evaluation/test_evaluation.py -q
 """
 
 from __future__ import annotations

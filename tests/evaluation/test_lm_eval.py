@@ -8,7 +8,7 @@ hub) on each, and the results JSON is checked. The same requests scored and gene
 through an independent forward (the training form; transformers' own DiffusionGemma forward per canvas), the
 uniform-state bound is tight for the exact posterior, the absorbing-noise draws are unbiased, and the trained
 models' bounds rank gold continuations far above corrupted ones.
-Run: python -m pytest tests/test_lm_eval.py -q
+Run: python -m pytest tests/evaluation/test_lm_eval.py -q
 """
 
 from __future__ import annotations

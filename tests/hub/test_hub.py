@@ -2,7 +2,7 @@
 
 Tiny random Llama (GQA) and Gemma 3 (sliding + full layers, tied embeddings) block-diffusion models with a word-level
 tokenizer built offline. The remote-code check runs a fresh interpreter in which hf_bdlm is not importable.
-Run: python -m pytest tests/test_hub.py -q
+Run: python -m pytest tests/hub/test_hub.py -q
 """
 
 from __future__ import annotations

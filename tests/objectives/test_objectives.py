@@ -1,6 +1,6 @@
 """Specifications of the training objectives (hf_bdlm/objectives): noise, corruption, targets, loss.
 
-Tiny Llama BDLM on CPU, a few seconds: ``python -m pytest tests/test_objectives.py -q``.
+Tiny Llama BDLM on CPU, a few seconds: ``python -m pytest tests/objectives/test_objectives.py -q``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every entry goes through one resolver, ``hf_bdlm.embedded.resolve_model_path``; here the embedded export is replaced by
 a tiny causal Llama folder (``default_model_dir`` patched), so each test checks that the entry resolves the alias
-without exporting SmolLM2. The real model runs through the same entries in tests/test_doc_blocks.py (the README's
-Python block) and tests/test_dflash_capture.py.
+without exporting SmolLM2. The real model runs through the same entries in tests/package/test_doc_blocks.py (the
+README's Python block) and tests/models/dflash/test_capture.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A first hour without surprises (issue 43, items 7-8): clear first-contact errors and warnings, and accelerate's and
 vLLM's flag names accepted where ours differ.
-Run: python -m pytest tests/test_first_contact.py -q
+Run: python -m pytest tests/package/test_first_contact.py -q
 """
 
 from __future__ import annotations

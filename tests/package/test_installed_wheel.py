@@ -135,7 +135,7 @@ def test_every_subcommand_answers_help(probe):
 def test_bench_runs_its_smallest_configuration_from_the_wheel(site, work):
     """csbp (all-gather) at P = 2 under torchrun and the single process, L = 256, 1 layer, 3 steps (the fewest a timed
     study takes): the command end to end (the entry point's main; the console script itself answers in
-    tests/test_cli.py), each measurement its own launch, writing the planner's records and the plots."""
+    tests/package/test_cli.py), each measurement its own launch, writing the planner's records and the plots."""
     out = work / "bench"
     proc = run_installed(site, work, "-m", "hf_bdlm.cli", "bench", "--only", "modes", "--lengths", "256",
                          "--nprocs", "2", "--modes", "csbp", "--transports", "allgather", "--layers", "1",

@@ -1,8 +1,8 @@
 """The handle of an asynchronous collective yields its result only after the transfer completed.
 
 Single-process checks of :class:`hf_bdlm.parallel.collectives.InFlight` with a fake work object; the
-collectives themselves run for real under torchrun in test_parallel_exactness.py and
-test_parallel_mixed_precision.py.
+collectives themselves run for real under torchrun in tests/parallel/test_exactness.py and
+tests/parallel/test_mixed_precision.py.
 """
 
 from datetime import timedelta

@@ -3,8 +3,8 @@
 A finished 2-process training run once exited -6 at teardown ("terminate called without an active exception"); a
 daemon thread still inside a store client when the interpreter finalizes is one way to get there (not shown to be
 that run's), so the heartbeat stops and joins its thread at exit. The killed-rank diagnosis itself is tested under
-real launches in tests/test_faults.py.
-Run: python -m pytest tests/test_liveness.py -q
+real launches in tests/trainer/test_faults.py.
+Run: python -m pytest tests/parallel/test_liveness.py -q
 """
 
 from __future__ import annotations

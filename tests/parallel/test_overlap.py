@@ -9,7 +9,7 @@
 - The paper's CP baseline runs a layer as its reference code does: its noisy rows' gather completes first, then its
   clean rows' gather starts and the block-diagonal part computes while it travels; backward computes every gradient
   before the clean rows' reduce-scatter starts, then the noisy rows'.
-The collectives themselves run under torchrun in test_parallel_exactness.py (loss, gradients, bytes).
+The collectives themselves run under torchrun in tests/parallel/test_exactness.py (loss, gradients, bytes).
 """
 
 from types import SimpleNamespace

@@ -1,6 +1,6 @@
 """Specifications of the block-parallel layout plan (hf_bdlm/parallel/plan.py).
 
-Pure and fast (no processes): ``python -m pytest tests/test_parallel_plan.py -q``.
+Pure and fast (no processes): ``python -m pytest tests/parallel/test_plan.py -q``.
 """
 
 from __future__ import annotations

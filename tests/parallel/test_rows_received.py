@@ -5,7 +5,7 @@ layers, the rows the engine hands the attention as the peers' keys are compared 
 the whole vectorized sequence, not held by the rank, that some query of the rank may attend (``dense_mask`` of the
 rule). A sliding layer's exchange brings exactly those; an all-gather (full layers, and every layer of the paper's CP)
 brings every peer's sent rows, a superset. The planner's row counts (``rank_work``) are the engine's.
-The bytes themselves are checked against the byte meter under torchrun (tests/test_parallel_exactness.py).
+The bytes themselves are checked against the byte meter under torchrun (tests/parallel/test_exactness.py).
 """
 
 from types import SimpleNamespace

@@ -4,7 +4,7 @@ A sliding-window layer fetches only the clean keys its rank's windows reach (``m
 convention (``per_query``, ``block_start``), clean stream (block-causal, token-causal) and mode (``cp``, ``csbp``) the
 loss and gradients of a 2-rank group must equal the single-process reference. The worker
 (tests/distributed/window_convention_worker.py) runs in the shared 2-process launch (tests/torchrun.py):
-``python -m pytest tests/test_parallel_window_conventions.py -q``.
+``python -m pytest tests/parallel/test_window_conventions.py -q``.
 """
 
 import json

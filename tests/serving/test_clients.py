@@ -11,7 +11,7 @@ user, ...], drop_params=True)` with no system message, no tools and no stop stri
 `extra_body={"session_id": ...}` plus an `X-Session-ID` header when the trial has a session; it reads `content`,
 treats `finish_reason: "length"` as truncated output and a 400 whose text says `context_length_exceeded` as a full
 context. Other harbor agents add a system message and stop strings, sent here too.
-Run: python -m pytest tests/test_serving_clients.py -q
+Run: python -m pytest tests/serving/test_clients.py -q
 """
 
 from __future__ import annotations

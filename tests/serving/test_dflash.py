@@ -7,7 +7,7 @@ batched with other requests of other lengths and budgets, over the openai client
 verification forward committed; sampling and diffusion fields are a 400; a folder that is not a drafter is a clear
 error; the served acceptance (tokens per target forward) is the one `speculative_generate` measures on the same
 prompts.
-Run: python -m pytest tests/test_serving_dflash.py -q
+Run: python -m pytest tests/serving/test_dflash.py -q
 """
 
 from __future__ import annotations

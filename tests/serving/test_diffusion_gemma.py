@@ -6,7 +6,7 @@ a generation config of 8 denoising steps per canvas, and served in a background 
 request with `seed: S` answers token for token what `torch.manual_seed(S); model.generate(ids, do_sample=False,
 max_new_tokens=N)` gives on the same templated prompt (cut at the first EOS), alone or batched with other requests;
 streaming sends one chunk per canvas; bad input is a 4xx; a full queue a 429; a client that hangs up is cancelled.
-Run: python -m pytest tests/test_serving_diffusion_gemma.py -q
+Run: python -m pytest tests/serving/test_diffusion_gemma.py -q
 """
 
 from __future__ import annotations

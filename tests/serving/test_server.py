@@ -4,7 +4,7 @@ A tiny random block-diffusion checkpoint (float64, block size 4, context 256) is
 served in a background thread. Covered: models, chat and text completions, SSE streaming (one chunk per block),
 stop strings, block-diffusion knobs, usage, batching of concurrent requests, every bad input of the spec (4xx in
 OpenAI's error shape, server alive afterwards), a full queue (429), client disconnects, a failing batch.
-Run: python -m pytest tests/test_serving.py -q
+Run: python -m pytest tests/serving/test_server.py -q
 """
 
 from __future__ import annotations

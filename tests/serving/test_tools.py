@@ -6,7 +6,7 @@ a block-diffusion model with a Hermes-style template and a DiffusionGemma with i
 tool markers are special tokens. A random model never calls a tool by itself, so the decoder runs for real but the
 tokens it hands the engine after each block are replaced by the tokenization of a scripted answer; everything else
 (the template rendering, the detokenizer, the parser, HTTP and the `openai` client) is the server's own.
-Run: python -m pytest tests/test_serving_tools.py -q
+Run: python -m pytest tests/serving/test_tools.py -q
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.distributed
 ONE_NODE_S = 20.0
 OWN_NODE_S = 30.0
 # FSDP2 resumes of the same layout reduce in the same order as the uninterrupted run: measured identical (0.0); the
-# bound is the float32 exactness bound of tests/test_trainer_fsdp.py's resumes (relative 1e-5 of the largest weight).
+# bound is the float32 exactness bound of tests/trainer/test_fsdp.py's resumes (relative 1e-5 of the largest weight).
 FSDP2_REL = 1e-5
 
 SHARED_JOBS = [SharedJob("faults", "faults_worker.py", 2, ("--out", "{out}"), timeout=1500)]

@@ -131,7 +131,7 @@ def test_diffusion_gemma_tensor_parallel_matches_the_run_without_it(tensor_paral
     Measured: losses <= 1.2e-7, held-out loss 6e-8 relative; final weights 2.4e-5 (the embedding; attention
     projections 1.1-1.6e-5), above the converted family's 6.4e-8: the first step's gradients already differ by up to
     4.7e-5 on the MoE branch's norms (5.7e-5; 2.7e-4 on the self-conditioning norm with self-conditioning always on),
-    which SGD at lr 0.5 carries into the weights. The split itself is exact (float64, tests/test_parallel_tensor.py:
+    which SGD at lr 0.5 carries into the weights. The split itself is exact (float64, tests/parallel/test_tensor.py:
     gradients 5.9e-15); the bound keeps a 4x margin over the float32 measurement."""
     tp, ref = tensor_parallel[0]["dg/csbp/tp2"], tensor_parallel[0]["dg/reference"]
     assert ref["param_meshes"] == ["dp_bp"] and tp["param_meshes"] == ["dp_bp", "dp_bp/tp"]

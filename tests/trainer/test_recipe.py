@@ -17,8 +17,9 @@ sys.path.insert(0, str(ROOT / "recipes"))
 import sft  # noqa: E402
 from trainer_common import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
-# recipes/sft.py's configs (dg_matched_cpu.yaml belongs to recipes/dg_matched.py: tests/test_dg_matched_recipe.py;
-# dflash_smollm2_cpu.yaml to recipes/dflash.py: tests/test_dflash_trainer.py).
+# recipes/sft.py's configs (dg_matched_cpu.yaml belongs to recipes/dg_matched.py:
+# tests/models/diffusion_gemma/test_matched_recipe.py; dflash_smollm2_cpu.yaml to recipes/dflash.py:
+# tests/models/dflash/test_trainer.py).
 OTHER_RECIPES = ("dg_matched_cpu.yaml", "dflash_smollm2_cpu.yaml")
 CONFIGS = sorted(p for p in (ROOT / "recipes" / "configs").glob("*.yaml") if p.name not in OTHER_RECIPES)
 ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))

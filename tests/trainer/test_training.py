@@ -1,6 +1,6 @@
 """BDLMSFTTrainer in one process: what a step computes, model loading and conversion, LoRA, saving.
 
-Multi-process layouts (P = 2 CSBP vs P = 1, resume, data sharding) are in test_trainer_distributed.py.
+Multi-process layouts (P = 2 CSBP vs P = 1, resume, data sharding) are in tests/trainer/test_distributed.py.
 """
 
 import os

@@ -133,7 +133,7 @@ def ast_equal(pred: str, ref: str) -> bool:
 
 
 # The folder of the exported embedded model under the cache root: `hf_bdlm.embedded.DEFAULT_MODEL_NAME`, named here
-# because the data room does not import `embedded` (tests/test_layering.py LAYERS); a test checks they agree.
+# because the data room does not import `embedded` (tests/package/test_layering.py LAYERS); a test checks they agree.
 EMBEDDED_MODEL_FOLDER = "smollm2-135m-instruct"
 _TOKENIZER = None
 

@@ -34,7 +34,7 @@ What transformers' code fixed, and how it is used without copying it:
 - Logits are soft-capped in the model's top-level forward over the whole canvas; training applies ``lm_head`` and the
   same cap only on the rows it scores, in chunks.
 
-Tiny CPU example (see ``tests/test_diffusion_gemma.py`` for the tiny config)::
+Tiny CPU example (see ``tests/models/diffusion_gemma/test_model.py`` for the tiny config)::
 
     frame = build_canvas_frame(input_ids, attention_mask, completion_mask, block_size=4, fill_token_id=1)
     layout = DiffusionGemmaLayout.local(frame)

@@ -1,7 +1,7 @@
 """Ragged batches: prompts of different lengths decode together and each row gets what it gets alone.
 
 Tiny random float64 models (so tokens compare exactly across code paths). Run:
-python -m pytest tests/test_batched_generation.py -q
+python -m pytest tests/models/block_diffusion/test_batched_generation.py -q
 """
 
 import pytest

@@ -1,7 +1,7 @@
 """convert_causal_lm: weights kept bit for bit, a mask token added, causal semantics kept on the clean stream.
 
 Tiny random Llama / Qwen2 / Bloom causal LMs and a word-level tokenizer built offline.
-Run: python -m pytest tests/test_conversion.py -q
+Run: python -m pytest tests/models/block_diffusion/test_conversion.py -q
 """
 
 import pytest

@@ -7,7 +7,7 @@
 - `min_tokens_per_step`: a lower bound on positions fixed per step.
 
 Tiny random models (float64 where tokens are compared across code paths; the batch-invariance test also in float32,
-as served). Run: python -m pytest tests/test_decoding_techniques.py -q
+as served). Run: python -m pytest tests/models/block_diffusion/test_decoding_techniques.py -q
 """
 
 import pytest

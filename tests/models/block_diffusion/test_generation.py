@@ -2,7 +2,7 @@
 stopping rules, the generation config on disk, clear errors.
 
 Tiny random models (float64 where tokens are compared across code paths) and one tiny model trained
-for a few seconds. Run: python -m pytest tests/test_generation.py -q
+for a few seconds. Run: python -m pytest tests/models/block_diffusion/test_generation.py -q
 """
 
 import json

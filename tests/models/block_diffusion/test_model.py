@@ -1,6 +1,6 @@
 """Specifications of `BlockDiffusionForMaskedLM` over tiny random transformers backbones.
 
-CPU, float64, a few seconds: ``python -m pytest tests/test_model.py -q``.
+CPU, float64, a few seconds: ``python -m pytest tests/models/block_diffusion/test_model.py -q``.
 """
 
 from __future__ import annotations

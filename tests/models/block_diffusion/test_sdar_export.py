@@ -5,7 +5,7 @@ with `objective="standard"`, so [MASK] lands on 151669 without a resize. Neither
 is assembled in `scripts/sdar_engines.py`: the exported weights in transformers' own `Qwen3ForCausalLM` under the
 engines' block-causal mask, SGLang's LowConfidence and LMDeploy's low_confidence_dynamic transcribed from their
 released sources, and LMDeploy's own `UnmaskingProcessor` imported from its released wheel.
-Run: python -m pytest tests/test_sdar_export.py -q
+Run: python -m pytest tests/models/block_diffusion/test_sdar_export.py -q
 """
 
 from __future__ import annotations

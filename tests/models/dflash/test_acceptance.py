@@ -17,7 +17,7 @@ Checked:
   is another number, and serving with fewer proposals per step reports another number, which the eval reproduces
   when set to the same count.
 
-Run: python -m pytest tests/test_dflash_acceptance.py -q
+Run: python -m pytest tests/models/dflash/test_acceptance.py -q
 """
 
 from __future__ import annotations

@@ -283,7 +283,7 @@ def test_padding_anchors_see_no_context():
 
 # --- decoding from the context cache -------------------------------------------------------------------------------
 # (that it drafts what the whole context drafts, step after step and for ragged batches: in
-# tests/test_dflash_speculative.py)
+# tests/models/dflash/test_speculative.py)
 def sliding_and_full_drafter():
     config = drafter_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     return drafter(config, qwen3_target())

@@ -6,7 +6,7 @@ preparation, position weights, ``reference_dflash_loss`` (CE and KL), its DFlash
 ``speculators_kl`` from hidden states and heads; DFlash2's ``dpace`` with the lambda mix and the candidate selector)
 and its D-PACE weights. Then the properties block parallelism relies on: the losses of any split of the anchors add up
 to the whole batch's (float64, 1e-12), anchors are a function of (seed, step), and ``deal_anchors`` balances costs.
-Run: ``python -m pytest tests/test_dflash_objective.py -q``.
+Run: ``python -m pytest tests/models/dflash/test_objective.py -q``.
 """
 
 from __future__ import annotations
@@ -390,7 +390,7 @@ def test_dpace_split_over_a_gloo_group_adds_up(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
         # Forked, not spawned: a spawned rank imports torch and this module again (most of the test's time); the
-        # test process has no process group to inherit (tests/test_checkpoint_atomic.py forks its runs too).
+        # test process has no process group to inherit (tests/trainer/test_checkpoint_atomic.py forks its runs too).
         mp.start_processes(_gloo_rank, args=(2, str(tmp_path / "store"), results), nprocs=2, join=True,
                            start_method="fork")
         assert abs(results[0] + results[1] - whole) < 1e-12

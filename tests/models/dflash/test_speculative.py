@@ -5,7 +5,7 @@ Tiny random float64 targets (Llama, Qwen3) so that tokens compare exactly across
 drafter from `from_target`. A random drafter is almost never right, so the tests that need accepted drafts (ragged
 acceptance across rows, full blocks) replace its proposals by the target's own greedy continuation, corrupted at
 chosen slots or not at all. Run:
-python -m pytest tests/test_dflash_speculative.py -q
+python -m pytest tests/models/dflash/test_speculative.py -q
 """
 
 import functools

@@ -6,7 +6,7 @@ steps, checkpoints at 2 and 4, one offline SWE-bench task per checkpoint. The th
 arithmetic (which rows each rank holds, what travels, what bp recomputes), yet every layout computes the same loss:
 the records must show the same supervised tokens, the same initial held-out loss and the same losses step by step
 within float32 reassociation, and each layout's seconds per step with csbp's speed over the others.
-Run: python -m pytest tests/test_dg_matched_recipe.py -q
+Run: python -m pytest tests/models/diffusion_gemma/test_matched_recipe.py -q
 """
 
 from __future__ import annotations

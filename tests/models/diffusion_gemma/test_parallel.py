@@ -134,7 +134,7 @@ def test_canvas_padding_adds_dummy_blocks_nobody_scores_and_keeps_the_loss():
 
 
 def test_diffusion_gemma_refuses_deepspeed_and_fsdp_in_one_process(tmp_path, monkeypatch):
-    """FSDP2 is supported (tests/test_trainer_fsdp.py); DeepSpeed is refused, as is an FSDP request in one process."""
+    """FSDP2 is supported (tests/trainer/test_fsdp.py); DeepSpeed is refused, as is an FSDP request in one process."""
     from types import SimpleNamespace
 
     from hf_bdlm import BDLMSFTConfig, BDLMSFTTrainer
@@ -152,7 +152,7 @@ def test_diffusion_gemma_refuses_deepspeed_and_fsdp_in_one_process(tmp_path, mon
 # --- every layout equals the single process ------------------------------------------------------------------------
 # Relative to the largest element of each tensor. Measured maxima over both launches (world 2: 28 cases, world 4:
 # 23): float64 loss 4.3e-16, gradients 4.0e-15 (cp with the ring at P = 4); float32 loss 1.2e-7, gradients 2.2e-6
-# (the paper's CP layout). Bounds: float64 25x over its maximum, float32 as tests/test_parallel_exactness.py (2.3x).
+# (the paper's CP layout). Bounds: float64 25x over its maximum, float32 as tests/parallel/test_exactness.py (2.3x).
 LOSS_TOL = {"float64": 1e-13, "float32": 5e-7}
 GRAD_TOL = {"float64": 1e-13, "float32": 5e-6}
 
@@ -235,7 +235,7 @@ def test_csbp_leaves_the_canvas_keys_home(results):
 # of P = C = 2, FSDP2 over both ranks, packing, activation checkpointing, gradient accumulation 2, SGD at lr 0.2,
 # 3 steps). Measured: losses equal the single process's to 1.2e-7 relative, final weights to 1.7e-6 (relative to each
 # tensor's largest element; float32 gradients accumulate 2e-6 per step; with cpu_2proc.yaml, DDP: 1.2e-7 and 1.9e-6).
-# (DDP runs of the trainer for DiffusionGemma: tests/test_trainer_fsdp.py's pairs.)
+# (DDP runs of the trainer for DiffusionGemma: tests/trainer/test_fsdp.py's pairs.)
 TRAJECTORY_TOL = 1e-5
 
 

@@ -20,8 +20,8 @@ rates):
 
 with ``r_y = q_t(y | x_i) / q_t(z_i | x_i)`` and ``phi(d) = d - log(1 + d)`` (the score-entropy term written as a
 Bregman divergence, which stays exact where ``s`` and ``r`` are close). With the true posterior the bound is tight
-(``tests/test_lm_eval.py`` integrates it for a small vocabulary). ``t_min`` is the lowest level training draws
-(``noise_eps_min``, 1e-4); below it the integrand of a model that doubts clean tokens grows like ``1 / t``.
+(``tests/evaluation/test_lm_eval.py`` integrates it for a small vocabulary). ``t_min`` is the lowest level training
+draws (``noise_eps_min``, 1e-4); below it the integrand of a model that doubts clean tokens grows like ``1 / t``.
 
 Estimated per canvas block with ``mc_num`` samples: a reconstruction canvas at ``t_min`` and a canvas at ``t``
 drawn log-uniformly on ``[t_min, 1)`` (weight ``t log(1 / t_min)``), stratified over the samples
