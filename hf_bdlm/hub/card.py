@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from huggingface_hub import ModelCard
+
 from ..protocols.registry import REGISTRY, entry_for_model_type, family_named
 from ..protocols.card_parts import check_info, read_json
 
@@ -36,8 +38,6 @@ def write_model_card(output_dir: str | os.PathLike, info: dict | None = None) ->
     Returns:
         `Path` of the written `README.md`.
     """
-    from huggingface_hub import ModelCard
-
     directory = Path(output_dir)
     card = ModelCard(render_model_card(directory, info))
     path = directory / "README.md"

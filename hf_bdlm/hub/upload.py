@@ -13,6 +13,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from huggingface_hub import CommitOperationAdd, HfApi
+
+from ..version import __version__
+
 
 def push_folder_to_hub(
     folder: str | os.PathLike,
@@ -44,8 +48,6 @@ def folder_files(folder: str | os.PathLike) -> list[str]:
 
 def commit_folder(api, folder, repo_id, commit_message, commit_description, token, revision, create_pr):
     """Commit every file :func:`folder_files` lists of ``folder`` to ``repo_id`` through ``api`` (an ``HfApi``)."""
-    from huggingface_hub import CommitOperationAdd
-
     files = folder_files(folder)
     if "config.json" not in files:
         raise FileNotFoundError(
@@ -68,8 +70,4 @@ def commit_folder(api, folder, repo_id, commit_message, commit_description, toke
 
 def hub_api():
     """An ``HfApi`` that names this library and its version in its requests."""
-    from huggingface_hub import HfApi
-
-    from ..version import __version__
-
     return HfApi(library_name="hf-bdlm", library_version=__version__)
