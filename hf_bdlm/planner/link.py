@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..parallel.emulated_link import LinkModel
 from .hardware import DeviceSpec, device_spec
 from .model import ModelSpec
-from .rank_rate import DEFAULT_WINDOW_S, RankRate
+from .rank_rate import DEFAULT_WINDOW_S, RankRate, measure_rank_rate
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -85,8 +85,6 @@ def link_for_this_machine(name: str, model: ModelSpec, dtype: str = "float32",
     """:func:`emulated_link` at the rate the ranks of this launch get now, all computing ``model``'s matmuls at once
     in ``dtype`` (:func:`.rank_rate.measure_rank_rate`: a collective call when a process group is up). Nothing is
     cached."""
-    from .rank_rate import measure_rank_rate
-
     if name not in LINKS:
         raise ValueError(f"unknown link {name!r}; the named links are {', '.join(LINKS)}.")
     return emulated_link(name, measure_rank_rate(model, dtype, window_s))

@@ -27,6 +27,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
 from .model import ModelSpec
 
 DEFAULT_WINDOW_S = 3.0
@@ -36,9 +40,6 @@ DEFAULT_ROWS = 1024
 def matmul_workload(model: ModelSpec, rows: int, dtype=None) -> tuple[Callable[[], None], float]:
     """``(run, flops)``: forward and backward of ``F.linear`` at ``model``'s projection shapes (Q, K+V, O, the gated
     MLP's up and down) on ``rows`` rows of ``dtype`` (default float32), and the FLOPs one ``run()`` does."""
-    import torch
-    import torch.nn.functional as F
-
     dtype = dtype or torch.float32
     a = model.layers[0]
     intermediate = model.intermediate or model.moe_intermediate or 4 * model.hidden
@@ -107,9 +108,6 @@ def measure_rank_rate(model: ModelSpec, dtype: str = "float32", window_s: float 
     """The matmul rate every rank of this launch gets while all compute (a collective call: every rank of the default
     process group, when there is one, must call it). ``model``: whose projection shapes are timed (the run's model).
     ``together=False``: this process alone, no collective (what a rank gets while the others wait)."""
-    import torch
-    import torch.distributed as dist
-
     if not window_s > 0:
         raise ValueError(f"window_s must be positive seconds, got {window_s!r}.")
     run, flops = matmul_workload(model, rows, getattr(torch, dtype))
