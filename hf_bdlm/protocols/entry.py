@@ -7,7 +7,8 @@ planner, the server and the hub reach it through its entry, found in the registr
 The entry is small: it recognises a model, builds a configuration and a model from fields, reads a model's block
 size and renders its card. Everything else is a *role* (:mod:`hf_bdlm.protocols.roles`), handed out by
 :meth:`ModelFamily.role` — ``"training"`` (`TrainingSpec`), ``"serving"`` (`ServingSpec`), ``"drafting"``
-(`DraftingSpec`), ``"evaluation"`` (`EvaluationSpec`), ``"planning"`` (`PlanningSpec`). A family implements only the
+(`DraftingSpec`), ``"evaluation"`` (`EvaluationSpec`), ``"planning"`` (`PlanningSpec`), ``"policy"`` (`PolicySpec`:
+the GRPO trainer's rollouts and log-probabilities). A family implements only the
 roles it has (as vLLM's models implement the capability protocols they support); asking a family for a role it lacks
 raises :class:`RoleUnavailable`, whose message says what to do instead::
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-ROLE_KINDS = ("training", "serving", "drafting", "evaluation", "planning")
+ROLE_KINDS = ("training", "serving", "drafting", "evaluation", "planning", "policy")
 
 
 class RoleUnavailable(ValueError):

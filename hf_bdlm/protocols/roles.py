@@ -6,7 +6,9 @@
 - `DraftingSpec` (``hf-bdlm serve TARGET --draft DIR``): a drafter decoding a causal target;
 - `EvaluationSpec` (lm-eval's ``--model bdlm``): what lm-eval loads and how it scores a likelihood;
 - `PlanningSpec` (``hf-bdlm plan``): what the planner's cost model adds for this family, its presets and the paper's
-  settings.
+  settings;
+- `PolicySpec` (the GRPO trainer, :mod:`hf_bdlm.rl`): the family's model as a policy, its rollouts and its
+  per-token log-probability estimators.
 
 A role is built with its family (``role.family``) and holds no state of a run. Each default here either is the
 common behaviour or raises, naming what the family must implement.
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .decoding import DecodingVariant
+from .policy import Policy
 from .registry import entry_named
 
 
@@ -179,4 +182,33 @@ class PlanningSpec(Role):
         return None
 
 
-__all__ = ["DraftingSpec", "EvaluationSpec", "LossStep", "PlanningSpec", "Role", "ServingSpec", "TrainingSpec"]
+# --- reinforcement learning ------------------------------------------------------------------------------------------
+class PolicySpec(Role):
+    """What the GRPO trainer (:class:`hf_bdlm.rl.trainer.BDLMGRPOTrainer`) needs of a family: the run's
+    :class:`~hf_bdlm.protocols.policy.Policy` (rollouts by the family's serving decoder, log-probabilities by a named
+    estimator).
+
+    Attributes:
+        estimators (`tuple[str, ...]`): the log-probability estimators the family implements
+            (:data:`hf_bdlm.protocols.policy.LOGP_ESTIMATORS`).
+    """
+
+    estimators: ClassVar[tuple[str, ...]] = ()
+
+    def load(self, path: str, config, init_kwargs: dict[str, Any]):
+        """``(model, tokenizer)`` trained from ``path`` (its ``config`` read already): by default what the family's
+        serving role loads."""
+        return self.family.role("serving", path).load(path, config, init_kwargs, None)
+
+    def check_args(self, args) -> None:
+        """Raise for GRPO arguments this family cannot honour (an estimator it lacks, a sampling setting its decoder
+        does not apply), before the trainer is built."""
+
+    def policy(self, model, tokenizer, args) -> Policy:
+        """The run's :class:`~hf_bdlm.protocols.policy.Policy`, built once from ``args`` (a
+        :class:`~hf_bdlm.rl.config.BDLMGRPOConfig`)."""
+        raise NotImplementedError
+
+
+__all__ = ["DraftingSpec", "EvaluationSpec", "LossStep", "PlanningSpec", "PolicySpec", "Role", "ServingSpec",
+           "TrainingSpec"]

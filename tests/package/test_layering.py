@@ -126,6 +126,7 @@ LAYERS = (
     ("trainer",),
     ("serving",),
     ("evaluation",),
+    ("rl",),  # GRPO for block-diffusion policies (TRL's GRPOTrainer), its estimators' draws, verifiable rewards
     ("benchmarks",),
     ("models.block_diffusion", "models.diffusion_gemma", "models.dflash"),  # the families
     ("models",),  # the families' index (re-exports the registry)

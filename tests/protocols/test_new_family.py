@@ -246,7 +246,7 @@ def test_a_registered_family_serves_one_request_and_is_refused_by_the_roles_it_l
     assert body["usage"]["completion_tokens"] >= 1 and isinstance(body["choices"][0]["text"], str)
 
     lacking = [kind for kind in ROLE_KINDS if not toy_family.has_role(kind)]
-    assert lacking == ["drafting", "evaluation", "planning"]
+    assert lacking == ["drafting", "evaluation", "planning", "policy"]
     for kind in lacking:
         with pytest.raises(RoleUnavailable, match=f"'toy' family: this family has no {kind} role"):
             toy_family.role(kind)

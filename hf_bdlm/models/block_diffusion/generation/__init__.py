@@ -2,7 +2,8 @@
 
 One module per concern, bottom to top: the generation config and its transformers hooks (``config``), the settings of
 one run resolved against the model (``settings``), the decoding KV cache (``cache``), the clean context a step runs
-over, cached or recomputed (``context``), and the decoding loop (``loop``: `generate`, `decode_ragged`). The public
+over, cached or recomputed (``context``), the record of how a run committed each token (``trace``, on request), and
+the decoding loop (``loop``: `generate`, `decode_ragged`). The public
 names are re-exported here. Tiny CPU example::
 
     import torch
@@ -28,6 +29,7 @@ from .config import (
 from .context import CachedContext, LeftPadding, RecomputedContext
 from .loop import BlockCallback, choose_tokens, decode_ragged, denoise_block, generate, tokens_to_unmask
 from .settings import DecodeSettings, resolve_settings
+from .trace import DecodingTrace, TracedBlock
 
 __all__ = [
     "BLOCK_DIFFUSION_FIELDS",
@@ -39,10 +41,12 @@ __all__ = [
     "CachedContext",
     "DecodeSettings",
     "DecodingCache",
+    "DecodingTrace",
     "LeftPadding",
     "RecomputedContext",
     "StepPlan",
     "StepWindow",
+    "TracedBlock",
     "as_block_diffusion_config",
     "choose_tokens",
     "decode_ragged",

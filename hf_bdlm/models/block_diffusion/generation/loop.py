@@ -30,6 +30,7 @@ from .kv_cache import StepWindow
 from .config import BLOCK_DIFFUSION_FIELDS, BlockDiffusionGenerationConfig, as_block_diffusion_config
 from .context import CachedContext, LeftPadding, RecomputedContext
 from .settings import DecodeSettings, resolve_settings
+from .trace import BlockRecord, DecodingTrace
 
 
 # --- choosing tokens ---------------------------------------------------------------------------
@@ -85,14 +86,16 @@ def tokens_to_unmask(masked: torch.Tensor, confidence: torch.Tensor, step: int, 
     return masked & (rank < count[:, None])
 
 
-def denoise_block(model, context, block, masked, start, settings, generator, done=None):
+def denoise_block(model, context, block, masked, start, settings, generator, done=None,
+                  record: BlockRecord | None = None, trace: DecodingTrace | None = None):
     """Denoise ``block`` (``[b, B]``) until every row is done with it; returns the finished block.
 
     A row is done when none of its ``masked`` positions is left, when (``settings.eos_early_exit``) an EOS is fixed
     with no masked position before it, when an engine rule's step changes nothing (SGLang), or from the start
     (``done``, e.g. rows that ended in an earlier block). Each step fixes positions of the first sub-block that still
     holds a masked one (the whole block without sub-blocks); with ``settings.compact_batch`` only the rows not done
-    run in it. Every row's tokens depend on its own rows only, so a row decodes the same alone or in any batch."""
+    run in it. Every row's tokens depend on its own rows only, so a row decodes the same alone or in any batch.
+    ``record`` (with the run's ``trace``) notes the step and log-probability of every commit; it changes nothing."""
     block, masked = block.clone(), masked.clone()
     batch, B = block.shape
     device = block.device
@@ -133,7 +136,8 @@ def denoise_block(model, context, block, masked, start, settings, generator, don
         if bool(from_clean.any()):
             first = clean_last if clean_last is not None else torch.zeros_like(hidden[:, 0])
             source = torch.where(from_clean[:, None], first[row_index], source)
-        tokens, conf = choose_tokens(model.lm_logits(source), settings, generator)
+        logits = model.lm_logits(source)
+        tokens, conf = choose_tokens(logits, settings, generator)
         if clean_last is not None:
             # The clean prediction of the block's first token does not change with the block's content: fix it at
             # once, so the rest of the block is denoised knowing it.
@@ -150,6 +154,10 @@ def denoise_block(model, context, block, masked, start, settings, generator, don
             unmask &= full_tokens != settings.mask_token_id
             stalled = candidates.any(1) & ~unmask.any(1)
             done[take] = done[take] | stalled
+        if record is not None:
+            full_log_probs = torch.zeros(candidates.shape, dtype=torch.float64, device=device)
+            full_log_probs[row_index, column] = trace.scored(logits, tokens).double()
+            record.commit(take, unmask, step, full_log_probs)
         block[take] = torch.where(unmask, full_tokens, block[take])
         masked[take] = masked[take] & ~unmask
         last_sub[take] = torch.where(running[take], sub[take], last_sub[take])
@@ -288,6 +296,7 @@ def decode_ragged(
     generator: torch.Generator | None = None,
     max_new_tokens: Sequence[int] | None = None,
     on_block: BlockCallback | None = None,
+    trace: DecodingTrace | None = None,
 ) -> list[torch.Tensor]:
     """Block-wise decoding of prompts of any lengths in one batch (see :class:`LeftPadding`).
 
@@ -298,6 +307,8 @@ def decode_ragged(
         on_block: called after every decoded block with `{row: new tokens}` of the rows still running (tokens after
             an EOS or past the row's budget already cut); returns the rows to stop now (e.g. a stop string was
             generated, or the client went away), or `None`.
+        trace: a :class:`~.trace.DecodingTrace` to fill with how every token was committed (off by default; the
+            tokens are the same either way).
 
     Returns:
         One 1-D tensor of generated tokens per row: up to and including its first EOS, at most its budget.
@@ -309,6 +320,9 @@ def decode_ragged(
     full = torch.div(lengths, B, rounding_mode="floor")
     start = int(full.max()) * B  # column of the first decoded block; every row's prompt blocks end there
     pad = (start - full * B).to(device)
+    own_offset = (start - full * B).tolist()  # a row's own position = its column - its padding
+    if trace is not None:
+        trace.begin(len(prompts), settings)
     padding = LeftPadding(pad) if bool(pad.any()) else None
     context = (CachedContext if use_cache else RecomputedContext)(model, settings, device, padding)
     if start:
@@ -329,7 +343,10 @@ def decode_ragged(
     counts = [0] * len(prompts)
     active = list(range(len(prompts)))  # original row index of each batch row
     while True:
-        block = denoise_block(model, context, block, masked, start, settings, generator)
+        record = BlockRecord(masked) if trace is not None else None
+        block = denoise_block(model, context, block, masked, start, settings, generator, record=record, trace=trace)
+        if trace is not None:
+            trace.add(active, [start - own_offset[row] for row in active], block, record)
         new, finished = {}, set()
         for j, row in enumerate(active):
             tokens = block[j, tails[j] :][: budgets[row] - counts[row]]

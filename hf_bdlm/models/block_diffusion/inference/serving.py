@@ -81,7 +81,10 @@ class BlockDiffusionServingDecoder(ServingDecoder):
         # blocks get no padding, and their block steps have the same columns.
         return prompt_len // settings.block_size
 
-    def decode(self, prompts, settings, seeds, on_block) -> None:
+    def decode(self, prompts, settings, seeds, on_block, trace=None) -> None:
+        """As :meth:`ServingDecoder.decode`; ``trace``: a
+        :class:`~hf_bdlm.models.block_diffusion.generation.trace.DecodingTrace` to record how every token was committed
+        (the GRPO trainer's rollouts; the tokens are the same without it)."""
         batch = dataclasses.replace(settings[0], max_new_tokens=max(s.max_new_tokens for s in settings))
         generator = None
         if batch.do_sample and seeds[0] is not None:
@@ -89,4 +92,4 @@ class BlockDiffusionServingDecoder(ServingDecoder):
         rows = [torch.tensor(p, dtype=torch.long, device=self.device) for p in prompts]
         with torch.no_grad():
             decode_ragged(self.model, rows, batch, use_cache=self.use_cache, generator=generator,
-                          max_new_tokens=[s.max_new_tokens for s in settings], on_block=on_block)
+                          max_new_tokens=[s.max_new_tokens for s in settings], on_block=on_block, trace=trace)
