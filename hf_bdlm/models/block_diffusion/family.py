@@ -5,8 +5,8 @@ on load (:func:`hf_bdlm.models.block_diffusion.conversion.convert_causal_lm`). T
 attention backend) are written into the model's config, so the saved checkpoint records what it was trained with.
 Its roles: training (each batch is the vectorized ``[noisy ; clean]`` sequence, sharded by the block-parallel plugin,
 :class:`hf_bdlm.parallel.ShardedLayout`; the objective calls the model's forward), serving (the ragged block decoder,
-:mod:`.inference.serving`), evaluation (the absorbing-noise bound, :mod:`.inference.likelihood`) and planning (the
-planner's defaults).
+:mod:`.inference.serving`), evaluation (the absorbing-noise bound, :mod:`.inference.likelihood`), planning (the
+planner's defaults) and policy (GRPO's rollouts and log-probability estimators, :mod:`.training.policy`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from ...checkpoints.files import BadCheckpointFile, load_pretrained
 from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
 from ...protocols.decoding import DecodingVariant
 from ...protocols.entry import ModelFamily
-from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, ServingSpec, TrainingSpec
+from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, PolicySpec, ServingSpec, TrainingSpec
 from ...protocols.step import unwrap_model
 from .card import render_block_diffusion_card
 from .configuration import BlockDiffusionConfig
 from .conversion import convert_causal_lm
 from .modeling import BlockDiffusionForMaskedLM
 from .training.objectives import OBJECTIVE_CLASSES
+from .training.policy import BlockDiffusionPolicy, rollout_fields
 
 logger = logging.getLogger(__name__)
 
@@ -182,11 +183,42 @@ class BlockDiffusionEvaluation(EvaluationSpec):
         return BlockDiffusionLikelihoodScorer(model, tokenizer)
 
 
+class BlockDiffusionPolicySpec(PolicySpec):
+    """GRPO over a trained block-diffusion checkpoint: rollouts by its serving decoder (the ragged block decoder, its
+    techniques and threshold as the run sets them), log-probabilities by every estimator
+    (:mod:`.training.policy`)."""
+
+    estimators = BlockDiffusionPolicy.estimators
+
+    def load(self, path, config, init_kwargs):
+        if config.model_type != BlockDiffusionConfig.model_type:
+            raise ValueError(
+                f"{path} holds a causal LM (model_type={config.model_type!r}), not a block-diffusion model: GRPO "
+                "improves a policy that already decodes. Convert and fine-tune it first (hf-bdlm train, "
+                "docs/usage.md), then pass the trained folder (or run TRL's GRPOTrainer on the causal LM itself).")
+        return self.family.role("serving", path).load(path, config, init_kwargs, DEFAULT_CONVERSION_BLOCK_SIZE)
+
+    def check_args(self, args) -> None:
+        if args.min_p is not None or args.repetition_penalty != 1.0:
+            raise ValueError(f"min_p={args.min_p!r}, repetition_penalty={args.repetition_penalty!r}: the block decoder "
+                             "applies neither (temperature, top_k and top_p it does); leave them unset.")
+
+    def policy(self, model, tokenizer, args):
+        inner = unwrap_model(model)
+        eos = inner.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos = [tokenizer.eos_token_id, *eos]
+        pad = getattr(tokenizer, "pad_token_id", None)
+        decoder = self.family.role("serving").decoder(inner, tokenizer)
+        return BlockDiffusionPolicy(decoder.with_generation(**rollout_fields(args, eos, pad)))
+
+
 class BlockDiffusionFamily(ModelFamily):
     name = "block_diffusion"
     converts_causal_lms = True
     roles = {"training": BlockDiffusionTraining, "serving": BlockDiffusionServing,
-             "evaluation": BlockDiffusionEvaluation, "planning": PlanningSpec}
+             "evaluation": BlockDiffusionEvaluation, "planning": PlanningSpec, "policy": BlockDiffusionPolicySpec}
     refusals = {"drafting": "--draft takes a drafter folder; pass a drafter folder, or serve it without --draft."}
 
     def claims_model(self, model) -> bool:

@@ -185,6 +185,9 @@ class DFlashFamily(ModelFamily):
                       "exactly the target's greedy output): lm-eval --model hf --model_args pretrained=TARGET, or "
                       "serve the pair with `hf-bdlm serve TARGET --draft {subject}` and run lm-eval's "
                       "local-completions against it.",
+        "policy": "A DFlash drafter proposes tokens for a target model and samples no completions of its own, so "
+                  "there is no policy to train with GRPO. Train the target instead (a causal LM: TRL's "
+                  "GRPOTrainer), then distil a drafter for it again.",
     }
 
     def claims_model(self, model) -> bool:

@@ -1,0 +1,240 @@
+"""`BDLMGRPOTrainer`: TRL's `GRPOTrainer` for block-diffusion policies (docs/rl.md).
+
+Everything a GRPO user configures stays TRL's: reward functions and weights, `num_generations`, `beta` and the
+reference model, `epsilon` clipping, `loss_type`, `num_iterations`, tools and `environment_factory`, PEFT, logging.
+Two things differ, each a narrow override of TRL's trainer:
+
+- **rollouts** (`_generate_single_turn`, the hook TRL's `generate` path and its tool loop call with tokenized
+  prompts): the model's family decodes them with its serving decoder (``family.role("policy").policy(...)``: the
+  ragged block decoder of a converted BDLM, with the run's threshold, steps and techniques), batched and seeded by the
+  round (``draw_seed(seed, round, process)``); with ``logp_estimator="trace"`` the decoder records its trace, whose
+  rows travel with the completions (keys ``policy.*`` of the batch, through TRL's shuffles and splits);
+- **per-token log-probabilities** (`_get_per_token_logps_and_entropies`, which TRL calls for the old, reference and
+  current policy): the family's estimator named by ``logp_estimator``. Every call on a round's rows lays them out in
+  the round's frame, so a row's numbers do not depend on the batch it is scored in: the importance ratios of the first
+  iteration are exactly 1. ``coupled`` and ``one_step`` draw new masks at every iteration; their old and reference
+  log-probabilities are computed at the rollout for every iteration (``[rows, num_iterations, C]``) and
+  `_compute_loss` takes the current iteration's, so the ratio and the KL term compare the same masks.
+
+TRL builds the reference model from the policy's checkpoint path with transformers' Auto classes, which do not load
+these families; here the reference is a frozen copy of the policy as the run starts (``beta != 0`` without PEFT).
+
+    from hf_bdlm.rl import BDLMGRPOConfig, BDLMGRPOTrainer, arith_exact_match
+    from hf_bdlm.data import load_arith
+    trainer = BDLMGRPOTrainer("outputs/smollm2-135m-bdlm", reward_funcs=arith_exact_match,
+                              args=BDLMGRPOConfig(output_dir="out", logp_estimator="trace", num_generations=4,
+                                                  max_completion_length=32, confidence_threshold=0.9),
+                              train_dataset=load_arith("train"))
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from contextlib import contextmanager
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer import grpo_trainer as trl_grpo
+
+from ..embedded import resolve_model_path
+from ..protocols.policy import PolicyBatch, PolicyScoring
+from ..protocols.registry import family_for_config, family_for_model
+from ..protocols.step import unwrap_model
+from .config import BDLMGRPOConfig
+from .estimators import check_estimator, draw_seed
+
+ROWS = "policy."  # prefix of the batch keys the trainer adds: the family's rollout rows, the round and its frame
+WIDTH, ROUND = ROWS + "width", ROWS + "round"
+RANDOM_ESTIMATORS = ("coupled", "one_step")  # estimators whose masks are drawn afresh at every iteration
+
+
+def load_policy_model(model, processing_class, args: BDLMGRPOConfig):
+    """``(model, processing_class, family, subject)``: ``model`` (a folder, a hub id, ``embedded:smollm2``, or a model
+    object) resolved to a model of a family with a policy role; a family without one (a drafter) is refused by its
+    role's message, a causal LM by the family that would convert it."""
+    if isinstance(model, (str, os.PathLike)):
+        path = resolve_model_path(os.fspath(model))
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        family = family_for_config(config)
+        role = family.role("policy", path)
+        loaded, tokenizer = role.load(path, config, dict(args.model_init_kwargs or {}))
+        return loaded, processing_class if processing_class is not None else tokenizer, family, path
+    family = family_for_model(model)
+    subject = type(unwrap_model(model)).__name__
+    if family is None:
+        raise TypeError(f"{subject} is no model of a family hf_bdlm trains with GRPO (a causal LM?): train a causal LM "
+                        "with TRL's GRPOTrainer, or pass a model of a family with a policy role.")
+    family.role("policy", subject)
+    if processing_class is None:
+        folder = getattr(getattr(model, "config", None), "_name_or_path", "")
+        if not folder or not os.path.isdir(folder):
+            raise ValueError(f"no processing_class was given and the model's config names no local folder to load a "
+                             f"tokenizer from (_name_or_path={folder!r}); pass processing_class=<its tokenizer>.")
+        processing_class = AutoTokenizer.from_pretrained(folder)
+    return model, processing_class, family, subject
+
+
+@contextmanager
+def reference_from(policy):
+    """While TRL's ``GRPOTrainer.__init__`` runs, its reference model (``beta != 0`` without PEFT) is a frozen copy of
+    ``policy`` (TRL would load the policy's checkpoint path with transformers' Auto classes)."""
+    def frozen_copy(model_id, **kwargs):
+        reference = copy.deepcopy(policy).eval()
+        reference.requires_grad_(False)
+        return reference
+
+    original = trl_grpo.create_model_from_path
+    trl_grpo.create_model_from_path = frozen_copy
+    try:
+        yield
+    finally:
+        trl_grpo.create_model_from_path = original
+
+
+def as_bdlm_config(args) -> BDLMGRPOConfig:
+    """``args`` as a :class:`BDLMGRPOConfig` (a plain ``GRPOConfig`` keeps its fields; the new ones take defaults)."""
+    if args is None or isinstance(args, BDLMGRPOConfig):
+        return args if args is not None else BDLMGRPOConfig(output_dir="bdlm-grpo")
+    if isinstance(args, GRPOConfig):
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+        return BDLMGRPOConfig(**values)
+    raise TypeError(f"args must be a BDLMGRPOConfig (or a GRPOConfig), got {type(args).__name__}.")
+
+
+class BDLMGRPOTrainer(GRPOTrainer):
+    """TRL's GRPO for a model of a family with a policy role (module docstring). Arguments as `GRPOTrainer`'s; ``model``
+    is a folder, hub id or model object of a family with a policy role; ``args`` a
+    :class:`BDLMGRPOConfig`."""
+
+    _tag_names = ["trl", "grpo", "hf_bdlm", "block-diffusion"]
+
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        args = as_bdlm_config(args)
+        model, processing_class, family, subject = load_policy_model(model, processing_class, args)
+        role = family.role("policy", subject)
+        role.check_args(args)
+        check_estimator(args.logp_estimator, role.estimators, f"the {family.name!r} family",
+                        "its decoder records no trace" if args.logp_estimator == "trace" else "")
+        if args.logp_estimator == "trace" and (tools or environment_factory or rollout_func):
+            which = "tools" if tools else "environment_factory" if environment_factory else "rollout_func"
+            raise ValueError(f"logp_estimator='trace' scores each token from the decoding step that committed it, and "
+                             f"with {which} a completion holds tokens no decoding step of the policy committed (tool "
+                             "output, other turns); use logp_estimator='coupled' or 'one_step'.")
+        self.family = family
+        self._round = 0
+        self._rows: dict | None = None  # the rows being scored: the round's at the rollout, a micro-batch's in the loss
+        self._rollout: dict = {}
+        self._iteration = 0
+        with reference_from(model):
+            super().__init__(model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class,
+                             reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                             optimizers=optimizers, peft_config=peft_config, tools=tools, rollout_func=rollout_func,
+                             environment_factory=environment_factory)
+        if self.aux_loss_enabled:
+            raise ValueError("router_aux_loss_coef != 0: the estimators return no MoE load-balancing loss; set "
+                             "router_aux_loss_coef=0.")
+        self.policy = role.policy(self.model, self._tokenizer, self.args)
+
+    # --- rollouts ---------------------------------------------------------------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """The prompts decoded by the family's serving decoder, seeded by the round (TRL: ``generate`` or vLLM)."""
+        if (images is not None and any(images)) or multimodal_fields:
+            raise ValueError("images: the block-diffusion policies decode text only.")
+        model = unwrap_model(self.accelerator.unwrap_model(self.model_wrapped))
+        seed = draw_seed(self.args.seed, self._round, self.accelerator.process_index)
+        with torch.no_grad():
+            rollout = self.policy.rollout(model, [list(p) for p in prompt_ids], seed,
+                                          trace=self.args.logp_estimator == "trace")
+        width = max(len(p) + len(c) for p, c in zip(prompt_ids, rollout.completions))
+        self._rollout = {"rows": rollout.rows, "width": max(width, self._rollout.get("width", 0))}
+        return rollout.completions, rollout.log_probs
+
+    def _generate_and_score_completions(self, inputs):
+        self._rollout = {}
+        self._rows = None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._rows = None
+        rows = self._round_rows(output["prompt_mask"], output["completion_mask"])
+        output.update(rows)
+        self._round += 1
+        return output
+
+    def _round_rows(self, prompt_mask, completion_mask) -> dict:
+        """The round's per-row extras: the family's rollout rows (``policy.<key>``), the round and its frame width."""
+        n = prompt_mask.shape[0]
+        longest = int((prompt_mask.sum(1) + completion_mask.sum(1)).max())
+        width = max(self._rollout.get("width", 0), longest)
+        device = prompt_mask.device
+        rows = {ROWS + key: value.to(device) for key, value in self._rollout.get("rows", {}).items()
+                if value.shape[0] == n}
+        rows[WIDTH] = torch.full((n,), width, dtype=torch.long, device=device)
+        rows[ROUND] = torch.full((n,), self._round, dtype=torch.long, device=device)
+        return rows
+
+    # --- log-probabilities ------------------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """The completion tokens' log-probabilities by the run's estimator (and entropies), ``batch_size`` rows at a
+        time: ``[rows, C]``, or ``[rows, num_iterations, C]`` for a random estimator's old and reference
+        log-probabilities computed at the rollout (module docstring)."""
+        if any(value is not None for value in multimodal.values()):
+            raise ValueError("images: the block-diffusion policies score text only.")
+        at_rollout = self._rows is None
+        rows = self._rows if not at_rollout else self._round_rows(attention_mask[:, :-logits_to_keep],
+                                                                 attention_mask[:, -logits_to_keep:])
+        rounds = rows[ROUND]
+        if bool((rounds != rounds[0]).any()):
+            raise RuntimeError("rows of several generation rounds in one log-probability call.")
+        random = self.args.logp_estimator in RANDOM_ESTIMATORS
+        iterations = range(self.num_iterations) if at_rollout and random and self.num_iterations > 1 else \
+            [self._iteration]
+        family_rows = {key[len(ROWS):]: value for key, value in rows.items() if key not in (WIDTH, ROUND)}
+        width = int(rows[WIDTH].max())
+        n, P = input_ids.shape[0], input_ids.shape[1] - logits_to_keep
+        batch_size = batch_size or n
+        log_probs, entropies = [], []
+        for start in range(0, n, batch_size):
+            part = slice(start, start + batch_size)
+            batch = PolicyBatch(input_ids[part, :P], attention_mask[part, :P], input_ids[part, P:],
+                                attention_mask[part, P:], {k: v[part] for k, v in family_rows.items()}, width)
+            per_iteration = []
+            for iteration in iterations:
+                scoring = PolicyScoring(self.args.logp_estimator, self.temperature,
+                                        draw_seed(self.args.seed, int(rounds[0]), iteration),
+                                        self.args.prompt_mask_ratio,
+                                        cache_clean_rows=not self.args.gradient_checkpointing)
+                with self.accelerator.autocast():
+                    per_iteration.append(self.policy.log_probs(model, batch, scoring, entropy=compute_entropy))
+            stack = (lambda xs: torch.stack(xs, 1)) if len(iterations) > 1 else (lambda xs: xs[0])
+            log_probs.append(stack([lp for lp, _ in per_iteration]))
+            if compute_entropy:
+                entropies.append(stack([e for _, e in per_iteration]))
+        return torch.cat(log_probs), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss over the current iteration's log-probabilities (the rows' extras and the iteration in hand)."""
+        training = self.model.training
+        iteration = (self._step // self.args.steps_per_generation) % self.num_iterations if training else 0
+        inputs = dict(inputs)
+        for key in ("old_per_token_logps", "ref_per_token_logps"):
+            value = inputs.get(key)
+            if value is not None and value.dim() == 3:
+                inputs[key] = value[:, iteration]
+        self._rows = {key: value for key, value in inputs.items() if key.startswith(ROWS)}
+        self._iteration = iteration
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._rows, self._iteration = None, 0
+
+
+__all__ = ["BDLMGRPOTrainer", "load_policy_model", "reference_from"]
