@@ -230,7 +230,7 @@ def test_bdlm_bound_equals_the_training_form_forward():
         model = tiny_bdlm(seed=3).double()
         model.config.objective = objective
         shift = objective == "fast_dllm_v2"
-        scorer = family_named("block_diffusion").likelihood_scorer(model, None)
+        scorer = family_named("block_diffusion").role("evaluation").likelihood_scorer(model, None)
         for context, continuation in (((9, 10, 11), (12, 13, 14, 15, 16, 17)), ((9, 10, 11, 12), (13,)),
                                       ((20,), (21, 22, 23, 24, 25, 26, 27, 28, 29))):
             [estimate] = scorer.score([ScoreRequest(context, continuation)], mc_num=1, seed=5, batch_size=1)
@@ -259,7 +259,7 @@ def test_diffusion_gemma_bound_equals_transformers_forward_per_canvas():
     """mc_num = 1: reconstruction minus the weighted score-entropy term of one draw, with each canvas's logits from
     transformers' own forward (`input_ids` = the text before the canvas, `decoder_input_ids` = the canvas)."""
     model = float64_faithful(tiny_model(seed=2)).eval()
-    scorer = family_named("diffusion_gemma").likelihood_scorer(model, None)
+    scorer = family_named("diffusion_gemma").role("evaluation").likelihood_scorer(model, None)
     t_min, vocab = scorer.t_min, scorer.vocab_size
     for context, continuation in (((9, 10, 11), (12, 13, 14, 15, 16, 17)), ((30, 31), (32,))):
         [estimate] = scorer.score([ScoreRequest(context, continuation)], mc_num=1, seed=7, batch_size=1)
@@ -367,7 +367,7 @@ def test_absorbing_draws_are_unbiased_for_exact_conditionals():
 
 def test_scores_are_a_function_of_the_seed_and_the_request_only(bdlm_dir):
     model, _ = load_for_evaluation(str(bdlm_dir), None, "cpu", 32)
-    scorer = family_named("block_diffusion").likelihood_scorer(model, None)
+    scorer = family_named("block_diffusion").role("evaluation").likelihood_scorer(model, None)
     requests = [ScoreRequest((20, 21, 22), (23, 24, 25, 26, 27)), ScoreRequest((9,), (10, 11))]
     first = scorer.score(requests, mc_num=8, seed=0, batch_size=2)
     assert scorer.score(requests[::-1], mc_num=8, seed=0, batch_size=1)[::-1] == first  # order, batch, rerun
@@ -378,7 +378,7 @@ def test_scores_are_a_function_of_the_seed_and_the_request_only(bdlm_dir):
 def gold_and_corrupted(folder, family: str, offset: int):
     """The bound (``mc_num=16``, seed 0) of 10 counts of 4 words, and of the same words counting down."""
     model, _ = load_for_evaluation(str(folder), None, "cpu", 32)
-    scorer = family_named(family).likelihood_scorer(model, None)
+    scorer = family_named(family).role("evaluation").likelihood_scorer(model, None)
     gold, corrupted = [], []
     for start in range(10, 40, 3):
         context = tuple(range(start + offset, start + offset + 5))

@@ -172,7 +172,8 @@ def test_plan_paper_counts_every_configuration_and_prints_the_same_tables(bars, 
 
     # One short setting and a family section that prices nothing: the code path of the paper's settings, in seconds.
     monkeypatch.setattr(plan_cli, "paper_settings", lambda: (("test setting", "gemma3-27b", 4096, "none", "tp"),))
-    monkeypatch.setattr(type(registry.family_named("dflash")), "paper_projection", lambda self, _: "a family section")
+    monkeypatch.setattr(type(registry.family_named("dflash").role("planning")), "paper_projection",
+                        lambda self, _: "a family section")
     args = build_parser().parse_args(["plan", "--paper"])
     monkeypatch.setenv(progress.PROGRESS_ENV, "0")
     assert plan_cli.run_paper(args) == 0
