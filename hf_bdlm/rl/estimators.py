@@ -32,6 +32,7 @@ from ..objectives.noise import hash_uniform
 from ..protocols.policy import LOGP_ESTIMATORS
 
 SALT_PROMPT_MASK = 0x6E1D_0001  # one_step's prompt masks (distinct from the training and likelihood draws)
+SALT_NOISE_TOKEN = 0x6E1D_0002  # the tokens a uniform-state model's masked positions hold
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -89,6 +90,13 @@ def prompt_masks(seed: int, key: int, positions: torch.Tensor, ratio: float) -> 
                         SALT_PROMPT_MASK) < ratio
 
 
+def noise_tokens(seed: int, key: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The tokens a uniform-state diffusion model's "masked" positions hold (it has no ``[MASK]``: its noise's end
+    state is a token drawn uniformly from the vocabulary), one per position (``[n]``), seeded as the masks are."""
+    u = hash_uniform(seed, 0, torch.tensor(key, dtype=torch.int64), positions.to(torch.int64).cpu(), SALT_NOISE_TOKEN)
+    return (u * vocab_size).long().clamp(max=vocab_size - 1)
+
+
 def check_estimator(name: str, available: tuple[str, ...], who: str, why: str = "") -> None:
     """Refuse an estimator that is not one of :data:`LOGP_ESTIMATORS`, or one ``who`` (a family) does not implement,
     naming the ones it does (``why``: what makes the missing one unavailable)."""
@@ -99,5 +107,5 @@ def check_estimator(name: str, available: tuple[str, ...], who: str, why: str = 
                          f"{list(available)}.")
 
 
-__all__ = ["LOGP_ESTIMATORS", "check_estimator", "coupled_masks", "draw_seed", "prompt_masks", "sample_key",
-           "token_log_probs"]
+__all__ = ["LOGP_ESTIMATORS", "check_estimator", "coupled_masks", "draw_seed", "noise_tokens", "prompt_masks",
+           "sample_key", "token_log_probs"]

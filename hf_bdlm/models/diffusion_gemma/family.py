@@ -7,8 +7,9 @@ the canvas-frame layout of each batch, sharded by the block-parallel plugin (:mo
 drives the encoder and decoder itself, through a :class:`~hf_bdlm.protocols.step.TrainingStep`; FSDP2 units that keep
 the tied encoder/decoder layers together (:mod:`.training.fsdp`); LoRA's reference targets), serving
 (transformers' `generate`, one random stream per request: :mod:`.inference.serving`), evaluation (its uniform-state
-bound: :mod:`.inference.likelihood`) and planning (its cost traits and the paper's 26B-A4B preset). The entry renders
-its model card (:mod:`.card`).
+bound: :mod:`.inference.likelihood`), planning (its cost traits and the paper's 26B-A4B preset) and policy (GRPO's
+rollouts and its ``coupled`` and ``one_step`` estimators: :mod:`.training.policy`). The entry renders its model card
+(:mod:`.card`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 from ...checkpoints.files import load_pretrained
 from ...protocols.decoding import DecodingVariant
 from ...protocols.entry import ModelFamily
-from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, ServingSpec, TrainingSpec
+from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, PolicySpec, ServingSpec, TrainingSpec
 from ...protocols.step import run_step
 from .card import render_diffusion_gemma_card
 from .modeling import (
@@ -31,6 +32,7 @@ from .configuration import DEFAULT_NOISE_EPS, MODEL_PREDICTION_TYPES
 from .inference.engines import fill_decoding_settings
 from .training.fsdp import shard_diffusion_gemma
 from .training.objectives import DiffusionGemmaObjective
+from .training.policy import DiffusionGemmaPolicy, rollout_settings
 from .training.sharded import diffusion_gemma_layout, frame_padding
 
 # The objective feeds text only: the vision tower never gets a gradient (frozen, so that DDP expects none).
@@ -221,10 +223,34 @@ class DiffusionGemmaPlanning(PlanningSpec):
                              attention_k_eq_v=True, tie_word_embeddings=True))}
 
 
+class DiffusionGemmaPolicySpec(PolicySpec):
+    """GRPO over DiffusionGemma: rollouts by its serving decoder (transformers' generate, a random stream per row),
+    log-probabilities by ``coupled`` or ``one_step`` on its uniform-state noise (:mod:`.training.policy`; ``trace``
+    is not available: generate records no per-token commit)."""
+
+    estimators = DiffusionGemmaPolicy.estimators
+
+    def check_args(self, args) -> None:
+        if args.top_k or args.min_p is not None or args.repetition_penalty != 1.0:
+            raise ValueError(f"top_k={args.top_k!r}, min_p={args.min_p!r}, repetition_penalty="
+                             f"{args.repetition_penalty!r}: DiffusionGemma's sampler applies none of them (its "
+                             "entropy-bound sampler keeps the whole distribution); leave them unset.")
+
+    def policy(self, model, tokenizer, args):
+        dg = unwrap_diffusion_gemma(model)
+        decoder = self.family.role("serving").decoder(dg, tokenizer)
+        if args.generation_kwargs:
+            decoder = decoder.with_overrides(**args.generation_kwargs)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else dg.config.get_text_config().pad_token_id or 0
+        return DiffusionGemmaPolicy(decoder, rollout_settings(decoder, args), int(pad))
+
+
 class DiffusionGemmaFamily(ModelFamily):
     name = "diffusion_gemma"
     roles = {"training": DiffusionGemmaTraining, "serving": DiffusionGemmaServing,
-             "evaluation": DiffusionGemmaEvaluation, "planning": DiffusionGemmaPlanning}
+             "evaluation": DiffusionGemmaEvaluation, "planning": DiffusionGemmaPlanning,
+             "policy": DiffusionGemmaPolicySpec}
     refusals = {"drafting": "--draft takes a drafter folder; pass a drafter folder, or serve it without --draft."}
 
     def claims_model(self, model) -> bool:
