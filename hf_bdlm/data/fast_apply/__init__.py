@@ -26,17 +26,22 @@ or, through `datasets`, `load_fast_apply_dataset("heldout")`, or `load_splits(st
 `hf_bdlm.data` (the folder's `README.md` maps `train.jsonl` to the split `train` and `heldout.jsonl` to `test`, the
 held-out split name the recipes read by default). Rebuild the files with `python -m hf_bdlm.data.fast_apply.build`.
 
-`hf_bdlm.evaluation.exact_match.held_out_exact_match` scores with `hf_bdlm.data.exact_match` (the arithmetic rule:
-surrounding whitespace ignored, the rest identical, so a little stricter than this module's `exact_match`); give it
-`max_new_tokens` of at least `build.MAX_TOKENS` (320) for these answers, and score the answers it returns with
-`exact_match` / `ast_equal` from here for this task's rules.
+The scorers live in :mod:`.scoring` (re-exported here): `exact_match`, `ast_equal`, `score` (both on one reply)
+and the TRL reward functions `exact_match_reward` and `ast_equal_reward`; the decoding study scores with them
+(``hf-bdlm bench --only decoding --decoding-task fast_apply``). Through `hf_bdlm.data`, ``load_splits(
+"hf_bdlm:fast_apply")`` gives `(train, heldout)` as `datasets.Dataset`s, the name the SFT recipe and ``hf-bdlm
+train --dataset`` take. `hf_bdlm.evaluation.exact_match.held_out_exact_match` scores with `hf_bdlm.data.exact_match`
+(the arithmetic rule: surrounding whitespace ignored, the rest identical, so a little stricter than this task's
+`exact_match`); give it `max_new_tokens` of at least `build.MAX_TOKENS` (320) for these answers, and score the
+answers it returns with `exact_match` / `ast_equal` from here for this task's rules.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import pathlib
+
+from .scoring import ast_equal, exact_match, normalize_code  # noqa: F401  (the scorers, re-exported)
 
 FAST_APPLY_DIR = pathlib.Path(__file__).resolve().parent
 SPLITS = ("train", "heldout")
@@ -90,46 +95,6 @@ def chat_messages(record: dict, with_answer: bool = False) -> list[dict]:
     if with_answer:
         messages += [dict(m) for m in record["completion"]]
     return messages
-
-
-def _unfence(text: str) -> str:
-    """The body of `text` when the whole of it (surrounding whitespace aside) is one fenced code block."""
-    lines = text.strip().split("\n")
-    if len(lines) >= 2 and lines[0].startswith("```") and lines[-1].strip() == "```":
-        return "\n".join(lines[1:-1])
-    return text
-
-
-def normalize_code(text: str) -> str:
-    """The text exact match compares: `text` with one enclosing code fence removed (if the whole text is one fenced
-    block), trailing whitespace removed from every line, and blank lines at the start and the end dropped. Leading
-    indentation, inner blank lines and everything else are kept."""
-    lines = [line.rstrip() for line in _unfence(text).replace("\r\n", "\n").split("\n")]
-    while lines and not lines[0]:
-        lines.pop(0)
-    while lines and not lines[-1]:
-        lines.pop()
-    return "\n".join(lines)
-
-
-def exact_match(pred: str, ref: str) -> bool:
-    """Whether a generated function equals the expected one, line for line.
-
-    The rule: both sides go through :func:`normalize_code` (trailing whitespace of each line and blank lines around the
-    function are ignored, and so is one code fence around the whole reply); everything else, indentation, comments,
-    inner blank lines and quotes included, must be identical. Decode with `skip_special_tokens=True` first.
-    """
-    return normalize_code(pred) == normalize_code(ref)
-
-
-def ast_equal(pred: str, ref: str) -> bool:
-    """Whether a generated function parses to the same syntax tree as the expected one: `ast.dump` equality of the
-    parsed modules (after the same fence removal as :func:`exact_match`), so formatting and comments do not count
-    while any change of code, docstrings included, does. False when either side does not parse."""
-    try:
-        return ast.dump(ast.parse(normalize_code(pred))) == ast.dump(ast.parse(normalize_code(ref)))
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
 
 
 # The folder of the exported embedded model under the cache root: `hf_bdlm.embedded.DEFAULT_MODEL_NAME`, named here

@@ -47,7 +47,8 @@ CAPTURE = Command(
         Argument("--target", required=True, help=TARGET),
         Argument("--target-revision"),
         Argument("--dataset", required=True,
-                 help="'hf_bdlm:arith' or a dataset datasets.load_dataset reads (as hf-bdlm train)"),
+                 help="'hf_bdlm:arith', 'hf_bdlm:fast_apply' or a dataset datasets.load_dataset reads "
+                      "(as hf-bdlm train)"),
         Argument("--dataset-config"),
         Argument("--split", default="train"),
         Argument("--out", required=True, help="capture folder (a rerun resumes it)"),
