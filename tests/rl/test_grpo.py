@@ -6,7 +6,8 @@
 - ``coupled`` scores each completion token exactly once and equals the likelihood estimator's ELBO at the same masks;
 - the GRPO loss's gradient equals central finite differences, for every estimator;
 - the importance ratios of the first iteration are exactly 1, the masks of a random estimator change per iteration;
-- with a constant reward only the KL term moves the weights; a 2-step run trains; a drafter is refused by name.
+- with a constant reward only the KL term moves the weights; a 2-step run trains (with activation checkpointing, LoRA,
+  several iterations, a reference); a drafter is refused by name.
 """
 
 from __future__ import annotations
@@ -198,10 +199,12 @@ def constant_reward(completions, **kwargs):
 DATA = Dataset.from_dict({"prompt": ["w9 w10 w11", "w12 w13", "w20 w21 w22 w23 w24 w25", "w30"] * 4})
 
 
-def trainer_for(estimator, reward=reward_count_w1, model=None, tools=None, **fields) -> BDLMGRPOTrainer:
+def trainer_for(estimator, reward=reward_count_w1, model=None, tools=None, peft_config=None,
+                **fields) -> BDLMGRPOTrainer:
     model = tiny_policy_model() if model is None else model
     return BDLMGRPOTrainer(model, reward_funcs=reward, args=args_for(logp_estimator=estimator, **fields),
-                           train_dataset=DATA, processing_class=tiny_tokenizer(), tools=tools)
+                           train_dataset=DATA, processing_class=tiny_tokenizer(), tools=tools,
+                           peft_config=peft_config)
 
 
 def rollout_batch(trainer) -> dict:
@@ -301,8 +304,14 @@ def test_with_a_constant_reward_only_the_kl_term_moves_the_weights():
 
 
 @pytest.mark.parametrize("estimator,fields", [("trace", {"gradient_checkpointing": True}),
+                                              ("trace", {"lora": True, "beta": 0.05}),
                                               ("coupled", {"num_iterations": 2}), ("one_step", {"beta": 0.05})])
 def test_a_two_step_run_trains(estimator, fields):
+    fields = dict(fields)
+    if fields.pop("lora", False):  # PEFT: the reference is the model with its adapter disabled, as in TRL
+        from peft import LoraConfig
+
+        fields["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     trainer = trainer_for(estimator, max_steps=2, **fields)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
