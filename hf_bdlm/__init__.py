@@ -32,6 +32,8 @@ _LAZY = {
     "convert_causal_lm": ".models.block_diffusion.conversion",
     "BDLMSFTConfig": ".trainer",  # imports TRL
     "BDLMSFTTrainer": ".trainer",
+    "BDLMGRPOConfig": ".rl.config",  # imports TRL (docs/rl.md)
+    "BDLMGRPOTrainer": ".rl.trainer",
     "export_sdar": ".models.block_diffusion.inference.export_sdar",  # the SDAR folder SGLang and LMDeploy serve (docs/deploy.md)
     "BlockParallelPlugin": ".parallel.plugin",
 }
@@ -143,6 +145,8 @@ moved.install()  # old module paths (hf_bdlm/moved.py) still import, with a Depr
 
 
 __all__ = [
+    "BDLMGRPOConfig",
+    "BDLMGRPOTrainer",
     "BDLMSFTConfig",
     "BDLMSFTTrainer",
     "BlockDiffusionConfig",
