@@ -19,8 +19,9 @@ from trainer_common import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 # recipes/sft.py's configs (dg_matched_cpu.yaml belongs to recipes/dg_matched.py:
 # tests/models/diffusion_gemma/test_matched_recipe.py; dflash_smollm2_cpu.yaml to recipes/dflash.py:
-# tests/models/dflash/test_trainer.py).
-OTHER_RECIPES = ("dg_matched_cpu.yaml", "dflash_smollm2_cpu.yaml")
+# tests/models/dflash/test_trainer.py; dflash_smollm2_fast_apply_cpu.yaml to recipes/dflash.py:
+# tests/trainer/test_fast_apply_recipes.py).
+OTHER_RECIPES = ("dg_matched_cpu.yaml", "dflash_smollm2_cpu.yaml", "dflash_smollm2_fast_apply_cpu.yaml")
 CONFIGS = sorted(p for p in (ROOT / "recipes" / "configs").glob("*.yaml") if p.name not in OTHER_RECIPES)
 ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
@@ -29,9 +30,10 @@ def parse(*argv):
     return sft.make_parser().parse_args_and_config(args=list(argv))[:3]
 
 
-def test_there_are_the_six_configs_and_six_launch_files():
+def test_there_are_the_seven_configs_and_six_launch_files():
     assert {p.name for p in CONFIGS} == {"smollm2_cpu_csbp.yaml", "smollm2_cpu_parallel.yaml",
                                          "smollm2_cpu_confident.yaml", "smollm2_cpu_self_distill.yaml",
+                                         "smollm2_cpu_fast_apply.yaml",
                                          "qwen3_conversion_256k_16gpu.yaml",
                                          "diffusion_gemma_26b_a4b_sft_256k_16gpu.yaml"}
     assert {p.name for p in ACCELERATE} == {"cpu_2proc.yaml", "cpu_2proc_fsdp2.yaml", "fsdp2_8gpu.yaml",
@@ -167,8 +169,9 @@ def test_the_ar_baseline_sees_the_bdlm_recipes_sequences():
     quick = yaml.safe_load((ROOT / "recipes/configs/smollm2_cpu_csbp.yaml").read_text())
     world = yaml.safe_load((ROOT / "recipes/accelerate/cpu_2proc.yaml").read_text())["num_processes"]
     per_step = quick["per_device_train_batch_size"] * world // quick["block_parallel_size"]
-    defaults = ar_sft.make_parser().parse_args([])
-    assert (defaults.max_steps, defaults.batch_size) == (quick["max_steps"], per_step) == (90, 4)
+    defaults = ar_sft.settings(ar_sft.make_parser().parse_args([]))  # read from the quickstart's YAML
+    assert (defaults["max_steps"], defaults["sequences_per_step"]) == (quick["max_steps"], per_step) == (90, 4)
+    assert defaults["dataset"] == "hf_bdlm:arith" and defaults["output_dir"] == "outputs/smollm2-135m-ar-sft"
 
 
 # --- recipes/self_distill.py: a block-diffusion model's own answers as SFT data ---------------------------------------
