@@ -127,7 +127,8 @@ class BDLMGRPOTrainer(GRPOTrainer):
                              f"with {which} a completion holds tokens no decoding step of the policy committed (tool "
                              "output, other turns); use logp_estimator='coupled' or 'one_step'.")
         self.family = family
-        self._round = 0
+        self._round = 0  # the generation round in hand (its seeds), see _next_round
+        self._rounds_at: tuple[int, bool, int] = (-1, True, 0)  # (global step, training, rounds made at it)
         self._rows: dict | None = None  # the rows being scored: the round's at the rollout, a micro-batch's in the loss
         self._rollout: dict = {}
         self._iteration = 0
@@ -157,16 +158,26 @@ class BDLMGRPOTrainer(GRPOTrainer):
         return rollout.completions, rollout.log_probs
 
     def _generate_and_score_completions(self, inputs):
+        self._round = self._next_round()
         self._rollout = {}
         self._rows = None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._rows = None
-        rows = self._round_rows(output["prompt_mask"], output["completion_mask"])
-        output.update(rows)
-        self._round += 1
+        output.update(self._round_rows(output["prompt_mask"], output["completion_mask"]))
         return output
+
+    def _next_round(self) -> int:
+        """The id of the generation round about to start, a function of the optimizer step (restored on resume) and
+        of the rounds already made at it, so a resumed run draws the seeds the uninterrupted run drew; evaluation
+        rounds count apart (negative ids)."""
+        step, training, made = self._rounds_at
+        now = (self.state.global_step, self.model.training)
+        made = made + 1 if now == (step, training) else 0
+        self._rounds_at = (*now, made)
+        round_ = now[0] * 4096 + made
+        return round_ if now[1] else -1 - round_
 
     def _round_rows(self, prompt_mask, completion_mask) -> dict:
         """The round's per-row extras: the family's rollout rows (``policy.<key>``), the round and its frame width."""

@@ -208,7 +208,9 @@ def trainer_for(estimator, reward=reward_count_w1, model=None, tools=None, peft_
 
 
 def rollout_batch(trainer) -> dict:
-    """One generation round as TRL's ``_prepare_inputs`` makes it (each prompt ``num_generations`` times)."""
+    """One generation round as TRL's ``_prepare_inputs`` makes it in training (each prompt ``num_generations`` times,
+    the model in training mode: the old log-probabilities in chunks of ``per_device_train_batch_size``)."""
+    trainer.model.train()
     G = trainer.args.num_generations
     inputs = [DATA[i] for i in range(trainer.args.generation_batch_size // G) for _ in range(G)]
     return trainer._generate_and_score_completions(inputs)

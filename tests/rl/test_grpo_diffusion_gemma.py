@@ -56,6 +56,7 @@ def test_a_two_step_run_trains_and_its_first_ratios_are_exactly_one():
     trainer = BDLMGRPOTrainer(model, reward_funcs=reward_count_w1, train_dataset=DATA,
                               processing_class=tiny_tokenizer(),
                               args=args_for(max_steps=2, num_iterations=2, steps_per_generation=2, beta=0.05))
+    model.train()  # as in training: the old log-probabilities in chunks of per_device_train_batch_size
     inputs = [DATA[i] for i in range(2) for _ in range(2)]
     batch = trainer._generate_and_score_completions(inputs)
     assert batch["old_per_token_logps"].shape[:2] == (4, 2)  # every iteration's masks, at the rollout

@@ -92,7 +92,8 @@ class DecodingTrace:
     def as_rows(self, prompt_lengths: list[int], mask_token_id: int) -> dict[str, torch.Tensor]:
         """The trace as per-row tensors (rows first, padded): ``trace_tokens`` and ``trace_steps`` ``[rows, W]`` from
         each row's first decoded block on (padding: ``[MASK]``, :data:`NEVER`), ``trace_start`` ``[rows]`` (its first
-        decoded block's position) and ``trace_block`` ``[rows]`` (the block size)."""
+        decoded block's position), ``trace_from`` ``[rows]`` (the run's first decoded position, the same in every row)
+        and ``trace_block`` ``[rows]`` (the block size)."""
         B = self.settings.block_size
         width = max(len(blocks) for blocks in self.blocks) * B
         tokens = torch.full((len(self.blocks), width), mask_token_id, dtype=torch.long)
@@ -104,6 +105,7 @@ class DecodingTrace:
                 tokens[r, i * B:(i + 1) * B] = b.tokens.cpu()
                 steps[r, i * B:(i + 1) * B] = b.steps.cpu()
         return {"trace_tokens": tokens, "trace_steps": steps, "trace_start": start,
+                "trace_from": torch.full_like(start, int(start.min())),
                 "trace_block": torch.full((len(self.blocks),), B, dtype=torch.long)}
 
 

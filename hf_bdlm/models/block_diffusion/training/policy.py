@@ -194,7 +194,9 @@ class BlockDiffusionPolicy(Policy):
         if bool((step < 0).any() | (step >= NEVER).any()):
             raise ValueError("a completion token the trace does not record as committed by a decoding step: the rows' "
                              "completions are not the ones their trace decoded.")
-        c0 = int(batch.rows["trace_start"].min())
+        # Noisy rows from the round's first decoded column on (the same columns for every batch of the round's rows,
+        # and every row in every step's forward: a row's numbers do not depend on the rows beside it).
+        c0 = int(batch.rows["trace_from"][0]) if "trace_from" in batch.rows else int(batch.rows["trace_start"].min())
         noisy_rows = stream_rows(NOISY, positions[c0:])
         k_rows = RowMeta.cat([clean_rows, noisy_rows])
         log_probs = entropies = None
@@ -202,25 +204,21 @@ class BlockDiffusionPolicy(Policy):
             at = step == k
             if not bool(at.any()):
                 continue
-            members = torch.unique(index[at])  # the rows with a token committed at step k
-            local = torch.empty(b, dtype=torch.long, device=device)
-            local[members] = torch.arange(members.numel(), device=device)
-            state = torch.where(steps[members] < k, ids[members], rows.mask)  # the blocks as they were at step k
+            state = torch.where(steps < k, ids, rows.mask)  # the blocks as they were at step k
             if cache is None:  # the clean rows run again in every step's forward (the training form)
-                hidden, clean_step = self._forward(runner, rows, state, ids[members])
+                hidden, clean_step = self._forward(runner, rows, state, ids)
                 offset = 0
             else:  # the step's noisy rows over the clean rows' cached K/V (never stored in the cache)
-                cache.plan = StepPlan(0, None if members.numel() == b else members,
-                                      StepWindow.whole(members.numel(), L - c0, device), False, b, L - c0)
+                cache.plan = StepPlan(0, None, StepWindow.whole(b, L - c0, device), False, b, L - c0)
                 try:
-                    hidden = runner(input_ids=state[:, c0:], position_ids=positions[c0:].expand(members.numel(), -1),
+                    hidden = runner(input_ids=state[:, c0:], position_ids=positions[c0:].expand(b, -1),
                                     bdlm_layout=LocalLayout(noisy_rows, k_rows, self.settings.rule, backend),
                                     past_key_values=cache, use_cache=True, return_logits=False).hidden_states
                 finally:
                     cache.plan = None
-                clean_step, offset = clean_hidden[members], c0
-            lp, ent = self._score(inner, hidden, clean_step, local[index[at]], pos[at], ids[index[at], pos[at]],
-                                  scoring, entropy, offset=offset)
+                clean_step, offset = clean_hidden, c0
+            lp, ent = self._score(inner, hidden, clean_step, index[at], pos[at], ids[index[at], pos[at]], scoring,
+                                  entropy, offset=offset)
             log_probs = self._place(lp, rows, index[at], pos[at], log_probs)
             entropies = self._place(ent, rows, index[at], pos[at], entropies)
         if log_probs is None:  # nothing to score (every completion empty or masked out)
