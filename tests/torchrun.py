@@ -74,7 +74,9 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> sub
     launches at a time on 2 cores; the second launch must pass every assertion on its own. A Python error, a
     timeout or a second crash fails.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH, PYTHONFAULTHANDLER="1")
+    # HF_BDLM_TEST_SESSION_PID: a shared launch ends itself when this session is killed (shared_launch.py).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH, PYTHONFAULTHANDLER="1",
+               HF_BDLM_TEST_SESSION_PID=str(os.getpid()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--standalone", str(DISTRIBUTED / script), *args]
 

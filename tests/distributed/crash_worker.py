@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--marker", required=True)
     parser.add_argument("--mode", choices=["abort_first_launch", "abort_every_launch", "raise", "hang"], required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.mode == "hang":
         Path(args.marker).parent.joinpath(f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
         time.sleep(3600)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import threading
 import time
 import traceback
@@ -64,7 +65,31 @@ def record_rank_result(out: Path, prefix: str, run: Callable[[], dict]) -> dict:
     return result
 
 
+# The pid of the test session that started the launch (tests/torchrun.py sets it): a session killed without its
+# clean-up (a CI timeout, kill -9) must not leave the launch computing on the cores the next run needs.
+SESSION_PID_ENV = "HF_BDLM_TEST_SESSION_PID"
+
+
+def end_with_the_session(poll_s: float = 2.0) -> None:
+    """Exit this rank (and so the launch: torchrun stops the others) once the test session that started it is gone."""
+    pid = int(os.environ.get(SESSION_PID_ENV, "0"))
+    if pid <= 0:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                print(f"[shared launch] the test session (pid {pid}) is gone: ending the launch", flush=True)
+                os._exit(3)
+
+    threading.Thread(target=watch, name="session-watch", daemon=True).start()
+
+
 def main() -> None:
+    end_with_the_session()
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", required=True, help="JSON list of {name, script, args, folder}")
     args = parser.parse_args()

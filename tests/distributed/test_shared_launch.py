@@ -126,6 +126,41 @@ def test_killing_a_launch_leaves_none_of_its_ranks_behind(tmp_path):
     assert [pid for pid in pids if _alive(pid)] == []
 
 
+def test_a_shared_launch_ends_when_its_test_session_is_killed(tmp_path):
+    # A session killed without its clean-up (a CI timeout, kill -9) used to leave its shared launch computing for
+    # minutes on the cores the next run needs: its ranks watch the session's pid and end the launch when it is gone.
+    import os
+    import sys
+
+    from paths import DISTRIBUTED, PYTHONPATH, ROOT
+
+    session = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps([{"name": "hang", "script": "crash_worker.py", "folder": str(tmp_path / "hang"),
+                                 "args": ["--marker", str(tmp_path / "launches"), "--mode", "hang"]}]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH, HF_BDLM_TEST_SESSION_PID=str(session.pid))
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                               str(DISTRIBUTED / "shared_launch.py"), "--jobs", str(jobs)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all((tmp_path / f"rank{r}.pid").exists() for r in range(2)):
+            assert launch.poll() is None, launch.communicate()[0][-3000:]
+            time.sleep(0.2)
+        pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
+        session.kill()
+        session.wait()
+        out, _ = launch.communicate(timeout=60)
+        assert "the test session (pid" in out and launch.returncode != 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert [pid for pid in pids if _alive(pid)] == []
+    finally:
+        session.kill()
+        torchrun._kill_group(launch)
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
