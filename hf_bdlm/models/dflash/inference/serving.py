@@ -118,7 +118,7 @@ class SpeculativeServingDecoder(ServingDecoder):
                     sent[row] += len(tokens)
                 if sent[row] >= budgets[row]:
                     ended.add(row)
-            stop = (on_block(chunk) if chunk else set()) | ended
+            stop = set((on_block(chunk) or ()) if chunk else ()) | ended
             session.stop(stop)
             if session.done:
                 return

@@ -134,7 +134,7 @@ class DiffusionGemmaServingDecoder(ServingDecoder):
                 row = rows[i]
                 with self._random_state(row):
                     tokens = row.next_canvas()
-                stop = on_block({i: tokens}) if tokens else set()
+                stop = (on_block({i: tokens}) or set()) if tokens else set()
                 if row.finished or i in stop:
                     del rows[i]
 
