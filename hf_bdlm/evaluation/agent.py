@@ -75,6 +75,7 @@ def prepare_environment() -> None:
 def load_agent_config(name: str, cwd: str) -> dict:
     """mini-swe-agent's shipped config `name`, its container path `/testbed` replaced by the sandbox folder."""
     prepare_environment()
+    # lazy: optional dependency (mini-swe-agent), after prepare_environment() sets what it reads
     from minisweagent.config import get_config_path
 
     text = get_config_path(name).read_text()
@@ -85,6 +86,7 @@ def run_agent(task: str, cwd: str | Path, settings: AgentSettings, config_name: 
               trajectory_path: str | Path | None = None) -> AgentOutcome:
     """Run the agent on `task` with shell commands executed in `cwd`; never raises for the model's failures."""
     prepare_environment()
+    # lazy: optional dependency (mini-swe-agent), after prepare_environment() sets what it reads
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.environments.local import LocalEnvironment
     from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel

@@ -27,20 +27,24 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ..protocols.step import unwrap_model
+from ..serving import Engine
+from .agent import AgentSettings
+from .endpoint import model_endpoint
+from .live_model import servable_model
 
 BENCHMARKS = ("swebench", "terminal-bench")
 
 
 def plot_pass_rate(history: list[dict], path: str | Path, title: str = "pass rate per checkpoint") -> Path:
     """Line plot of pass rate (%) against training step, one line per benchmark (matplotlib, PNG)."""
-    import matplotlib
+    import matplotlib  # lazy: optional dependency (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use picks the backend pyplot starts with
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     for benchmark in sorted({row["benchmark"] for row in history}):
@@ -99,8 +103,6 @@ class BDLMEvalCallback(TrainerCallback):
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
         """Every rank: gather the weights if they are sharded; the main process evaluates; all ranks then receive its
         row and log it (the trainer's loggers write on the main process only)."""
-        from .live_model import servable_model
-
         main = state.is_world_process_zero
         tokenizer = processing_class or getattr(self.trainer, "processing_class", None)
         if model is None or tokenizer is None:
@@ -143,8 +145,6 @@ class BDLMEvalCallback(TrainerCallback):
 
     def _shared(self, row: dict | None, main: bool) -> dict:
         """The main process's row on every rank: the other ranks wait here while it evaluates."""
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return row
         if self._wait_group is None:  # every rank reaches the first save: the group is created collectively
@@ -156,10 +156,6 @@ class BDLMEvalCallback(TrainerCallback):
     def evaluate(self, model, tokenizer, output_dir: Path, step: int) -> tuple[float, Path]:
         """Serve `model` (a model of any family the server decodes) and run the benchmark; the model's train/eval
         mode is restored afterwards."""
-        from ..serving import Engine
-        from .agent import AgentSettings
-        from .endpoint import model_endpoint
-
         served = unwrap_model(model)
         was_training = served.training
         try:
@@ -169,11 +165,11 @@ class BDLMEvalCallback(TrainerCallback):
                                          max_tokens=self.max_tokens,
                                          model_kwargs={} if self.seed is None else {"seed": self.seed})
                 if self.benchmark == "swebench":
-                    from .swebench_runner import run_swebench
+                    from .swebench_runner import run_swebench  # lazy: optional dependency (swebench)
 
                     run = run_swebench(endpoint, output_dir, settings, instance_ids=self.tasks, progress=False)
                 else:
-                    from .terminal_runner import run_terminal_bench
+                    from .terminal_runner import run_terminal_bench  # lazy: optional dependency (swebench)
 
                     run = run_terminal_bench(endpoint, output_dir, settings, names=self.tasks, progress=False)
         finally:

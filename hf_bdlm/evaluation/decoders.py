@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..protocols.decoding import DecodingRequest
+
 Stop = Callable[[int, list], bool]
 
 
@@ -95,7 +97,7 @@ class GreedyAR:
 
     def decode(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
                stop: Stop | None = None) -> list[list[int]]:
-        import torch
+        import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
@@ -117,7 +119,7 @@ class GreedyAR:
 def row_stop_criteria(stop: Stop, width: int, ends: list, eos: set[int]):
     """transformers' stopping criteria (a list of one) asking ``stop`` about every row still decoding after each
     step, and ending the rows it answers true for (their lengths written into ``ends``)."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class RowStop(StoppingCriteria):
@@ -149,8 +151,6 @@ def serve_decode(decoder, prompts: list[list[int]], max_new_tokens: int, ignore_
     """Decode through a family's serving decoder (what ``hf-bdlm serve`` runs); a decoder told to ignore EOS decodes
     the whole budget and its text is cut at the first EOS after. ``stop``: as the module says (a row it ends keeps
     the whole block that ended it)."""
-    from ..protocols.decoding import DecodingRequest
-
     request = DecodingRequest(ignore_eos=ignore_eos, seed=0)
     settings = [decoder.settings(request, len(p), max_new_tokens) for p in prompts]
     got: list[list[int]] = [[] for _ in prompts]

@@ -13,6 +13,8 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
+
 
 @dataclass
 class Endpoint:
@@ -28,6 +30,7 @@ def model_endpoint(model_dir: str | None = None, base_url: str | None = None, mo
     if base_url:
         yield Endpoint(base_url.rstrip("/"), model or _first_model(base_url, api_key), api_key or "none")
         return
+    # lazy: optional dependency (fastapi, uvicorn: the serve extra)
     from ..serving import Engine, ServerConfig, ServerThread
 
     if engine is None:
@@ -39,8 +42,6 @@ def model_endpoint(model_dir: str | None = None, base_url: str | None = None, mo
 
 
 def _first_model(base_url: str, api_key: str | None) -> str:
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
     response.raise_for_status()

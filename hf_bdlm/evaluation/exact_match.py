@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..data import exact_match
+from ..progress import progress_bar
+from ..protocols.registry import family_for_model
+
 
 @torch.no_grad()
 def held_out_exact_match(model, tokenizer, examples, *, max_new_tokens: int | None = None,
@@ -31,10 +35,6 @@ def held_out_exact_match(model, tokenizer, examples, *, max_new_tokens: int | No
 
     The model's train/eval mode is restored.
     """
-    from ..data import exact_match
-    from ..progress import progress_bar
-    from ..protocols.registry import family_for_model
-
     if max_new_tokens is None:
         max_new_tokens = family_for_model(model).block_size(model)
     was_training = model.training

@@ -14,14 +14,16 @@ from __future__ import annotations
 import copy
 
 import torch
+from accelerate import init_empty_weights
+from peft import get_peft_model
+from torch.distributed.tensor import DTensor
 
 from ..protocols.step import unwrap_model
+from ..trainer.fsdp import full_model_state_dict
 
 
 def holds_dtensors(model: torch.nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor (sharded by FSDP2 or split by tensor parallelism)."""
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -31,8 +33,6 @@ def servable_model(model: torch.nn.Module, is_main: bool, device: torch.device |
     ``None``."""
     if not holds_dtensors(model):
         return unwrap_model(model) if is_main else None
-    from ..trainer.fsdp import full_model_state_dict
-
     state = full_model_state_dict(model)  # on the CPU of the main process; empty elsewhere
     if not is_main:
         return None
@@ -46,8 +46,6 @@ def _plain_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch
     """A model of the same class and config as ``model`` (PEFT adapters re-applied), without its sharding, holding
     ``state``. Parameters are built on the meta device and take the gathered tensors; buffers (e.g. rotary
     frequencies, outside the state dict) are computed as at load time."""
-    from accelerate import init_empty_weights
-
     peft_config = None
     base = model
     if hasattr(model, "get_base_model"):
@@ -55,8 +53,6 @@ def _plain_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch
     with init_empty_weights(include_buffers=False):
         plain = type(base)(copy.deepcopy(base.config))
     if peft_config is not None:
-        from peft import get_peft_model
-
         plain = get_peft_model(plain, copy.deepcopy(peft_config))
     missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
     still_meta = [name for name, p in plain.named_parameters() if p.is_meta]

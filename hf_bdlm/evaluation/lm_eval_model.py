@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: it fills its registry only while it is empty)
@@ -42,12 +43,15 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from transformers import AutoConfig
 
+from ..embedded import default_model_dir
 from ..objectives.likelihood import request_key
 from ..progress import progress_bar
 from ..protocols.decoding import DecodingRequest
-
 from ..protocols.likelihood import ScoreRequest
+from ..protocols.registry import family_for_config, family_for_model
+from ..serving.scheduler import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +94,6 @@ class HFBDLMEvalModel(TemplateLM):
             raise TypeError(f"--model bdlm got unknown model_args {sorted(unknown)}; it takes pretrained, dtype, device, "
                             "batch_size, mc_num, seed, block_size, confidence_threshold, steps_per_block (steps), "
                             "max_gen_toks, max_length, add_bos_token, conversion_block_size.")
-        from ..protocols.registry import family_for_model
-
         if model is None:
             if pretrained is None:
                 raise ValueError("--model bdlm needs model_args pretrained=DIR (a checkpoint folder, a causal-LM "
@@ -218,8 +220,6 @@ class HFBDLMEvalModel(TemplateLM):
 
     # --- generation ----------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from ..serving.scheduler import TextStream
-
         jobs = []
         for request in requests:
             context, gen_kwargs = request.args
@@ -302,15 +302,7 @@ class HFBDLMEvalModel(TemplateLM):
 
 def load_for_evaluation(path: str, dtype: str | None, device: str | None, conversion_block_size: int):
     """``(model, tokenizer)`` of a checkpoint folder, loaded by its family's evaluation role (``EvaluationSpec.load``)."""
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from ..protocols.registry import family_for_config
-
     if path == "embedded:smollm2":
-        from ..embedded import default_model_dir
-
         path = str(default_model_dir())
     if not Path(path).is_dir():
         raise FileNotFoundError(f"pretrained={path!r} is not a folder; pass a checkpoint folder (or embedded:smollm2).")

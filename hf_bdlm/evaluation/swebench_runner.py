@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .agent import SWEBENCH_CONFIG, AgentSettings, run_agent
@@ -202,8 +203,6 @@ def run_swebench(endpoint: Endpoint | None, output_dir: str | Path, settings: Ag
 
 
 def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(package)
     except PackageNotFoundError:

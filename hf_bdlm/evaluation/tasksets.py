@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from datasets import load_dataset
+
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 OFFLINE_SWEBENCH = TASKS_DIR / "swebench_offline.jsonl"
 OFFLINE_TERMINAL = TASKS_DIR / "terminal"
@@ -27,8 +29,6 @@ def load_swebench_instances(dataset: str = "offline", split: str = "test",
         text = path.read_text()
         instances = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l]
     else:
-        from datasets import load_dataset
-
         instances = [dict(row) for row in load_dataset(dataset, split=split)]
     if instance_ids:
         known = {i["instance_id"] for i in instances}

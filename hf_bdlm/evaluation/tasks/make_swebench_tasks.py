@@ -15,7 +15,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from ..sandbox import diff_worktree, init_repo, run_instance_tests, write_files
+from swebench.harness.log_parsers import parse_log_pytest
+
+from ..sandbox import diff_worktree, git, init_repo, run_instance_tests, write_files
 
 OUT = Path(__file__).resolve().parent / "swebench_offline.jsonl"
 CREATED_AT = "2025-01-01T00:00:00Z"
@@ -190,15 +192,11 @@ def build_instance(task: dict, workdir: Path) -> dict:
 
 
 def _restore(repo: Path) -> None:
-    from ..sandbox import git
-
     git(repo, "reset", "-q", "--hard")
     git(repo, "clean", "-qfdx")
 
 
 def _pytest_status(log: str) -> dict[str, str]:
-    from swebench.harness.log_parsers import parse_log_pytest
-
     return parse_log_pytest(log, None)
 
 
