@@ -17,8 +17,11 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
+from ..embedded import default_model_dir
 from ..protocols.decoding import AcceptanceCounts
+from ..protocols.registry import REGISTRY, family_for_config, family_for_model
 from .protocol import APIError
 from .scheduler import Job, TextStream
 
@@ -41,8 +44,6 @@ class Engine:
 
     def __init__(self, model, tokenizer, name: str, decoder=None):
         if decoder is None:
-            from ..protocols.registry import family_for_model
-
             family = family_for_model(model)
             if family is None:
                 raise TypeError(f"{type(model).__name__} is not a model of a family hf_bdlm serves; pass a model "
@@ -64,14 +65,8 @@ class Engine:
         folder), the folder is a causal LM served as it is, decoded greedily with the drafter's proposals (the
         drafter's family decides how: its drafting role, ``DraftingSpec.load_pair``), verifying
         ``num_speculative_tokens`` proposals per target forward (`None`: the drafter's default)."""
-        from transformers import AutoConfig
-
-        from ..protocols.registry import family_for_config
-
         path = str(path)
         if path == "embedded:smollm2":
-            from ..embedded import default_model_dir
-
             path = str(default_model_dir())
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model folder {path!r} does not exist (pass a saved checkpoint folder).")
@@ -222,7 +217,5 @@ def _declared_model_type(path: str):
 
 
 def _family_model_types() -> list[str]:
-    from ..protocols.registry import REGISTRY
-
     return sorted(t for entry in REGISTRY for t in entry.model_types)
 
