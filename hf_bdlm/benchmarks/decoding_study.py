@@ -4,9 +4,11 @@ Each model is loaded as ``hf-bdlm serve`` loads it (its family found from its co
 decoded by its family's serving decoder in each of the family's named variants (``ServingSpec.decoding_variants``:
 a block-diffusion model's techniques one by one, a drafter's proposal counts, an encoder-decoder's canvas settings). A
 model's speed is compared with greedy ``generate`` of an AR model: ``--decoding-causal`` (the parent fine-tuned like
-for like) for the diffusion models, the target itself for a drafter. Same held-out prompts (the shipped arithmetic /
-word tasks, chat template), EOS honoured (a variant that ignores it decodes its whole budget, its text cut at EOS
-after), at batch 1 and 8.
+for like) for the diffusion models, the target itself for a drafter. Same held-out prompts of a shipped task
+(``--task``: ``arith``, the arithmetic / word tasks, the default; ``fast_apply``, the code edits of
+``hf_bdlm.data.fast_apply``, whose answers are 48-320 tokens: 300 prompts and 384 new tokens by default), chat
+template, EOS honoured (a variant that ignores it decodes its whole budget, its text cut at EOS after), at batch 1
+and 8.
 
 Per variant and batch size:
 
@@ -16,8 +18,10 @@ Per variant and batch size:
   (every group of prompts a sample, at least ``--decoding-timed-groups``, itself at least 3: the groups are passed
   over again until there are that many; the variants of every model take turns group by group). A record with fewer
   than 3 timed groups is refused (:func:`check_records`): no speed figure without its range;
-- **quality**: exact match on the held-out answers, with the prompt count and its 95 % Wilson interval (a quality
-  claim needs at least :data:`QUALITY_PROMPTS` prompts; the table says so below that); agreement (identical tokens)
+- **quality**: each of the task's scorers on the held-out answers (``hf_bdlm.data.shipped_task``: exact match; for
+  fast_apply also AST match, ``hf_bdlm.data.fast_apply.scoring``), with the prompt count and its 95 % Wilson interval
+  (a quality claim needs at least :data:`QUALITY_PROMPTS` prompts; the table says so below that); agreement
+  (identical tokens)
   with the family's reference variant (one token per step), or for a drafter with its target's greedy text; batch 8
   against batch 1 (batch invariance);
 - **cost model**: the CPU time of every counted forward by its rows, fitted ``a + b * rows`` per model part, and the
@@ -44,6 +48,8 @@ reconstructed from the calls they hold; ``A`` from the parts' architecture) befo
 
     hf-bdlm bench --only decoding --quick --out /tmp/dec        # the embedded SmolLM2 converted untrained vs itself
     python -m hf_bdlm.benchmarks.decoding_study --models outputs/bdlm --causal outputs/ar --out /tmp/decoding.json
+    hf-bdlm bench --only decoding --decoding-task fast_apply --decoding-models outputs/bdlm --decoding-causal \
+        outputs/ar --decoding-speculative outputs/ar:outputs/drafter --out /tmp/fa   # 300 prompts, 384 tokens each
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..data import shipped_task
 from ..evaluation.decoders import ForwardMeter, GreedyAR, serve_decode  # shared with HumanEval
 from ..evaluation.intervals import wilson_interval
 from .processes import child_env, module_command
@@ -66,6 +73,9 @@ from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 QUICK = dict(prompts=8, batches=(1, 8), max_new_tokens=32)
 FULL = dict(prompts=24, batches=(1, 8), max_new_tokens=32)
+TASKS = ("arith", "fast_apply")  # hf_bdlm.data.shipped_task
+# Each task's held-out prompts (full preset, --quick); its token budget is the task's (ShippedTask.max_new_tokens)
+TASK_PROMPTS = {"arith": (FULL["prompts"], QUICK["prompts"]), "fast_apply": (300, 8)}
 EMBEDDED = "embedded:smollm2"
 GPU = "h100"
 QUALITY_PROMPTS = 100  # fewer prompts than this: exact match is printed with its interval, and carries no quality claim
@@ -83,12 +93,17 @@ def add_arguments(group) -> None:
     group.add_argument("--decoding-speculative", nargs="+", default=None, metavar="TARGET:DRAFTER",
                        help="a causal target and its drafter folder, decoded as hf-bdlm serve TARGET --draft DRAFTER "
                             "does; compared with the target's own greedy generate")
+    group.add_argument("--decoding-task", choices=TASKS, default=None,
+                       help="the shipped task whose held-out prompts are decoded and scored (default: arith; "
+                            "fast_apply: code edits, scored by exact and AST match)")
     group.add_argument("--decoding-prompts", type=int, default=None, metavar="N",
-                       help=f"held-out prompts (default: {FULL['prompts']}; --quick: {QUICK['prompts']})")
+                       help=f"held-out prompts (default: {FULL['prompts']}, fast_apply "
+                            f"{TASK_PROMPTS['fast_apply'][0]}; --quick: {QUICK['prompts']})")
     group.add_argument("--decoding-batches", type=int, nargs="+", default=None, metavar="B",
                        help="batch sizes (default: 1 8)")
     group.add_argument("--decoding-max-new-tokens", type=int, default=None, metavar="N",
-                       help=f"token budget per prompt (default: {FULL['max_new_tokens']})")
+                       help=f"token budget per prompt (default: the task's, {FULL['max_new_tokens']} for arith, 384 "
+                            "for fast_apply)")
     group.add_argument("--decoding-threads", type=int, default=1, metavar="T",
                        help="torch threads of the measuring process (default: 1)")
     group.add_argument("--decoding-timed-groups", type=int, default=MIN_TIMED_STEPS, metavar="N",
@@ -106,9 +121,10 @@ class DecodingStudy:
     max_new_tokens: int
     threads: int
     timed_groups: int = MIN_TIMED_STEPS
+    task: str = "arith"
 
     def command_args(self) -> list[str]:
-        args = ["--models", *self.models, "--causal", self.causal, "--prompts", str(self.prompts),
+        args = ["--task", self.task, "--models", *self.models, "--causal", self.causal, "--prompts", str(self.prompts),
                 "--batches", *map(str, self.batches), "--max-new-tokens", str(self.max_new_tokens),
                 "--threads", str(self.threads), "--timed-groups", str(self.timed_groups)]
         if self.speculative:
@@ -129,9 +145,10 @@ def _pair(text: str) -> tuple[str, str]:
 def resolve(cfg, args: argparse.Namespace) -> DecodingStudy:
     """The study's settings from the suite's preset and the ``--decoding-*`` options (``ValueError`` on a bad one)."""
     preset = QUICK if cfg.quick else FULL
-    prompts = args.decoding_prompts or preset["prompts"]
+    task = shipped_task(getattr(args, "decoding_task", None) or "arith")
+    prompts = args.decoding_prompts or TASK_PROMPTS[task.name][1 if cfg.quick else 0]
     batches = tuple(args.decoding_batches or preset["batches"])
-    budget = args.decoding_max_new_tokens or preset["max_new_tokens"]
+    budget = args.decoding_max_new_tokens or task.max_new_tokens
     for name, values in (("--decoding-prompts", [prompts]), ("--decoding-batches", batches),
                          ("--decoding-max-new-tokens", [budget]), ("--decoding-threads", [args.decoding_threads])):
         if any(v < 1 for v in values):
@@ -139,10 +156,13 @@ def resolve(cfg, args: argparse.Namespace) -> DecodingStudy:
     if max(batches) > prompts:
         raise ValueError(f"--decoding-batches {max(batches)} is more than the {prompts} prompts; raise "
                          f"--decoding-prompts to at least {max(batches)}")
+    if prompts > task.held_out_size:
+        raise ValueError(f"--decoding-prompts {prompts}: the {task.name} task has {task.held_out_size} held-out "
+                         "prompts")
     timed = check_timed_steps(getattr(args, "decoding_timed_groups", MIN_TIMED_STEPS), "--decoding-timed-groups")
     return DecodingStudy(tuple(args.decoding_models or [EMBEDDED]), args.decoding_causal or EMBEDDED,
                          tuple(_pair(p) for p in args.decoding_speculative or ()), prompts, batches, budget,
-                         args.decoding_threads, timed)
+                         args.decoding_threads, timed, task.name)
 
 
 def check_arguments(cfg, args: argparse.Namespace) -> None:
@@ -254,11 +274,9 @@ def _request():
 
 
 # --- measuring --------------------------------------------------------------------------------------------------------
-def held_out(count: int) -> list[dict]:
-    from ..data import load_arith
-
-    test = load_arith("test")
-    return [test[i] for i in range(count)]
+def held_out(count: int, task: str = "arith") -> list[dict]:
+    """The first ``count`` held-out records of the shipped task (``prompt`` messages, ``answer``)."""
+    return shipped_task(task).held_out(count)
 
 
 def chat_ids(tokenizer, example) -> list[int]:
@@ -308,20 +326,26 @@ def measure(entries: list[Entry], examples: list[dict], batches, max_new_tokens:
     return records
 
 
-def score(records: list[dict], entries: list[Entry], examples: list[dict]) -> None:
-    """Exact match, agreement with the reference (the family's, or the AR the variant is compared with) and batch
-    invariance, written into each record."""
-    from ..data import exact_match
-
+def score(records: list[dict], entries: list[Entry], examples: list[dict], task: str = "arith",
+          max_new_tokens: int | None = None) -> None:
+    """Each of the task's scorers (``exact_match``; for fast_apply ``ast_match`` too: share, hits and 95 % Wilson
+    interval), agreement with the reference (the family's, or the AR the variant is compared with) and batch
+    invariance, written into each record, with the task, its longest answer and the budget decoded."""
+    shipped = shipped_task(task)
     tokenizers = {e.label: e.tokenizer for e in entries}
     by = {(r["entry"], r["variant"], r["batch"]): r for r in records}
     first = min(r["batch"] for r in records)
     for r in records:
         tokenizer = tokenizers[r["entry"]]
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in r["outputs"]]
-        hits = sum(exact_match(t, x["answer"]) for t, x in zip(texts, examples))
-        r["exact_match"], r["exact_match_hits"], r["prompts"] = hits / len(examples), hits, len(examples)
-        r["exact_match_interval"] = list(wilson_interval(hits, len(examples)))
+        r["task"], r["prompts"], r["longest_answer_tokens"] = task, len(examples), shipped.longest_answer_tokens
+        if max_new_tokens is not None:
+            r["max_new_tokens"] = max_new_tokens
+        r["scorers"] = list(shipped.scorers)
+        for name, rule in shipped.scorers.items():
+            hits = sum(bool(rule(t, x["answer"])) for t, x in zip(texts, examples))
+            r[name], r[f"{name}_hits"] = hits / len(examples), hits
+            r[f"{name}_interval"] = list(wilson_interval(hits, len(examples)))
         reference = next((o for o in records if o["entry"] == r["entry"] and o["reference"] and o["batch"] == first),
                          None)
         if reference is None and r["ar"]:
@@ -333,11 +357,11 @@ def score(records: list[dict], entries: list[Entry], examples: list[dict]) -> No
         r["same_as_batch_1"] = sum(a == b for a, b in zip(r["outputs"], alone["outputs"])) / len(examples)
 
 
-def exact_match_of(record: dict) -> tuple[int, int, float, float]:
-    """``(hits, prompts, low, high)`` of a record's exact match (records written before the counts: from the share
-    and the outputs)."""
+def exact_match_of(record: dict, name: str = "exact_match") -> tuple[int, int, float, float]:
+    """``(hits, prompts, low, high)`` of a record's exact match, or of its scorer ``name`` (records written before
+    the counts: from the share and the outputs)."""
     n = record.get("prompts", len(record["outputs"]))
-    hits = record.get("exact_match_hits", round(record["exact_match"] * n))
+    hits = record.get(f"{name}_hits", round(record[name] * n))
     return (hits, n, *wilson_interval(hits, n))
 
 
@@ -548,9 +572,11 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def _quality(record: dict) -> str:
-    """Exact match as ``hits/n, share [95 % interval]``."""
-    hits, n, low, high = exact_match_of(record)
+def _quality(record: dict, name: str = "exact_match") -> str:
+    """Exact match (or the scorer ``name``) as ``hits/n, share [95 % interval]``; ``-`` when the record has none."""
+    if name not in record:
+        return "-"
+    hits, n, low, high = exact_match_of(record, name)
     return f"{hits}/{n}, {hits / n:.0%} [{low:.0%}-{high:.0%}]"
 
 
@@ -561,15 +587,18 @@ def _gpu_ratio(record: dict) -> str:
 
 def table(records: list[dict]) -> str:
     decoding = [r for r in records if r["kind"] == "decoding"]
+    extra = [n for n in dict.fromkeys(n for r in decoding for n in r.get("scorers", ())) if n != "exact_match"]
     lines = ["| model | decoding | batch | tokens / forward | rows / forward | tokens/s (wall) | CPU ms / token | "
-             f"vs AR (CPU) | vs AR, {GPU.upper()} roofline | exact match (95 % interval) | agreement | = batch 1 |",
-             "|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
+             f"vs AR (CPU) | vs AR, {GPU.upper()} roofline | exact match (95 % interval) | "
+             + "".join(f"{n.replace('_', ' ')} (95 % interval) | " for n in extra) + "agreement | = batch 1 |",
+             "|---|---|---:|---:|---:|---|---|---|---:|---:|" + "---:|" * len(extra) + "---:|---:|"]
     for r in decoding:
         ms = dict(r["cpu_s_per_token"], values=[1000 * v for v in r["cpu_s_per_token"]["values"]])
         lines.append(f"| {r['entry']} | {r['variant']} | {r['batch']} | {r['tokens_per_forward']:.2f} | "
                      f"{r['rows_per_forward']:.1f} | {_describe(r['tokens_per_s'])} | {_describe(ms, '.0f')} | "
-                     f"{_ratio(r.get('vs_ar_cpu'))} | {_gpu_ratio(r)} | {_quality(r)} | {_pct(r.get('agreement'))} | "
-                     f"{_pct(r['same_as_batch_1'])} |")
+                     f"{_ratio(r.get('vs_ar_cpu'))} | {_gpu_ratio(r)} | {_quality(r)} | "
+                     + "".join(f"{_quality(r, n)} | " for n in extra)
+                     + f"{_pct(r.get('agreement'))} | {_pct(r['same_as_batch_1'])} |")
     return "\n".join(lines)
 
 
@@ -627,8 +656,12 @@ def report(records: list[dict]) -> str:
     prompts = sorted({exact_match_of(r)[1] for r in decoding})
     groups = sorted({(r["batch"], len(r["samples"])) for r in decoding})
     few = min(prompts, default=0) < QUALITY_PROMPTS
-    title = ("**Decoding: every family's variants against greedy AR** (held-out prompts, chat template, "
-             f"{', '.join(map(str, prompts))} prompts, EOS honoured; timed groups per batch size "
+    tasks = sorted({r.get("task", "arith") for r in decoding})
+    budgets = sorted({r["max_new_tokens"] for r in decoding if "max_new_tokens" in r})
+    task = f"task {', '.join(tasks)}" + (f", {', '.join(map(str, budgets))} new tokens at most" if budgets else "")
+    title = ("**Decoding: every family's variants against greedy AR** (held-out prompts of the "
+             f"{task}, chat template, {', '.join(map(str, prompts))} prompts, EOS honoured; timed groups per batch "
+             "size "
              f"{', '.join(f'{b}: {n}' for b, n in groups)}; median [range]; speed over AR = ratio of median CPU "
              "seconds per token, a tie where the ranges overlap; the GPU column: every counted forward priced by "
              f"the roofline max((W + A x rows) / HBM, 2 M x rows / F) on the planner's {GPU.upper()}, no fixed cost "
@@ -671,9 +704,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", default=[EMBEDDED])
     p.add_argument("--causal", default=EMBEDDED)
     p.add_argument("--speculative", nargs="*", default=[])
-    p.add_argument("--prompts", type=int, default=FULL["prompts"])
+    p.add_argument("--task", choices=TASKS, default="arith",
+                   help="the shipped task (hf_bdlm.data.shipped_task): arith, or fast_apply (code edits)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"held-out prompts (default: {FULL['prompts']}, fast_apply {TASK_PROMPTS['fast_apply'][0]})")
     p.add_argument("--batches", type=int, nargs="+", default=list(FULL["batches"]))
-    p.add_argument("--max-new-tokens", type=int, default=FULL["max_new_tokens"])
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="token budget per prompt (default: the task's: 32 for arith, 384 for fast_apply)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timed-groups", type=int, default=MIN_TIMED_STEPS)
     p.add_argument("--out", required=True)
@@ -685,17 +722,23 @@ def main(argv=None) -> list[dict]:
     import torch
 
     torch.set_num_threads(args.threads)
-    study = DecodingStudy(tuple(args.models), args.causal, tuple(_pair(p) for p in args.speculative), args.prompts,
-                          tuple(args.batches), args.max_new_tokens, args.threads,
-                          check_timed_steps(args.timed_groups, "--timed-groups"))
+    shipped = shipped_task(args.task)
+    study = DecodingStudy(tuple(args.models), args.causal, tuple(_pair(p) for p in args.speculative),
+                          args.prompts or TASK_PROMPTS[args.task][0], tuple(args.batches),
+                          args.max_new_tokens or shipped.max_new_tokens, args.threads,
+                          check_timed_steps(args.timed_groups, "--timed-groups"), args.task)
     entries = load_entries(study)
-    examples = held_out(study.prompts)
+    examples = held_out(study.prompts, study.task)
     print(f"{sum(len(e.variants) for e in entries)} variants of {len(entries)} models; {len(examples)} held-out "
-          f"prompts, batches {study.batches}, {study.max_new_tokens} new tokens at most, {study.threads} thread(s), "
+          f"prompts of the {study.task} task, batches {study.batches}, {study.max_new_tokens} new tokens at most "
+          f"(its longest answer: {shipped.longest_answer_tokens} tokens), {study.threads} thread(s), "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    if study.max_new_tokens < shipped.longest_answer_tokens:
+        print(f"note: --max-new-tokens {study.max_new_tokens} is below the task's longest answer "
+              f"({shipped.longest_answer_tokens} tokens): longer answers are cut, and score as misses", flush=True)
     records = measure(entries, examples, study.batches, study.max_new_tokens, log=lambda s: print(s, flush=True),
                       timed_groups=study.timed_groups)
-    score(records, entries, examples)
+    score(records, entries, examples, study.task, study.max_new_tokens)
     summarize(records)
     costs = forward_costs(records, entries)
     project(records, costs)

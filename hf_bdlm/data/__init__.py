@@ -22,7 +22,7 @@ import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .fast_apply import FAST_APPLY_DIR, load_fast_apply, load_fast_apply_dataset  # noqa: F401  (scorers: .fast_apply)
+from .fast_apply import FAST_APPLY_DIR, load_fast_apply, load_fast_apply_dataset, scoring  # noqa: F401
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent
 SPLITS = ("train", "test")
@@ -137,8 +137,6 @@ def shipped_task(name: str) -> ShippedTask:
     Raises:
         ValueError: for any other name.
     """
-    from .fast_apply import scoring
-
     name = name.removeprefix("hf_bdlm:")
     if name == "arith":
         return ShippedTask("arith", "hf_bdlm:arith", {"exact_match": exact_match}, longest_answer_tokens=7,
