@@ -67,6 +67,9 @@ SKIPPED = {
     ("README.md", "vllm serve Qwen/Qwen3-8B --speculative-config '{\"method\": \"dflash\", \"model\": \"DIR\", "
                   "\"num_speculative_tokens\": 7}'"):
         "vLLM and SGLang need a GPU and the Hub model",
+    ("README.md", "accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/sft.py --config "
+                  "recipes/configs/smollm2_cpu_fast_apply.yaml"):
+        "the fast-apply comparison: three recipes of up to an hour each on 2 cores, then days of decoding study",
 }
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
