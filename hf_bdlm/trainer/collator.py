@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import datasets
 import torch
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,6 @@ def pack_block_aligned(dataset, max_length: int, block_size: int, pad_token_id: 
         out["attention_mask"].append(att)
         out["seq_lengths"].append(lens)
         out[SAMPLE_ID_COLUMN].append(row_index)
-    import datasets
-
     packed = datasets.Dataset.from_dict(out)
     used = sum(aligned)
     logger.info("%s dataset: packed %d documents into %d rows of %d tokens (%.1f%% filled, block-aligned)", name,

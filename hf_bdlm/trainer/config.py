@@ -11,13 +11,14 @@ the value received and what to do. Tiny CPU example::
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, field
 
 import torch
+from accelerate import ParallelismConfig
 from trl import SFTConfig
 
 from ..objectives.base import check_certainty_weight
+from ..planner.link import LINKS
 from ..protocols.diffusion_fields import check_diffusion_fields
 from ..protocols.registry import PLANNED_OBJECTIVES, REGISTRY, all_objectives, family_for_objective, family_named
 from ..parallel.dims import CP_LAYOUTS, MODES, SCHEDULES, TRANSPORTS, ParallelDims
@@ -298,8 +299,6 @@ class BDLMSFTConfig(SFTConfig):
 
     def _check_block_parallel_fields(self, world_size: int) -> None:
         if self.block_parallel_link is not None:
-            from ..planner.link import LINKS
-
             if self.block_parallel_link not in LINKS:
                 raise ValueError(f"block_parallel_link={self.block_parallel_link!r} is not a named link; use one of "
                                  f"{list(LINKS)}, or leave it unset (no emulation).")
@@ -313,8 +312,6 @@ class BDLMSFTConfig(SFTConfig):
         pc = self.parallelism_config
         if pc is None and os.environ.get(ACCELERATE_PARALLELISM_ENV, "false").lower() == "true":
             # `accelerate launch` with a parallelism_config section: its sizes arrive as PARALLELISM_CONFIG_* variables.
-            from accelerate import ParallelismConfig
-
             pc = self.parallelism_config = ParallelismConfig()
         if pc is None:
             return 1

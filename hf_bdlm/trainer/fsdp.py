@@ -39,10 +39,23 @@ processes, every model family: ``tests/trainer/test_fsdp.py``; not yet run on GP
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import torch
+import torch.distributed.checkpoint as dcp
+from accelerate.utils import FullyShardedDataParallelPlugin
+from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 MODEL_SHARDED_DIR = "model_sharded"
 OPTIMIZER_SHARDED_DIR = "optimizer_sharded"
@@ -56,8 +69,6 @@ def fsdp_request(args):
     Read from ``args.fsdp_plugin_args`` (``TrainingArguments.fsdp`` / ``fsdp_config``) or, under ``accelerate launch``
     with an FSDP config, from the ``FSDP_*`` environment. Options that cannot be honoured raise ``ValueError``.
     """
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
     if getattr(args, "fsdp_plugin_args", None) is not None:
         plugin, where = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args), "fsdp_config"
     elif os.environ.get(_ACCELERATE_FSDP_ENV, "false").lower() == "true":
@@ -88,8 +99,6 @@ def state_dict_type(plugin) -> str:
 
 
 def offloads(plugin) -> bool:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     return isinstance(plugin.cpu_offload, CPUOffloadPolicy)
 
 
@@ -135,8 +144,6 @@ def _no_split_classes(model: nn.Module) -> set[str]:
 def fully_shard_kwargs(model: nn.Module, mesh, plugin) -> dict:
     """``fully_shard``'s arguments from the plugin (mesh, resharding, offload, mixed precision); refuses CPU offload on
     a CPU run."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     if offloads(plugin) and next(model.parameters()).device.type == "cpu":
         raise ValueError(
             "FSDP2 cpu_offload / offload_params moves parameters to the CPU between uses; on a CPU run they are there "
@@ -152,8 +159,6 @@ def shard_model(model: nn.Module, mesh, plugin) -> dict[str, str]:
     Returns ``{qualified name: class name}`` of the units below the root, read before sharding: ``fully_shard``
     swaps each unit's class for a subclass of its own (``FSDPQwen3DecoderLayer``).
     """
-    from torch.distributed.fsdp import fully_shard
-
     kwargs = fully_shard_kwargs(model, mesh, plugin)
     classes = unit_classes(model, plugin)
     units = [(name, m) for name, m in model.named_modules() if name and type(m).__name__ in classes]
@@ -167,8 +172,6 @@ def shard_model(model: nn.Module, mesh, plugin) -> dict[str, str]:
 
 
 def _mixed_precision_policy(policy):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     if policy is None or isinstance(policy, MixedPrecisionPolicy):
         return policy
     if isinstance(policy, dict):
@@ -179,8 +182,6 @@ def _mixed_precision_policy(policy):
 
 # --- checkpoints ------------------------------------------------------------------------------------
 def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(**kw)
 
 
@@ -189,8 +190,6 @@ def full_model_state_dict(model: nn.Module, trainable_only: bool = False) -> dic
 
     ``trainable_only`` leaves out frozen parameters (a PEFT checkpoint holds the adapter only).
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     options = _options(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(model, options=options)
     # Each key is gathered on its own, so tied parameters (an encoder/decoder layer pair sharing weights, the
@@ -208,8 +207,6 @@ def full_model_state_dict(model: nn.Module, trainable_only: bool = False) -> dic
 
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = False) -> None:
     """Load a full state dict (every rank holds it) into a sharded or plain model."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
     set_model_state_dict(model, state, options=_options(full_state_dict=True, strict=strict))
 
 
@@ -227,8 +224,6 @@ def full_optimizer_state_dict(model: nn.Module, optimizer) -> dict:
 
     This is what a DDP or single-process run saves, so any run resumes it. Every rank must call it.
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     full = get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
     if not full:
         return {}
@@ -245,8 +240,6 @@ def full_optimizer_state_dict(model: nn.Module, optimizer) -> dict:
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer, state: dict) -> None:
     """Load an optimizer state in ``torch.optim``'s format (every rank holds it) into the optimizer of a sharded model."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
     fqns = _param_fqns(model, optimizer)
     if [len(g["params"]) for g in state["param_groups"]] != [len(g) for g in fqns]:
         raise ValueError(
@@ -264,17 +257,11 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer, state: dict) -> 
 
 def save_sharded_model(model: nn.Module, output_dir: str) -> None:
     """``output_dir/model_sharded/``: every rank writes its shards (``torch.distributed.checkpoint``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(output_dir, MODEL_SHARDED_DIR))
 
 
 def save_sharded_optimizer(model: nn.Module, optimizer, output_dir: str) -> None:
     """``output_dir/optimizer_sharded/``, keyed by parameter name (so any layout can load it)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(output_dir, OPTIMIZER_SHARDED_DIR))
 
 
@@ -284,18 +271,12 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 def load_sharded_model(model: nn.Module, checkpoint: str) -> None:
     """Load ``model_sharded/`` into ``model`` (sharded or plain, any world size: DCP reshards)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
     state = get_model_state_dict(model)
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, MODEL_SHARDED_DIR))
     set_model_state_dict(model, state)
 
 
 def load_sharded_optimizer(model: nn.Module, optimizer, checkpoint: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
     state = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, OPTIMIZER_SHARDED_DIR))
     set_optimizer_state_dict(model, optimizer, state)
@@ -304,9 +285,6 @@ def load_sharded_optimizer(model: nn.Module, optimizer, checkpoint: str) -> None
 def load_full_checkpoint(model: nn.Module, checkpoint: str) -> None:
     """Load an ordinary transformers checkpoint (``model.safetensors``, its sharded index, or a PEFT adapter) into a
     sharded model; every rank reads the files."""
-    from safetensors.torch import load_file
-    from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-
     def read(name):
         return load_file(os.path.join(checkpoint, name), device="cpu")
 
@@ -317,8 +295,6 @@ def load_full_checkpoint(model: nn.Module, checkpoint: str) -> None:
     if os.path.isfile(os.path.join(checkpoint, SAFE_WEIGHTS_NAME)):
         state = read(SAFE_WEIGHTS_NAME)
     elif os.path.isfile(os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)):
-        import json
-
         with open(os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
         state = {k: v for name in files for k, v in read(name).items()}

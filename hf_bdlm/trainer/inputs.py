@@ -19,6 +19,7 @@ from typing import Any
 
 import datasets
 import torch
+from peft.tuners.tuners_utils import check_target_module_exists
 from transformers import AutoConfig, AutoTokenizer
 from trl.data_utils import get_dataset_column_names, is_conversational
 
@@ -188,8 +189,6 @@ def check_lora_targets(peft_config, model: torch.nn.Module) -> None:
         )
     if targets == "all-linear":
         return
-    from peft.tuners.tuners_utils import check_target_module_exists
-
     names = [name for name, _ in model.named_modules() if name]
     if not any(check_target_module_exists(peft_config, name) for name in names):
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})

@@ -48,6 +48,9 @@ from trl import SFTTrainer
 from trl.trainer.utils import global_then_local_main_first
 
 from ..checkpoints.files import check_weight_files
+from ..hub import hub_repo_id, write_model_card
+from ..planner.link import link_for_this_machine
+from ..planner.model import spec_from_config
 from ..protocols.entry import ModelFamily
 from ..protocols.roles import LossStep, TrainingSpec
 from ..protocols.step import TrainingStep
@@ -617,8 +620,6 @@ class BDLMSFTTrainer(SFTTrainer):
             self._write_model_card(output_dir or self.args.output_dir)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        if _hub_model_card_writer() is None:
-            return super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         # TRL calls this at every checkpoint for the output folder, which holds a model only after save_model.
         if self.is_world_process_zero():
             self._write_model_card(self.args.output_dir)
@@ -656,8 +657,6 @@ class BDLMSFTTrainer(SFTTrainer):
             },
         }
         base = self._base_model_name
-        from ..hub import hub_repo_id
-
         if hub_repo_id(base):
             info["base_model"] = base
         elif base:
@@ -670,12 +669,10 @@ class BDLMSFTTrainer(SFTTrainer):
         return info
 
     def _write_model_card(self, output_dir: str) -> None:
-        # The card is rendered by hf_bdlm.hub.write_model_card (the model family's template); without that module,
-        # TRL's card from create_model_card is what a checkpoint carries.
-        writer = _hub_model_card_writer()
-        # A PEFT checkpoint holds only the adapter (no config.json): the card describes full models.
-        if writer is not None and os.path.isfile(os.path.join(output_dir, "config.json")):
-            writer(output_dir, self.model_card_metadata())
+        # The card is rendered by hf_bdlm.hub.write_model_card (the model family's template). A PEFT checkpoint holds
+        # only the adapter (no config.json): the card describes full models.
+        if os.path.isfile(os.path.join(output_dir, "config.json")):
+            write_model_card(output_dir, self.model_card_metadata())
 
 
 class EpochDataLoader(DataLoader):
@@ -687,14 +684,6 @@ class EpochDataLoader(DataLoader):
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _hub_model_card_writer():
-    try:
-        from ..hub import write_model_card
-    except ImportError:
-        return None
-    return write_model_card
-
-
 def _as_bdlm_config(args, model) -> BDLMSFTConfig:
     if isinstance(args, BDLMSFTConfig):
         return args
@@ -740,9 +729,6 @@ def _emulated_link(args, model):
     call)."""
     if args.block_parallel_link is None:
         return None
-    from ..planner.link import link_for_this_machine
-    from ..planner.model import spec_from_config
-
     try:
         spec = spec_from_config(model.config.to_dict(), type(model).__name__)
     except ValueError as err:

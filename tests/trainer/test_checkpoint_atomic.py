@@ -58,16 +58,16 @@ def _arm(point: str, trainer) -> None:
                 _die_after_half(f)
         torch.save = save_then_die
     elif point == "model card":
-        import hf_bdlm.hub as hub
+        import hf_bdlm.trainer.trainer as trainer_module  # the trainer's own binding of hub.write_model_card
 
-        write = hub.write_model_card
+        write = trainer_module.write_model_card
 
         def write_then_die(folder, *args, **kwargs):
             path = write(folder, *args, **kwargs)
             if SAVING in f"{folder}{os.sep}":
                 _die_after_half(os.path.join(folder, "README.md"))
             return path
-        hub.write_model_card = write_then_die
+        trainer_module.write_model_card = write_then_die
     elif point == "objective state":
         save = trainer._save_extra_state
 
