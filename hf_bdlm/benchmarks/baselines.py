@@ -33,6 +33,10 @@ import tempfile
 import time
 
 from . import parallel_modes
+from ..parallel.dims import ParallelDims
+from ..planner.cost import layer_windows, mask_rule_of, rank_work
+from .calibrate import benchmark_model
+from .report import length_label, rows_table
 from .spread import check_timed_steps, compare
 
 WINDOW = 1024
@@ -47,10 +51,6 @@ def out_name(link: str | None) -> str:
 
 def attention_imbalance(mode: str, P: int, L: int, model: str) -> float:
     """Slowest rank's allowed attention pairs over the mean, summed over the model's layers."""
-    from ..parallel.dims import ParallelDims
-    from .calibrate import benchmark_model
-    from ..planner.cost import layer_windows, mask_rule_of, rank_work
-
     spec = benchmark_model(MODELS[model]["layers"], MODELS[model]["window"], MODELS[model]["full_every"])
     mode, cp_layout = parallel_modes.split_mode(mode)
     dims = ParallelDims(P, None, mode, cp_layout=cp_layout)
@@ -134,8 +134,6 @@ def rows(records: list[dict]) -> list[dict]:
 def table(records: list[dict], markdown: bool = False) -> str:
     """Step seconds of every layout (median [range]), CSBP's speed-up over each (ratio of medians, or a tie), exposed
     waits and the attention imbalance of each layout."""
-    from .report import length_label, rows_table
-
     head = ["link", "model", "P", "L", *(f"{m} s" for m in LAYOUTS), "CSBP / cp-paper", "CSBP / cp", "CSBP / bp",
             "wait s (csbp/cp/cp-paper)", "attn imbalance (csbp/cp/cp-paper)"]
     body = []

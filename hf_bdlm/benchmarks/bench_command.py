@@ -13,6 +13,7 @@ arguments; torch loads only when a study runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 
@@ -124,8 +125,6 @@ def add_bench_parser(subparsers) -> None:
 
 
 def run_bench(args) -> int:
-    import importlib.util
-
     if importlib.util.find_spec("matplotlib") is None:
         print("error: hf-bdlm bench draws its plots with matplotlib, which is not installed: "
               "pip install \"hf-bdlm[bench]\"", file=sys.stderr)

@@ -27,15 +27,24 @@ equal ``bytes_per_step`` exactly; step times are compared by relative error.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from . import parallel_modes
+from ..attention.backends import attend
+from ..attention.kernels import block_sparse_attention
+from ..attention.masks import MaskRule
+from ..attention.rows import vectorized_rows
+from ..attention.tiles import KernelCall, TilePlan, plan_attention
 from .processes import child_env
 from ..cache import cache_home, update_json
 from ..parallel.dims import ParallelDims
@@ -77,12 +86,6 @@ def _matmul_rate(model: ModelSpec, rows: int = 4096) -> float:
 
 
 def _attention_rate(model: ModelSpec, seq_len: int = 2048) -> float:
-    import torch
-
-    from ..attention.backends import attend
-    from ..attention.masks import MaskRule
-    from ..attention.rows import vectorized_rows
-
     a = model.layers[0]
     rule = MaskRule(model.block_size, model.clean_attention, None, model.window_convention)
     rows = vectorized_rows(seq_len)
@@ -95,8 +98,6 @@ def _attention_rate(model: ModelSpec, seq_len: int = 2048) -> float:
     def run():
         attend("blockwise", q, [(k, v)], rows, [rows], rule, a.head_dim ** -0.5, cache).sum().backward()
 
-    from ..attention.tiles import plan_attention
-
     pairs = computed_pairs(plan_attention(rows, [rows], rule))  # what the kernel computes, masked pairs included
     return pairs * 14 * a.heads * a.head_dim / _best_time(run, repeats=4)
 
@@ -105,11 +106,6 @@ def _kernel_call_cost(model: ModelSpec, calls: int = 512, rows: int = 8) -> tupl
     """Fixed seconds of one attention kernel call, forward and backward: a plan of ``calls`` calls of ``rows``
     queries over as many keys each (their pairs cost under 3 % of the time) through the project's block-sparse
     attention: row selection, the fused kernel's setup, the LSE merge; backward the gradient scatter."""
-    import torch
-
-    from ..attention.kernels import block_sparse_attention
-    from ..attention.tiles import KernelCall, TilePlan
-
     a = model.layers[0]
     n = calls * rows
     plan = TilePlan(tuple(KernelCall((i * rows, (i + 1) * rows), 0, (i * rows, (i + 1) * rows)) for i in range(calls)),
@@ -153,8 +149,6 @@ def step_elementwise_rate(model: ModelSpec, rates: dict, seq_len: int = STEP_TOK
     bytes the cost model counts for it. Norms, rotary, activations, residuals, the objective's masking and the loss
     run as many small kernels, slower than a plain add; this measures them on the step itself instead of guessing a
     factor."""
-    from dataclasses import replace
-
     dims = record_dims({"mode": "single"})
     rule = mask_rule_of(model)
     work = blockwise_work(dims, seq_len, rule, rank_work(dims, seq_len, rule, layer_windows(model)))
@@ -175,8 +169,6 @@ def step_elementwise_rate(model: ModelSpec, rates: dict, seq_len: int = STEP_TOK
 
 
 def _elementwise_rate(numel: int = 1 << 23) -> float:
-    import torch
-
     x, y = torch.randn(numel), torch.randn(numel)
     out = torch.empty(numel)
     return 3 * numel * 4 / _best_time(lambda: torch.add(x, y, out=out), repeats=9)
@@ -188,9 +180,6 @@ def _sync_cost(world: int, chunk_s: float = 0.02, rounds: int = 15) -> float:
     per round; the slowest rank's matmuls alone set the reference. It holds gloo's latency and, with more ranks than
     cores, the cost of the scheduler's time slices (a rank that has finished its share waits for the slices of the
     ranks that have not, and a woken rank for a core)."""
-    import torch
-    import torch.distributed as dist
-
     a = torch.randn(256, 256)
     t0 = time.perf_counter()
     for _ in range(20):
@@ -215,9 +204,6 @@ def _sync_cost(world: int, chunk_s: float = 0.02, rounds: int = 15) -> float:
 def rates_worker(rank: int, world, store: str, out: str, spec_json: str, benchmark_layers: str = "0") -> None:
     """One of the ``world`` processes of :func:`measure_cpu`: every process times the kernels at once (as the
     benchmark's ranks compute at once), then the all-gather between them."""
-    import torch
-    import torch.distributed as dist
-
     world = int(world)
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_json).read_text())
@@ -280,10 +266,6 @@ def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0)
     """This machine's rates at ``model``'s shapes with ``processes`` single-threaded processes timing at once
     (each a fresh interpreter; see the module docstring). With ``benchmark_layers``, ``model`` is the benchmark's
     model of that many layers and the elementwise bandwidth is measured on its step."""
-    import subprocess
-    import sys
-    from dataclasses import asdict
-
     with tempfile.TemporaryDirectory() as tmp:
         out, spec = os.path.join(tmp, "rates.json"), os.path.join(tmp, "spec.json")
         Path(spec).write_text(json.dumps(asdict(model)))
@@ -305,8 +287,6 @@ def measure_cpu(model: ModelSpec, processes: int = 1, benchmark_layers: int = 0)
 
 def _kernel_call_cost_alone(model: ModelSpec) -> tuple[float, float]:
     """:func:`_kernel_call_cost` in this process, on one thread as the benchmark's ranks run."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -51,6 +51,7 @@ import pathlib
 import platform
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
@@ -60,9 +61,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers import Gemma3TextConfig
 
 from ..attention import backends, flex, kernels
 from ..attention import interface as attention_interface
+from ..attention.block_mask import build_block_mask
 from ..attention.masks import MaskRule
 from ..attention.tiles import batch_plans
 from ..parallel import collectives
@@ -71,6 +74,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.plan import PlanConfig, make_plan
 from ..parallel.sharded import ShardedLayout
 from ..planner.model import GEMMA3_27B
+from ..protocols.registry import family_named, get_objective
 
 LAYOUTS = ("single", "single-docs", "cp", "cp-paper", "bp", "csbp")
 BACKENDS = ("flex", "blockwise", "dense")
@@ -372,8 +376,6 @@ def host_pass(backend: str, work: HostWork):
     """Replaces the attention call of the layouts by the host-side work the backend does before its kernels (into
     the layout's cache, as the library caches it); the layout's own code (K/V selection, exchange lists) runs as
     usual on small real tensors."""
-    from ..attention.block_mask import build_block_mask
-
     def host_attend(name, q, sources, q_rows, k_rows, rule, scale, cache):
         start = time.perf_counter()
         work.sources = [r.num_rows for r in k_rows]
@@ -501,8 +503,6 @@ class Record:
 
 def _error(err: Exception) -> str:
     """The exception and the innermost frame of this package it passed through (file:line)."""
-    import traceback
-
     where = [f for f in traceback.extract_tb(err.__traceback__) if "hf_bdlm" in f.filename]
     at = f" at {where[-1].filename.split('hf_bdlm/')[-1]}:{where[-1].lineno}" if where else ""
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:240]}{at}"
@@ -631,10 +631,6 @@ def add_growth(records: list[Record]) -> None:
 
 def gemma3_two_layer_config(backend: str = "flex"):
     """The BDLM config of a 2-layer Gemma 3 of the 27B's width (one sliding, one full layer; full vocabulary)."""
-    from transformers import Gemma3TextConfig
-
-    from ..protocols.registry import family_named
-
     b = GEMMA3_27B["backbone_config"]
     backbone = Gemma3TextConfig(
         hidden_size=b["hidden_size"], num_hidden_layers=2, num_attention_heads=b["num_attention_heads"],
@@ -652,8 +648,6 @@ def measure_model_step(seq_len: int, backend: str = "flex") -> Record:
     rows), as :meth:`~hf_bdlm.objectives.base.Objective.loss` runs it (the backbone over the layout's rows, then the
     objective's chunked cross-entropy; every noisy row scored, the most the loss can hold). The parameters are built
     before recording (not counted), their gradients are counted."""
-    from ..protocols.registry import family_named, get_objective
-
     config = gemma3_two_layer_config(backend)
     record = Record("model", "single", backend, seq_len, "2-layer step", 1, None, 2 * seq_len, threshold(seq_len))
     shape = LayerShape.gemma3_27b()

@@ -34,6 +34,8 @@ from collections import defaultdict
 
 import torch
 
+from .spread import Spread, compare
+
 QUICKSTART = pathlib.Path("outputs/smollm2-135m-bdlm-csbp")
 HELD_OUT = pathlib.Path(__file__).resolve().parents[1] / "data" / "arith_test.jsonl"
 GEN_YAML = """task: bench_arith_gen
@@ -88,7 +90,7 @@ def write_tasks(folder: pathlib.Path, requests: int, max_gen_toks: int) -> None:
 
 
 def run(lm, task: str, folder: pathlib.Path, limit: int | None = None) -> tuple[float, float, dict]:
-    from lm_eval import simple_evaluate
+    from lm_eval import simple_evaluate  # lazy: optional dependency (lm-eval)
     from lm_eval.tasks import TaskManager
 
     wall, cpu = time.perf_counter(), time.process_time()
@@ -136,9 +138,8 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    # lazy: optional dependency (lm-eval, which evaluation.lm_eval_model imports)
     from ..evaluation.lm_eval_model import HFBDLMEvalModel
-    from .spread import Spread, compare
-
     model = args.model or (str(QUICKSTART) if (QUICKSTART / "config.json").is_file() else "embedded:smollm2")
     trained = model != "embedded:smollm2"
     folder = pathlib.Path(tempfile.mkdtemp(prefix="lm_eval_timing_"))

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..evaluation.exact_match import held_out_exact_match
+from ..evaluation.live_model import servable_model
 from .spread import Spread, compare
 
 # The metrics of a checkpoint point besides the pass rates, in the figure's order.
@@ -103,9 +105,6 @@ class MatchedRecorder(TrainerCallback):
             self._pending["held_out_loss"] = float(metrics["eval_loss"])
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
-        from ..evaluation.exact_match import held_out_exact_match
-        from ..evaluation.live_model import servable_model
-
         tokenizer = processing_class or self._tokenizer
         main = state.is_world_process_zero
         served = servable_model(model, main, device=args.device)  # every rank: a collective under FSDP2
@@ -167,10 +166,10 @@ def speed_comparison(points: list[dict], reference: str, other: str) -> dict:
 def plot_matched(points: list[dict], path: str | Path, title: str = "matched comparison") -> Path:
     """One PNG: a row per metric (training loss, then each checkpoint metric), against training step (left) and
     training wall-clock without evaluation pauses (right), one line per layout."""
-    import matplotlib
+    import matplotlib  # lazy: optional dependency (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use picks the backend pyplot starts with
 
     layouts = list(dict.fromkeys(p["layout"] for p in points))
     checkpoint_keys = sorted({k for p in points if p["kind"] == "checkpoint" for k in p["metrics"]},

@@ -36,10 +36,13 @@ named link by it; each record's ``link`` holds the rate, how it was measured and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
 import pathlib
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +50,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from ..planner.model import spec_from_config
+from ..protocols.registry import family_named
 from .processes import child_env, module_command, module_name
 from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
@@ -67,17 +72,14 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def model_config(layers: int, window: int | None = None, backend: str = "blockwise", full_every: int | None = None):
     """The benchmarked model's ``BlockDiffusionConfig`` (also what ``hf-bdlm plan --validate`` predicts): with
     ``window``, sliding-window layers, every ``full_every``-th one full attention when given."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from transformers import LlamaConfig, Qwen3Config
-
-    from ..protocols.registry import family_named
 
     dims = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, intermediate_size=512, pad_token_id=PAD)
@@ -94,13 +96,9 @@ def model_config(layers: int, window: int | None = None, backend: str = "blockwi
 
 def build(L: int, layers: int, window: int | None = None, device: str = "cpu", backend: str = "blockwise",
           full_every: int | None = None):
-    import dataclasses
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
-    import torch
-
-    from ..objectives import get_objective
-    from ..protocols.registry import family_named
-
+    from ..objectives import get_objective  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     # Same seed on every rank: identical weights and batch, as the group shares one batch.
     torch.manual_seed(0)
     cfg = model_config(layers, window, backend, full_every)
@@ -124,7 +122,7 @@ class _Device:
     ``--dtype bfloat16`` (float32 weights, as the trainer's ``bf16=True``)."""
 
     def __init__(self, kind: str, dtype: str):
-        import torch
+        import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
         self.kind, self.torch = kind, torch
         if kind == "cuda":
@@ -146,8 +144,6 @@ class _Device:
         return time.perf_counter()
 
     def autocast(self):
-        import contextlib
-
         if self.dtype == self.torch.float32:
             return contextlib.nullcontext()
         return self.torch.autocast(self.kind, dtype=self.dtype)
@@ -181,7 +177,7 @@ def worker(args) -> None:
     """One configuration's process (``--worker``): builds the model and batch, runs one warm-up step and the timed
     steps, and writes the record to ``args.out``. ``single`` runs the plain loss in this process; the other modes run
     one rank of a ``torchrun`` group, whose rank 0 writes the group's record."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     torch.set_num_threads(1)
     L = args.lengths[0]
@@ -199,6 +195,7 @@ def worker(args) -> None:
 
 def _single_steps(args, dev: _Device, model, objective, corrupted) -> list[float]:
     """Step times of the single process (plain ``objective.loss``), after one warm-up step."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from hf_bdlm.attention.interface import forget_kept_layouts
 
     times: list[float] = []
@@ -235,8 +232,9 @@ def _single_record(args, L: int, times: list[float], peak: int, peak_abs: int) -
 def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_rss: int) -> None:
     """One rank of a ``cp``/``bp``/``csbp`` group: joins the process group, runs the steps, gathers every rank's
     measurements on rank 0, which writes the group's record."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from hf_bdlm.parallel.collectives import ByteMeter
     from hf_bdlm.parallel.dims import ParallelDims
     from hf_bdlm.parallel.groups import BlockParallelGroups
@@ -265,9 +263,10 @@ def _rank_worker(args, L: int, dev: _Device, model, objective, corrupted, base_r
 def _rank_steps(args, dev: _Device, model, objective, corrupted, meter, groups, plan_cfg) -> dict:
     """This rank's timed steps after one warm-up: step times, bytes received by collective name, and the time blocked
     in waits (in all and up to the loss), one entry per timed step."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     import torch.distributed as dist
 
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from hf_bdlm.parallel.sharded import ShardedLayout
 
     times, bytes_steps, wire_steps, waits, fwd_waits = [], [], [], [], []
@@ -382,13 +381,13 @@ def _link(args) -> LinkModel | None:
     if getattr(args, "link_file", None):
         return link_from_record(json.loads(pathlib.Path(args.link_file).read_text()))
     if getattr(args, "link", None):
+        # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
         from ..planner.link import link_for_this_machine
-        from ..planner.model import spec_from_config
-
         model = spec_from_config(model_config(args.layers, args.window, full_every=args.full_every).to_dict())
         return link_for_this_machine(args.link, model, args.dtype)
     if not getattr(args, "link_bytes_per_s", None):
         return None
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from ..parallel.emulated_link import LinkModel
 
     return LinkModel(args.link_bytes_per_s, args.link_latency_s or 0.0, args.link_name or "custom",
@@ -398,6 +397,7 @@ def _link(args) -> LinkModel | None:
 def link_from_record(rec: dict) -> LinkModel:
     """The :class:`~hf_bdlm.parallel.emulated_link.LinkModel` a record's ``link`` holds
     (:meth:`LinkModel.as_record`), with how it was derived kept in its details."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from ..parallel.emulated_link import LinkModel
 
     known = ("name", "bytes_per_s", "latency_s", "element_bytes")
@@ -430,7 +430,7 @@ def measure_row_link(name: str, P: int, layers: int, tmp: pathlib.Path, timeout:
 
 def _measure_link_worker(args) -> None:
     """``--measure-link``: one rank of the launch :func:`measure_row_link` starts; rank 0 writes the link."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -590,7 +590,7 @@ def _ratios(records, lengths, nprocs) -> list[str]:
 
 
 def _link_names() -> list[str]:
-    from ..planner.link import LINKS
+    from ..planner.link import LINKS  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     return list(LINKS)
 
@@ -668,7 +668,7 @@ def main(argv=None) -> None:
         parser.error("--link NAME stretches this machine's CPU compute to a cluster's; on GPUs the real links run. "
                      "Drop --link, or give fixed figures with --link-bytes-per-s.")
     if args.device == "cuda":
-        import torch
+        import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
         gpus = torch.cuda.device_count()
         if not gpus:

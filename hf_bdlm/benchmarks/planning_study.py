@@ -42,13 +42,23 @@ more than the masks' index arrays.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
+import importlib
 import json
 import os
 import pathlib
+import select
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import warnings
+
+from .processes import child_env, module_command
+from .report import pyplot
 
 LENGTHS = (8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 QUICK_LENGTHS = (8192, 16384)
@@ -133,13 +143,14 @@ def index_bytes(mask) -> int:
 
 
 def _rule(B: int, variant: str):
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from hf_bdlm.attention.masks import MaskRule
 
     return MaskRule(B, sliding_window=WINDOW if variant == "sliding" else None)
 
 
 def _documents(L: int):
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     return (torch.arange(L) * DOCUMENTS // L)[None]
 
@@ -147,6 +158,7 @@ def _documents(L: int):
 def _csbp_sources(L: int, B: int, rule, rank: int):
     """A csbp rank's query rows and key sources, as :class:`~hf_bdlm.parallel.exchange.ExchangePass` attends them: its
     own rows (the local key tensor), then the peers' (their sent rows; under a window, those the exchange fetches)."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from hf_bdlm.attention.rows import RowMeta
     from hf_bdlm.parallel.dims import ParallelDims
     from hf_bdlm.parallel.plan import PlanConfig, make_plan, window_exchange
@@ -165,6 +177,7 @@ def _csbp_sources(L: int, B: int, rule, rank: int):
 
 def _build(layout: str, variant: str, L: int, B: int, planner: str, rank: int = 0, doc=None):
     """All host work of a fresh layout: ``(plans, summary)``; ``plans`` holds what was built (to be freed)."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from hf_bdlm.attention.block_mask import build_block_mask
     from hf_bdlm.attention.rows import vectorized_rows
     from hf_bdlm.attention.tiles import plan_attention
@@ -235,7 +248,7 @@ def measure_baseline(spec: dict) -> dict:
 
 def measure_touch(spec: dict) -> dict:
     """``numpy.ones`` of ``spec["bytes"]`` in a fresh process, then again after freeing them."""
-    import numpy
+    import numpy  # lazy: keeps hf-bdlm --help light: numpy's import measured 0.06 s on the parsers' 0.08 s
 
     times = []
     for _ in range(2):
@@ -249,9 +262,9 @@ def measure_touch(spec: dict) -> dict:
 def measure_cached_step(spec: dict) -> dict:
     """Two identical single-device steps of the ``flex`` and ``blockwise`` backends (a fresh layout cache): block
     masks and tile plans built, and their time, per step."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
-    import hf_bdlm.attention.flex as flex
+    import hf_bdlm.attention.flex as flex  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     import hf_bdlm.attention.tiles as tiles
     from hf_bdlm.attention.interface import LocalLayout
 
@@ -303,9 +316,7 @@ _KINDS = {"plan": measure_plan, "baseline": measure_baseline, "first_touch": mea
 
 def _child(spec: dict) -> dict:
     try:
-        import warnings
-
-        import torch
+        import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         torch.set_num_threads(1)
@@ -317,8 +328,6 @@ def _child(spec: dict) -> dict:
 def _die_with_parent() -> None:
     """Linux: this process is killed when the server ends (a killed study leaves no measurement running)."""
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except (OSError, AttributeError):
         pass
@@ -327,10 +336,6 @@ def _die_with_parent() -> None:
 def serve() -> None:
     """The fork server (``--serve``): imports torch and ``hf_bdlm`` once, then per line of stdin (a spec, JSON) forks
     a fresh process that measures it and answers one JSON line on stdout (its own output goes to stderr)."""
-    import importlib
-    import select
-    import signal
-
     for name in PRELOAD:
         importlib.import_module(name)
     # The imports' objects move to the collector's permanent generation: a measuring process's collections then visit
@@ -382,11 +387,6 @@ class Processes:
     pool started."""
 
     def __init__(self, timeout: float):
-        import subprocess
-        import tempfile
-
-        from .processes import child_env, module_command
-
         self.timeout = timeout
         self._cwd = tempfile.TemporaryDirectory()
         self.server = subprocess.Popen([*module_command("planning_study"), "--serve"], cwd=self._cwd.name,
@@ -654,9 +654,7 @@ def plot(records: list[dict], path: pathlib.Path) -> pathlib.Path | None:
     plans = _plans(records)
     if not plans:
         return None
-    from matplotlib.lines import Line2D
-
-    from .report import pyplot
+    from matplotlib.lines import Line2D  # lazy: optional dependency (matplotlib)
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(18, 6))

@@ -12,6 +12,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .attention import spread
+from .parallel_modes import spread_of
+from .spread import compare
+
 MiB = 2**20
 MODE_ORDER = {"single": 0, "cp": 1, "bp": 2, "csbp": 3}
 # One colour per mode, a line style per transport / schedule: the panels stay readable with six variants.
@@ -95,8 +99,6 @@ def rows_table(head: list[str], rows: list[list[str]], markdown: bool) -> str:
 def modes_table(records: list[dict], markdown: bool = False) -> str:
     """Step time (median [range] of the timed steps), tokens/s (at the median), peak memory per rank, bytes per step and
     exposed communication of every record."""
-    from .parallel_modes import spread_of
-
     head = ["variant", "P", "L", "step s", "tokens/s", "peak MiB/rank", "MiB/step/rank", "comm-wait s (fwd/bwd)"]
     rows = []
     for r in sorted(records, key=_sort_key):
@@ -115,9 +117,6 @@ def modes_comparison_table(records: list[dict], markdown: bool = False) -> str:
     """CSBP (all-gather) against each baseline at every (P, L): the ratio of median step times, or a tie where the
     ranges of timed steps overlap (:func:`.spread.compare`). Baselines: cp (all-gather), the paper's CP where it ran,
     bp with the faster of its schedules, and the single process (its time over P ranks' is the speed-up)."""
-    from .parallel_modes import spread_of
-    from .spread import compare
-
     best: dict = {}
     for r in ok_records(records):
         if r.get("transport") not in (None, "allgather"):
@@ -194,8 +193,6 @@ def max_context_table(results: list[dict], markdown: bool = False) -> str:
 def attention_table(records: list[dict], markdown: bool = False) -> str:
     """Time (median [range] of the timed runs) and peak memory of each attention backend / training step
     (:mod:`.attention` records)."""
-    from .attention import spread
-
     head = ["measurement", "L", "time s", "peak MiB"]
     rows = []
     for r in records:
@@ -212,12 +209,12 @@ def attention_table(records: list[dict], markdown: bool = False) -> str:
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend; a clear error naming the extra when it is missing."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency (matplotlib; the error names the bench extra)
     except ImportError:
         raise ImportError("hf-bdlm bench draws its plots with matplotlib, which is not installed: "
                           "pip install \"hf-bdlm[bench]\"") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use picks the backend pyplot starts with
 
     return plt
 
@@ -227,7 +224,7 @@ def length_label(x: float, _pos=None) -> str:
 
 
 def _log2_x(ax, lengths) -> None:
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter  # lazy: optional dependency (matplotlib)
 
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(lengths)))

@@ -22,11 +22,12 @@ import time
 
 import torch
 
+from ..data import load_arith
 from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 
 def run_requests(base_url: str, model: str, prompts: list[list[dict]], max_tokens: int, workers: int) -> dict:
-    import openai
+    import openai  # lazy: optional dependency (openai)
 
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
 
@@ -87,7 +88,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.requests, args.max_tokens, args.flood = 8, 32, 16
     torch.set_num_threads(args.threads)
-    from ..data import load_arith
+    # lazy: optional dependency (fastapi, uvicorn: the serve extra)
     from ..serving import Engine, ServerConfig, ServerThread
 
     engine = Engine.from_pretrained(args.model, dtype=torch.float32, block_size=16)

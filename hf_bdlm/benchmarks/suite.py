@@ -172,7 +172,7 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         baseline_nprocs=pick("baseline_nprocs"), baseline_models=pick("baseline_models"),
         baseline_layouts=tuple(getattr(args, "baseline_layouts", None) or ("csbp", "cp", "cp-paper", "bp")),
         links=tuple(None if name == "none" else name for name in (getattr(args, "link", None) or ["none"])))
-    from hf_bdlm.planner.link import LINKS
+    from hf_bdlm.planner.link import LINKS  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     bad = [name for name in cfg.links if name is not None and name not in LINKS]
     if bad:
@@ -254,6 +254,7 @@ def measure_planner_figures(out: pathlib.Path, layers: int, process_counts) -> N
     """The planner's CPU figures for ``process_counts`` ranks, measured now into ``out``/cpu_rates.json: in the
     machine state the records beside them are made in (``hf-bdlm plan --validate`` reads them from there; figures
     measured hours later, on a host whose pace drifts, miss by as much as the drift)."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from hf_bdlm.benchmarks.calibrate import RATES_FILE, benchmark_model, cpu_devices
 
     t0 = time.perf_counter()
@@ -264,7 +265,7 @@ def measure_planner_figures(out: pathlib.Path, layers: int, process_counts) -> N
 
 
 def run_baselines(cfg: BenchConfig) -> list[dict]:
-    from . import baselines
+    from . import baselines  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     if cfg.calibrate:  # figures for the first model's layers: what hf-bdlm plan --validate reads them for
         measure_planner_figures(cfg.out, baselines.MODELS[cfg.baseline_models[0]]["layers"], cfg.baseline_nprocs)
@@ -379,7 +380,7 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
                          f"({mc['layers']} layer(s); grid {mc['grid']} tokens; {mc['memory']})",
                          report.max_context_table(mc["results"], True), report.max_context_table(mc["results"])))
     if base:
-        from . import baselines
+        from . import baselines  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
         sections.append(("CSBP against both CP baselines and BP (step seconds, median [range] of the timed steps; "
                          "CSBP's speed-up, the ratio of medians, a tie where the ranges overlap; exposed waits; "
@@ -415,7 +416,7 @@ def write_report(out: pathlib.Path, markdown: bool = False) -> list[pathlib.Path
 
 
 def _machine() -> dict:
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     return dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
                 torch=torch.__version__, processor=platform.processor() or platform.machine())
