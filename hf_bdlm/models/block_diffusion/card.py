@@ -14,6 +14,7 @@ from ...protocols.card_parts import (
     render_card_template,
     trained_card_values,
 )
+from ...version import __version__
 
 TEMPLATE_FILE = "model_card.md"
 # What each objective of this family trains, in the card's words.
@@ -50,8 +51,6 @@ GENERATION_KNOBS = {
 
 def render_block_diffusion_card(directory: Path, config: dict, info: dict) -> str:
     """The card's text for a saved block-diffusion folder (``config``: its parsed ``config.json``; ``info`` checked)."""
-    from ...version import __version__
-
     backbone = config.get("backbone_config") or {}
     generation = read_json(directory / "generation_config.json") or {}
     objective = info.get("objective", config.get("objective", "standard"))

@@ -14,15 +14,21 @@ from __future__ import annotations
 import logging
 import os
 
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
 from ...checkpoints.files import BadCheckpointFile, load_pretrained
 from ...protocols.diffusion_fields import TOKEN_SHIFT_OBJECTIVES
 from ...protocols.decoding import DecodingVariant
 from ...protocols.entry import ModelFamily
+from ...protocols.registry import REGISTRY
 from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, PolicySpec, ServingSpec, TrainingSpec
 from ...protocols.step import unwrap_model
 from .card import render_block_diffusion_card
 from .configuration import BlockDiffusionConfig
 from .conversion import convert_causal_lm
+from .inference.likelihood import BlockDiffusionLikelihoodScorer
+from .inference.serving import BlockDiffusionServingDecoder
 from .modeling import BlockDiffusionForMaskedLM
 from .training.objectives import OBJECTIVE_CLASSES
 from .training.policy import BlockDiffusionPolicy, rollout_fields
@@ -37,8 +43,6 @@ class BlockDiffusionTraining(TrainingSpec):
     objectives; the objective calls the model's forward on the vectorized ``[noisy ; clean]`` rows."""
 
     def load(self, path, config, args, processing_class, init_kwargs):
-        from transformers import AutoModel, AutoModelForCausalLM
-
         if config.model_type == BlockDiffusionConfig.model_type:
             check_mask_token(getattr(processing_class, "tokenizer", processing_class), config, path)
             return load_pretrained(AutoModel.from_pretrained, path, **init_kwargs), processing_class
@@ -46,8 +50,6 @@ class BlockDiffusionTraining(TrainingSpec):
         return self.convert(causal, processing_class, args, path)
 
     def adopt(self, model, processing_class, args):
-        from transformers import PreTrainedModel
-
         if self.family.claims_model(model):
             return model, processing_class
         if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None:
@@ -116,8 +118,6 @@ class BlockDiffusionServing(ServingSpec):
     """Serves a block-diffusion checkpoint, or a causal LM converted on load (untrained: a warning says so)."""
 
     def load(self, path, config, init_kwargs, block_size):
-        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
         if config.model_type != BlockDiffusionConfig.model_type:
             check_causal_lm_config(config, path)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -132,8 +132,6 @@ class BlockDiffusionServing(ServingSpec):
         return model, tokenizer
 
     def decoder(self, model, tokenizer):
-        from .inference.serving import BlockDiffusionServingDecoder
-
         return BlockDiffusionServingDecoder(model, tokenizer)
 
     def decoding_variants(self, decoder):
@@ -178,8 +176,6 @@ class BlockDiffusionEvaluation(EvaluationSpec):
     """lm-eval scores what ``hf-bdlm serve`` loads, its likelihood by the absorbing-noise bound."""
 
     def likelihood_scorer(self, model, tokenizer):
-        from .inference.likelihood import BlockDiffusionLikelihoodScorer
-
         return BlockDiffusionLikelihoodScorer(model, tokenizer)
 
 
@@ -240,13 +236,9 @@ class BlockDiffusionFamily(ModelFamily):
 def check_causal_lm_config(config, path) -> None:
     """Refuse, from the config alone, a checkpoint that is neither a registered family's nor a decoder-only causal LM
     (an encoder such as BERT has a causal-LM class in transformers, but nothing to convert)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
-
-    from ...protocols.registry import REGISTRY
-
     model_type = getattr(config, "model_type", None)
-    if model_type in CAUSAL and model_type not in MASKED and not getattr(config, "is_encoder_decoder", False):
+    if (model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(config, "is_encoder_decoder", False)):
         return
     families = sorted(t for e in REGISTRY for t in e.model_types)
     raise ValueError(

@@ -37,7 +37,7 @@ from ...attention import (
 from ...attention.rows import document_positions
 from ...checkpoints.files import check_weight_files
 from .configuration import BlockDiffusionConfig
-from .generation import BlockDiffusionGenerationMixin
+from .generation import BlockDiffusionGenerationMixin, generate
 
 
 @dataclass
@@ -273,6 +273,7 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
         """[`~PreTrainedModel.save_pretrained`], plus self-contained `configuration_block_diffusion.py` and
         `modeling_block_diffusion.py` and an `auto_map` in config.json, so that the folder also loads with
         `trust_remote_code=True` where hf_bdlm is not installed (see `hf_bdlm.hub.remote_code`)."""
+        # lazy: a hub hook: the remote-code bundler leaves out the functions importing hf_bdlm.hub
         from ...hub.remote_code import save_with_remote_code
 
         return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
@@ -280,14 +281,13 @@ class BlockDiffusionForMaskedLM(BlockDiffusionGenerationMixin, BlockDiffusionPre
     def push_to_hub(self, repo_id: str, *, tokenizer=None, card_info: dict | None = None, **kwargs):
         """Upload what [`hf_bdlm.hub.save_for_hub`] writes (weights, config, remote code, generation config, the
         model card, and the tokenizer when given) to `repo_id`; see [`hf_bdlm.hub.push_to_hub`]."""
+        # lazy: a hub hook: the remote-code bundler leaves out the functions importing hf_bdlm.hub
         from ...hub import push_to_hub
 
         return push_to_hub(self, repo_id, tokenizer=tokenizer, info=card_info, **kwargs)
 
     def generate(self, input_ids: torch.Tensor, generation_config=None, **kwargs) -> torch.Tensor:
         """Block-wise diffusion decoding; see :func:`hf_bdlm.models.block_diffusion.generation.generate`."""
-        from .generation import generate
-
         if getattr(self.config, "bdlm_trained_steps", None) == 0 and not getattr(self, "_warned_untrained", False):
             self._warned_untrained = True
             warnings.warn(UNTRAINED_WARNING, UntrainedModelWarning, stacklevel=2)

@@ -36,8 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from huggingface_hub import ModelCardData, save_torch_state_dict
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from ....hub.exports import qwen3_layer_shapes, write_folder
+from ....hub.upload import push_folder_to_hub
+from ....protocols.card_parts import hub_repo_id, parameters_text, render_card_template
+from ....protocols.registry import entry_for_model_type
+from ..modeling import BlockDiffusionForMaskedLM
 
 SDAR_MASK_TOKEN_ID = 151669
 ARCHITECTURE = "SDARForCausalLM"
@@ -106,8 +114,6 @@ def sdar_problems(config) -> list[str]:
 
 def check_servable_as_sdar(model) -> None:
     """Raise `SDARExportError` naming every reason ``model`` cannot be served as SDAR (see :func:`sdar_problems`)."""
-    from ..modeling import BlockDiffusionForMaskedLM
-
     if not isinstance(model, BlockDiffusionForMaskedLM):
         raise SDARExportError(
             f"{type(model).__name__} is not a converted block-diffusion model: the SDAR export takes a "
@@ -348,8 +354,6 @@ def export_sdar(
     block_size = model.config.block_size
 
     def build(staging: Path) -> None:
-        from huggingface_hub import save_torch_state_dict
-
         save_torch_state_dict(weights, staging, max_shard_size="5GB", metadata={"format": "pt"})
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", generation_config(tokens))
@@ -411,10 +415,6 @@ def check_sdar_folder(folder: str | os.PathLike) -> dict[str, Any]:
     Raises:
         SDARExportError: naming every broken field, missing / extra / mis-shaped tensor.
     """
-    import yaml
-    from safetensors import safe_open
-    from transformers import AutoTokenizer
-
     root = Path(folder)
     problems = []
     config = json.loads((root / "config.json").read_text(encoding="utf-8"))
@@ -466,10 +466,6 @@ def check_sdar_folder(folder: str | os.PathLike) -> dict[str, Any]:
 def render_card(folder: str | os.PathLike, *, model_ref: str, model_name: str, source: str, mask_logit: str,
                 confidence_threshold: float, local: bool) -> str:
     """The model card (``README.md``) of an exported folder, from its ``config.json``."""
-    from huggingface_hub import ModelCardData
-
-    from ....protocols.card_parts import hub_repo_id, parameters_text, render_card_template
-
     root = Path(folder)
     config = json.loads((root / "config.json").read_text(encoding="utf-8"))
     block = config["block_size"]
@@ -495,8 +491,6 @@ def push_sdar_to_hub(folder: str | os.PathLike, repo_id: str, *, commit_message:
                      create_pr: bool = False):
     """Upload an exported SDAR folder to the Hub repo ``repo_id`` (created if needed) in one commit, after checking it
     with :func:`check_sdar_folder`. Arguments as in transformers' ``push_to_hub``."""
-    from ....hub.upload import push_folder_to_hub
-
     check_sdar_folder(folder)
     return push_folder_to_hub(folder, repo_id, commit_message=commit_message or "Upload SDAR export (hf_bdlm)",
                               private=private, token=token, revision=revision, create_pr=create_pr)
@@ -506,10 +500,6 @@ def push_sdar_to_hub(folder: str | os.PathLike, repo_id: str, *, commit_message:
 def run_export(args) -> int:
     """``hf-bdlm export --format sdar``: the checkpoint folder ``args.source`` -> the SDAR folder ``args.output`` (and
     the Hub with ``args.push_to_hub``); a folder that cannot be served as SDAR is refused from its config alone."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-
-    from ....protocols.registry import entry_for_model_type
-
     source = Path(args.source)
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} holds no config.json: pass a saved block-diffusion checkpoint folder.")

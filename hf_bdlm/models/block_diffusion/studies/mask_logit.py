@@ -33,9 +33,19 @@ import copy
 import json
 import pathlib
 import sys
+import tempfile
 import time
 
 import torch
+from transformers import AutoModel, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from ....data import exact_match, load_arith
+from ....embedded import default_model_dir
+from ....objectives import get_objective
+from ....trainer import BDLMSFTConfig, BDLMSFTTrainer
+from ..conversion import convert_causal_lm
+from ..inference.export_sdar import zero_mask_logit
+from ..modeling import pad_to_block_multiple
 
 THRESHOLDS = (0.85, 0.9, 0.95)
 
@@ -43,13 +53,6 @@ THRESHOLDS = (0.85, 0.9, 0.95)
 def train_tiny_qwen3(steps: int, block_size: int, output_dir: str):
     """A small Qwen3 trained from scratch with `standard` on the shipped tasks (one process); returns (model,
     tokenizer, the training log)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from ....data import load_arith
-    from ....embedded import default_model_dir
-    from ....trainer import BDLMSFTConfig, BDLMSFTTrainer
-    from ..conversion import convert_causal_lm
-
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -72,14 +75,7 @@ def train_tiny_qwen3(steps: int, block_size: int, output_dir: str):
 
 
 def load(args):
-    from transformers import AutoModel, AutoTokenizer
-
-    from ....embedded import default_model_dir
-    from ..conversion import convert_causal_lm
-
     if args.tiny_qwen3:
-        import tempfile
-
         model, tokenizer, log = train_tiny_qwen3(args.tiny_qwen3, args.block_size, tempfile.mkdtemp())
         args.training_log = log
         return model, tokenizer
@@ -93,8 +89,6 @@ def load(args):
 
 
 def held_out(tokenizer, count: int):
-    from ....data import load_arith
-
     rows = load_arith("test").select(range(count))
     examples = []
     for row in rows:
@@ -110,9 +104,6 @@ def held_out(tokenizer, count: int):
 def masked_position_logits(model, examples, seed: int = 0) -> torch.Tensor:
     """Logits (float32, whole vocabulary) at the masked positions of the held-out completions, each corrupted by the
     standard objective's own noise (seeded)."""
-    from ....objectives import get_objective
-    from ..modeling import pad_to_block_multiple
-
     config = model.config
     objective = get_objective("standard", config)
     pad = model.generation_config.pad_token_id
@@ -171,9 +162,6 @@ def logit_statistics(logits: torch.Tensor, mask_id: int) -> dict:
 
 @torch.no_grad()
 def decoding(model, tokenizer, examples, new_tokens: int, threshold: float) -> dict:
-    from ....data import exact_match
-    from ..inference.export_sdar import zero_mask_logit
-
     mask = model.config.mask_token_id
     corrected = zero_mask_logit(copy.deepcopy(model))
     runs = {"hf_bdlm": (model, "hf_bdlm")}
