@@ -43,6 +43,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
+from ...attention.block_mask import interval_block_mask
 from ...attention.flex import flex_call
 from ...attention.kernels import merge_partial, new_accumulators, repeat_kv
 from ...attention.rows import document_starts
@@ -101,8 +102,6 @@ class DraftContext:
     def block_mask(self, device):
         found = self._block_masks.get(device)
         if found is None:
-            from ...attention.block_mask import interval_block_mask
-
             found = self._block_masks[device] = interval_block_mask(self.lo, self.hi, self.positions, device=device)
         return found
 
@@ -180,8 +179,6 @@ def fused_attention(query: torch.Tensor) -> bool:
 def _draft_block_mask(n: int, block_size: int, causal: bool, device):
     """FlexAttention block mask of ``n`` draft rows over themselves: each sees its own block (causally on a
     block-causal layer), built once per shape."""
-    from ...attention.block_mask import interval_block_mask
-
     rows = torch.arange(n)
     lo = (rows // block_size * block_size)[None]
     hi = rows[None] if causal else (lo + block_size - 1)

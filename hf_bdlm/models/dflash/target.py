@@ -13,7 +13,13 @@ import json
 import logging
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import cached_file
+
+from . import modeling
+from ...embedded import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +59,12 @@ class TargetHeads(nn.Module):
 
 def resolve_target_path(name: str) -> str:
     """``embedded:smollm2`` -> the exported SmolLM2 folder; a folder or a Hub id as it is."""
-    from ...embedded import resolve_model_path
-
     return resolve_model_path(name)
 
 
 def load_target(name: str, revision: str | None = None, dtype: str | None = None, device: str | None = None):
     """The whole target causal LM (``name`` as :func:`resolve_target_path` reads it), frozen, in eval mode, on
     ``device`` (default: cuda when available, else cpu); ``dtype`` by name (default: its own)."""
-    from transformers import AutoModelForCausalLM
-
     kwargs = {"revision": revision} if revision else {}
     if dtype:
         kwargs["dtype"] = getattr(torch, dtype)
@@ -88,8 +90,6 @@ def load_target_heads(name_or_path: str, *, revision: str | None = None, dtype: 
     Returns:
         [`TargetHeads`].
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
 
     path = resolve_target_path(name_or_path)
     config = AutoConfig.from_pretrained(path, revision=revision)
@@ -132,9 +132,6 @@ def load_target_heads(name_or_path: str, *, revision: str | None = None, dtype: 
 
 def _read_tensors(path: str, revision: str | None, keys: list[str]) -> dict[str, torch.Tensor]:
     """The tensors named ``keys`` that the checkpoint holds, read from its safetensors file(s) alone."""
-    from safetensors import safe_open
-    from transformers.utils import cached_file
-
     def fetch(filename: str) -> str | None:
         return cached_file(path, filename, revision=revision, _raise_exceptions_for_missing_entries=False)
 
@@ -160,8 +157,6 @@ def _read_tensors(path: str, revision: str | None, keys: list[str]) -> dict[str,
 
 def drafter_class(config):
     """`DFlash2DraftModel` or `DFlashDraftModel`, as a drafter config (or its ``architectures``) names."""
-    from . import modeling
-
     architectures = list(getattr(config, "architectures", None) or [])
     name = architectures[0] if architectures else ("DFlash2DraftModel" if getattr(config, "is_dflash2", False)
                                                    else "DFlashDraftModel")

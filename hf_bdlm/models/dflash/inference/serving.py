@@ -19,8 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ....checkpoints.files import load_pretrained
 from ....protocols.decoding import ServingDecoder
+from ..configuration import DFlashConfig
+from ..target import drafter_class
+from .speculative import SpeculativeSession, check_drafter_for_target, speculative_token_count
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,6 @@ class SpeculativeServingDecoder(ServingDecoder):
     speculative = True
 
     def __init__(self, target, drafter, tokenizer=None, num_speculative_tokens: int | None = None):
-        from .speculative import check_drafter_for_target, speculative_token_count
-
         check_drafter_for_target(target, drafter)
         self.num_speculative_tokens = speculative_token_count(num_speculative_tokens, int(drafter.config.block_size))
         self.model, self.drafter = target.eval(), drafter.eval()
@@ -54,8 +57,6 @@ class SpeculativeServingDecoder(ServingDecoder):
 
     def with_proposals(self, num_speculative_tokens: int) -> "SpeculativeServingDecoder":
         """The same target and drafter, verifying ``num_speculative_tokens`` proposals per step."""
-        from .speculative import speculative_token_count
-
         other = SpeculativeServingDecoder.__new__(SpeculativeServingDecoder)
         other.__dict__.update(self.__dict__)
         other.num_speculative_tokens = speculative_token_count(num_speculative_tokens,
@@ -94,8 +95,6 @@ class SpeculativeServingDecoder(ServingDecoder):
 
     @torch.no_grad()
     def decode(self, prompts, settings, seeds, on_block) -> None:
-        from .speculative import SpeculativeSession
-
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), int(self.pad_token_id), dtype=torch.long, device=device)
@@ -130,13 +129,6 @@ def load_speculative(target_path: str, draft_path: str, init_kwargs: dict, devic
     """The causal ``target_path`` and the drafter at ``draft_path`` bound to it, on ``device``; returns ``(target,
     tokenizer, decoder)``. ``init_kwargs`` go to both ``from_pretrained`` calls (``dtype``); the decoder verifies
     ``num_speculative_tokens`` proposals per step (`None`: the drafter's ``B - 1``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ....checkpoints.files import load_pretrained
-    from ..configuration import DFlashConfig
-    from .speculative import speculative_token_count
-    from ..target import drafter_class
-
     config = DFlashConfig.from_pretrained(draft_path)
     speculative_token_count(num_speculative_tokens, int(config.block_size))  # before loading anything
     target = load_pretrained(AutoModelForCausalLM.from_pretrained, target_path, **init_kwargs)

@@ -76,6 +76,9 @@ import time
 from dataclasses import dataclass
 
 from ....benchmarks.bench_command import positive_int
+from ....benchmarks.parallel_modes import current_rss, peak_rss
+from ....benchmarks.processes import child_env
+from ....benchmarks.report import length_label, rows_table
 from ....benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 MODULE = f"{__package__}.benchmark"  # what ``python -m`` / ``torchrun -m`` run (also when this file is __main__)
@@ -154,6 +157,7 @@ class DrafterStudy:
 # ----------------------------------------------------------------------------------------------------------------------
 def benchmark_config(layers: int = 1, window: int | None = WINDOW):
     """The benchmark drafter's `DFlashConfig` (see the module docstring)."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from ..configuration import DFlashConfig
 
     kinds = ["sliding_attention" if window else "full_attention"] * layers
@@ -166,9 +170,9 @@ def benchmark_config(layers: int = 1, window: int | None = WINDOW):
 def benchmark_target_ends(vocab_size: int, hidden_size: int):
     """The parts of a target a drafter's training step uses: its input embedding and LM head (random; the features
     stand in for the rest)."""
-    from torch import nn
+    from torch import nn  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
-    from ..target import TargetHeads
+    from ..target import TargetHeads  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     embed_tokens = nn.Embedding(vocab_size, hidden_size)
     lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
@@ -178,8 +182,9 @@ def benchmark_target_ends(vocab_size: int, hidden_size: int):
 
 def benchmark_drafter(layers: int = 1, window: int | None = WINDOW):
     """The benchmark drafter (random, the same in every process), bound to :func:`benchmark_target_ends`."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from ..modeling import DFlash2DraftModel
 
     config = benchmark_config(layers, window)
@@ -191,7 +196,7 @@ def benchmark_drafter(layers: int = 1, window: int | None = WINDOW):
 def benchmark_tokens(length: int, vocab_size: int = DRAFTER["vocab_size"], sequence: int = 0):
     """``(input_ids, loss_mask)`` of benchmark sequence ``sequence`` ``[1, L]``: random tokens, every one supervised
     (sequence 0: the one every layout but ``dp``'s other ranks trains)."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     ids = torch.randint(1, vocab_size - 1, (1, length), generator=torch.Generator().manual_seed(1 + sequence))
     return ids, torch.ones_like(ids)
@@ -200,6 +205,7 @@ def benchmark_tokens(length: int, vocab_size: int = DRAFTER["vocab_size"], seque
 def benchmark_objective(anchors: int, sequence: int = 0):
     """The recipe's objective for the benchmark drafter: ``anchors`` per sequence drawn by the locality sampler (seed
     ``sequence``, the same on every rank training that sequence), D-PACE."""
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from ..training.objectives import DFlashObjective
 
     return DFlashObjective(mask_token_id=DRAFTER["vocab_size"] - 1, block_size=DFLASH2["block_size"],
@@ -210,7 +216,7 @@ def benchmark_features(runs, width: int, sequence: int = 0):
     """Feature rows ``runs`` (ascending ``[start, stop)``) of benchmark sequence ``sequence``, ``[1, rows, width]``:
     standard normal, drawn chunk by chunk into one buffer, so a rank makes (and holds) only the rows it projects, as
     the trainer reads them (every row the same on every rank)."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     out = torch.empty(1, sum(stop - start for start, stop in runs), width)
     at = 0
@@ -229,7 +235,7 @@ def compute_rate(rows: int = RATE_ROWS, repeats: int = RATE_REPEATS) -> float:
     """This process's matrix-product rate now, GFLOP/s: ``repeats`` products of ``[rows, hidden]`` by the drafter's
     ``[intermediate, hidden]`` MLP weight (one thread, float32). Ranks sharing a core measure about half of a rank
     alone."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, DRAFTER["hidden_size"], generator=g)
@@ -249,9 +255,10 @@ def _worker(args: argparse.Namespace) -> None:
     """One measurement: the single process (``--layout single``), or one rank of a ``torchrun`` group whose rank 0
     writes the group's record. ``dp`` ranks train a sequence each, alone; the group only starts their steps together
     and gathers the record."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     import torch.distributed as dist
 
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from ....parallel.collectives import ByteMeter
     from ....parallel.dims import ParallelDims
     from ....parallel.groups import BlockParallelGroups
@@ -282,9 +289,9 @@ def _rank_steps(args: argparse.Namespace, groups, sequence: int) -> dict:
     received and their formula, losses, peak memory. The single process and every ``dp`` rank run the same sharded
     forward with a one-rank plan (so they compact the context as the ranks do), ``dp`` rank ``r`` on sequence
     ``r``."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
-    from ....benchmarks.parallel_modes import current_rss, peak_rss
+    # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from ..training.sharded import DFlashShardPlan, context_bytes, sharded_draft_forward
 
     drafter = benchmark_drafter(args.layers, args.window or None)
@@ -419,8 +426,6 @@ def launch(layout: str, P: int, L: int, study: DrafterStudy, tmp: pathlib.Path) 
 
 
 def _launch_once(layout: str, P: int, L: int, study: DrafterStudy, tmp: pathlib.Path) -> dict:
-    from ....benchmarks.processes import child_env
-
     tmp = pathlib.Path(tmp).resolve()
     out = tmp / f"drafter_{layout}_P{P}_L{L}.json"
     out.unlink(missing_ok=True)
@@ -615,8 +620,6 @@ def table(records: list[dict], markdown: bool = False) -> str:
     normalised by it (one core per rank), supervised tokens/s, the feature rows held and the peak memory (largest
     rank), K/V bytes received (largest rank) and whether every rank's equal the formula, exposed waits and the loss
     against the single process's; failed launches last."""
-    from ....benchmarks.report import length_label, rows_table
-
     body = []
     for row in rows(records):
         r = row["record"]
@@ -644,8 +647,6 @@ def comparison_table(records: list[dict], markdown: bool = False) -> str:
     (``2.52x``, or ``tie (0.97x)`` where the ranges overlap); the strongest baseline (faster of bp and dp) and the
     ratio over it, also with every time normalised to one core per rank and on the slowest rank's CPU seconds per
     sequence; csbp's peak memory per rank over each baseline's."""
-    from ....benchmarks.report import length_label, rows_table
-
     body = []
     for entry in comparisons(records):
         against = entry["against"]
@@ -708,8 +709,6 @@ def findings(records: list[dict]) -> list[str]:
 def report(records: list[dict]) -> str:
     """The study's section of ``summary.md``: a title saying what was measured, :func:`comparison_table`,
     :func:`findings` and :func:`table`."""
-    from ....benchmarks.report import length_label
-
     ok = [r for r in records if "error" not in r]
     first = ok[0] if ok else records[0] if records else {}
     layers, window = first.get("layers", "?"), first.get("window")

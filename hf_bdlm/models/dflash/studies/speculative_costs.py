@@ -33,6 +33,14 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .. import modeling
+from ....data import load_arith
+from ..inference import speculative
+from ..inference.speculative import dflash_assisted_decoding, speculative_generate
+from ..modeling import DFlash2DraftModel
+from ..target import resolve_target_path
 
 RESULTS = pathlib.Path("benchmarks") / "results" / "speculative_costs"  # under the folder it runs from
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
@@ -110,9 +118,6 @@ def instrumented(target):
     """Timers around the target's forward, the drafting functions, the context cache's appends and the session's
     step (whichever of them this version of the package has); all restored on exit. Yields the timers and the list
     of every target forward, ``(tokens, seconds)``."""
-    from .. import modeling
-    from ..inference import speculative
-
     timers = Timers()
     restore = []
     for name in ("draft_block", "draft_from_cache"):
@@ -157,11 +162,6 @@ def instrumented(target):
 
 # --- the models and prompts ------------------------------------------------------------------------------------------
 def load(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..modeling import DFlash2DraftModel
-    from ..target import resolve_target_path
-
     path = resolve_target_path(args.target)
     tokenizer = AutoTokenizer.from_pretrained(path)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
@@ -172,8 +172,6 @@ def load(args):
 
 
 def prompt_tensors(tokenizer, count: int) -> list[torch.Tensor]:
-    from ....data import load_arith
-
     test = load_arith("test")
     encoded = [tokenizer.apply_chat_template(test[i]["prompt"], add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"] for i in range(count)]
@@ -184,8 +182,6 @@ def prompt_tensors(tokenizer, count: int) -> list[torch.Tensor]:
 @torch.inference_mode()
 def decode_costs(target, drafter, prompts, new_tokens: int) -> dict:
     """Target alone, the batched loop and the assisted loop, prompt by prompt, with per-step costs."""
-    from ..inference.speculative import dflash_assisted_decoding, speculative_generate
-
     # EOS disabled and the mask explicit: without EOS, generate would take the prompt's pad-id tokens (SmolLM2's pad
     # is its EOS, <|im_end|>) for padding.
     def plain(ids, n):
@@ -263,9 +259,6 @@ def _best_ms(fn, repeats: int) -> float:
 @torch.inference_mode()
 def drafter_forward_costs(drafter, contexts: list[int], repeats: int) -> list[dict]:
     """One drafter forward (batch 1) at each context length: re-projecting the whole context, and from the cache."""
-    from .. import modeling
-    from ..inference import speculative
-
     rows = []
     config = drafter.config
     cached = hasattr(modeling, "DFlashContextCache") and hasattr(speculative, "draft_from_cache")
@@ -297,8 +290,6 @@ def drafter_forward_costs(drafter, contexts: list[int], repeats: int) -> list[di
 def verification_costs(target, prompt: torch.Tensor, block_size: int, repeats: int) -> list[dict]:
     """One target forward over ``rows`` = 1 .. B new tokens after ``prompt`` (its KV cache prefilled, cropped back
     after each forward): the cost of verifying ``rows - 1`` proposals, in ms and in 1-token forwards."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=target.config)
     length = prompt.shape[1]
     target(input_ids=prompt, cache=cache, use_cache=True)

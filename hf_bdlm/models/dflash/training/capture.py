@@ -36,9 +36,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+from trl import SFTTrainer
+from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+from trl.data_utils import is_conversational
 
 from ....checkpoints.files import file_sha256
-from ..target import decoder_of
+from ....data import load_splits
+from ....progress import progress_bar
+from ....trainer import BDLMSFTConfig
+from ....trainer.collator import apply_length_policy, supervision
+from ..configuration import DFlashConfig
+from ..target import decoder_of, load_target, resolve_target_path
 
 FEATURES_FORMAT = "hf_bdlm.dflash.features"
 FEATURES_VERSION = 1
@@ -84,13 +95,6 @@ def tokenize_records(
         `datasets.Dataset` with ``input_ids`` and ``labels`` (``-100`` outside the loss), the rows
         :func:`capture_features` takes.
     """
-    from trl import SFTTrainer
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-    from trl.data_utils import is_conversational
-
-    from ....trainer import BDLMSFTConfig
-    from ....trainer.collator import apply_length_policy
-
     if len(dataset) == 0:
         raise ValueError("the dataset to tokenise is empty.")
     first = dataset[0]
@@ -118,8 +122,6 @@ def tokenize_records(
 def record_tokens(row: Mapping[str, Any]) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of one row: ``loss_mask`` itself, else the trainer's rule (``labels`` != -100, or the
     ``completion_mask`` / ``assistant_masks`` columns; every token when the row has none)."""
-    from ....trainer.collator import supervision
-
     if "input_ids" not in row:
         raise ValueError(f"a capture record needs 'input_ids' (tokenise the dataset first: tokenize_records); got the "
                          f"keys {sorted(row)}.")
@@ -210,8 +212,6 @@ def capture_features(
     _write_lines(root / PROGRESS, [json.dumps(entry, sort_keys=True) for entry in done.values()])
     pending = [i for i in range(len(records)) if i not in done]
 
-    from ....progress import progress_bar
-
     # Moved once per batch (a forward of batch_size records); standard error, rank 0, a terminal (hf_bdlm.progress).
     bar = progress_bar(total=len(records), initial=len(done), desc="capturing target features", unit="record",
                        enabled=progress)
@@ -291,8 +291,6 @@ def _forward(decoder, batch: list[list[int]], layer_ids: tuple[int, ...], teache
 
 
 def _write_record(root: Path, index: int, tensors: dict[str, torch.Tensor]) -> dict:
-    from safetensors.torch import save_file
-
     name = f"{RECORDS_DIR}/{index:08d}.safetensors"
     path = root / name
     temporary = path.with_name(f".{path.name}.tmp")
@@ -317,8 +315,6 @@ def _resumable_records(root: Path, settings: dict, records, progress: bool) -> d
     logged = {}
     for entry in [*manifest.get("records", []), *_read_log(root / PROGRESS)]:
         logged[int(entry["index"])] = entry  # the log is newer than a finished manifest
-    from ....progress import progress_bar
-
     kept = {}
     for index, entry in progress_bar(sorted(logged.items()), desc="checking captured records", unit="record",
                                      enabled=progress and bool(logged)):
@@ -401,8 +397,6 @@ class FeatureStore:
 
     def record(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [T] long, loss_mask [T] bool)`` of record ``index``."""
-        from safetensors import safe_open
-
         with safe_open(self._path(index), framework="pt") as f:
             return f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
 
@@ -414,8 +408,6 @@ class FeatureStore:
     def feature_runs(self, index: int, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The feature rows of record ``index`` in ``runs`` (ascending ``[start, stop)`` within the record), one after
         the other: ``[sum of stop - start, feature_width]``; the file is opened once and only those rows are read."""
-        from safetensors import safe_open
-
         length = self.lengths[index]
         if any(not 0 <= start <= stop <= length for start, stop in runs):
             raise ValueError(f"runs {list(runs)} reach outside record {index}, which has {length} tokens.")
@@ -434,8 +426,6 @@ class FeatureStore:
         return self._rows(index, "teacher", start, stop)
 
     def _rows(self, index: int, name: str, start: int, stop: int | None) -> torch.Tensor:
-        from safetensors import safe_open
-
         path = self._path(index)
         length = self.lengths[index]
         stop = length if stop is None else stop
@@ -447,8 +437,6 @@ class FeatureStore:
     def verify(self, progress: bool = False, sha256: bool = True) -> None:
         """Check every record file against the manifest: present, of its size, and (``sha256``, reading every byte)
         of its sha256; raises naming the files that differ or are missing, and the fix."""
-        from ....progress import progress_bar
-
         bad = []
         for entry in progress_bar(self.manifest["records"], desc="verifying", unit="record", enabled=progress):
             path = self.root / entry["file"]
@@ -514,11 +502,6 @@ def _write_lines(path: Path, lines: list[str]) -> None:
 def run_capture(args) -> int:
     """``hf-bdlm dflash capture``: the frozen target's features at the drafter's layers over a dataset, into
     ``args.out`` (a rerun resumes it)."""
-    from transformers import AutoTokenizer
-
-    from ....data import load_splits
-    from ..target import load_target, resolve_target_path
-
     path = resolve_target_path(args.target)
     target = load_target(args.target, args.target_revision, dtype=args.dtype, device=args.device)
     if args.drafter:
@@ -548,8 +531,6 @@ def run_capture(args) -> int:
 
 
 def _drafter_config(folder: str):
-    from ..configuration import DFlashConfig
-
     if not (Path(folder) / "config.json").is_file():
         raise FileNotFoundError(f"--drafter {folder!r} holds no config.json: pass a drafter folder (hf-bdlm dflash "
                                 "init writes one).")

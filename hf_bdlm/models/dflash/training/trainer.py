@@ -48,18 +48,25 @@ from typing import Any
 
 import datasets
 import torch
-from transformers import TrainingArguments
+from safetensors import safe_open
+from transformers import AutoTokenizer, TrainingArguments
 
+from ....checkpoints.files import file_sha256
+from ....hub.exports import serving_model_id
 from ....protocols.decoding import AcceptanceCounts
 from ....protocols.step import unwrap_model
 from ....trainer.collator import SAMPLE_ID_COLUMN, round_up
 from ....trainer.trainer import BDLMSFTTrainer
+from ....version import __version__
+from ..configuration import DFlashConfig
+from ..inference.export import PROVENANCE, PROVENANCE_FORMAT, WEIGHTS
 from .acceptance import replay_acceptance, served_requests
 from .capture import FeatureStore
 from ..inference.speculative import speculative_token_count
-from ..target import TargetHeads, load_target_heads, resolve_target_path
+from ..target import TargetHeads, decoder_of, drafter_class, load_target_heads, resolve_target_path
 from .objectives import DeferredFeatures, DFlashBatch, DFlashTrainingBatch
 from .config import DFlashTrainingConfig
+from .sharded import DFlashShardPlan, sharded_draft_forward
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +235,6 @@ class ShardedDraftLayout:
     loss_scale: float
 
     def draft(self, drafter, corrupted: "DFlashTrainingBatch") -> tuple[DFlashBatch, torch.Tensor]:
-        from .sharded import sharded_draft_forward
-
         features = corrupted.features
         if isinstance(features, DeferredFeatures):  # read only the rows the plan has this rank project
             features = features.rows(self.plan.projected_runs)
@@ -256,8 +261,6 @@ def draft_layout(plugin, drafter, corrupted: "DFlashTrainingBatch"):
     (:class:`LocalDraftLayout`), else its share under the block-parallel plan (:class:`ShardedDraftLayout`)."""
     if not plugin.is_active:
         return LocalDraftLayout(global_sum=_world_sum(plugin, 1.0))
-    from .sharded import DFlashShardPlan
-
     drafter = unwrap_model(drafter)
     groups = plugin.sharding_groups()
     windows = [drafter.config.layer_window(i) for i in range(drafter.config.num_hidden_layers)]
@@ -444,16 +447,9 @@ class DFlashTrainer(BDLMSFTTrainer):
     # --- saving ----------------------------------------------------------------------------------------------------
     def _write_model_card(self, output_dir: str) -> None:
         """``training_export.json`` (the provenance a served drafter carries) and ``README.md`` of a saved drafter."""
-        from ....version import __version__
-        from ....checkpoints.files import file_sha256
-        from ....hub.exports import serving_model_id
-        from ..inference.export import PROVENANCE, PROVENANCE_FORMAT, WEIGHTS
-
         root = Path(output_dir)
         if not (root / "config.json").is_file() or not (root / WEIGHTS).is_file():
             return
-        from safetensors import safe_open
-
         with safe_open(str(root / WEIGHTS), framework="pt") as f:
             tensor_count = len(list(f.keys()))
         info = self.model_card_metadata()
@@ -510,11 +506,7 @@ def _as_store(value, name: str) -> FeatureStore:
 
 def _bound_drafter(model, target, args: DFlashTrainingConfig):
     """``(drafter, target heads or None, target name)``: the drafter bound to its target."""
-    from ..target import drafter_class
-
     if isinstance(model, (str, os.PathLike)):
-        from ..configuration import DFlashConfig
-
         dtype = (args.model_init_kwargs or {}).get("dtype")
         kwargs = {"dtype": getattr(torch, dtype) if isinstance(dtype, str) else dtype} if dtype else {}
         model = drafter_class(DFlashConfig.from_pretrained(model)).from_pretrained(model, **kwargs)
@@ -537,8 +529,6 @@ def _bound_drafter(model, target, args: DFlashTrainingConfig):
 
 
 def _target_tokenizer(name: str | None, revision: str | None):
-    from transformers import AutoTokenizer
-
     if name is None:
         raise ValueError("no processing_class given and no target to read a tokenizer from: pass processing_class "
                          "(the target's tokenizer) or target / target_model.")
@@ -575,8 +565,6 @@ def _check_features(store: FeatureStore, drafter, heads: TargetHeads | None, tar
 def _teacher_head(heads: TargetHeads | None, target) -> Callable[[torch.Tensor], torch.Tensor]:
     if heads is not None and heads.norm is not None:
         return heads.teacher_logits
-    from ..target import decoder_of
-
     norm = getattr(decoder_of(target)[0], "norm", None) if target is not None else None
     if norm is None:
         raise ValueError("dflash_loss='kl' needs the target's final norm: pass target= or set target_model.")
