@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import logging
 import os
+
+from transformers import AutoProcessor, AutoTokenizer
+
 from ...checkpoints.files import load_pretrained
 from ...protocols.decoding import DecodingVariant
 from ...protocols.entry import ModelFamily
 from ...protocols.roles import EvaluationSpec, LossStep, PlanningSpec, PolicySpec, ServingSpec, TrainingSpec
 from ...protocols.step import run_step
 from .card import render_diffusion_gemma_card
+from .inference.likelihood import DiffusionGemmaLikelihoodScorer
+from .inference.serving import DiffusionGemmaServingDecoder
 from .modeling import (
     DIFFUSION_GEMMA_LORA_TARGETS,
     diffusion_gemma_class,
@@ -156,8 +161,6 @@ class DiffusionGemmaServing(ServingSpec):
     def load(self, path, config, init_kwargs, block_size):
         """The model and its tokenizer (a processor's tokenizer, with the processor's chat template when the
         tokenizer has none); ``block_size`` is unused (the canvas length is the model's)."""
-        from transformers import AutoTokenizer
-
         model = load_pretrained(diffusion_gemma_class().from_pretrained, path, **init_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if not getattr(tokenizer, "chat_template", None):
@@ -165,8 +168,6 @@ class DiffusionGemmaServing(ServingSpec):
         return model, tokenizer
 
     def decoder(self, model, tokenizer):
-        from .inference.serving import DiffusionGemmaServingDecoder
-
         return DiffusionGemmaServingDecoder(unwrap_diffusion_gemma(model), tokenizer)
 
     def decoding_variants(self, decoder):
@@ -185,8 +186,6 @@ class DiffusionGemmaEvaluation(EvaluationSpec):
     """lm-eval scores what ``hf-bdlm serve`` loads, its likelihood by the uniform-state diffusion bound."""
 
     def likelihood_scorer(self, model, tokenizer):
-        from .inference.likelihood import DiffusionGemmaLikelihoodScorer
-
         return DiffusionGemmaLikelihoodScorer(model, tokenizer)
 
 
@@ -265,8 +264,6 @@ class DiffusionGemmaFamily(ModelFamily):
 
 def _processor_chat_template(path):
     """The chat template a processor saved beside the tokenizer, or ``None``."""
-    from transformers import AutoProcessor
-
     try:
         return getattr(AutoProcessor.from_pretrained(path), "chat_template", None)
     except (OSError, ValueError, TypeError, KeyError):  # no processor in the folder

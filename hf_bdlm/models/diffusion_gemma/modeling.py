@@ -51,6 +51,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from transformers import AttentionInterface, DiffusionGemmaForBlockDiffusion, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.diffusion_gemma.modeling_diffusion_gemma import (
+    DiffusionGemmaDecoderTextAttention,
+    eager_attention_forward,
+)
 
 from ...attention.backends import attend
 from ...attention.interface import bdlm_attention_forward
@@ -70,8 +77,6 @@ PAD_DOCUMENT = -1  # frame rows that hold no token of any document (shifts, dumm
 
 # --- the model --------------------------------------------------------------------------------------------------
 def diffusion_gemma_class():
-    from transformers import DiffusionGemmaForBlockDiffusion
-
     return DiffusionGemmaForBlockDiffusion
 
 
@@ -95,9 +100,6 @@ def use_block_diffusion_attention(model) -> str:
     Idempotent; returns the registered name. Raises for an encoder that is not causal
     (``use_bidirectional_attention="all"``): its inference is not the causal rule trained here.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
     dg = unwrap_diffusion_gemma(model)
     text = dg.config.text_config
     if getattr(text, "use_bidirectional_attention", None) == "all":
@@ -121,12 +123,8 @@ def _dispatching_attention(fallback: str):
         if kwargs.get("bdlm_layout") is not None:
             return bdlm_attention_forward(module, query, key, value, attention_mask, **kwargs)
         if fallback == "eager":
-            from transformers.models.diffusion_gemma.modeling_diffusion_gemma import eager_attention_forward
-
             fn = eager_attention_forward
         else:
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
             fn = ALL_ATTENTION_FUNCTIONS[fallback]
         return fn(module, query, key, value, attention_mask, **kwargs)
 
@@ -135,8 +133,6 @@ def _dispatching_attention(fallback: str):
 
 def is_decoder_attention(module: nn.Module) -> bool:
     """Whether an attention module is the decoder's (its keys: the encoder's cached clean rows, then the canvas)."""
-    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaDecoderTextAttention
-
     return isinstance(module, DiffusionGemmaDecoderTextAttention)
 
 
@@ -522,8 +518,6 @@ class DiffusionGemmaLayout:
 # --- running the model -------------------------------------------------------------------------------------------
 def encode(model, frame: CanvasFrame, layout: DiffusionGemmaLayout):
     """The encoder over the clean frame: ``(last hidden state [b, F, h], cache holding its full K/V)``."""
-    from transformers import DynamicCache
-
     dg = unwrap_diffusion_gemma(model)
     use_block_diffusion_attention(dg)
     cache = DynamicCache()  # no config: every layer keeps all its keys (the decoder's rule picks the window)

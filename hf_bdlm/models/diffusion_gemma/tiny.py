@@ -14,6 +14,12 @@ tokenize as real text.
 from __future__ import annotations
 
 import torch
+from transformers import AutoTokenizer, DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig
+from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+from trl.chat_template_utils import diffusion_gemma_chat_template
+
+from ...embedded import default_model_dir
 
 # Room for an agent's prompt (an offline SWE-bench task is ~2K tokens); rotary frequencies do not depend on it.
 TINY_CONTEXT = 8192
@@ -25,11 +31,6 @@ BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 def tiny_diffusion_gemma_tokenizer():
     """The embedded SmolLM2 tokenizer with DiffusionGemma's chat template and special tokens (`<bos>`, `<eos>`,
     `<pad>`, `<|turn>`, `<turn|>`; 49157 entries). Offline; the first use exports the embedded model once."""
-    from transformers import AutoTokenizer
-    from trl.chat_template_utils import diffusion_gemma_chat_template
-
-    from ...embedded import default_model_dir
-
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     tokenizer.add_special_tokens({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
     tokenizer.add_special_tokens({"additional_special_tokens": [TURN_START, TURN_END]})
@@ -49,10 +50,6 @@ def tiny_diffusion_gemma(tokenizer, seed: int = 0, hidden_size: int = 32, canvas
             Width and canvas (block) length.
         denoising_steps (`int`, defaults to 4): `max_denoising_steps` of its generation config (per canvas).
     """
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig
-    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
-
     ends = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(TURN_END)]
     vocab = -(-len(tokenizer) // 64) * 64
     text = DiffusionGemmaTextConfig(

@@ -24,6 +24,9 @@ import json
 import os
 from pathlib import Path
 
+from transformers import AutoConfig, GenerationConfig
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
 # config.json as the engines see it (after transformers' config class), field -> where it is read.
 CONFIG_FIELDS = {
     "architectures[0] == 'DiffusionGemmaForBlockDiffusion'":
@@ -73,8 +76,6 @@ def fill_decoding_settings(generation_config) -> list[str]:
 
 def engine_field_problems(folder: str | os.PathLike) -> list[str]:
     """What vLLM or SGLang would miss in a saved DiffusionGemma folder (an empty list: nothing)."""
-    from transformers import AutoConfig, GenerationConfig
-
     root = Path(folder)
     problems = []
     config = AutoConfig.from_pretrained(root)
@@ -117,8 +118,6 @@ def decoding_settings(folder: str | os.PathLike) -> dict:
     """The decoding settings of a saved folder's ``generation_config.json``, with `generate`'s defaults for unset
     ones: ``max_denoising_steps``, ``entropy_bound``, ``t_min``, ``t_max``, ``confidence_threshold``,
     ``stability_threshold``."""
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
-
     path = Path(folder) / "generation_config.json"
     raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     config = DiffusionGemmaGenerationConfig(**{k: raw[k] for k in DECODING_FIELDS if raw.get(k) is not None})

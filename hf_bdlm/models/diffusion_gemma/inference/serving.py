@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from ....protocols.decoding import ServingDecoder
 
@@ -61,8 +62,6 @@ class DiffusionGemmaServingDecoder(ServingDecoder):
     """
 
     def __init__(self, model, tokenizer=None):
-        from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
-
         self.model = model.eval()
         text = model.config.get_text_config()
         self.context_length = int(getattr(text, "max_position_embeddings", 0) or 1 << 30)

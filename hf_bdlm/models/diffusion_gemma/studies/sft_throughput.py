@@ -40,12 +40,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import replace
 
 from ....benchmarks.spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
+from ....planner.hardware import device_spec
+from ....planner.model import model_spec
+from ....planner.plan_command import PAPER_GROUP, PAPER_PAIR, paper_topology
+from ....protocols.registry import family_named
 
 MODULE = "hf_bdlm.models.diffusion_gemma.studies.sft_throughput"  # run as python -m MODULE (its workers too)
 
@@ -60,13 +67,11 @@ def _current_rss() -> int:
 
 
 def _peak_rss() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def build_model():
-    import torch
+    import torch  # lazy: the study's own process only launches workers and loads no torch (4 s measured)
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig
     from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
 
@@ -85,7 +90,7 @@ def build_model():
 
 
 def build_batch(length: int):
-    import torch
+    import torch  # lazy: the study's own process only launches workers and loads no torch (4 s measured)
 
     g = torch.Generator().manual_seed(length)
     ids = torch.randint(9, VOCAB, (1, length), generator=g)
@@ -100,7 +105,7 @@ def trl_loss(model, batch, generator, eps: float = 1e-4, self_conditioning_prob:
     """One random response block per example; encoder over the whole sequence, decoder mask cut at the block start;
     uniform-token corruption at ``t ~ U(eps, 1 - eps)``; two-pass self-conditioning; CE over the canvas + the
     encoder's next-token CE. Returns ``(loss, supervised tokens)``."""
-    import torch
+    import torch  # lazy: the study's own process only launches workers and loads no torch (4 s measured)
     import torch.nn.functional as F
 
     ids, attention = batch["input_ids"], batch["attention_mask"]
@@ -140,9 +145,10 @@ def trl_loss(model, batch, generator, eps: float = 1e-4, self_conditioning_prob:
 
 # --- worker -----------------------------------------------------------------------------------------------------
 def worker(method: str, length: int, steps: int) -> dict:
-    import torch
+    import torch  # lazy: the study's own process only launches workers and loads no torch (4 s measured)
 
     torch.set_num_threads(1)
+    # lazy: the study's own process only launches workers and loads no torch (4 s measured)
     from ....objectives import get_objective
 
     model = build_model()
@@ -175,10 +181,11 @@ def worker(method: str, length: int, steps: int) -> dict:
 def parallel_worker(layout_name: str, length: int, steps: int, out: str) -> None:
     """One rank of a block-parallel group (under torchrun): its rows of the step, timed; rank 0 writes the record with
     every timed step (per step the slowest rank's wall and CPU time)."""
-    import torch
+    import torch  # lazy: the study's own process only launches workers and loads no torch (4 s measured)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # lazy: the study's own process only launches workers and loads no torch (4 s measured)
     from ....objectives import get_objective
     from ....parallel import BlockParallelGroups, ParallelDims
     from ..training.sharded import diffusion_gemma_layout, frame_padding
@@ -236,8 +243,6 @@ def parallel_worker(layout_name: str, length: int, steps: int, out: str) -> None
 def run_parallel(lengths, steps: int, P: int, layouts=LAYOUTS) -> list[dict]:
     """TRL's one-block estimator and ``ours`` at P = 1, then each of ``layouts`` at P (a fresh process or torchrun
     launch each), one length after the other: every layout of a length is measured in the same run, minutes apart."""
-    import tempfile
-
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for length in lengths:
@@ -305,14 +310,8 @@ def paper_projection() -> tuple[list[dict], str]:
     """``hf-bdlm plan``'s projection of the paper's DiffusionGemma setting (26B-A4B SFT, 16 H200 in 2 nodes, expert
     parallelism 2, one group of 8 ranks, FSDP2, activation checkpointing) beside the published figures. A comparison,
     not a fit: nothing in the planner is tuned to them."""
-    from dataclasses import replace
-
-    from ....protocols.registry import family_named
-    from ....planner.plan_command import PAPER_GROUP, PAPER_PAIR, paper_topology
+    # lazy: the study's own process only launches workers and loads no torch (4 s measured)
     from ....planner.cost import Recipe
-    from ....planner.hardware import device_spec
-    from ....planner.model import model_spec
-
     device = device_spec("h200", None, {})
     records, rows = [], [
         "| context | CSBP layout | CSBP s/step | paper's CP s | balanced cp s | bp s | CSBP / paper's CP | "

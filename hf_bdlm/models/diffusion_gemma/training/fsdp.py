@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from ....protocols.step import TrainingStep
 from ..modeling import unwrap_diffusion_gemma
@@ -34,8 +35,6 @@ def shard_diffusion_gemma(model: nn.Module, fully_shard_kwargs: dict, plugin):
 
     Returns ``(step, unit names)``: ``step`` is what the trainer runs the objective through (``step(fn, ...)``).
     """
-    from torch.distributed.fsdp import fully_shard
-
     kwargs = fully_shard_kwargs
     dg = unwrap_diffusion_gemma(model)
     encoder_layers, decoder_layers = dg.model.encoder.language_model.layers, dg.model.decoder.layers
@@ -80,6 +79,7 @@ def _hook_each_module(*modules: nn.Module) -> None:
     its own pre-backward gather and post-backward reduce-scatter (autograd accumulates both layers' gradients of a
     tied parameter before they are reduced: one reduce-scatter per step).
     """
+    # lazy: torch internals that move between versions: an unknown torch gets the error below
     from torch.autograd.graph import _MultiHandle
     from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
