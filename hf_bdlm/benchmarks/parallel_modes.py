@@ -383,6 +383,7 @@ def _link(args) -> LinkModel | None:
     if getattr(args, "link", None):
         # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
         from ..planner.link import link_for_this_machine
+
         model = spec_from_config(model_config(args.layers, args.window, full_every=args.full_every).to_dict())
         return link_for_this_machine(args.link, model, args.dtype)
     if not getattr(args, "link_bytes_per_s", None):

@@ -312,6 +312,7 @@ def paper_projection() -> tuple[list[dict], str]:
     not a fit: nothing in the planner is tuned to them."""
     # lazy: the study's own process only launches workers and loads no torch (4 s measured)
     from ....planner.cost import Recipe
+
     device = device_spec("h200", None, {})
     records, rows = [], [
         "| context | CSBP layout | CSBP s/step | paper's CP s | balanced cp s | bp s | CSBP / paper's CP | "
