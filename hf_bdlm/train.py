@@ -23,18 +23,23 @@ Arguments are TRL's: `ScriptArguments` (dataset), `BDLMSFTConfig` (training, blo
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import transformers
+import trl
 from transformers import AutoModel, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
-from .data import load_splits
+from .data import exact_match, load_splits
 from .embedded import resolve_model_path
 from .evaluation.exact_match import held_out_exact_match
 from .protocols.step import unwrap_model
+from .train_help import RECORDS
 from .trainer import BDLMSFTConfig, BDLMSFTTrainer
 
 @dataclass
@@ -74,12 +79,6 @@ def recipe_help_records() -> list[dict]:
     its order, in the group of the dataclass that declares the option's field (a field a subclass declares again is
     the subclass's), with the argument names and help text that parser prints; first the TRL and transformers
     versions. The groups follow the parsed dataclasses, each before the classes it extends."""
-    import dataclasses
-    import inspect
-
-    import transformers
-    import trl
-
     parser = make_parser()
     formatter = parser._get_formatter()  # argparse renders one option's parts only through its formatter's methods
     by_field: dict[str, list] = {}
@@ -118,8 +117,6 @@ def write_recipe_help(path: str | Path | None = None) -> Path:
     """Write :func:`recipe_help_records` to the file `hf-bdlm train --help` reads (``path``: another file); run it
     after a change of the recipe's dataclasses or of the TRL / transformers versions (tests/package/test_cli_help.py
     says when)."""
-    from .train_help import RECORDS
-
     path = Path(path) if path is not None else RECORDS
     path.write_text("".join(json.dumps(record) + "\n" for record in recipe_help_records()), encoding="utf-8")
     return path
@@ -211,8 +208,6 @@ def main(script_args: SFTScriptArguments, training_args: BDLMSFTConfig, model_ar
 def _check_reloaded(output_dir: Path, example: dict, before_saving: str) -> dict:
     """Reload the saved folder the way users will (`AutoModel.from_pretrained`), answer one held-out prompt, and
     print the expected answer beside what the reloaded model generated."""
-    from .data import exact_match
-
     reloaded = AutoModel.from_pretrained(output_dir)
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     _, (got,) = held_out_exact_match(reloaded, tokenizer, [example])

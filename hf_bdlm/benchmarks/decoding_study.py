@@ -59,6 +59,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,11 @@ from dataclasses import dataclass, field
 from ..data import shipped_task
 from ..evaluation.decoders import ForwardMeter, GreedyAR, serve_decode  # shared with HumanEval
 from ..evaluation.intervals import wilson_interval
+from ..planner.hardware import device_spec
+from ..protocols.decoding import DecodingRequest
+from ..protocols.registry import family_for_config
 from .processes import child_env, module_command
+from .report import pyplot
 from .spread import MIN_TIMED_STEPS, Spread, check_timed_steps, compare
 
 QUICK = dict(prompts=8, batches=(1, 8), max_new_tokens=32)
@@ -218,6 +223,7 @@ class Entry:
 
 def _folder(path: str) -> str:
     if path == EMBEDDED:
+        # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
         from ..embedded import default_model_dir
 
         return str(default_model_dir())
@@ -226,11 +232,10 @@ def _folder(path: str) -> str:
 
 def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
     """Every model of the study, loaded as the server loads it, with its variants (families through the registry)."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..protocols.registry import family_for_config
-    from ..serving.engine import Engine
+    from ..serving.engine import Engine  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     entries: dict[str, Entry] = {}
 
@@ -268,8 +273,6 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
 
 
 def _request():
-    from ..protocols.decoding import DecodingRequest
-
     return DecodingRequest()
 
 
@@ -289,7 +292,7 @@ def measure(entries: list[Entry], examples: list[dict], batches, max_new_tokens:
     """Every variant at every batch size, the variants taking turns group by group (the order rotating), so that a
     change of the machine's load hits all alike; at least ``timed_groups`` (>= 3) timed groups each, the prompts'
     groups passed over again until there are that many."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     check_timed_steps(timed_groups, "--timed-groups")
     variants = [v for e in entries for v in e.variants]
@@ -408,7 +411,7 @@ def _spread(record: dict, key: str, per_token: bool = True) -> Spread:
 def parameter_bytes(module, dtype_bytes: int = 2) -> tuple[int, int]:
     """``(bytes of the weights a forward reads, multiply-accumulates per row)`` of a counted module: every
     parameter but embedding tables (a lookup reads only its rows)."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     embeddings = {id(p) for m in module.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
     own = [p for p in module.parameters() if id(p) not in embeddings]
@@ -423,7 +426,7 @@ def part_cost(module, dtype_bytes: int = 2) -> dict:
     once per call), ``macs_per_row`` (``M``) and ``activation_bytes_per_row`` (``A``: the input and output values of
     every ``nn.Linear`` of the module for one row; a head reached as an ``nn.Embedding`` counts as the linear map it
     is used as)."""
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     weight_bytes, macs = parameter_bytes(module, dtype_bytes)
     values = sum(m.in_features + m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear))
@@ -472,8 +475,6 @@ def gpu_seconds(cost: dict, rows: int, gpu: str = GPU) -> float:
     fractions), a roofline: ``max((W + A * rows) / HBM, 2 * M * rows / F)`` with the part's weight bytes ``W``,
     activation bytes per row ``A`` and multiply-accumulates per row ``M`` (:func:`part_cost`), the HBM bandwidth and
     the achievable matmul rate ``F``. No fixed cost per forward (module docstring)."""
-    from ..planner.hardware import device_spec
-
     spec = device_spec(gpu)
     memory = (cost["weight_bytes"] + cost["activation_bytes_per_row"] * rows) / spec.hbm_bytes_per_s
     return max(memory, 2 * cost["macs_per_row"] * rows / spec.matmul_flops)
@@ -531,8 +532,6 @@ def reconstruct_drafter_calls(record: dict, costs: list[dict]) -> bool:
     less ``b``; and every target forward appends its rows' features to the drafter's context (one ``fc`` call of its
     rows). Returns whether anything was added; a ``"drafter context"`` cost record is added when missing (its costs
     unknown until ``scripts/decoding_reprice.py`` fills them)."""
-    import re
-
     if record["kind"] != "decoding" or record.get("counting", 1) >= COUNTING:
         return False
     if not any(s["forwards"].get("drafter") for s in record["samples"]):  # no speculative decoding in it
@@ -676,8 +675,6 @@ def plot(records: list[dict], path: pathlib.Path) -> pathlib.Path | None:
     decoding = [r for r in records if r["kind"] == "decoding" and "vs_ar_cpu" in r]
     if not decoding:
         return None
-    from .report import pyplot
-
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     markers = {1: "o", 8: "s"}
@@ -719,7 +716,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> list[dict]:
     args = make_parser().parse_args(argv)
-    import torch
+    import torch  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     torch.set_num_threads(args.threads)
     shipped = shipped_task(args.task)

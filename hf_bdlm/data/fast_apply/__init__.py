@@ -41,6 +41,9 @@ from __future__ import annotations
 import json
 import pathlib
 
+from tokenizers import Tokenizer
+
+from ...cache import cache_home
 from .scoring import ast_equal, exact_match, normalize_code  # noqa: F401  (the scorers, re-exported)
 
 FAST_APPLY_DIR = pathlib.Path(__file__).resolve().parent
@@ -71,6 +74,7 @@ def load_fast_apply(split: str) -> list[dict]:
 
 def load_fast_apply_dataset(split: str):
     """One split as a `datasets.Dataset` (columns as in the jsonl file), like `hf_bdlm.data.load_arith`."""
+    # lazy: keeps hf-bdlm --help and make_dataset.py free of datasets (tests/package/test_cli_help.py)
     import datasets
 
     path = fast_apply_path(split)
@@ -112,10 +116,6 @@ def embedded_tokenizer():
     """
     global _TOKENIZER
     if _TOKENIZER is None:
-        from tokenizers import Tokenizer
-
-        from ...cache import cache_home
-
         path = cache_home() / EMBEDDED_MODEL_FOLDER / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(
