@@ -13,9 +13,11 @@ reverse). The parser needs only the light modules (:mod:`.hardware`, :mod:`.mode
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..progress import write
+from ..progress import progress_bar, write
+from ..protocols.registry import REGISTRY, family_named
 from .hardware import DEFAULT_EFFICIENCY, GPUS, device_spec
 from .model import model_spec, preset_names
 
@@ -28,7 +30,7 @@ GIB = 2 ** 30
 # The paper's settings and published figures (docs/design.md, docs/benchmarks.md: "Block Parallelism For Efficient
 # Distributed Long-Context Diffusion Language Model Training"), printed next to the planner's predictions, never fitted
 # to: (setting, preset, L, published, model parallelism inside a GPU pair). The conversion's are here; a model family
-# adds its own (`ModelFamily.paper_settings`).
+# adds its own (its planning role's `paper_settings`).
 CONVERSION_SETTINGS = (
     ("AR->BDLM conversion", "gemma3-27b", 262144, "CSBP / best baseline throughput 1.27-1.33x, equal or lower memory",
      "tp"),
@@ -42,9 +44,9 @@ SENSITIVITY = (0.25, 0.5, 1.0, 2.0, 4.0)  # InfiniBand bandwidth, times the data
 
 def paper_settings() -> tuple[tuple[str, str, int, str, str], ...]:
     """The conversion's settings, then every model family's (the registry's order)."""
-    from ..protocols.registry import REGISTRY, family_named
-
-    return CONVERSION_SETTINGS + tuple(s for e in REGISTRY for s in family_named(e.name).paper_settings())
+    families = [family_named(e.name) for e in REGISTRY]
+    return CONVERSION_SETTINGS + tuple(s for f in families if f.has_role("planning")
+                                       for s in f.role("planning").paper_settings())
 
 
 def add_plan_parser(subparsers):
@@ -98,6 +100,7 @@ def _device(args):
 
 
 def _recipe(args) -> Recipe:
+    # lazy: the cost model imports torch; hf-bdlm plan --help stays free of it (tests/package/test_cli_help.py)
     from .workload import Recipe
 
     if not args.activation_overhead >= 1:
@@ -164,6 +167,7 @@ def paper_topology(model, L: int, device, recipe: Recipe, checkpointing: bool = 
     the paper's CP baseline and bp (its faster schedule) on a group of 8 ranks across two nodes, each rank a pair of
     GPUs, and the breakdown of the paper-CP / CSBP difference, by pricing the layouts between them (the balanced cp
     with the paper's blocking transfers and whole-sequence sliding gathers, then overlapped, then with halos)."""
+    # lazy: the cost model imports torch; hf-bdlm plan --help stays free of it (tests/package/test_cli_help.py)
     from .cost import CommStyle, predict
     from .workload import Cluster
     from ..parallel.dims import ParallelDims, divisors
@@ -200,8 +204,6 @@ def _heading(intro: str, head: str) -> None:
 def run_paper_topology(args, device, bar=None) -> None:
     """The section of the paper's topology; ``bar`` (a progress bar) moves by one per configuration priced (each
     setting, then each setting at each bandwidth of :data:`SENSITIVITY`)."""
-    from dataclasses import replace
-
     _heading(f"The paper's topology: 16 {device.name.upper()} in 2 nodes of 8; tensor parallelism 2 (27B conversion) "
              "or expert parallelism 2 (26B-A4B) inside a node; one CP/BP group of 8 ranks (pairs of GPUs) across both "
              "nodes; FSDP2; activation checkpointing on (the paper's recipes).",
@@ -242,8 +244,7 @@ def run_paper_topology(args, device, bar=None) -> None:
 def run_paper(args) -> int:
     """``hf-bdlm plan --paper``, with a progress bar over the configurations it prices (standard error, on a
     terminal: :mod:`hf_bdlm.progress`; the tables go to standard output through the bar)."""
-    from ..protocols.registry import REGISTRY, family_named
-    from ..progress import progress_bar
+    # lazy: the cost model imports torch; hf-bdlm plan --help stays free of it (tests/package/test_cli_help.py)
     from .cost import plan_all
     from .workload import Cluster
 
@@ -281,7 +282,8 @@ def run_paper(args) -> int:
         efficiency = {k: getattr(args, f"{k}_efficiency") for k in DEFAULT_EFFICIENCY
                       if getattr(args, f"{k}_efficiency") is not None}
         for entry in REGISTRY:
-            section = family_named(entry.name).paper_projection(efficiency)
+            family = family_named(entry.name)
+            section = family.role("planning").paper_projection(efficiency) if family.has_role("planning") else None
             bar.update(1)
             if section:
                 write("\n" + section + "\n")
@@ -298,6 +300,7 @@ def run_plan(args) -> int:
         raise ValueError("hf-bdlm plan needs --model and --context (or --paper, or --validate RECORDS_JSON).")
     if args.context <= 0:
         raise ValueError(f"--context must be a positive number of tokens, got {args.context}.")
+    # lazy: the cost model imports torch; hf-bdlm plan --help stays free of it (tests/package/test_cli_help.py)
     from .cost import plan_all
     from .workload import Cluster, recommend
 

@@ -533,8 +533,11 @@ class BDLMSFTTrainer(SFTTrainer):
         runner = self._step_runner(model)
         optional_pass = self._agreed_optional_pass(corrupted)
         if corrupted is None:
+            # The step first, then the metrics: every rank runs its collectives in the same order (the step's FSDP2
+            # gathers, then _record's sum), whether its share supervises anything or not.
+            loss = self.step.zero(runner, inputs, optional_pass=optional_pass)
             self._record(mode, None, inputs)
-            return self.step.zero(runner, inputs, optional_pass=optional_pass)
+            return loss
         loss, metrics = self.step(runner, corrupted, optional_pass=optional_pass)
         self._record(mode, metrics, inputs)
         if mode == "train":

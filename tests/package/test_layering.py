@@ -331,7 +331,6 @@ LAZY = "# lazy:"
 # pending: edited by another task; the lead hoists these files' imports or gives each its reason, then takes the file
 # off this list (the test fails while a listed file has nothing left to do).
 PENDING_LAZY: dict[str, str] = {
-    "hf_bdlm/planner/plan_command.py": "pending: edited by another task (its planning-role change is not committed)",
 }
 
 
