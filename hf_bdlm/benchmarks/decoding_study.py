@@ -111,6 +111,10 @@ def add_arguments(group) -> None:
                             "for fast_apply)")
     group.add_argument("--decoding-threads", type=int, default=1, metavar="T",
                        help="torch threads of the measuring process (default: 1)")
+    group.add_argument("--decoding-variants", nargs="+", default=None, metavar="NAME",
+                       help="decode only these named variants of the families (e.g. 'threshold 0.9' 'exact "
+                            "techniques' '7 proposals'; AR greedy always runs: it is every ratio's baseline); default: "
+                            "every variant")
     group.add_argument("--decoding-timed-groups", type=int, default=MIN_TIMED_STEPS, metavar="N",
                        help=f"timed groups of prompts per variant and batch size, at least {MIN_TIMED_STEPS} (the "
                             f"groups are passed over again until there are N; default: {MIN_TIMED_STEPS})")
@@ -127,6 +131,7 @@ class DecodingStudy:
     threads: int
     timed_groups: int = MIN_TIMED_STEPS
     task: str = "arith"
+    variants: tuple[str, ...] = ()  # the family variants decoded (empty: all); AR greedy always
 
     def command_args(self) -> list[str]:
         args = ["--task", self.task, "--models", *self.models, "--causal", self.causal, "--prompts", str(self.prompts),
@@ -134,6 +139,8 @@ class DecodingStudy:
                 "--threads", str(self.threads), "--timed-groups", str(self.timed_groups)]
         if self.speculative:
             args += ["--speculative", *(f"{t}:{d}" for t, d in self.speculative)]
+        if self.variants:
+            args += ["--variants", *self.variants]
         return args
 
 
@@ -167,7 +174,7 @@ def resolve(cfg, args: argparse.Namespace) -> DecodingStudy:
     timed = check_timed_steps(getattr(args, "decoding_timed_groups", MIN_TIMED_STEPS), "--decoding-timed-groups")
     return DecodingStudy(tuple(args.decoding_models or [EMBEDDED]), args.decoding_causal or EMBEDDED,
                          tuple(_pair(p) for p in args.decoding_speculative or ()), prompts, batches, budget,
-                         args.decoding_threads, timed, task.name)
+                         args.decoding_threads, timed, task.name, tuple(getattr(args, "decoding_variants", None) or ()))
 
 
 def check_arguments(cfg, args: argparse.Namespace) -> None:
@@ -238,6 +245,7 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
     from ..serving.engine import Engine  # lazy: keeps hf-bdlm --help free of torch (tests/package/test_cli_help.py)
 
     entries: dict[str, Entry] = {}
+    offered: set[str] = set()
 
     def ar_entry(path: str) -> str:
         label = f"AR {pathlib.Path(_folder(path)).name if path != EMBEDDED else EMBEDDED}"
@@ -254,6 +262,9 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
         entry = entries[label] = Entry(label, engine.tokenizer)
         role = family.role("drafting" if engine.decoder.speculative else "serving")
         for name, v in role.decoding_variants(engine.decoder).items():
+            if study.variants and name not in study.variants:
+                continue
+            offered.add(name)
             eos = v.decoder.eos_token_ids(v.decoder.settings(_request(), 1, 1))
             entry.variants.append(Variant(label, name, family.name, v.decoder, eos, v.ignore_eos, v.reference,
                                           v.baseline, v.description, ar=ar))
@@ -269,7 +280,22 @@ def load_entries(study: DecodingStudy, log=print) -> list[Entry]:
         engine = Engine.from_pretrained(_folder(target), dtype=torch.float32, draft=drafter)
         family = family_for_config(AutoConfig.from_pretrained(drafter))
         family_entry(f"{family.name} {pathlib.Path(drafter).name}", engine, family, ar_entry(target))
+    check_variants(study.variants, offered, entries.values())
     return list(entries.values())
+
+
+def check_variants(asked, kept: set[str], entries) -> None:
+    """Refuse a ``--variants`` name that no model of the study offers (a typo would silently drop a variant), and a
+    study left with a model and no variant to decode."""
+    missing = [name for name in asked if name not in kept]
+    if missing:
+        raise ValueError(f"--decoding-variants {', '.join(map(repr, missing))}: no model of the study offers it; "
+                         "the names are those of the families' decoding variants (hf-bdlm bench --only decoding "
+                         "--quick lists them in its table)")
+    empty = [e.label for e in entries if not e.variants]
+    if empty:
+        raise ValueError(f"--decoding-variants {' '.join(map(repr, asked))} keeps no variant of {', '.join(empty)}: "
+                         "name at least one of its variants, or leave it out of the study")
 
 
 def _request():
@@ -710,6 +736,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="token budget per prompt (default: the task's: 32 for arith, 384 for fast_apply)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timed-groups", type=int, default=MIN_TIMED_STEPS)
+    p.add_argument("--variants", nargs="+", default=[],
+                   help="only these named family variants (AR greedy always runs); default: every variant")
     p.add_argument("--out", required=True)
     return p
 
@@ -723,7 +751,7 @@ def main(argv=None) -> list[dict]:
     study = DecodingStudy(tuple(args.models), args.causal, tuple(_pair(p) for p in args.speculative),
                           args.prompts or TASK_PROMPTS[args.task][0], tuple(args.batches),
                           args.max_new_tokens or shipped.max_new_tokens, args.threads,
-                          check_timed_steps(args.timed_groups, "--timed-groups"), args.task)
+                          check_timed_steps(args.timed_groups, "--timed-groups"), args.task, tuple(args.variants))
     entries = load_entries(study)
     examples = held_out(study.prompts, study.task)
     print(f"{sum(len(e.variants) for e in entries)} variants of {len(entries)} models; {len(examples)} held-out "

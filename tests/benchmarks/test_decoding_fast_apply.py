@@ -92,3 +92,23 @@ def test_the_options_default_to_the_tasks_prompts_and_budget():
         resolved(decoding_task="fast_apply", decoding_prompts=500)
     parser = decoding.make_parser()
     assert parser.parse_args(["--out", "x"]).task == "arith"
+
+
+def test_variants_named_are_the_only_ones_decoded_and_a_name_no_model_offers_is_refused(tmp_path):
+    target = save_tiny_target(tmp_path / "target")
+    DFlash2DraftModel.from_target(target, init="target_layers", num_hidden_layers=1, block_size=4,
+                                  mask_token_id=MASK).save_pretrained(tmp_path / "drafter")
+    save_tiny_bdlm(tmp_path / "bdlm", context=2048)
+    common = ["--task", "fast_apply", "--models", str(tmp_path / "bdlm"), "--causal", str(tmp_path / "target"),
+              "--speculative", f"{tmp_path / 'target'}:{tmp_path / 'drafter'}", "--prompts", "1", "--batches", "1",
+              "--max-new-tokens", "3"]
+    out = tmp_path / "decoding.json"
+    rows = decoding.main([*common, "--variants", "threshold 0.9", "exact techniques", "3 proposals", "--out", str(out)])
+    decoded = sorted((r["family"], r["variant"]) for r in rows if r["kind"] == "decoding")
+    assert decoded == [("block_diffusion", "exact techniques"), ("block_diffusion", "threshold 0.9"),
+                       ("causal", "greedy"), ("dflash", "3 proposals")]
+    assert len(json.loads(out.read_text())) == len(rows)
+    with pytest.raises(ValueError, match=r"'thresold 0\.9': no model of the study offers it"):
+        decoding.main([*common, "--variants", "threshold 0.9", "thresold 0.9", "3 proposals", "--out", str(out)])
+    with pytest.raises(ValueError, match=r"keeps no variant of dflash drafter"):
+        decoding.main([*common, "--variants", "threshold 0.9", "--out", str(out)])
