@@ -527,7 +527,10 @@ LM_EVAL_DESCRIPTION = (
     "Runs lm-eval's own command line (same arguments) with the model type `bdlm` registered: any checkpoint hf_bdlm "
     "trains, generation by its family's decoding, log-likelihood as a seeded Monte-Carlo estimate of its bound "
     "(model args: pretrained, dtype, device, batch_size, mc_num, seed, block_size, confidence_threshold, "
-    "steps_per_block, max_gen_toks, max_length, add_bos_token).")
+    "steps_per_block, max_gen_toks, max_length, add_bos_token). The shipped task fast_apply (code edits, exact and "
+    "AST match) is found without --include_path; with one, copy or link the folder hf_bdlm/data/fast_apply/"
+    "lm_eval_task into it.")
+LM_EVAL_TASKS = Path(__file__).resolve().parent / "data" / "fast_apply" / "lm_eval_task"
 
 
 def add_lm_eval_parser(subparsers) -> None:
@@ -557,6 +560,8 @@ def run_lm_eval(args, extra: list[str]) -> int:
         print(f"usage: hf-bdlm lm-eval [lm-eval arguments ...]\n\n{LM_EVAL_DESCRIPTION}\n\nlm-eval's own help "
               "(hf-bdlm lm-eval takes the same arguments):\n", flush=True)
         extra = ["run", "--help"]
+    if not asks_help and not any(a == "--include_path" or a.startswith("--include_path=") for a in extra):
+        extra = [*extra, "--include_path", str(LM_EVAL_TASKS)]  # the shipped tasks (fast_apply), no hub needed
     saved = sys.argv
     sys.argv = ["lm-eval", *extra]
     try:
