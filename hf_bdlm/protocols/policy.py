@@ -66,6 +66,11 @@ class PolicyScoring:
         prompt_mask_ratio (`float`): ``one_step``'s share of prompt tokens masked.
         cache_clean_rows (`bool`): ``trace``: run the clean rows once and keep their K/V for every step's forward
             (off under activation checkpointing, whose layers keep no cache: each step's forward runs them again).
+        group (`torch.distributed.ProcessGroup | None`): the ranks whose forwards must match one for one (under
+            FSDP2 every forward all-gathers the layers' parameters; under DDP every forward with gradients broadcasts
+            the buffers): an estimator whose number of forwards depends on the rows agrees on it over this group (an
+            all-reduce) and runs the same forwards on every rank, the extra ones joined to the result with weight
+            zero. ``None``: the forwards make no collective (one process, or a model no wrapper reduces).
     """
 
     estimator: str
@@ -73,6 +78,7 @@ class PolicyScoring:
     seed: int = 0
     prompt_mask_ratio: float = 0.15
     cache_clean_rows: bool = True
+    group: Any = None
 
 
 class Policy:
@@ -81,9 +87,15 @@ class Policy:
 
     Attributes:
         estimators (`tuple[str, ...]`): the estimators it implements.
+        data_parallel (`bool`): whether several processes may train it (DDP, FSDP2): its estimators run every forward
+            through the runner they are given (the wrapper that reduces the gradients) and run the same forwards on
+            every rank of :attr:`PolicyScoring.group`.
+        single_process_reason (`str`): why not, when ``data_parallel`` is false (the trainer's refusal says it).
     """
 
     estimators: tuple[str, ...] = ()
+    data_parallel: bool = False
+    single_process_reason: str = "its estimators are not verified under data parallelism"
 
     def rollout(self, model, prompts: list[list[int]], seed: int, trace: bool = False) -> Rollout:
         """Decode ``prompts`` (token lists) together with the family's serving decoder, seeded by ``seed``; with

@@ -16,6 +16,18 @@ Two things differ, each a narrow override of TRL's trainer:
   log-probabilities are computed at the rollout for every iteration (``[rows, num_iterations, C]``) and
   `_compute_loss` takes the current iteration's, so the ratio and the KL term compare the same masks.
 
+**Parallel** (docs/rl.md): one data-parallel group, DDP or FSDP2 (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version":
+2}``, or an accelerate FSDP2 config; applied here with ``fully_shard`` as `BDLMSFTTrainer` applies it, CPU and GPU
+alike). Each rank decodes and scores its own prompts. Under FSDP2 a training step (rollouts, scoring, loss and
+backward) runs on the whole model gathered on every rank, gradients and optimizer state sharded: the decoder's
+forwards make no collective, however many each rank's prompts need. Every log-probability call whose forwards reach the
+sharded or DDP-wrapped model passes the group to the estimator (``PolicyScoring.group``): ``trace`` agrees on its
+number of step forwards over it, so the backward's reduce-scatters (FSDP2) and the forwards' buffer broadcasts (DDP)
+match on every rank. DDP runs with
+``find_unused_parameters=False`` (the estimators apply the LM head outside the model's forward). The log records
+``time/rollout_s`` and ``time/scoring_s`` per optimizer step (per round in evaluation): the seconds spent decoding the
+rollouts and computing log-probabilities (old, reference and, in the loss, the current policy's forward).
+
 TRL builds the reference model from the policy's checkpoint path with transformers' Auto classes, which do not load
 these families; here the reference is a frozen copy of the policy as the run starts (``beta != 0`` without PEFT).
 
@@ -33,9 +45,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import time
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+from accelerate.utils import is_peft_model
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as trl_grpo
@@ -44,6 +62,7 @@ from ..embedded import resolve_model_path
 from ..protocols.policy import PolicyBatch, PolicyScoring
 from ..protocols.registry import family_for_config, family_for_model
 from ..protocols.step import unwrap_model
+from ..trainer.fsdp import fsdp_request, hidden_from_accelerate, shard_model
 from .config import BDLMGRPOConfig
 from .estimators import check_estimator, draw_seed
 
@@ -126,7 +145,20 @@ class BDLMGRPOTrainer(GRPOTrainer):
             raise ValueError(f"logp_estimator='trace' scores each token from the decoding step that committed it, and "
                              f"with {which} a completion holds tokens no decoding step of the policy committed (tool "
                              "output, other turns); use logp_estimator='coupled' or 'one_step'.")
+        if args.parallelism_config is not None:
+            raise ValueError("parallelism_config: BDLMGRPOTrainer trains one data-parallel group (DDP, or FSDP2 with "
+                             "fsdp='full_shard', fsdp_config={'fsdp_version': 2}); block, context and tensor "
+                             "parallelism are not supported; remove parallelism_config.")
+        if args.ddp_find_unused_parameters:
+            raise ValueError("ddp_find_unused_parameters=True: the estimators apply the LM head outside the model's "
+                             "forward, which DDP then marks ready twice (as unused, then by its gradient); leave it "
+                             "unset (BDLMGRPOTrainer runs DDP with find_unused_parameters=False).")
+        args.ddp_find_unused_parameters = False
         self.family = family
+        self.fsdp2 = None  # the FSDP2 request (hf_bdlm.trainer.fsdp), taken from Accelerate in create_accelerator...
+        self._fsdp_units: list[tuple[FSDPModule, bool]] = []  # every FSDP2 module and its reshard_after_forward
+        self._is_gathered = False  # inside _gathered
+        self._seconds = {"train": {"rollout": 0.0, "scoring": 0.0}, "eval": {"rollout": 0.0, "scoring": 0.0}}
         self._round = 0  # the generation round in hand (its seeds), see _next_round
         self._rounds_at: tuple[int, bool, int] = (-1, True, 0)  # (global step, training, rounds made at it)
         self._rows: dict | None = None  # the rows being scored: the round's at the rollout, a micro-batch's in the loss
@@ -142,6 +174,113 @@ class BDLMGRPOTrainer(GRPOTrainer):
             raise ValueError("router_aux_loss_coef != 0: the estimators return no MoE load-balancing loss; set "
                              "router_aux_loss_coef=0.")
         self.policy = role.policy(self.model, self._tokenizer, self.args)
+        if self.accelerator.num_processes > 1 and not self.policy.data_parallel:
+            raise ValueError(f"{subject} ({family.name!r} family) trains with GRPO on one process only: "
+                             f"{self.policy.single_process_reason}; launch a single process.")
+        if self.fsdp2 is not None:
+            self._shard_with_fsdp2(peft_config)
+
+    # --- parallel ---------------------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        # A requested FSDP is applied by the trainer itself (hf_bdlm.trainer.fsdp, as BDLMSFTTrainer does): Accelerate
+        # would train plain DDP on a CPU world and shard over a mesh of its own on GPUs.
+        try:
+            self.fsdp2 = fsdp_request(self.args)
+        except ValueError as error:
+            raise ValueError(str(error).replace("BDLMSFTTrainer", type(self).__name__)) from None
+        if self.fsdp2 is None:
+            return super().create_accelerator_and_postprocess()
+        with hidden_from_accelerate(self.args):
+            return super().create_accelerator_and_postprocess()
+
+    def _shard_with_fsdp2(self, peft_config) -> None:
+        world = self.accelerator.num_processes
+        if world < 2:
+            raise ValueError("FSDP2 was requested (fsdp / fsdp_config, or an accelerate FSDP config) but this is a single "
+                             "process: launch at least 2 processes with torchrun or accelerate launch, or remove the "
+                             "FSDP setting.")
+        if peft_config is not None or is_peft_model(self.model):
+            raise ValueError("FSDP2 with a peft_config: BDLMGRPOTrainer does not shard LoRA runs yet; train LoRA under "
+                             "DDP (remove fsdp / fsdp_config), or train the full model under FSDP2.")
+        if self.fsdp2.activation_checkpointing:
+            raise ValueError("fsdp_config activation_checkpointing: BDLMGRPOTrainer reads gradient_checkpointing "
+                             "instead; remove activation_checkpointing from the FSDP config.")
+        mesh = init_device_mesh(self.accelerator.device.type, (world,), mesh_dim_names=("dp",))
+        shard_model(self.model, mesh, self.fsdp2)
+        units = bool(self.fsdp2.reshard_after_forward)
+        self._fsdp_units = [(m, units and m is not self.model) for m in self.model.modules()
+                            if isinstance(m, FSDPModule)]  # the root keeps its parameters (shard_model)
+        self.model_wrapped = self.model
+        # transformers' path for a model that owns its sharding: Accelerate prepares mixed precision only, the
+        # optimizer is built from the sharded parameters.
+        self.is_distributed_loading_by_transformers = True
+
+    @contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        # Gradient accumulation under FSDP2: one reduce-scatter after the last micro-batch.
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    @contextmanager
+    def _gathered(self):
+        """Under FSDP2, the whole model gathered on every rank (each unit all-gathered once, in the same order on every
+        rank) and kept gathered through forwards and backward, then sharded again; re-entrant.
+
+        The rollouts then decode with no collective in their forwards, however many each rank's prompts need; the
+        loss's forwards too, and its backward makes one reduce-scatter per unit and forward, the same on every rank
+        (``trace`` agrees on its number of forwards). Kept gathered through the backward because ``trace``'s step
+        forwards read the clean forward's cached K/V: their gradient reaches the clean forward's projections without
+        passing its outputs, where FSDP2 would gather the parameters again."""
+        if not self._fsdp_units or self._is_gathered:
+            yield
+            return
+        units = self._fsdp_units
+        for module, _ in units:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+        for module, _ in units:
+            module.unshard()
+        self._is_gathered = True
+        try:
+            yield
+        finally:
+            self._is_gathered = False
+            for module, reshard in units:
+                module.reshard()
+                module.set_reshard_after_forward(reshard, recurse=False)
+                module.set_reshard_after_backward(True, recurse=False)
+
+    def _forward_group(self, model):
+        """The process group whose ranks must run the same forwards through ``model`` (FSDP2: every forward
+        all-gathers; DDP with gradients: every forward broadcasts the buffers), else ``None``."""
+        if self.accelerator.num_processes == 1:
+            return None
+        if isinstance(model, FSDPModule) or (isinstance(model, DistributedDataParallel) and torch.is_grad_enabled()):
+            return dist.group.WORLD
+        return None
+
+    def _clock(self, mode: str, name: str, start: float) -> float:
+        """Add the seconds since ``start`` to ``name``'s count of ``mode`` (the device's queue drained first); now."""
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self._seconds[mode][name] += now - start
+        return now
+
+    def _report_seconds(self, mode: str) -> None:
+        for name, seconds in self._seconds[mode].items():
+            self._metrics[mode][f"time/{name}_s"].append(seconds)
+            self._seconds[mode][name] = 0.0
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        with self._gathered():  # FSDP2: rollouts, scoring, loss and backward over the whole model
+            output = super().training_step(model, inputs, num_items_in_batch)
+        if self._step % self.current_gradient_accumulation_steps == 0:  # an optimizer step (TRL's step_time too)
+            self._report_seconds("train")
+        return output
 
     # --- rollouts ---------------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -150,9 +289,11 @@ class BDLMGRPOTrainer(GRPOTrainer):
             raise ValueError("images: the block-diffusion policies decode text only.")
         model = unwrap_model(self.accelerator.unwrap_model(self.model_wrapped))
         seed = draw_seed(self.args.seed, self._round, self.accelerator.process_index)
-        with torch.no_grad():
+        start = time.perf_counter()
+        with torch.no_grad(), self._gathered():
             rollout = self.policy.rollout(model, [list(p) for p in prompt_ids], seed,
                                           trace=self.args.logp_estimator == "trace")
+        self._clock("train" if self.model.training else "eval", "rollout", start)
         width = max(len(p) + len(c) for p, c in zip(prompt_ids, rollout.completions))
         self._rollout = {"rows": rollout.rows, "width": max(width, self._rollout.get("width", 0))}
         return rollout.completions, rollout.log_probs
@@ -166,6 +307,8 @@ class BDLMGRPOTrainer(GRPOTrainer):
         finally:
             self._rows = None
         output.update(self._round_rows(output["prompt_mask"], output["completion_mask"]))
+        if not self.model.training:  # an evaluation round: its seconds reported with it
+            self._report_seconds("eval")
         return output
 
     def _next_round(self) -> int:
@@ -199,6 +342,8 @@ class BDLMGRPOTrainer(GRPOTrainer):
         log-probabilities computed at the rollout (module docstring)."""
         if any(value is not None for value in multimodal.values()):
             raise ValueError("images: the block-diffusion policies score text only.")
+        began = time.perf_counter()
+        group = self._forward_group(model)
         at_rollout = self._rows is None
         rows = self._rows if not at_rollout else self._round_rows(attention_mask[:, :-logits_to_keep],
                                                                  attention_mask[:, -logits_to_keep:])
@@ -222,13 +367,14 @@ class BDLMGRPOTrainer(GRPOTrainer):
                 scoring = PolicyScoring(self.args.logp_estimator, self.temperature,
                                         draw_seed(self.args.seed, int(rounds[0]), iteration),
                                         self.args.prompt_mask_ratio,
-                                        cache_clean_rows=not self.args.gradient_checkpointing)
+                                        cache_clean_rows=not self.args.gradient_checkpointing, group=group)
                 with self.accelerator.autocast():
                     per_iteration.append(self.policy.log_probs(model, batch, scoring, entropy=compute_entropy))
             stack = (lambda xs: torch.stack(xs, 1)) if len(iterations) > 1 else (lambda xs: xs[0])
             log_probs.append(stack([lp for lp, _ in per_iteration]))
             if compute_entropy:
                 entropies.append(stack([e for _, e in per_iteration]))
+        self._clock("train" if self.model.training else "eval", "scoring", began)
         return torch.cat(log_probs), (torch.cat(entropies) if compute_entropy else None), None
 
     def _compute_loss(self, model, inputs):

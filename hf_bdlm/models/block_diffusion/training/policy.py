@@ -17,7 +17,9 @@ common to the generation round), with RoPE positions from its first token, as th
   decoder's step saw (its clean prefix, its own block's state), so the numbers are the decoder's. Under activation
   checkpointing (whose layers keep no cache; ``PolicyScoring.cache_clean_rows`` off) each step's forward is the
   training form instead, the clean rows computed again with the step's noisy ones: ``steps`` forwards of twice the
-  rows.
+  rows. Across the ranks of ``PolicyScoring.group`` (FSDP2, DDP) every rank runs as many step forwards as the rank
+  whose rows took most steps (an all-reduce), a step with no token of its own joined to the result with weight zero
+  (``0 * hidden.sum()``): the same forwards and backward everywhere, the same numbers as alone.
 - ``coupled``: the training form (noisy and clean streams, prompt clean), twice, the completion masked by a draw
   ``M`` (per block ``l`` of ``n`` tokens, ``l`` uniform on ``1..n``) and by its complement; each token is scored by the
   forward that masks it. Positions past the completion stay ``[MASK]``.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from ....attention import CLEAN, NOISY, LocalLayout, RowMeta, vectorized_rows
 from ....attention.rows import stream_rows
@@ -62,6 +65,7 @@ class BlockDiffusionPolicy(Policy):
     """One GRPO run's policy over a [`BlockDiffusionForMaskedLM`] (module docstring)."""
 
     estimators = ("trace", "coupled", "one_step")
+    data_parallel = True
 
     def __init__(self, decoder):
         self.decoder = decoder
@@ -199,10 +203,10 @@ class BlockDiffusionPolicy(Policy):
         c0 = int(batch.rows["trace_from"][0]) if "trace_from" in batch.rows else int(batch.rows["trace_start"].min())
         noisy_rows = stream_rows(NOISY, positions[c0:])
         k_rows = RowMeta.cat([clean_rows, noisy_rows])
-        log_probs = entropies = None
-        for k in range(int(step.max()) + 1 if step.numel() else 0):
+        log_probs = entropies = joined = None
+        for k in range(self._step_count(step, scoring.group, device)):
             at = step == k
-            if not bool(at.any()):
+            if not bool(at.any()) and scoring.group is None:
                 continue
             state = torch.where(steps < k, ids, rows.mask)  # the blocks as they were at step k
             if cache is None:  # the clean rows run again in every step's forward (the training form)
@@ -217,6 +221,9 @@ class BlockDiffusionPolicy(Policy):
                 finally:
                     cache.plan = None
                 clean_step, offset = clean_hidden, c0
+            if not bool(at.any()):  # a step only other ranks' rows took: its forward joins with weight zero
+                joined = 0 * hidden.sum() if joined is None else joined + 0 * hidden.sum()
+                continue
             lp, ent = self._score(inner, hidden, clean_step, index[at], pos[at], ids[index[at], pos[at]], scoring,
                                   entropy, offset=offset)
             log_probs = self._place(lp, rows, index[at], pos[at], log_probs)
@@ -224,7 +231,20 @@ class BlockDiffusionPolicy(Policy):
         if log_probs is None:  # nothing to score (every completion empty or masked out)
             log_probs = torch.zeros(rows.shape, dtype=torch.float32, device=device)
             entropies = log_probs.clone() if entropy else None
+        if joined is not None:
+            log_probs = log_probs + joined.to(log_probs.dtype)  # + 0: the same values, the step forwards in the graph
         return log_probs, entropies
+
+    @staticmethod
+    def _step_count(step: torch.Tensor, group, device) -> int:
+        """The decoding steps to replay: the rows' (the last step that committed one of their tokens, plus one), or
+        over ``group`` the most any rank's rows need."""
+        count = int(step.max()) + 1 if step.numel() else 0
+        if group is None:
+            return count
+        agreed = torch.tensor([count], dtype=torch.long, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        return int(agreed)
 
 
 class _Rows:

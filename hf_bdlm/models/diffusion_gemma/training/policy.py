@@ -48,6 +48,8 @@ class DiffusionGemmaPolicy(Policy):
     """One GRPO run's policy over a ``DiffusionGemmaForBlockDiffusion`` (module docstring)."""
 
     estimators = ("coupled", "one_step")
+    single_process_reason = ("its estimators run the encoder and decoder of the model directly, outside the DDP or "
+                             "FSDP2 wrapper that reduces the gradients over the processes")
 
     def __init__(self, decoder, settings, pad_token_id: int, attention_backend: str = "auto"):
         self.decoder, self.settings = decoder, settings
