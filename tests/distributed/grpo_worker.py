@@ -14,13 +14,16 @@ Per estimator (``trace``, ``coupled``, ``one_step``), each rank records:
 - ``fsdp2``: the same step with ``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``: whether every parameter is a
   DTensor, the decoder's forwards per rank in the rollout and in the loss, the loss, and the largest difference between
   its gathered weights and the DDP run's;
-- the ``time/rollout_s`` and ``time/scoring_s`` the DDP run logged.
+- the ``time/rollout_s`` and ``time/scoring_s`` the DDP run logged;
+- ``trace`` only: FSDP2 asked by an accelerate FSDP2 config's environment (against the DDP run), and activation
+  checkpointing under DDP (against its reference) and FSDP2 (against that DDP run).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 from pathlib import Path
 
 import torch
@@ -36,6 +39,9 @@ from hf_bdlm.trainer.fsdp import full_model_state_dict
 
 ESTIMATORS = ("trace", "coupled", "one_step")
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+# What `accelerate launch --config_file recipes/accelerate/cpu_2proc_fsdp2.yaml` sets.
+ACCELERATE_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                  "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_RESHARD_AFTER_FORWARD": "true"}
 LR = 1e-2
 # Prompts of different lengths on the two ranks (the sampler gives each rank 2 of the 4 prompts, each twice), so the
 # ranks decode for a different number of forwards and their rows take a different number of decoding steps.
@@ -111,8 +117,8 @@ def all_ranks(value):
     return gathered
 
 
-def ddp_step(out: Path, estimator: str) -> tuple[dict, dict]:
-    trainer = BDLMGRPOTrainer(confident_bdlm(), reward_funcs=distinct_words, args=args_for(out, estimator),
+def ddp_step(out: Path, estimator: str, **fields) -> tuple[dict, dict]:
+    trainer = BDLMGRPOTrainer(confident_bdlm(), reward_funcs=distinct_words, args=args_for(out, estimator, **fields),
                               train_dataset=DATA, processing_class=tiny_tokenizer())
     initial = copy.deepcopy(trainer.model)
     # TRL patched the model's forward (a fused LM head) with a closure over the model's own bound forward, which a
@@ -163,9 +169,9 @@ def ddp_step(out: Path, estimator: str) -> tuple[dict, dict]:
     return result, weights
 
 
-def fsdp2_step(out: Path, estimator: str, ddp_weights: dict) -> dict:
+def fsdp2_step(out: Path, estimator: str, ddp_weights: dict, **fields) -> dict:
     trainer = BDLMGRPOTrainer(confident_bdlm(), reward_funcs=distinct_words,
-                              args=args_for(out, estimator, **FSDP2), train_dataset=DATA,
+                              args=args_for(out, estimator, **fields), train_dataset=DATA,
                               processing_class=tiny_tokenizer())
     recorder = Recorder(trainer)
     trainer.train()
@@ -190,8 +196,22 @@ def run(out: Path) -> dict:
     results = {}
     for estimator in ESTIMATORS:
         ddp, weights = ddp_step(out / estimator / "ddp", estimator)
-        fsdp2 = fsdp2_step(out / estimator / "fsdp2", estimator, weights)
+        fsdp2 = fsdp2_step(out / estimator / "fsdp2", estimator, weights, **FSDP2)
         results[estimator] = {"ddp": ddp, "fsdp2": fsdp2}
+        if estimator == "trace":
+            # FSDP2 asked for the accelerate way (an accelerate FSDP2 config's environment); activation checkpointing
+            # (TRL's default; trace then runs each step in the training form), under DDP and FSDP2.
+            os.environ.update(ACCELERATE_ENV)
+            try:
+                results["trace"]["fsdp2_accelerate_env"] = fsdp2_step(out / "trace" / "fsdp2_env", "trace", weights)
+            finally:
+                for key in ACCELERATE_ENV:
+                    os.environ.pop(key)
+            ckpt, ckpt_weights = ddp_step(out / "trace" / "ddp_ckpt", "trace", gradient_checkpointing=True)
+            ckpt["weights_vs_ddp"] = max(float((ckpt_weights[n] - w).abs().max()) for n, w in weights.items())
+            results["trace"]["ddp_checkpointing"] = ckpt
+            results["trace"]["fsdp2_checkpointing"] = fsdp2_step(out / "trace" / "fsdp2_ckpt", "trace", ckpt_weights,
+                                                                 gradient_checkpointing=True, **FSDP2)
     return results
 
 
