@@ -88,6 +88,12 @@ class BlockDiffusionConfig(PreTrainedConfig):
     def vocab_size(self) -> int:
         return self.backbone_config.vocab_size
 
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """The backbone's context length, where code written for a causal LM's config reads it (TRL's tool loop
+        bounds a multi-turn rollout by ``model.config.max_position_embeddings``)."""
+        return getattr(self.backbone_config, "max_position_embeddings", None)
+
     def get_text_config(self, decoder=None, encoder=None):
         return self.backbone_config
 
