@@ -71,6 +71,12 @@ class PolicyScoring:
             the buffers): an estimator whose number of forwards depends on the rows agrees on it over this group (an
             all-reduce) and runs the same forwards on every rank, the extra ones joined to the result with weight
             zero. ``None``: the forwards make no collective (one process, or a model no wrapper reduces).
+        block_parallel (`hf_bdlm.parallel.BlockParallelPlugin | None`): a block-parallel plugin whose group (``P > 1``
+            ranks) holds these same rows on every rank: the training form's forward is sharded over the group as SFT
+            shards it (the plugin's layout: its mode, schedule and transport), each token is scored on the one rank
+            that counts its predicting row, and the values are summed over the group, so every rank returns the
+            single-process numbers; in backward each rank's gradient is its rows' share (the group's gradients add
+            up to the single-process gradient). ``None``: every row on this process.
     """
 
     estimator: str
@@ -79,6 +85,7 @@ class PolicyScoring:
     prompt_mask_ratio: float = 0.15
     cache_clean_rows: bool = True
     group: Any = None
+    block_parallel: Any = None
 
 
 class Policy:
@@ -91,10 +98,13 @@ class Policy:
             through the runner they are given (the wrapper that reduces the gradients) and run the same forwards on
             every rank of :attr:`PolicyScoring.group`.
         single_process_reason (`str`): why not, when ``data_parallel`` is false (the trainer's refusal says it).
+        block_parallel_estimators (`tuple[str, ...]`): the estimators whose scoring forward shards over a
+            block-parallel group (:attr:`PolicyScoring.block_parallel`); none by default.
     """
 
     estimators: tuple[str, ...] = ()
     data_parallel: bool = False
+    block_parallel_estimators: tuple[str, ...] = ()
     single_process_reason: str = "its estimators are not verified under data parallelism"
 
     def rollout(self, model, prompts: list[list[int]], seed: int, trace: bool = False) -> Rollout:

@@ -6,7 +6,18 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..parallel.dims import ParallelDims
 from ..protocols.policy import LOGP_ESTIMATORS
+from ..trainer.config import BDLMSFTConfig
+
+# The block-parallel fields, as BDLMSFTConfig declares them (the same names, defaults and meaning).
+BLOCK_PARALLEL_FIELDS = ("block_parallel_size", "clean_ring_size", "block_parallel_mode", "block_parallel_transport",
+                         "block_parallel_cp_layout", "block_schedule")
+
+
+def _sft_field(name: str):
+    declared = BDLMSFTConfig.__dataclass_fields__[name]
+    return field(default=declared.default, metadata=dict(declared.metadata))
 
 
 @dataclass
@@ -31,6 +42,16 @@ class BDLMGRPOConfig(GRPOConfig):
             Denoising steps per block. `None`: the checkpoint's generation config.
         prompt_mask_ratio (`float`, defaults to `0.15`):
             `one_step`: the share of prompt tokens masked, drawn afresh at every iteration (d1's 15 %).
+
+        > Block parallelism: [`~hf_bdlm.BDLMSFTConfig`]'s fields, the same names and meaning (`docs/rl.md`, Parallel)
+
+        block_parallel_size (`int`, defaults to `1`):
+            Ranks `P` of a block-parallel group (must divide the world size). The group's ranks pool their shares of
+            the generation batch (TRL's `per_device_train_batch_size` each): every rank of the group holds the
+            group's rows, decoded once (by the group's first rank), and every scoring forward runs sharded over the
+            group as SFT runs it. The `W / P` groups are data-parallel replicas.
+        clean_ring_size, block_parallel_mode, block_parallel_transport, block_parallel_cp_layout, block_schedule:
+            the layout of the sharded forward, as in [`~hf_bdlm.BDLMSFTConfig`].
     """
 
     logp_estimator: str = field(
@@ -51,6 +72,12 @@ class BDLMGRPOConfig(GRPOConfig):
         default=0.15,
         metadata={"help": "logp_estimator='one_step': share of prompt tokens masked, drawn afresh per iteration."},
     )
+    block_parallel_size: int = _sft_field("block_parallel_size")
+    clean_ring_size: int | None = _sft_field("clean_ring_size")
+    block_parallel_mode: str = _sft_field("block_parallel_mode")
+    block_parallel_transport: str = _sft_field("block_parallel_transport")
+    block_parallel_cp_layout: str = _sft_field("block_parallel_cp_layout")
+    block_schedule: str = _sft_field("block_schedule")
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,6 +97,11 @@ class BDLMGRPOConfig(GRPOConfig):
                              f"{which} unset.")
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature}: GRPO samples its rollouts; set a temperature > 0.")
+        # The world size is known once TrainingArguments has set up the distributed state (as BDLMSFTConfig reads it).
+        self.parallel_dims = ParallelDims(self.block_parallel_size, self.clean_ring_size, self.block_parallel_mode,
+                                          self.block_schedule, self.block_parallel_transport, self.world_size,
+                                          self.block_parallel_cp_layout)
+        self.clean_ring_size = self.parallel_dims.clean_ring_size
 
 
-__all__ = ["BDLMGRPOConfig"]
+__all__ = ["BLOCK_PARALLEL_FIELDS", "BDLMGRPOConfig"]

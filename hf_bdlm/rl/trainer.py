@@ -28,6 +28,17 @@ match on every rank. DDP runs with
 ``time/rollout_s`` and ``time/scoring_s`` per optimizer step (per round in evaluation): the seconds spent decoding the
 rollouts and computing log-probabilities (old, reference and, in the loss, the current policy's forward).
 
+**Block parallelism** (``block_parallel_size=P``, BDLMSFTConfig's fields): the world is cut into groups of ``P``
+consecutive ranks by the same plugin as SFT's (:class:`~hf_bdlm.parallel.BlockParallelPlugin`). The ranks of a group
+pool their shares of the generation batch (an all-gather of TRL's rows, in rank order), so every rank of the group
+holds the group's rows: the group's first rank decodes them and broadcasts the rollout, the rewards every rank of the
+group computes are replaced by the first rank's, and the CPU random state (TRL's shuffle of the round) is the first
+rank's: the ranks hold the same rows in the same order by construction. Every log-probability call scores them sharded
+over the group (``PolicyScoring.block_parallel``: the training form's rows split as SFT splits them, each token scored
+on one rank, the values summed over the group), so each rank's loss is the loss of the group's rows on one process and
+its gradient that loss's share of its rows; the loss is scaled by ``P`` for the backward (DDP averages over the world,
+``P`` ranks per group), not in the log (FSDP2 with block parallelism is refused: untested). ``trace`` runs each step's forward in the training form.
+
 TRL builds the reference model from the policy's checkpoint path with transformers' Auto classes, which do not load
 these families; here the reference is a frozen copy of the policy as the run starts (``beta != 0`` without PEFT).
 
@@ -59,6 +70,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as trl_grpo
 
 from ..embedded import resolve_model_path
+from ..parallel.plugin import BlockParallelPlugin
 from ..protocols.policy import PolicyBatch, PolicyScoring
 from ..protocols.registry import family_for_config, family_for_model
 from ..protocols.step import unwrap_model
@@ -147,8 +159,10 @@ class BDLMGRPOTrainer(GRPOTrainer):
                              "output, other turns); use logp_estimator='coupled' or 'one_step'.")
         if args.parallelism_config is not None:
             raise ValueError("parallelism_config: BDLMGRPOTrainer trains one data-parallel group (DDP, or FSDP2 with "
-                             "fsdp='full_shard', fsdp_config={'fsdp_version': 2}); block, context and tensor "
-                             "parallelism are not supported; remove parallelism_config.")
+                             "fsdp='full_shard', fsdp_config={'fsdp_version': 2}) of block-parallel groups "
+                             "(block_parallel_size); context and tensor parallelism are not supported; remove "
+                             "parallelism_config.")
+        check_block_parallel(args, peft_config, tools, environment_factory, rollout_func)
         if args.ddp_find_unused_parameters:
             raise ValueError("ddp_find_unused_parameters=True: the estimators apply the LM head outside the model's "
                              "forward, which DDP then marks ready twice (as unused, then by its gradient); leave it "
@@ -164,6 +178,10 @@ class BDLMGRPOTrainer(GRPOTrainer):
         self._rows: dict | None = None  # the rows being scored: the round's at the rollout, a micro-batch's in the loss
         self._rollout: dict = {}
         self._iteration = 0
+        # The block-parallel plugin of a run with P > 1 (its groups built now: the world exists once args.device does).
+        self.block_parallel: BlockParallelPlugin | None = None
+        if args.block_parallel_size > 1:
+            self.block_parallel = BlockParallelPlugin.from_config(args).setup(args.device.type)
         with reference_from(model):
             super().__init__(model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class,
@@ -174,6 +192,8 @@ class BDLMGRPOTrainer(GRPOTrainer):
             raise ValueError("router_aux_loss_coef != 0: the estimators return no MoE load-balancing loss; set "
                              "router_aux_loss_coef=0.")
         self.policy = role.policy(self.model, self._tokenizer, self.args)
+        if self.block_parallel is not None:
+            self._check_block_parallel_run(subject, family.name)
         if self.accelerator.num_processes > 1 and not self.policy.data_parallel:
             raise ValueError(f"{subject} ({family.name!r} family) trains with GRPO on one process only: "
                              f"{self.policy.single_process_reason}; launch a single process.")
@@ -181,6 +201,45 @@ class BDLMGRPOTrainer(GRPOTrainer):
             self._shard_with_fsdp2(peft_config)
 
     # --- parallel ---------------------------------------------------------------------------------------------------
+    def _check_block_parallel_run(self, subject: str, family: str) -> None:
+        """Refuse, once the trainer is built, what block parallelism does not run: a policy whose estimators do not
+        shard (DiffusionGemma), FSDP2, and generation groups a block-parallel group would cut."""
+        P, args = self.block_parallel.block_parallel_size, self.args
+        if args.logp_estimator not in self.policy.block_parallel_estimators:
+            which = (f"its estimators {list(self.policy.block_parallel_estimators)} do"
+                     if self.policy.block_parallel_estimators else "none of its estimators does")
+            raise ValueError(f"block_parallel_size={P} with {subject} ({family!r} family) and logp_estimator="
+                             f"{args.logp_estimator!r}: the scoring forward is sharded over a block-parallel group "
+                             f"only where the family's policy shards it, and {which}; set block_parallel_size=1.")
+        if self.fsdp2 is not None:
+            raise ValueError(f"block_parallel_size={P} with FSDP2: untested with BDLMGRPOTrainer; train block-parallel "
+                             "groups under DDP (remove fsdp / fsdp_config), or FSDP2 with block_parallel_size=1.")
+        pooled = P * args.per_device_train_batch_size * args.steps_per_generation
+        if pooled % self.num_generations:
+            raise ValueError(f"block_parallel_size={P}: a block-parallel group pools {P} x "
+                             f"per_device_train_batch_size ({args.per_device_train_batch_size}) x steps_per_generation "
+                             f"({args.steps_per_generation}) = {pooled} rows per round, which must hold whole "
+                             f"groups of num_generations={self.num_generations} (the advantages are normalized per "
+                             "group); change per_device_train_batch_size or num_generations.")
+        pooled_eval = P * args.per_device_eval_batch_size
+        if args.eval_strategy != "no" and pooled_eval % self.num_generations_eval:
+            raise ValueError(f"block_parallel_size={P}: an evaluation round of a block-parallel group pools {P} x "
+                             f"per_device_eval_batch_size ({args.per_device_eval_batch_size}) = {pooled_eval} rows, "
+                             f"which must hold whole groups of num_generations_eval={self.num_generations_eval}.")
+
+    @property
+    def _group(self):
+        """The block-parallel group's process group and the global rank of its first rank."""
+        group = self.block_parallel.groups.group.group
+        return group, dist.get_global_rank(group, 0)
+
+    def _from_group_first(self, value):
+        """``value`` (any picklable object) as the block-parallel group's first rank holds it, on every rank of it."""
+        group, first = self._group
+        box = [value]
+        dist.broadcast_object_list(box, src=first, group=group)
+        return box[0]
+
     def create_accelerator_and_postprocess(self):
         # A requested FSDP is applied by the trainer itself (hf_bdlm.trainer.fsdp, as BDLMSFTTrainer does): Accelerate
         # would train plain DDP on a CPU world and shard over a mesh of its own on GPUs.
@@ -278,6 +337,8 @@ class BDLMGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch):
         with self._gathered():  # FSDP2: rollouts, scoring, loss and backward over the whole model
             output = super().training_step(model, inputs, num_items_in_batch)
+        if self.block_parallel is not None:  # the loss as logged: compute_loss scaled it for the backward
+            output = output / self.block_parallel.block_parallel_size
         if self._step % self.current_gradient_accumulation_steps == 0:  # an optimizer step (TRL's step_time too)
             self._report_seconds("train")
         return output
@@ -288,11 +349,18 @@ class BDLMGRPOTrainer(GRPOTrainer):
         if (images is not None and any(images)) or multimodal_fields:
             raise ValueError("images: the block-diffusion policies decode text only.")
         model = unwrap_model(self.accelerator.unwrap_model(self.model_wrapped))
-        seed = draw_seed(self.args.seed, self._round, self.accelerator.process_index)
+        plugin = self.block_parallel
+        # One seed per data-parallel replica: a block-parallel group's rows are decoded once, by its first rank.
+        replica = self.accelerator.process_index if plugin is None else plugin.data_parallel_rank
+        seed = draw_seed(self.args.seed, self._round, replica)
         start = time.perf_counter()
-        with torch.no_grad(), self._gathered():
-            rollout = self.policy.rollout(model, [list(p) for p in prompt_ids], seed,
-                                          trace=self.args.logp_estimator == "trace")
+        rollout = None
+        if plugin is None or plugin.group_rank == 0:
+            with torch.no_grad(), self._gathered():
+                rollout = self.policy.rollout(model, [list(p) for p in prompt_ids], seed,
+                                              trace=self.args.logp_estimator == "trace")
+        if plugin is not None:
+            rollout = self._from_group_first(rollout)
         self._clock("train" if self.model.training else "eval", "rollout", start)
         width = max(len(p) + len(c) for p, c in zip(prompt_ids, rollout.completions))
         self._rollout = {"rows": rollout.rows, "width": max(width, self._rollout.get("width", 0))}
@@ -302,14 +370,39 @@ class BDLMGRPOTrainer(GRPOTrainer):
         self._round = self._next_round()
         self._rollout = {}
         self._rows = None
+        plugin = self.block_parallel
+        if plugin is not None:  # the group's rows on every rank of it, in rank order
+            shares = [None] * plugin.block_parallel_size
+            dist.all_gather_object(shares, inputs, group=self._group[0])
+            inputs = [row for share in shares for row in share]
+        tokens_seen = self.state.num_input_tokens_seen
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._rows = None
+        if plugin is not None:
+            # TRL counts the world's rows, each of a group's rows once per rank of it; TRL's shuffle of the round
+            # (the CPU generator, next) is the group's first rank's.
+            self.state.num_input_tokens_seen = tokens_seen + (self.state.num_input_tokens_seen - tokens_seen) / \
+                plugin.block_parallel_size
+            self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [self.state.num_input_tokens_seen]
+            torch.set_rng_state(self._from_group_first(torch.get_rng_state()))
         output.update(self._round_rows(output["prompt_mask"], output["completion_mask"]))
         if not self.model.training:  # an evaluation round: its seconds reported with it
             self._report_seconds("eval")
         return output
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL's rewards of the world's rows ([W * rows, functions]); under block parallelism every rank of a group
+        # holds the group's rows, and every rank takes the group's first rank's rewards for them (a reward function
+        # need not be deterministic).
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        plugin = self.block_parallel
+        if plugin is None:
+            return rewards
+        P = plugin.block_parallel_size
+        by_rank = rewards.view(-1, P, rewards.shape[0] // self.accelerator.num_processes, rewards.shape[1])
+        return by_rank[:, :1].expand_as(by_rank).reshape(rewards.shape)
 
     def _next_round(self) -> int:
         """The id of the generation round about to start, a function of the optimizer step (restored on resume) and
@@ -367,7 +460,9 @@ class BDLMGRPOTrainer(GRPOTrainer):
                 scoring = PolicyScoring(self.args.logp_estimator, self.temperature,
                                         draw_seed(self.args.seed, int(rounds[0]), iteration),
                                         self.args.prompt_mask_ratio,
-                                        cache_clean_rows=not self.args.gradient_checkpointing, group=group)
+                                        cache_clean_rows=not self.args.gradient_checkpointing and
+                                        self.block_parallel is None, group=group,
+                                        block_parallel=self.block_parallel)
                 with self.accelerator.autocast():
                     per_iteration.append(self.policy.log_probs(model, batch, scoring, entropy=compute_entropy))
             stack = (lambda xs: torch.stack(xs, 1)) if len(iterations) > 1 else (lambda xs: xs[0])
@@ -376,6 +471,14 @@ class BDLMGRPOTrainer(GRPOTrainer):
                 entropies.append(stack([e for _, e in per_iteration]))
         self._clock("train" if self.model.training else "eval", "scoring", began)
         return torch.cat(log_probs), (torch.cat(entropies) if compute_entropy else None), None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.block_parallel is not None and self.model.training:
+            # Every rank of a group holds its loss, and its gradient is its rows' share: DDP averages over the world,
+            # P ranks per group, so the backward takes P x the loss (training_step logs it unscaled).
+            loss = loss * self.block_parallel.block_parallel_size
+        return loss
 
     def _compute_loss(self, model, inputs):
         """TRL's loss over the current iteration's log-probabilities (the rows' extras and the iteration in hand)."""
@@ -394,4 +497,18 @@ class BDLMGRPOTrainer(GRPOTrainer):
             self._rows, self._iteration = None, 0
 
 
-__all__ = ["BDLMGRPOTrainer", "load_policy_model", "reference_from"]
+def check_block_parallel(args: BDLMGRPOConfig, peft_config, tools, environment_factory, rollout_func) -> None:
+    """Refuse, before anything is built, what block parallelism (``block_parallel_size > 1``) does not run yet."""
+    P = args.block_parallel_size
+    if P == 1:
+        return
+    if tools or environment_factory or rollout_func:
+        which = "tools" if tools else "environment_factory" if environment_factory else "rollout_func"
+        raise ValueError(f"block_parallel_size={P} with {which}: untested (every rank of a group would run the tool "
+                         f"calls of the group's rows); remove {which}, or set block_parallel_size=1.")
+    if peft_config is not None:
+        raise ValueError(f"block_parallel_size={P} with a peft_config: untested with BDLMGRPOTrainer; train LoRA with "
+                         "block_parallel_size=1, or the full model with block parallelism.")
+
+
+__all__ = ["BDLMGRPOTrainer", "check_block_parallel", "load_policy_model", "reference_from"]

@@ -28,6 +28,15 @@ common to the generation round), with RoPE positions from its first token, as th
 
 With a token shift (``fast_dllm_v2`` checkpoints) position ``j`` is predicted by row ``j - 1``, a block's first
 position by the clean row before the block, as the decoder predicts it.
+
+**Block parallelism** (``PolicyScoring.block_parallel``, a plugin whose group of ``P`` ranks holds the same rows): every
+training-form forward (``coupled``, ``one_step``, and ``trace`` in its training form: the clean rows run again with each
+step's noisy ones, as under activation checkpointing) runs sharded as SFT runs it: the frame padded to the layout's
+multiple (:meth:`BlockParallelPlugin.pad_multiple`), each rank's rows of the plugin's layout
+(:class:`~hf_bdlm.parallel.ShardedLayout`: its mode, schedule and K/V transport), each token scored on the one rank that
+counts the row predicting it (``loss_row_mask``), and the scores summed over the group: every rank returns the numbers
+of one process, and the group's gradients add up to its gradient. ``trace``'s cached form (noisy rows over the clean
+rows' cached K/V) is not sharded.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ class BlockDiffusionPolicy(Policy):
 
     estimators = ("trace", "coupled", "one_step")
     data_parallel = True
+    block_parallel_estimators = ("trace", "coupled", "one_step")  # trace in its training form (module docstring)
 
     def __init__(self, decoder):
         self.decoder = decoder
@@ -104,17 +114,26 @@ class BlockDiffusionPolicy(Policy):
         if scoring.estimator == "coupled":
             return self.coupled(runner, batch, scoring, entropy)[:2]
         inner = unwrap_model(runner)
-        rows = _Rows(batch, self.settings.block_size, self.settings.mask_token_id)
+        rows = self._rows(batch, scoring)
         if scoring.estimator == "trace":
             return self._trace(runner, inner, rows, batch, scoring, entropy)
         if scoring.estimator == "one_step":
             return self._one_step(runner, inner, rows, scoring, entropy)
         raise ValueError(f"logp_estimator={scoring.estimator!r} is not one of {list(self.estimators)}.")
 
+    def _rows(self, batch: PolicyBatch, scoring: PolicyScoring) -> "_Rows":
+        """``batch`` laid out in whole blocks, or under block parallelism in the layout's multiple of them."""
+        B = self.settings.block_size
+        multiple = B if scoring.block_parallel is None else scoring.block_parallel.pad_multiple(B)
+        return _Rows(batch, B, self.settings.mask_token_id, multiple)
+
     def _score(self, inner, hidden, clean_hidden, row, pos, targets, scoring, entropy, offset=0):
         """``(log_probs, entropies)`` of ``targets`` at positions ``pos``, predicted by rows ``row`` of ``hidden``
         (noisy rows from column ``offset`` on) or, for a block's first position under a token shift, of
-        ``clean_hidden``."""
+        ``clean_hidden``. Under block parallelism (:meth:`_forward`'s sharded form) ``hidden`` holds this rank's rows
+        and ``clean_hidden`` is their layout (:meth:`_score_sharded`)."""
+        if scoring.block_parallel is not None:
+            return self._score_sharded(inner, hidden, clean_hidden, row, pos, targets, scoring, entropy)
         if self.settings.token_shift:
             first = pos % self.settings.block_size == 0
             source = hidden[row, (pos - 1 - offset).clamp(min=0)]
@@ -124,6 +143,28 @@ class BlockDiffusionPolicy(Policy):
             source = hidden[row, pos - offset]
         return token_log_probs(inner.lm_logits(source), targets, scoring.temperature, self.excluded, entropy)
 
+    def _score_sharded(self, inner, hidden, layout, row, pos, targets, scoring, entropy):
+        """:meth:`_score` over a block-parallel group: each target scored on the rank that counts the row predicting it
+        (the noisy row at its position; under a token shift the row before it, the clean one for a block's first
+        position), 0 on the others, then summed over the group (:class:`_SumOverGroup`): every rank gets every
+        target's numbers."""
+        at, stream = pos, torch.full_like(pos, NOISY)
+        if self.settings.token_shift:
+            first = pos % self.settings.block_size == 0
+            at, stream = (pos - 1).clamp(min=0), torch.where(first, CLEAN, NOISY)
+        index = layout.q_rows.index_of(stream, at, layout.plan.config.seq_len)
+        counted = layout.rank_plan.loss_row_mask().to(index.device)
+        held = (index >= 0) & counted[index.clamp(min=0)]
+        lp, ent = token_log_probs(inner.lm_logits(hidden[row[held], index[held]]), targets[held], scoring.temperature,
+                                  self.excluded, entropy)
+        group = scoring.block_parallel.groups.group.group
+        where = held.nonzero(as_tuple=True)
+        share = lp.new_zeros(pos.shape).index_put(where, lp)
+        log_probs = _SumOverGroup.apply(share, group)
+        if ent is None:
+            return log_probs, None
+        return log_probs, _SumOverGroup.apply(ent.new_zeros(pos.shape).index_put(where, ent), group)
+
     def _place(self, values, rows: "_Rows", index, pos, out=None):
         """``values`` at the completion slots of ``(index, pos)`` in a ``[b, C]`` tensor (0 elsewhere)."""
         if values is None:
@@ -131,10 +172,19 @@ class BlockDiffusionPolicy(Policy):
         out = values.new_zeros(rows.shape) if out is None else out
         return out.index_put((index, pos - rows.prompt_len[index]), values)
 
-    def _forward(self, runner, rows: "_Rows", noisy, clean):
+    def _forward(self, runner, rows: "_Rows", noisy, clean, scoring: PolicyScoring):
         """The training form of ``noisy`` / ``clean`` (``[n, L]``) under the decoding's block size: hidden states of the
-        noisy rows and of the clean rows."""
+        noisy rows and of the clean rows; under block parallelism, of this rank's rows of the plugin's layout, and the
+        layout (what :meth:`_score` reads them with)."""
         L = rows.L
+        plugin = scoring.block_parallel
+        if plugin is not None:
+            inner = unwrap_model(runner)
+            layout = plugin.layout(L, self.settings.block_size, self.settings.rule, inner.config.attention_backend)
+            positions = torch.arange(L, device=noisy.device).expand(noisy.shape[0], L)
+            ids, pos = layout.local_inputs(noisy, clean, positions)
+            hidden = runner(input_ids=ids, position_ids=pos, bdlm_layout=layout, return_logits=False).hidden_states
+            return hidden, layout
         layout = LocalLayout(*(vectorized_rows(L, device=noisy.device),) * 2, self.settings.rule,
                              unwrap_model(runner).config.attention_backend)
         hidden = runner(input_ids=noisy, clean_input_ids=clean, bdlm_layout=layout, return_logits=False).hidden_states
@@ -144,7 +194,7 @@ class BlockDiffusionPolicy(Policy):
         """``coupled``'s ``(log_probs, entropies, forward)``: ``forward [b, C]`` says which of the two forwards scored
         each token (0: the draw's, 1: its complement's; -1 past the completion)."""
         inner = unwrap_model(runner)
-        rows = _Rows(batch, self.settings.block_size, self.settings.mask_token_id)
+        rows = self._rows(batch, scoring)
         first = torch.zeros_like(rows.scored)
         for i in range(rows.b):
             positions = rows.positions(i)
@@ -154,7 +204,7 @@ class BlockDiffusionPolicy(Policy):
         noisy = []
         for masked in (first, rows.scored & ~first):
             noisy.append(torch.where(masked | rows.beyond, rows.mask, rows.ids))
-        hidden, clean_hidden = self._forward(runner, rows, torch.cat(noisy), torch.cat([rows.ids, rows.ids]))
+        hidden, clean_hidden = self._forward(runner, rows, torch.cat(noisy), torch.cat([rows.ids, rows.ids]), scoring)
         index, pos = rows.scored.nonzero(as_tuple=True)
         which = (~first[index, pos]).long()
         log_probs, entropies = self._score(inner, hidden, clean_hidden, which * rows.b + index, pos,
@@ -171,7 +221,7 @@ class BlockDiffusionPolicy(Policy):
             drawn = prompt_masks(scoring.seed, key, prompt, scoring.prompt_mask_ratio).to(rows.device)
             context[i, prompt] = torch.where(drawn, rows.mask, context[i, prompt])
         noisy = torch.where(rows.scored | rows.beyond, rows.mask, context)
-        hidden, clean_hidden = self._forward(runner, rows, noisy, context)
+        hidden, clean_hidden = self._forward(runner, rows, noisy, context, scoring)
         index, pos = rows.scored.nonzero(as_tuple=True)
         log_probs, entropies = self._score(inner, hidden, clean_hidden, index, pos, rows.ids[index, pos], scoring,
                                            entropy)
@@ -182,6 +232,10 @@ class BlockDiffusionPolicy(Policy):
             raise ValueError("logp_estimator='trace' scores completions from their decoding trace, and these rows "
                              "carry none (completions not decoded by this policy's rollouts, or changed after it: "
                              "tool calls); use logp_estimator='coupled' or 'one_step'.")
+        if scoring.block_parallel is not None and scoring.cache_clean_rows:
+            raise ValueError("logp_estimator='trace' under block parallelism runs each step's forward in the training "
+                             "form (its cached form, noisy rows over the clean rows' cached K/V, is not sharded): "
+                             "score with PolicyScoring.cache_clean_rows=False.")
         steps, ids = rows.with_trace(batch.rows)
         device, L, b = rows.device, rows.L, rows.b
         clean_rows = stream_rows(CLEAN, torch.arange(L, device=device))
@@ -210,7 +264,7 @@ class BlockDiffusionPolicy(Policy):
                 continue
             state = torch.where(steps < k, ids, rows.mask)  # the blocks as they were at step k
             if cache is None:  # the clean rows run again in every step's forward (the training form)
-                hidden, clean_step = self._forward(runner, rows, state, ids)
+                hidden, clean_step = self._forward(runner, rows, state, ids, scoring)
                 offset = 0
             else:  # the step's noisy rows over the clean rows' cached K/V (never stored in the cache)
                 cache.plan = StepPlan(0, None, StepWindow.whole(b, L - c0, device), False, b, L - c0)
@@ -247,12 +301,28 @@ class BlockDiffusionPolicy(Policy):
         return int(agreed)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over a block-parallel group of its ranks' shares (each target scored on one rank, 0 on the others):
+    every rank gets the whole. In backward each rank's share takes the gradient of the whole as it comes: every rank of
+    the group computes the same loss from the same whole, so the ranks' gradients add up to the single-process one."""
+
+    @staticmethod
+    def forward(ctx, share, group):
+        whole = share.clone()
+        dist.all_reduce(whole, group=group)
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class _Rows:
     """A batch's rows laid out for scoring: row ``i`` holds its prompt, then its completion, from column 0, in a frame
-    of ``L`` columns (whole blocks; at least the round's ``width``). ``scored`` marks the completion tokens, ``beyond``
-    the columns after them."""
+    of ``L`` columns (whole blocks, or a ``multiple`` of columns; at least the round's ``width``). ``scored`` marks the
+    completion tokens, ``beyond`` the columns after them."""
 
-    def __init__(self, batch: PolicyBatch, block_size: int, mask_token_id: int):
+    def __init__(self, batch: PolicyBatch, block_size: int, mask_token_id: int, multiple: int | None = None):
         device = batch.completion_ids.device
         self.device, self.B, self.mask = device, block_size, mask_token_id
         self.b, C = batch.completion_ids.shape
@@ -261,7 +331,8 @@ class _Rows:
         self.prompt_len = prompt_mask.sum(1)
         self.completion_len = batch.completion_mask.bool().sum(1)
         longest = int((self.prompt_len + self.completion_len).max())
-        self.L = math.ceil(max(longest, int(batch.width)) / block_size) * block_size
+        multiple = multiple or block_size
+        self.L = math.ceil(max(longest, int(batch.width)) / multiple) * multiple
         columns = torch.arange(self.L, device=device)
         self.ids = torch.full((self.b, self.L), mask_token_id, dtype=torch.long, device=device)
         for i in range(self.b):
