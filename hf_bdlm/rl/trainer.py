@@ -203,7 +203,7 @@ class BDLMGRPOTrainer(GRPOTrainer):
     # --- parallel ---------------------------------------------------------------------------------------------------
     def _check_block_parallel_run(self, subject: str, family: str) -> None:
         """Refuse, once the trainer is built, what block parallelism does not run: a policy whose estimators do not
-        shard (DiffusionGemma), FSDP2, and generation groups a block-parallel group would cut."""
+        shard, FSDP2, and generation groups a block-parallel group would cut."""
         P, args = self.block_parallel.block_parallel_size, self.args
         if args.logp_estimator not in self.policy.block_parallel_estimators:
             which = (f"its estimators {list(self.policy.block_parallel_estimators)} do"
