@@ -724,7 +724,8 @@ def plot(records: list[dict], path: pathlib.Path) -> pathlib.Path | None:
 # --- the measurement process ------------------------------------------------------------------------------------------
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=[EMBEDDED])
+    p.add_argument("--models", nargs="*", default=[EMBEDDED],
+                   help="models decoded by their family (none: only the --speculative pairs and their targets)")
     p.add_argument("--causal", default=EMBEDDED)
     p.add_argument("--speculative", nargs="*", default=[])
     p.add_argument("--task", choices=TASKS, default="arith",
