@@ -14,6 +14,7 @@ from fixtures import tiny_target, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
+from hf_bdlm.protocols.policy import PolicyBatch
 
 VOCAB, MASK, BLOCK, CONTEXT = 64, 63, 4, 256
 WORDS = ["[UNK]", "[PAD]", "<s>", "</s>", "user", "assistant", "system"] + [f"w{i}" for i in range(7, MASK)] + [
@@ -56,3 +57,15 @@ def save_tiny_target(path: str | Path, num_hidden_layers: int = 2, seed: int = 0
     target.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return target
+
+
+def padded_batch(prompts, completions, rows) -> PolicyBatch:
+    """TRL's layout of the rows: prompts left-padded, completions right-padded."""
+    P, C, n = max(map(len, prompts)), max(map(len, completions)), len(prompts)
+    prompt_ids, prompt_mask = torch.ones(n, P, dtype=torch.long), torch.zeros(n, P, dtype=torch.long)
+    ids, mask = torch.ones(n, C, dtype=torch.long), torch.zeros(n, C, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        prompt_ids[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), 1
+        ids[i, :len(c)], mask[i, :len(c)] = torch.tensor(c), 1
+    return PolicyBatch(prompt_ids, prompt_mask, ids, mask, rows, max(len(p) + len(c) for p, c in zip(prompts,
+                                                                                                      completions)))

@@ -40,13 +40,13 @@ from transformers.models.llama import modeling_llama
 
 from grpo_worker import FSDP2, LR, Recorder, all_ranks, args_for, confident_bdlm, distinct_words
 from shared_launch import join_process_group, leave_process_group, record_rank_result
-from tiny_bdlm import BLOCK, MASK, tiny_tokenizer
+from tiny_bdlm import BLOCK, MASK, padded_batch, tiny_tokenizer
 from tiny_diffusion_gemma import tiny_model as tiny_dg, tiny_tokenizer as dg_tokenizer
 
 from hf_bdlm import BlockDiffusionConfig, BlockDiffusionForMaskedLM
 from hf_bdlm.models import family_named
 from hf_bdlm.parallel import BlockParallelPlugin
-from hf_bdlm.protocols.policy import PolicyBatch, PolicyScoring
+from hf_bdlm.protocols.policy import PolicyScoring
 from hf_bdlm.rl import BDLMGRPOTrainer
 
 ESTIMATORS = ("trace", "coupled", "one_step")
@@ -74,18 +74,6 @@ def tiny_model(objective: str) -> BlockDiffusionForMaskedLM:
     with torch.no_grad():
         model.backbone.lm_head.weight.mul_(20.0)  # confident: steps commit several tokens (trace's steps differ)
     return model.double()
-
-
-def padded_batch(prompts, completions, rows) -> PolicyBatch:
-    """TRL's layout of the rows: prompts left-padded, completions right-padded."""
-    P, C, n = max(map(len, prompts)), max(map(len, completions)), len(prompts)
-    prompt_ids, prompt_mask = torch.ones(n, P, dtype=torch.long), torch.zeros(n, P, dtype=torch.long)
-    ids, mask = torch.ones(n, C, dtype=torch.long), torch.zeros(n, C, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), 1
-        ids[i, :len(c)], mask[i, :len(c)] = torch.tensor(c), 1
-    return PolicyBatch(prompt_ids, prompt_mask, ids, mask, rows, max(len(p) + len(c) for p, c in zip(prompts,
-                                                                                                      completions)))
 
 
 def scoring_case(plugin: BlockParallelPlugin, objective: str, estimator: str) -> dict:

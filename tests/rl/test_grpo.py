@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from tiny_bdlm import BLOCK, MASK, tiny_bdlm, tiny_tokenizer
+from tiny_bdlm import BLOCK, MASK, padded_batch, tiny_bdlm, tiny_tokenizer
 from transformers import LlamaConfig
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
@@ -27,7 +27,7 @@ from hf_bdlm.models.block_diffusion.inference import likelihood
 from hf_bdlm.objectives.likelihood import AbsorbingDraws
 from hf_bdlm.protocols.entry import RoleUnavailable
 from hf_bdlm.protocols.likelihood import ScoreRequest
-from hf_bdlm.protocols.policy import PolicyBatch, PolicyScoring
+from hf_bdlm.protocols.policy import PolicyScoring
 from hf_bdlm.rl import BDLMGRPOConfig, BDLMGRPOTrainer
 from hf_bdlm.rl.estimators import coupled_masks, draw_seed, sample_key
 from hf_bdlm.rl.trainer import ROWS
@@ -59,19 +59,6 @@ def args_for(**fields) -> BDLMGRPOConfig:
 def policy_for(model, **fields):
     args = args_for(**fields)
     return family_named("block_diffusion").role("policy").policy(model, tiny_tokenizer(), args)
-
-
-def padded_batch(prompts, completions, rows) -> PolicyBatch:
-    """TRL's layout of the rows: prompts left-padded, completions right-padded."""
-    P, C = max(map(len, prompts)), max(map(len, completions))
-    n = len(prompts)
-    prompt_ids, prompt_mask = torch.ones(n, P, dtype=torch.long), torch.zeros(n, P, dtype=torch.long)
-    ids, mask = torch.ones(n, C, dtype=torch.long), torch.zeros(n, C, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), 1
-        ids[i, :len(c)], mask[i, :len(c)] = torch.tensor(c), 1
-    return PolicyBatch(prompt_ids, prompt_mask, ids, mask, rows, max(len(p) + len(c) for p, c in zip(prompts,
-                                                                                                      completions)))
 
 
 def count_forwards(module):
